@@ -1,0 +1,19 @@
+//! Bookkeeping and pure math for kvfork: forkable decode branches that share
+//! one KV cache. Nothing here touches llama.cpp, so it is tested in isolation.
+#![forbid(unsafe_code)]
+
+pub mod arena;
+pub mod error;
+pub mod handle;
+pub mod lease;
+pub mod metrics;
+pub mod packer;
+pub mod tree;
+
+pub use arena::Arena;
+pub use error::TenancyError;
+pub use handle::Handle;
+pub use lease::LeaseAllocator;
+pub use metrics::{LogBase, Perplexity};
+pub use packer::{logits_index, plan_prefill, Chunk, Span};
+pub use tree::{Node, Pruned, Registry};

@@ -1,0 +1,571 @@
+//! Per-token statistics over a logits row. Rows can hold 262,144 entries and
+//! these run for every generated token, so the loops are written as fixed
+//! lanes of straight-line arithmetic that LLVM turns into SIMD; masked tokens
+//! (`-inf`) are handled with selects, not branches.
+//!
+//! Inputs must not contain NaN or `+inf`; `-inf` marks a masked token.
+
+const LANES: usize = 16;
+/// Exp sums run in `f32` lanes for at most this many elements, then fold into
+/// `f64`, so rounding error stays tiny even for huge vocabularies.
+const BLOCK: usize = 256;
+/// Granularity of the top-k threshold test.
+const SCAN: usize = 128;
+
+const EXP_LO: f32 = -87.0;
+/// Just past ln(f32::MAX), so larger inputs overflow to `+inf`.
+const EXP_HI: f32 = 89.0;
+/// ln 2 split as HI + LO, HI having 9 significant bits so `n * HI` is exact.
+const LN2_HI: f32 = 355.0 / 512.0;
+const LN2_LO: f32 = (std::f64::consts::LN_2 - 355.0 / 512.0) as f32;
+/// Adding then subtracting 1.5 * 2^23 rounds an `f32` to the nearest integer.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// Splits `x` (already clamped to a safe range) as `x = n ln 2 + r`,
+/// |r| <= ln(2)/2, returning `(e^r, n)`.
+#[inline]
+fn exp_reduce(x: f32) -> (f32, i32) {
+    let t = x * std::f32::consts::LOG2_E + ROUND_MAGIC;
+    let n = t.to_bits() as i32 - ROUND_MAGIC.to_bits() as i32;
+    let nf = t - ROUND_MAGIC;
+    let r = (x - nf * LN2_HI) - nf * LN2_LO;
+    // Degree-6 Taylor series: truncation error r^7/7! < 1.2e-7 here.
+    let p = 1.0
+        + r * (1.0
+            + r * (1.0 / 2.0
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    (p, n)
+}
+
+/// `2^e` for `e` in -126..=127, built directly from the exponent bits.
+#[inline]
+fn pow2i(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// `e^x` for `f32`, branch-free so it vectorizes. Relative error below 2e-6
+/// on [-87, 88]; returns 0 for `x < -87` (including `-inf`), `+inf` past ~88.7.
+#[inline]
+pub fn fast_exp(x: f32) -> f32 {
+    let xc = if x < EXP_LO { EXP_LO } else { x };
+    let xc = if xc > EXP_HI { EXP_HI } else { xc };
+    let (p, n) = exp_reduce(xc);
+    // n reaches 128 and 2^128 has no f32 encoding, so scale in two halves.
+    let half = n >> 1;
+    let y = p * pow2i(half) * pow2i(n - half);
+    if x < EXP_LO {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// Cheaper `e^d` for the softmax sums, where `d = x - max <= 0`: one scale
+/// step suffices. `d < -87` is clamped (about 1.6e-38); callers mask it.
+#[inline]
+fn exp_nonpos(d: f32) -> f32 {
+    let (p, n) = exp_reduce(if d < EXP_LO { EXP_LO } else { d });
+    p * pow2i(n)
+}
+
+#[inline]
+fn max_f32(a: f32, b: f32) -> f32 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// Largest logit; `-inf` for an empty row.
+pub fn max(logits: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            acc[j] = max_f32(acc[j], c[j]);
+        }
+    }
+    let tail = chunks.remainder().iter().copied();
+    acc.into_iter().chain(tail).fold(f32::NEG_INFINITY, max_f32)
+}
+
+/// `(Σ e^d, Σ e^d·d)` with `d = x - shift <= 0`; the second sum only if
+/// `WEIGHTED`. Entries with `d < -87` (masked ones included) add exactly 0.
+fn exp_sums<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
+    let mut total = 0.0f64;
+    let mut weighted = 0.0f64;
+    for block in logits.chunks(BLOCK) {
+        let mut s = [0.0f32; LANES];
+        let mut w = [0.0f32; LANES];
+        let mut add = |lane: usize, x: f32| {
+            let d = x - shift;
+            // Exactly 0 below the cutoff, so a lone finite logit has entropy 0;
+            // the weight uses the clamped d because 0 * -inf is NaN.
+            let masked = d < EXP_LO;
+            let d = if masked { EXP_LO } else { d };
+            let e = if masked { 0.0 } else { exp_nonpos(d) };
+            s[lane] += e;
+            if WEIGHTED {
+                w[lane] += e * d;
+            }
+        };
+        let mut chunks = block.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (lane, &x) in c.iter().enumerate() {
+                add(lane, x);
+            }
+        }
+        for &x in chunks.remainder() {
+            add(0, x);
+        }
+        total += s.iter().map(|&v| f64::from(v)).sum::<f64>();
+        if WEIGHTED {
+            weighted += w.iter().map(|&v| f64::from(v)).sum::<f64>();
+        }
+    }
+    (total, weighted)
+}
+
+/// `ln Σ e^x` over the finite logits; `-inf` when there are none.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
+    let m = max(logits);
+    if m == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    let (sum, _) = exp_sums::<false>(logits, m);
+    f64::from(m) + sum.ln()
+}
+
+/// Log-probability of `token`: its logit minus the log-partition.
+///
+/// # Panics
+/// If `token` is out of range.
+pub fn log_softmax_at(logits: &[f32], token: usize) -> f64 {
+    let logit = logits[token];
+    if logit == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    f64::from(logit) - log_sum_exp(logits)
+}
+
+/// Information content of `token` in nats; `+inf` for a masked token.
+pub fn surprisal(logits: &[f32], token: usize) -> f64 {
+    -log_softmax_at(logits, token)
+}
+
+/// Shannon entropy of the softmax in nats. Masked tokens contribute nothing;
+/// a row with at most one finite logit has entropy 0.
+pub fn entropy(logits: &[f32]) -> f64 {
+    log_sum_exp_and_entropy(logits).1
+}
+
+/// `(log_sum_exp, entropy)` from one pass over the row, for callers that
+/// report both surprisal and entropy per token.
+pub fn log_sum_exp_and_entropy(logits: &[f32]) -> (f64, f64) {
+    let m = max(logits);
+    if m == f32::NEG_INFINITY {
+        return (f64::NEG_INFINITY, 0.0);
+    }
+    // With d = x - max and Z = Σ e^d: H = ln Z - Σ e^d·d / Z.
+    let (z, weighted) = exp_sums::<true>(logits, m);
+    let ln_z = z.ln();
+    (f64::from(m) + ln_z, (ln_z - weighted / z).max(0.0))
+}
+
+/// Unit for reporting surprisal and entropy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogBase {
+    #[default]
+    Nats,
+    Bits,
+}
+
+impl LogBase {
+    /// Parses `"nats"` or `"bits"` (ASCII case-insensitive).
+    pub fn from_name(name: &str) -> Option<LogBase> {
+        if name.eq_ignore_ascii_case("nats") {
+            Some(LogBase::Nats)
+        } else if name.eq_ignore_ascii_case("bits") {
+            Some(LogBase::Bits)
+        } else {
+            None
+        }
+    }
+
+    /// Converts a quantity measured in nats into this unit.
+    pub fn convert(self, nats: f64) -> f64 {
+        match self {
+            LogBase::Nats => nats,
+            LogBase::Bits => nats / std::f64::consts::LN_2,
+        }
+    }
+}
+
+/// Running perplexity: `exp(mean surprisal)` over the tokens added so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Perplexity {
+    sum: f64,
+    count: u64,
+}
+
+impl Perplexity {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one token's surprisal in nats (`+inf` makes the result `+inf`).
+    pub fn add(&mut self, surprisal_nats: f64) {
+        self.sum += surprisal_nats;
+        self.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Mean surprisal in nats (cross-entropy); `+inf` before any token.
+    pub fn mean_surprisal(&self) -> f64 {
+        if self.count == 0 {
+            f64::INFINITY
+        } else {
+            self.sum / self.count as f64
+        }
+    }
+
+    /// Perplexity; `+inf` before any token.
+    pub fn value(&self) -> f64 {
+        self.mean_surprisal().exp()
+    }
+}
+
+/// Index of the largest logit, the first one on ties.
+///
+/// # Panics
+/// If `logits` is empty.
+pub fn argmax(logits: &[f32]) -> usize {
+    assert!(!logits.is_empty(), "argmax of an empty logits row");
+    let m = max(logits);
+    // Find the first block holding the max with a vectorizable any(), then scan it.
+    let block = logits
+        .chunks(SCAN)
+        .position(|c| c.iter().fold(false, |hit, &x| hit | (x == m)))
+        .expect("the max is an element");
+    let start = block * SCAN;
+    start
+        + logits[start..]
+            .iter()
+            .position(|&x| x == m)
+            .expect("block holds the max")
+}
+
+/// True if `a` should be evicted before `b`: lower logit, or equal and later.
+#[inline]
+fn weaker(logits: &[f32], a: u32, b: u32) -> bool {
+    let (x, y) = (logits[a as usize], logits[b as usize]);
+    x < y || (x == y && a > b)
+}
+
+/// Min-heap (by [`weaker`]) sift-up of the entry at `pos`.
+fn sift_up(heap: &mut [u32], mut pos: usize, logits: &[f32]) {
+    while pos > 0 {
+        let parent = (pos - 1) / 2;
+        if !weaker(logits, heap[pos], heap[parent]) {
+            break;
+        }
+        heap.swap(pos, parent);
+        pos = parent;
+    }
+}
+
+/// Min-heap sift-down from the root.
+fn sift_down(heap: &mut [u32], logits: &[f32]) {
+    let mut pos = 0;
+    loop {
+        let (l, r) = (2 * pos + 1, 2 * pos + 2);
+        let mut least = pos;
+        if l < heap.len() && weaker(logits, heap[l], heap[least]) {
+            least = l;
+        }
+        if r < heap.len() && weaker(logits, heap[r], heap[least]) {
+            least = r;
+        }
+        if least == pos {
+            break;
+        }
+        heap.swap(pos, least);
+        pos = least;
+    }
+}
+
+/// Fills `out` with the indices of the `k` largest finite logits, in no
+/// particular order (fewer if fewer are finite). On ties the earlier index wins.
+///
+/// One pass: `out` doubles as a min-heap of the current best k, and whole
+/// blocks whose max cannot beat the heap's weakest entry are skipped after a
+/// vectorized max, so typical cost is a single streaming read of the row.
+pub fn top_k_indices(logits: &[f32], k: usize, out: &mut Vec<u32>) {
+    out.clear();
+    if k == 0 {
+        return;
+    }
+    debug_assert!(logits.len() <= u32::MAX as usize);
+    // Anything must beat this to enter; -inf until the heap is full.
+    let mut threshold = f32::NEG_INFINITY;
+    for (b, block) in logits.chunks(SCAN).enumerate() {
+        if max(block) <= threshold {
+            continue;
+        }
+        for (j, &x) in block.iter().enumerate() {
+            if x <= threshold || x.is_nan() {
+                continue;
+            }
+            let i = (b * SCAN + j) as u32;
+            if out.len() < k {
+                out.push(i);
+                let last = out.len() - 1;
+                sift_up(out, last, logits);
+                if out.len() == k {
+                    threshold = logits[out[0] as usize];
+                }
+            } else {
+                out[0] = i;
+                sift_down(out, logits);
+                threshold = logits[out[0] as usize];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const NEG: f32 = f32::NEG_INFINITY;
+
+    fn naive_lse(xs: &[f32]) -> f64 {
+        let m = xs
+            .iter()
+            .fold(f64::NEG_INFINITY, |a, &x| a.max(f64::from(x)));
+        if m == f64::NEG_INFINITY {
+            return m;
+        }
+        m + xs
+            .iter()
+            .map(|&x| (f64::from(x) - m).exp())
+            .sum::<f64>()
+            .ln()
+    }
+
+    fn naive_entropy(xs: &[f32]) -> f64 {
+        let lse = naive_lse(xs);
+        xs.iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| {
+                let lp = f64::from(x) - lse;
+                -lp.exp() * lp
+            })
+            .sum()
+    }
+
+    fn close(a: f64, b: f64, rel: f64) -> bool {
+        a == b || (a - b).abs() <= rel * a.abs().max(b.abs()).max(1.0)
+    }
+
+    /// Deterministic pseudo-random logits (xorshift), some masked.
+    fn logits(n: usize, seed: u64, masked_every: usize) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                if masked_every > 0 && i % masked_every == 3 {
+                    NEG
+                } else {
+                    ((s >> 40) as f32 / (1u64 << 24) as f32) * 30.0 - 15.0
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fast_exp_edges() {
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert_eq!(fast_exp(NEG), 0.0);
+        assert_eq!(fast_exp(-87.01), 0.0);
+        assert_eq!(fast_exp(-1e30), 0.0);
+        assert!(fast_exp(-87.0) > 0.0);
+        assert!(fast_exp(88.0).is_finite());
+        assert_eq!(fast_exp(100.0), f32::INFINITY);
+        let rel = (f64::from(fast_exp(1.0)) - 1f64.exp()).abs() / 1f64.exp();
+        assert!(rel < 2e-6);
+    }
+
+    #[test]
+    fn fast_exp_dense_sweep() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let want = f64::from(x).exp();
+            worst = worst.max((f64::from(fast_exp(x)) - want).abs() / want);
+            x += 0.001_3;
+        }
+        assert!(worst < 2e-6, "worst relative error {worst}");
+    }
+
+    #[test]
+    fn max_and_argmax() {
+        assert_eq!(max(&[]), NEG);
+        assert_eq!(max(&[NEG, NEG]), NEG);
+        let mut xs = logits(1000, 7, 5);
+        xs[613] = 100.0;
+        xs[900] = 100.0;
+        assert_eq!(max(&xs), 100.0);
+        assert_eq!(argmax(&xs), 613);
+        assert_eq!(argmax(&[NEG, NEG]), 0);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn lse_matches_naive() {
+        for (n, masked) in [(1, 0), (17, 4), (1000, 7), (262_144, 11)] {
+            let xs = logits(n, n as u64, masked);
+            let (a, b) = (log_sum_exp(&xs), naive_lse(&xs));
+            assert!(close(a, b, 1e-5), "n={n}: {a} vs {b}");
+        }
+        assert_eq!(log_sum_exp(&[]), NEG.into());
+        assert_eq!(log_sum_exp(&[NEG, NEG]), NEG.into());
+        assert!(close(log_sum_exp(&[0.0, 0.0]), 2f64.ln(), 1e-6));
+    }
+
+    #[test]
+    fn softmax_and_surprisal() {
+        let xs = [1.0, NEG, 2.0, 0.5];
+        let lse = naive_lse(&xs);
+        assert!(close(log_softmax_at(&xs, 2), 2.0 - lse, 1e-5));
+        assert!(close(surprisal(&xs, 0), lse - 1.0, 1e-5));
+        assert_eq!(log_softmax_at(&xs, 1), f64::NEG_INFINITY);
+        assert_eq!(surprisal(&xs, 1), f64::INFINITY);
+        assert_eq!(surprisal(&[NEG], 0), f64::INFINITY);
+        assert_eq!(surprisal(&[5.0, NEG], 0), 0.0);
+    }
+
+    #[test]
+    fn entropy_matches_naive() {
+        for (n, masked) in [(2, 0), (33, 4), (5000, 3), (262_144, 11)] {
+            let xs = logits(n, 99 + n as u64, masked);
+            let (a, b) = (entropy(&xs), naive_entropy(&xs));
+            assert!(close(a, b, 1e-5), "n={n}: {a} vs {b}");
+        }
+        assert_eq!(entropy(&[3.0, NEG, NEG]), 0.0);
+        assert_eq!(entropy(&[]), 0.0);
+        assert!(close(entropy(&[0.0; 4]), 4f64.ln(), 1e-6));
+        // Far-below-max tokens are effectively masked, not NaN.
+        assert!(entropy(&[0.0, -200.0]).abs() < 1e-6);
+        let xs = logits(4096, 3, 9);
+        let (lse, h) = log_sum_exp_and_entropy(&xs);
+        assert_eq!((lse, h), (log_sum_exp(&xs), entropy(&xs)));
+        assert_eq!(log_sum_exp_and_entropy(&[NEG]), (f64::NEG_INFINITY, 0.0));
+    }
+
+    #[test]
+    fn log_base() {
+        assert_eq!(LogBase::from_name("bits"), Some(LogBase::Bits));
+        assert_eq!(LogBase::from_name("Nats"), Some(LogBase::Nats));
+        assert_eq!(LogBase::from_name("bans"), None);
+        assert!(close(
+            LogBase::Bits.convert(std::f64::consts::LN_2),
+            1.0,
+            1e-12
+        ));
+        assert_eq!(LogBase::Nats.convert(1.5), 1.5);
+    }
+
+    #[test]
+    fn perplexity() {
+        let mut p = Perplexity::default();
+        assert_eq!(p.value(), f64::INFINITY);
+        p.add(1.0);
+        p.add(3.0);
+        assert_eq!(p.count(), 2);
+        assert!(close(p.value(), 2f64.exp(), 1e-12));
+        p.add(f64::INFINITY);
+        assert_eq!(p.value(), f64::INFINITY);
+    }
+
+    #[test]
+    fn top_k_basics() {
+        let mut out = vec![99];
+        top_k_indices(&[1.0, 5.0, NEG, 3.0, 4.0], 2, &mut out);
+        out.sort();
+        assert_eq!(out, [1, 4]);
+        top_k_indices(&[1.0, NEG, 2.0], 10, &mut out);
+        out.sort();
+        assert_eq!(out, [0, 2]);
+        top_k_indices(&[1.0], 0, &mut out);
+        assert!(out.is_empty());
+        top_k_indices(&[NEG; 300], 3, &mut out);
+        assert!(out.is_empty());
+        top_k_indices(&[2.0; 300], 3, &mut out);
+        out.sort();
+        assert_eq!(out, [0, 1, 2], "earlier index wins ties");
+    }
+
+    #[test]
+    fn top_k_large_row() {
+        let xs = logits(262_144, 5, 13);
+        let mut out = Vec::new();
+        top_k_indices(&xs, 40, &mut out);
+        let mut got: Vec<f32> = out.iter().map(|&i| xs[i as usize]).collect();
+        got.sort_by(|a, b| b.total_cmp(a));
+        let mut all = xs.clone();
+        all.sort_by(|a, b| b.total_cmp(a));
+        assert_eq!(got, all[..40]);
+    }
+
+    fn logit_strategy() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            8 => -30.0f32..30.0,
+            1 => Just(NEG),
+            1 => (-3i32..3).prop_map(|v| v as f32), // plenty of ties
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn fast_exp_relative_error(x in -87.0f32..88.0) {
+            let want = f64::from(x).exp();
+            let rel = (f64::from(fast_exp(x)) - want).abs() / want;
+            prop_assert!(rel < 2e-6, "x={x}: rel {rel}");
+        }
+
+        #[test]
+        fn top_k_matches_sort(
+            xs in prop::collection::vec(logit_strategy(), 0..700),
+            k in 0usize..50,
+        ) {
+            let mut out = Vec::new();
+            top_k_indices(&xs, k, &mut out);
+            let mut finite: Vec<(f32, u32)> = xs
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| x.is_finite())
+                .map(|(i, &x)| (x, i as u32))
+                .collect();
+            // Descending value, earlier index first on ties.
+            finite.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let mut want: Vec<u32> = finite.iter().take(k).map(|e| e.1).collect();
+            want.sort();
+            out.sort();
+            prop_assert_eq!(out, want);
+        }
+
+        #[test]
+        fn lse_and_entropy_match_naive(xs in prop::collection::vec(logit_strategy(), 0..400)) {
+            prop_assert!(close(log_sum_exp(&xs), naive_lse(&xs), 1e-5));
+            prop_assert!((entropy(&xs) - naive_entropy(&xs)).abs() < 1e-5);
+        }
+    }
+}

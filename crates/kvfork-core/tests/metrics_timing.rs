@@ -1,0 +1,54 @@
+//! Rough per-call timings for the per-token metrics on a 262,144-entry row.
+//! Ignored by default; run with
+//! `cargo test --release -p kvfork-core --test metrics_timing -- --ignored --nocapture`.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use kvfork_core::metrics;
+
+fn row(n: usize) -> Vec<f32> {
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 30.0 - 15.0
+        })
+        .collect()
+}
+
+fn time(name: &str, mut f: impl FnMut()) {
+    let reps = 200;
+    f();
+    let t = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
+    println!("{name:>14}: {us:8.1} us");
+}
+
+#[test]
+#[ignore]
+fn timings() {
+    let xs = row(262_144);
+    let mut out = Vec::with_capacity(40);
+    time("max", || {
+        black_box(metrics::max(black_box(&xs)));
+    });
+    time("argmax", || {
+        black_box(metrics::argmax(black_box(&xs)));
+    });
+    time("log_sum_exp", || {
+        black_box(metrics::log_sum_exp(black_box(&xs)));
+    });
+    time("entropy", || {
+        black_box(metrics::entropy(black_box(&xs)));
+    });
+    time("top_k(40)", || {
+        metrics::top_k_indices(black_box(&xs), 40, &mut out);
+        black_box(&out);
+    });
+}

@@ -1,0 +1,182 @@
+//! Process-wide llama.cpp state: backend initialisation, the log bridge and system info.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, OnceLock, RwLock};
+
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_sys_2 as sys;
+
+use crate::error::{Error, Result};
+
+/// Severity of a llama.cpp log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Debug = 1,
+    Info = 2,
+    Warn = 3,
+    Error = 4,
+}
+
+type LogSink = Box<dyn Fn(LogLevel, &str) + Send + Sync>;
+
+static BACKEND: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::new();
+static LOG_SINK: RwLock<Option<LogSink>> = RwLock::new(None);
+/// Lines below this level are dropped before they reach the sink (quiet by default).
+static LOG_MIN_LEVEL: AtomicI32 = AtomicI32::new(LogLevel::Warn as i32);
+/// llama.cpp sends lines in pieces (CONT); they are joined here until the newline.
+static LOG_PENDING: Mutex<(i32, String)> = Mutex::new((0, String::new()));
+
+/// Route llama.cpp's log to `sink` (replacing any previous sink).
+pub fn set_log_sink(sink: impl Fn(LogLevel, &str) + Send + Sync + 'static) {
+    *LOG_SINK.write().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(sink));
+}
+
+/// Lowest level forwarded to the sink.
+pub fn set_log_min_level(level: LogLevel) {
+    LOG_MIN_LEVEL.store(level as i32, Ordering::Relaxed);
+}
+
+unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
+    if text.is_null() {
+        return;
+    }
+    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    let mut pending = LOG_PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    if level != sys::GGML_LOG_LEVEL_CONT as _ {
+        pending.0 = level as i32;
+    }
+    pending.1.push_str(&text);
+    if !pending.1.ends_with('\n') {
+        return;
+    }
+    let line = std::mem::take(&mut pending.1);
+    let level = match pending.0 {
+        1 => LogLevel::Debug,
+        2 => LogLevel::Info,
+        3 => LogLevel::Warn,
+        _ => LogLevel::Error,
+    };
+    drop(pending);
+    if (level as i32) < LOG_MIN_LEVEL.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Some(sink) = LOG_SINK.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        sink(level, line.trim_end());
+    }
+}
+
+/// Initialise llama.cpp once per process. Fails (instead of crashing with SIGILL later)
+/// when the CPU lacks an instruction set the library was compiled for.
+pub fn ensure_backend() -> Result<()> {
+    let state = BACKEND.get_or_init(|| {
+        let missing = missing_cpu_features();
+        if !missing.is_empty() {
+            return Err(format!(
+                "kvfork's llama.cpp was built for CPU features this machine lacks ({}); \
+                 rebuild kvfork on this machine (see README, 'CPU features')",
+                missing.join(", ")
+            ));
+        }
+        unsafe { sys::llama_log_set(Some(log_callback), std::ptr::null_mut()) };
+        LlamaBackend::init().map_err(|e| e.to_string())
+    });
+    state.as_ref().map(|_| ()).map_err(|e| Error::Other(e.clone()))
+}
+
+/// (name, compiled into ggml, `is_x86_feature_detected!` name)
+#[cfg(target_arch = "x86_64")]
+fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
+    use std::arch::is_x86_feature_detected as has;
+    unsafe {
+        vec![
+            ("AVX", sys::ggml_cpu_has_avx() != 0, has!("avx")),
+            ("AVX2", sys::ggml_cpu_has_avx2() != 0, has!("avx2")),
+            ("FMA", sys::ggml_cpu_has_fma() != 0, has!("fma")),
+            ("F16C", sys::ggml_cpu_has_f16c() != 0, has!("f16c")),
+            ("BMI2", sys::ggml_cpu_has_bmi2() != 0, has!("bmi2")),
+            ("AVX512", sys::ggml_cpu_has_avx512() != 0, has!("avx512f")),
+            ("AVX512_VNNI", sys::ggml_cpu_has_avx512_vnni() != 0, has!("avx512vnni")),
+            ("AVX512_VBMI", sys::ggml_cpu_has_avx512_vbmi() != 0, has!("avx512vbmi")),
+            ("AVX512_BF16", sys::ggml_cpu_has_avx512_bf16() != 0, has!("avx512bf16")),
+            ("AVX_VNNI", sys::ggml_cpu_has_avx_vnni() != 0, has!("avxvnni")),
+            ("AMX_INT8", sys::ggml_cpu_has_amx_int8() != 0, false),
+        ]
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
+    Vec::new()
+}
+
+/// Features compiled into llama.cpp that the host CPU does not report.
+/// AMX is always "missing": it is never compiled in on purpose (it crashes on these VMs).
+fn missing_cpu_features() -> Vec<&'static str> {
+    compiled_x86_features()
+        .into_iter()
+        .filter(|(_, compiled, host)| *compiled && !*host)
+        .map(|(name, _, _)| name)
+        .collect()
+}
+
+/// The llama.cpp source vendored by the pinned `llama-cpp-sys-2`.
+pub const LLAMA_CPP_CRATE: &str = "llama-cpp-sys-2 0.1.161 / llama-cpp-2 0.1.160";
+
+/// Which compute backend this build uses.
+pub fn backend_name() -> &'static str {
+    if cfg!(feature = "cuda") {
+        "cuda"
+    } else if cfg!(feature = "metal") {
+        "metal"
+    } else if cfg!(feature = "vulkan") {
+        "vulkan"
+    } else {
+        "cpu"
+    }
+}
+
+/// A description of the build and the machine, for `kvfork.system_info()`.
+#[derive(Debug, Clone)]
+pub struct SystemInfo {
+    pub backend: &'static str,
+    /// CPU instruction sets compiled into llama.cpp (what it uses).
+    pub cpu_features: Vec<&'static str>,
+    /// CPU instruction sets the host reports (of those llama.cpp could use).
+    pub host_cpu_features: Vec<&'static str>,
+    pub llama_cpp: &'static str,
+    /// llama.cpp's own `llama_print_system_info()` line.
+    pub llama_system_info: String,
+    pub gpu_offload: bool,
+    pub mmap: bool,
+}
+
+/// Report the backend and CPU features in use.
+pub fn system_info() -> Result<SystemInfo> {
+    ensure_backend()?;
+    let features = compiled_x86_features();
+    let raw = unsafe { CStr::from_ptr(sys::llama_print_system_info()) };
+    Ok(SystemInfo {
+        backend: backend_name(),
+        cpu_features: features.iter().filter(|f| f.1).map(|f| f.0).collect(),
+        host_cpu_features: features.iter().filter(|f| f.2).map(|f| f.0).collect(),
+        llama_cpp: LLAMA_CPP_CRATE,
+        llama_system_info: raw.to_string_lossy().trim().to_string(),
+        gpu_offload: unsafe { sys::llama_supports_gpu_offload() },
+        mmap: unsafe { sys::llama_supports_mmap() },
+    })
+}
+
+impl SystemInfo {
+    /// Flat string map (for bindings).
+    pub fn to_map(&self) -> BTreeMap<&'static str, String> {
+        BTreeMap::from([
+            ("backend", self.backend.to_string()),
+            ("cpu_features", self.cpu_features.join(",")),
+            ("host_cpu_features", self.host_cpu_features.join(",")),
+            ("llama_cpp", self.llama_cpp.to_string()),
+            ("llama_system_info", self.llama_system_info.clone()),
+        ])
+    }
+}

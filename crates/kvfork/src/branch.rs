@@ -1,0 +1,414 @@
+//! `Branch`: one decode sequence (a KV lease) with its own sampler, grammar, biases and metrics.
+
+use std::sync::Arc;
+
+use kvfork_core::metrics::LogBase;
+use kvfork_core::Handle;
+
+use crate::branch_state::BranchState;
+use crate::context::Context;
+use crate::engine::{BranchCell, Pending};
+use crate::error::{Error, Result};
+use crate::model::Token;
+use crate::sampling::chain::SamplerChain;
+use crate::sampling::grammar::{Grammar, GrammarSpec};
+use crate::sampling::SamplingParams;
+
+/// A sampled token with its text and whether it ends generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Produced {
+    pub token: Token,
+    /// Complete UTF-8 text this token adds (an unfinished character waits for the next token).
+    pub text: String,
+    pub is_stop: bool,
+}
+
+/// A handle to one branch. Clones refer to the same branch.
+#[derive(Clone)]
+pub struct Branch {
+    ctx: Context,
+    handle: Handle,
+    cell: Arc<BranchCell>,
+}
+
+impl PartialEq for Branch {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.cell, &other.cell)
+    }
+}
+
+impl std::fmt::Debug for Branch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Branch({})", self.handle)
+    }
+}
+
+impl Branch {
+    /// A new root branch on a fresh lease, starting at `position`.
+    pub fn create(
+        ctx: &Context,
+        position: i32,
+        params: &SamplingParams,
+        grammar: Option<GrammarSpec>,
+    ) -> Pending<Branch> {
+        let prepared = (|| {
+            ctx.shared().check_open()?;
+            if position < 0 || position as u32 >= ctx.n_ctx() {
+                return Err(Error::invalid("position", format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx())));
+            }
+            let sampler = SamplerChain::new(params, ctx.model())?;
+            let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
+            Ok(BranchState::new(-1, position, sampler, grammar))
+        })();
+        let state = match prepared {
+            Ok(s) => s,
+            Err(e) => return Pending::ready(Err(e)),
+        };
+        let ctx2 = ctx.clone();
+        ctx.run(move |w| {
+            let cell = BranchCell::new(state);
+            let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
+            cell.lock().seq = seq as i32;
+            w.ctx.seq_rm(seq as i32, 0, -1)?;
+            Ok(Branch { ctx: ctx2, handle, cell })
+        })
+    }
+
+    pub(crate) fn from_parts(ctx: Context, handle: Handle, cell: Arc<BranchCell>) -> Branch {
+        Branch { ctx, handle, cell }
+    }
+
+    pub(crate) fn cell(&self) -> &Arc<BranchCell> {
+        &self.cell
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// Ok when the branch can be used.
+    pub fn check_live(&self) -> Result<()> {
+        self.ctx.shared().check_open()?;
+        if self.cell.is_disposed() {
+            return Err(Error::BranchDisposed(self.handle.to_string()));
+        }
+        Ok(())
+    }
+
+    fn state<T>(&self, f: impl FnOnce(&mut BranchState) -> Result<T>) -> Result<T> {
+        self.check_live()?;
+        f(&mut self.cell.lock())
+    }
+
+    // ---- decoding ----
+
+    /// Decode external tokens at the branch's position and capture the last logits.
+    /// No accept: penalties and perplexity are untouched.
+    pub fn prefill(&self, tokens: Vec<Token>) -> Pending<()> {
+        if let Err(e) = self.check_live().and_then(|_| check_tokens(&self.ctx, &tokens)) {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| w.prefill(&[(cell, tokens)]))
+    }
+
+    /// Sample from the snapshot: grammar → logit bias → steer → chain.
+    pub fn sample(&self) -> Result<Token> {
+        self.state(|s| s.sample())
+    }
+
+    /// Sample and describe the token; no KV write.
+    pub fn produce(&self) -> Result<Produced> {
+        let model = self.ctx.model().clone();
+        self.state(|s| {
+            let token = s.sample()?;
+            Ok(Produced { token, text: s.token_text(&model, token, false)?, is_stop: model.is_eog(token) })
+        })
+    }
+
+    /// Record a token as accepted (penalty window, grammar, perplexity) without decoding it.
+    pub fn accept(&self, token: Token) -> Result<()> {
+        let model = self.ctx.model().clone();
+        self.state(|s| s.accept(&model, token))
+    }
+
+    /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.
+    pub fn commit(&self, token: Token) -> Pending<()> {
+        if let Err(e) = self.check_live().and_then(|_| self.ctx.model().check_token(token)) {
+            return Pending::ready(Err(e));
+        }
+        self.ctx.engine().commit(vec![(self.cell.clone(), token)])
+    }
+
+    // ---- tree ----
+
+    /// A new branch on a fresh lease sharing this branch's whole KV prefix (no tensor copy).
+    pub fn fork(&self) -> Pending<Branch> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let (ctx, parent, parent_cell) = (self.ctx.clone(), self.handle, self.cell.clone());
+        self.ctx.run(move |w| {
+            if parent_cell.is_disposed() {
+                return Err(Error::BranchDisposed(parent.to_string()));
+            }
+            let (child_state, parent_seq, fork_head) = {
+                let p = parent_cell.lock();
+                (p.fork_copy(-1), p.seq, p.position)
+            };
+            let cell = BranchCell::new(child_state);
+            let (handle, seq) = w.shared.registry().fork(parent, fork_head as u32, cell.clone())?;
+            cell.lock().seq = seq as i32;
+            w.ctx.seq_rm(seq as i32, 0, -1)?;
+            w.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
+            Ok(Branch { ctx, handle, cell })
+        })
+    }
+
+    /// Dispose (RESTRICT: fails while live children exist). Frees the lease and the branch's
+    /// own KV cells; shared prefix cells stay for their other owners. A second call is a no-op.
+    pub fn prune(&self) -> Pending<()> {
+        if self.cell.is_disposed() {
+            return Pending::ready(Ok(()));
+        }
+        if let Err(e) = self.ctx.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        {
+            let reg = self.ctx.shared().registry();
+            match reg.get(self.handle) {
+                None => return Pending::ready(Ok(())),
+                Some(node) if !node.children.is_empty() => {
+                    return Pending::ready(Err(Error::Other(format!(
+                        "branch {} has {} live children: prune them first, or use prune_subtree",
+                        self.handle,
+                        node.children.len()
+                    ))))
+                }
+                Some(_) => {}
+            }
+            self.cell.mark_disposed();
+        }
+        let handle = self.handle;
+        self.ctx.run(move |w| {
+            let pruned = w.shared.registry().prune(handle)?;
+            w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
+            Ok(())
+        })
+    }
+
+    /// Dispose this branch and all its descendants (children first).
+    pub fn prune_subtree(&self) -> Pending<()> {
+        if self.cell.is_disposed() {
+            return Pending::ready(Ok(()));
+        }
+        if let Err(e) = self.ctx.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        {
+            let reg = self.ctx.shared().registry();
+            let mut stack = vec![self.handle];
+            while let Some(h) = stack.pop() {
+                if let Some(node) = reg.get(h) {
+                    node.data.mark_disposed();
+                    stack.extend(node.children.iter().copied());
+                }
+            }
+        }
+        let handle = self.handle;
+        self.ctx.run(move |w| {
+            let pruned = w.shared.registry().prune_subtree(handle)?;
+            for p in pruned {
+                w.ctx.seq_rm(p.seq as i32, 0, -1)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn wrap(&self, handle: Handle) -> Option<Branch> {
+        let cell = self.ctx.shared().registry().get(handle)?.data.clone();
+        Some(Branch::from_parts(self.ctx.clone(), handle, cell))
+    }
+
+    pub fn parent(&self) -> Option<Branch> {
+        let parent = self.ctx.shared().registry().get(self.handle)?.parent?;
+        self.wrap(parent)
+    }
+
+    pub fn children(&self) -> Vec<Branch> {
+        let children = match self.ctx.shared().registry().get(self.handle) {
+            Some(node) => node.children.clone(),
+            None => return Vec::new(),
+        };
+        children.into_iter().filter_map(|h| self.wrap(h)).collect()
+    }
+
+    pub fn is_leaf(&self) -> bool {
+        self.ctx.shared().registry().get(self.handle).is_none_or(|n| n.children.is_empty())
+    }
+
+    /// True while the branch holds a KV lease.
+    pub fn is_active(&self) -> bool {
+        !self.cell.is_disposed() && self.ctx.shared().registry().contains(self.handle)
+    }
+
+    pub fn disposed(&self) -> bool {
+        self.cell.is_disposed()
+    }
+
+    /// Position at which this branch was forked (0 for a root).
+    pub fn fork_head(&self) -> Result<u32> {
+        self.check_live()?;
+        Ok(self.ctx.shared().registry().get(self.handle).map_or(0, |n| n.fork_head))
+    }
+
+    /// Tokens in this branch's sequence (its next token goes at this position).
+    pub fn position(&self) -> Result<i32> {
+        self.state(|s| Ok(s.position))
+    }
+
+    /// The KV sequence id this branch leases.
+    pub fn seq_id(&self) -> Result<i32> {
+        self.state(|s| Ok(s.seq))
+    }
+
+    // ---- sampler control ----
+
+    pub fn sampler_params(&self) -> Result<SamplingParams> {
+        self.state(|s| Ok(s.sampler.params().clone()))
+    }
+
+    pub fn reseed_sampler(&self, seed: u32) -> Result<()> {
+        let model = self.ctx.model().clone();
+        self.state(|s| {
+            let history = std::mem::take(&mut s.accepted);
+            s.sampler.reseed(seed, &model, &history);
+            s.accepted = history;
+            s.touch_sampler();
+            Ok(())
+        })
+    }
+
+    /// Rebuild the chain with new params; no-op when equal.
+    pub fn set_sampler_params(&self, params: &SamplingParams) -> Result<()> {
+        let model = self.ctx.model().clone();
+        self.state(|s| {
+            if s.sampler.params() == params {
+                return Ok(());
+            }
+            let history = std::mem::take(&mut s.accepted);
+            let r = s.sampler.rebuild(params, &model, &history);
+            s.accepted = history;
+            s.touch_sampler();
+            r
+        })
+    }
+
+    /// Replace (or remove, with `None`) the grammar.
+    pub fn set_grammar(&self, grammar: Option<GrammarSpec>) -> Result<()> {
+        let grammar = grammar.map(|g| Grammar::new(self.ctx.model(), g)).transpose()?;
+        self.state(|s| {
+            s.grammar = grammar;
+            s.touch_sampler();
+            Ok(())
+        })
+    }
+
+    pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
+        self.state(|s| Ok(s.grammar.as_ref().map(|g| g.spec().clone())))
+    }
+
+    pub fn set_logit_bias(&self, bias: Vec<(Token, f32)>) -> Result<()> {
+        check_bias(&self.ctx, &bias)?;
+        self.state(|s| {
+            s.set_logit_bias(bias);
+            Ok(())
+        })
+    }
+
+    pub fn logit_bias(&self) -> Result<Vec<(Token, f32)>> {
+        self.state(|s| Ok(s.logit_bias().to_vec()))
+    }
+
+    pub fn steer(&self, bias: Vec<(Token, f32)>) -> Result<()> {
+        check_bias(&self.ctx, &bias)?;
+        self.state(|s| {
+            s.set_steer(bias);
+            Ok(())
+        })
+    }
+
+    pub fn steer_biases(&self) -> Result<Vec<(Token, f32)>> {
+        self.state(|s| Ok(s.steer().to_vec()))
+    }
+
+    // ---- metrics ----
+
+    /// exp(mean model-level surprisal) of accepted tokens; ∞ before any accept.
+    pub fn perplexity(&self) -> Result<f64> {
+        self.state(|s| Ok(s.ppl_model.value()))
+    }
+
+    /// Like `perplexity`, from the filtered (post-chain) distribution.
+    pub fn sampling_perplexity(&self) -> Result<f64> {
+        self.state(|s| Ok(s.ppl_sampling.value()))
+    }
+
+    pub fn entropy(&self, base: LogBase) -> Result<f64> {
+        self.state(|s| Ok(base.convert(s.entropy()?)))
+    }
+
+    pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
+        self.ctx.model().check_token(token)?;
+        self.state(|s| Ok(base.convert(s.surprisal(token)?)))
+    }
+
+    /// A copy of the logits snapshot (None before the first prefill/commit).
+    pub fn logits(&self) -> Result<Option<Vec<f32>>> {
+        self.state(|s| Ok(s.logits().map(<[f32]>::to_vec)))
+    }
+
+    /// Run `f` on the snapshot without copying it.
+    pub fn with_logits<T>(&self, f: impl FnOnce(Option<&[f32]>) -> T) -> Result<T> {
+        self.state(|s| Ok(f(s.logits())))
+    }
+
+    /// Replace the snapshot (must have vocab_size entries).
+    pub fn set_logits(&self, logits: &[f32]) -> Result<()> {
+        let n = self.ctx.vocab_size();
+        if logits.len() != n {
+            return Err(Error::invalid("logits", format!("expected {n} values, got {}", logits.len())));
+        }
+        if logits.iter().any(|v| v.is_nan()) {
+            return Err(Error::invalid("logits", "contains NaN"));
+        }
+        self.state(|s| {
+            s.set_logits(logits);
+            Ok(())
+        })
+    }
+
+    /// Tokens accepted so far.
+    pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
+        self.state(|s| Ok(s.accepted.clone()))
+    }
+}
+
+pub(crate) fn check_tokens(ctx: &Context, tokens: &[Token]) -> Result<()> {
+    let model = ctx.model();
+    tokens.iter().try_for_each(|&t| model.check_token(t))
+}
+
+fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
+    for &(t, b) in bias {
+        ctx.model().check_token(t)?;
+        if b.is_nan() || b == f32::INFINITY {
+            return Err(Error::invalid("bias", format!("bias for token {t} must be finite or -inf")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,334 @@
+//! Everything one branch owns besides its KV cells: logits snapshot, sampler chain,
+//! grammar, biases, perplexity trackers, accepted history. Guarded by one mutex per branch.
+
+use llama_cpp_sys_2 as sys;
+
+use kvfork_core::metrics::{self, Perplexity};
+
+use crate::error::{Error, Result};
+use crate::model::{Model, Token};
+use crate::sampling::chain::SamplerChain;
+use crate::sampling::grammar::Grammar;
+
+/// The filtered candidates of the last `sample`, reused by the `accept` that follows so the
+/// chain runs once per token. Valid while the snapshot and the sampler state are unchanged.
+#[derive(Default)]
+struct FilteredCache {
+    key: Option<(u64, u64)>,
+    /// log-sum-exp over the finite filtered logits.
+    lse: f64,
+}
+
+pub(crate) struct BranchState {
+    pub seq: i32,
+    pub position: i32,
+    logits: Vec<f32>,
+    has_logits: bool,
+    /// Bumped on every new snapshot.
+    logits_version: u64,
+    /// Bumped on every change of sampler, grammar, bias or steer.
+    sampler_epoch: u64,
+    /// log-sum-exp of the raw snapshot, computed on first use.
+    raw_lse: Option<f64>,
+    pub sampler: SamplerChain,
+    pub grammar: Option<Grammar>,
+    logit_bias: Vec<(Token, f32)>,
+    steer: Vec<(Token, f32)>,
+    pub ppl_model: Perplexity,
+    pub ppl_sampling: Perplexity,
+    /// Every accepted token, in order (penalty replay, persistence).
+    pub accepted: Vec<Token>,
+    /// Bytes of an incomplete UTF-8 character carried to the next token's text.
+    utf8_carry: Vec<u8>,
+    candidates: Vec<sys::llama_token_data>,
+    scratch: Vec<u32>,
+    cache: FilteredCache,
+}
+
+/// What `commit` restores when the decode fails.
+pub(crate) struct Snapshot {
+    sampler: SamplerChain,
+    grammar: Option<Grammar>,
+    ppl_model: Perplexity,
+    ppl_sampling: Perplexity,
+    accepted_len: usize,
+    utf8_carry: Vec<u8>,
+    sampler_epoch: u64,
+}
+
+impl BranchState {
+    pub fn new(seq: i32, position: i32, sampler: SamplerChain, grammar: Option<Grammar>) -> Self {
+        BranchState {
+            seq,
+            position,
+            logits: Vec::new(),
+            has_logits: false,
+            logits_version: 0,
+            sampler_epoch: 0,
+            raw_lse: None,
+            sampler,
+            grammar,
+            logit_bias: Vec::new(),
+            steer: Vec::new(),
+            ppl_model: Perplexity::default(),
+            ppl_sampling: Perplexity::default(),
+            accepted: Vec::new(),
+            utf8_carry: Vec::new(),
+            candidates: Vec::new(),
+            scratch: Vec::new(),
+            cache: FilteredCache::default(),
+        }
+    }
+
+    /// Copy for a fork: everything but steer (dynamic, per branch) and scratch space.
+    pub fn fork_copy(&self, seq: i32) -> Self {
+        BranchState {
+            seq,
+            position: self.position,
+            logits: self.logits.clone(),
+            has_logits: self.has_logits,
+            logits_version: self.logits_version,
+            sampler_epoch: self.sampler_epoch + 1,
+            raw_lse: self.raw_lse,
+            sampler: self.sampler.clone(),
+            grammar: self.grammar.clone(),
+            logit_bias: self.logit_bias.clone(),
+            steer: Vec::new(),
+            ppl_model: self.ppl_model,
+            ppl_sampling: self.ppl_sampling,
+            accepted: self.accepted.clone(),
+            utf8_carry: self.utf8_carry.clone(),
+            candidates: Vec::new(),
+            scratch: Vec::new(),
+            cache: FilteredCache::default(),
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            sampler: self.sampler.clone(),
+            grammar: self.grammar.clone(),
+            ppl_model: self.ppl_model,
+            ppl_sampling: self.ppl_sampling,
+            accepted_len: self.accepted.len(),
+            utf8_carry: self.utf8_carry.clone(),
+            sampler_epoch: self.sampler_epoch,
+        }
+    }
+
+    pub fn restore(&mut self, s: Snapshot) {
+        self.sampler = s.sampler;
+        self.grammar = s.grammar;
+        self.ppl_model = s.ppl_model;
+        self.ppl_sampling = s.ppl_sampling;
+        self.accepted.truncate(s.accepted_len);
+        self.utf8_carry = s.utf8_carry;
+        // A new epoch: the cache may describe the accepted (now undone) state.
+        self.sampler_epoch = s.sampler_epoch.max(self.sampler_epoch) + 1;
+    }
+
+    // ---- logits snapshot ----
+
+    pub fn logits(&self) -> Option<&[f32]> {
+        self.has_logits.then_some(&self.logits[..])
+    }
+
+    fn require_logits(&self) -> Result<&[f32]> {
+        self.logits().ok_or_else(|| Error::Other("the branch has no logits yet: prefill or commit a token first".into()))
+    }
+
+    pub fn set_logits(&mut self, row: &[f32]) {
+        self.logits.clear();
+        self.logits.extend_from_slice(row);
+        self.has_logits = true;
+        self.logits_version += 1;
+        self.raw_lse = None;
+    }
+
+    fn raw_lse(&mut self) -> Result<f64> {
+        if let Some(v) = self.raw_lse {
+            return Ok(v);
+        }
+        let v = metrics::log_sum_exp(self.require_logits()?);
+        self.raw_lse = Some(v);
+        Ok(v)
+    }
+
+    /// Model-level surprisal of `token` in nats, from the raw snapshot.
+    pub fn surprisal(&mut self, token: Token) -> Result<f64> {
+        let lse = self.raw_lse()?;
+        let logit = self.require_logits()?[token as usize] as f64;
+        Ok(if logit == f64::NEG_INFINITY { f64::INFINITY } else { lse - logit })
+    }
+
+    /// Entropy of the raw snapshot in nats.
+    pub fn entropy(&self) -> Result<f64> {
+        Ok(metrics::entropy(self.require_logits()?))
+    }
+
+    // ---- biases ----
+
+    pub fn set_logit_bias(&mut self, bias: Vec<(Token, f32)>) {
+        self.logit_bias = normalize_bias(bias);
+        self.sampler_epoch += 1;
+    }
+
+    pub fn logit_bias(&self) -> &[(Token, f32)] {
+        &self.logit_bias
+    }
+
+    pub fn set_steer(&mut self, steer: Vec<(Token, f32)>) {
+        self.steer = normalize_bias(steer);
+        self.sampler_epoch += 1;
+    }
+
+    pub fn steer(&self) -> &[(Token, f32)] {
+        &self.steer
+    }
+
+    /// Call after replacing the sampler or grammar.
+    pub fn touch_sampler(&mut self) {
+        self.sampler_epoch += 1;
+    }
+
+    // ---- sampling ----
+
+    /// Fill `self.candidates` with grammar → bias → steer → filter chain applied.
+    fn filter_candidates(&mut self) -> Result<()> {
+        self.require_logits()?;
+        let logits = &self.logits[..];
+        let biased = |t: Token| self.logit_bias.iter().chain(&self.steer).any(|&(b, _)| b == t);
+        self.candidates.clear();
+        let prefilter = if self.grammar.is_some() { None } else { self.sampler.prefilter_k() };
+        match prefilter {
+            Some(k) if k < logits.len() => {
+                // The k best raw logits among unbiased tokens, plus every biased token: the
+                // chain's own top-k then picks exactly the true top-k of the biased logits.
+                let n_biased = self.logit_bias.len() + self.steer.len();
+                metrics::top_k_indices(logits, k + n_biased, &mut self.scratch);
+                let mut kept = 0;
+                for &i in &self.scratch {
+                    if kept < k && !biased(i as Token) {
+                        self.candidates.push(sys::llama_token_data { id: i as Token, logit: logits[i as usize], p: 0.0 });
+                        kept += 1;
+                    }
+                }
+                for &(t, _) in self.logit_bias.iter().chain(&self.steer) {
+                    if !self.candidates.iter().any(|c| c.id == t) {
+                        self.candidates.push(sys::llama_token_data { id: t, logit: logits[t as usize], p: 0.0 });
+                    }
+                }
+            }
+            _ => {
+                self.candidates.extend(
+                    logits.iter().enumerate().map(|(i, &l)| sys::llama_token_data { id: i as Token, logit: l, p: 0.0 }),
+                );
+            }
+        }
+        let mut cur = token_array(&mut self.candidates);
+        if let Some(g) = self.grammar.as_mut() {
+            g.apply(&mut cur);
+        }
+        let data = unsafe { std::slice::from_raw_parts_mut(cur.data, cur.size) };
+        for &(t, b) in self.logit_bias.iter().chain(&self.steer) {
+            if let Some(c) = data.iter_mut().find(|c| c.id == t) {
+                c.logit += b;
+            }
+        }
+        self.sampler.filter(&mut cur);
+        // Samplers may shrink the array (they only move `data` within our buffer).
+        let (start, size) = (unsafe { cur.data.offset_from(self.candidates.as_ptr()) } as usize, cur.size);
+        self.candidates.truncate(start + size);
+        self.candidates.drain(..start);
+        if !self.candidates.iter().any(|c| c.logit.is_finite()) {
+            return Err(if self.grammar.is_some() {
+                Error::Grammar("no token satisfies the grammar at this point".into())
+            } else {
+                Error::Other("every candidate token is masked (logit bias / steer of -inf?)".into())
+            });
+        }
+        let lse = log_sum_exp_candidates(&self.candidates);
+        self.cache = FilteredCache { key: Some((self.logits_version, self.sampler_epoch)), lse };
+        Ok(())
+    }
+
+    /// Draw a token from the snapshot. Mutates only the RNG of stochastic terminals.
+    pub fn sample(&mut self) -> Result<Token> {
+        self.filter_candidates()?;
+        let mut cur = token_array(&mut self.candidates);
+        let token = self.sampler.select(&mut cur);
+        Ok(token)
+    }
+
+    /// Surprisal of `token` under the filtered distribution (0 if one candidate, ∞ if filtered out).
+    fn sampling_surprisal(&mut self, token: Token) -> Result<f64> {
+        if self.cache.key != Some((self.logits_version, self.sampler_epoch)) {
+            self.filter_candidates()?;
+        }
+        let finite = self.candidates.iter().filter(|c| c.logit.is_finite()).count();
+        match self.candidates.iter().find(|c| c.id == token && c.logit.is_finite()) {
+            None => Ok(f64::INFINITY),
+            Some(_) if finite == 1 => Ok(0.0),
+            Some(c) => Ok(self.cache.lse - c.logit as f64),
+        }
+    }
+
+    /// Record an accepted token: grammar, both perplexities, penalty window, history.
+    /// On error nothing is changed except possibly the grammar (callers restore a snapshot).
+    pub fn accept(&mut self, model: &Model, token: Token) -> Result<()> {
+        model.check_token(token)?;
+        let model_s = self.surprisal(token)?;
+        let sampling_s = self.sampling_surprisal(token)?;
+        if let Some(g) = self.grammar.as_mut() {
+            g.accept(token)?;
+        }
+        self.sampler.accept(token);
+        self.token_text(model, token, true)?;
+        self.ppl_model.add(model_s);
+        self.ppl_sampling.add(sampling_s);
+        self.accepted.push(token);
+        self.sampler_epoch += 1;
+        Ok(())
+    }
+
+    /// The text a token adds to this branch's output: complete UTF-8 characters only, with an
+    /// unfinished multi-byte character carried over to the next token. `commit` says whether
+    /// the carry is updated (accepted tokens) or left alone (a preview in `produce`).
+    pub fn token_text(&mut self, model: &Model, token: Token, commit: bool) -> Result<String> {
+        let piece = model.token_to_bytes(token, false)?;
+        let mut bytes = self.utf8_carry.clone();
+        bytes.extend_from_slice(&piece);
+        let valid = match std::str::from_utf8(&bytes) {
+            Ok(_) => bytes.len(),
+            Err(e) if e.error_len().is_none() && bytes.len() - e.valid_up_to() < 4 => e.valid_up_to(),
+            Err(_) => bytes.len(), // invalid, not merely unfinished: emit lossily
+        };
+        let text = String::from_utf8_lossy(&bytes[..valid]).into_owned();
+        if commit {
+            self.utf8_carry = bytes[valid..].to_vec();
+        }
+        Ok(text)
+    }
+}
+
+fn token_array(c: &mut [sys::llama_token_data]) -> sys::llama_token_data_array {
+    sys::llama_token_data_array { data: c.as_mut_ptr(), size: c.len(), selected: -1, sorted: false }
+}
+
+fn log_sum_exp_candidates(c: &[sys::llama_token_data]) -> f64 {
+    let max = c.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max) as f64;
+    if max == f64::NEG_INFINITY {
+        return max;
+    }
+    let sum: f64 = c.iter().filter(|c| c.logit.is_finite()).map(|c| (c.logit as f64 - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// Sort by token, last value wins for duplicates, zero biases dropped.
+fn normalize_bias(mut bias: Vec<(Token, f32)>) -> Vec<(Token, f32)> {
+    bias.reverse();
+    bias.sort_by_key(|&(t, _)| t);
+    bias.dedup_by_key(|&mut (t, _)| t);
+    bias.retain(|&(_, b)| b != 0.0);
+    bias
+}

@@ -1,0 +1,139 @@
+//! `Context`: a llama context on its engine thread, plus the model's text helpers.
+
+use std::sync::Arc;
+
+use crate::engine::{Engine, Pending, Shared, Worker};
+use crate::error::Result;
+use crate::llama_ctx::ContextParams;
+use crate::model::{Model, Token};
+
+/// Counters since the context was created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextStats {
+    /// `llama_decode` invocations.
+    pub decode_calls: u64,
+    /// Tokens decoded successfully.
+    pub decoded_tokens: u64,
+    /// Time spent inside `llama_decode`, nanoseconds.
+    pub decode_ns: u64,
+    /// Commit requests served (several may share one decode).
+    pub commit_requests: u64,
+}
+
+/// A llama context with a unified KV cache, owned by its engine thread. Cheap to clone.
+#[derive(Clone)]
+pub struct Context {
+    engine: Arc<Engine>,
+}
+
+impl Context {
+    /// Create a context on `model` (blocks while llama.cpp allocates it).
+    pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Context> {
+        Ok(Context { engine: Arc::new(Engine::start(model, params)?) })
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.engine.shared
+    }
+
+    pub(crate) fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        self.engine.run(f)
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.shared().model
+    }
+
+    pub fn n_ctx(&self) -> u32 {
+        self.shared().n_ctx
+    }
+
+    pub fn n_batch(&self) -> u32 {
+        self.shared().n_batch
+    }
+
+    pub fn n_seq_max(&self) -> u32 {
+        self.shared().n_seq_max
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model().vocab_size()
+    }
+
+    /// Free the llama context after queued work finishes. Later use fails with `Error::Closed`.
+    pub fn close(&self) {
+        self.engine.close();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.shared().check_open().is_err()
+    }
+
+    /// Leases free now.
+    pub fn available(&self) -> u32 {
+        self.shared().registry().available()
+    }
+
+    pub fn stats(&self) -> ContextStats {
+        use crate::engine::shared::Stats;
+        let s = &self.shared().stats;
+        ContextStats {
+            decode_calls: Stats::get(&s.decode_calls),
+            decoded_tokens: Stats::get(&s.decoded_tokens),
+            decode_ns: Stats::get(&s.decode_ns),
+            commit_requests: Stats::get(&s.commit_requests),
+        }
+    }
+
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        self.shared().check_open()?;
+        self.model().tokenize(text, add_special, parse_special)
+    }
+
+    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+        self.shared().check_open()?;
+        self.model().detokenize(tokens, remove_special, unparse_special)
+    }
+
+    pub fn token_to_text(&self, token: Token) -> Result<String> {
+        self.shared().check_open()?;
+        self.model().token_to_text(token)
+    }
+
+    pub fn is_stop_token(&self, token: Token) -> Result<bool> {
+        self.model().check_token(token)?;
+        Ok(self.model().is_eog(token))
+    }
+
+    // Low-level KV operations; they bypass branch tenancy.
+
+    pub fn kv_seq_copy(&self, src: i32, dst: i32, p0: i32, p1: i32) -> Pending<()> {
+        self.run(move |w| w.ctx.seq_cp(src, dst, p0, p1))
+    }
+
+    pub fn kv_seq_keep(&self, seq: i32) -> Pending<()> {
+        self.run(move |w| w.ctx.seq_keep(seq))
+    }
+
+    pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
+        self.run(move |w| w.ctx.seq_rm(seq, p0, p1))
+    }
+
+    pub fn kv_seq_pos_max(&self, seq: i32) -> Pending<i32> {
+        self.run(move |w| w.ctx.seq_pos_max(seq))
+    }
+
+    pub fn kv_clear(&self) -> Pending<()> {
+        self.run(|w| {
+            w.ctx.clear();
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,80 @@
+//! State shared between the engine thread and callers: the branch registry, branch cells, counters.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvfork_core::Registry;
+
+use crate::branch_state::BranchState;
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+/// One branch's state behind its own lock, plus the flag `prune` sets at once.
+pub(crate) struct BranchCell {
+    state: Mutex<BranchState>,
+    disposed: AtomicBool,
+}
+
+impl BranchCell {
+    pub fn new(state: BranchState) -> Arc<Self> {
+        Arc::new(BranchCell { state: Mutex::new(state), disposed: AtomicBool::new(false) })
+    }
+
+    /// Lock the state (a panic elsewhere never poisons kvfork for good).
+    pub fn lock(&self) -> MutexGuard<'_, BranchState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_disposed(&self) -> bool {
+        self.disposed.load(Ordering::Acquire)
+    }
+
+    pub fn mark_disposed(&self) {
+        self.disposed.store(true, Ordering::Release)
+    }
+}
+
+/// Counters since the context was created.
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub decode_calls: AtomicU64,
+    pub decoded_tokens: AtomicU64,
+    pub decode_ns: AtomicU64,
+    pub commit_requests: AtomicU64,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64, v: u64) {
+        counter.fetch_add(v, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+pub(crate) struct Shared {
+    pub model: Arc<Model>,
+    pub registry: Mutex<Registry<Arc<BranchCell>>>,
+    pub stats: Stats,
+    pub closed: AtomicBool,
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    /// Distinguishes contexts, so a branch of one is refused by another.
+    pub id: u64,
+}
+
+impl Shared {
+    pub fn registry(&self) -> MutexGuard<'_, Registry<Arc<BranchCell>>> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! The one error type of the crate. Each variant maps onto one Python exception.
+
+use std::path::PathBuf;
+
+use kvfork_core::TenancyError;
+
+/// Everything that can go wrong in kvfork.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The model file could not be loaded (missing, unreadable, not GGUF, rejected by llama.cpp).
+    #[error("failed to load model {path}: {reason}")]
+    ModelLoad { path: PathBuf, reason: String },
+    /// `llama_decode` (or context creation) failed for a reason other than a full KV cache.
+    #[error("decode failed: {0}")]
+    Decode(String),
+    /// No room left in the KV cache for the batch (llama_decode returned 1, or a position ≥ n_ctx).
+    #[error("KV cache is full: {0}")]
+    KvCacheFull(String),
+    /// Every sequence id of the context is leased.
+    #[error("no free KV sequence: all {n_seq_max} leases are in use; prune a branch or raise n_seq_max")]
+    LeaseExhausted { n_seq_max: u32 },
+    /// The branch was pruned (or its handle is stale).
+    #[error("branch {0} is disposed")]
+    BranchDisposed(String),
+    /// A grammar failed to parse, or has no legal continuation.
+    #[error("grammar error: {0}")]
+    Grammar(String),
+    /// A chat template is missing or failed to render.
+    #[error("chat template error: {0}")]
+    ChatTemplate(String),
+    /// A caller-supplied value is out of range; `name` is the argument's name.
+    #[error("invalid {name}: {message}")]
+    InvalidArgument { name: &'static str, message: String },
+    /// The context was closed.
+    #[error("the context is closed")]
+    Closed,
+    /// Any other failure of the library (a rule of the tree, an I/O failure, …).
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    pub(crate) fn invalid(name: &'static str, message: impl Into<String>) -> Self {
+        Error::InvalidArgument { name, message: message.into() }
+    }
+}
+
+impl From<TenancyError> for Error {
+    fn from(err: TenancyError) -> Self {
+        match err {
+            TenancyError::LeaseExhausted { n_seq_max } => Error::LeaseExhausted { n_seq_max },
+            TenancyError::StaleHandle(h) => Error::BranchDisposed(h.to_string()),
+            other => Error::Other(other.to_string()),
+        }
+    }
+}
+
+/// Result alias of the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,35 @@
+//! kvfork: forkable, batched llama.cpp inference.
+//!
+//! A [`Context`] owns a llama context on its own engine thread. [`Branch`]es are decode
+//! sequences that share KV-cache prefixes (a fork tags cells, it copies no tensors); a
+//! [`BranchStore`] advances many branches in one `llama_decode`. Every call that runs the
+//! model returns a [`Pending`]: `.wait()` it, or `.await` it.
+
+pub mod backend;
+mod branch;
+mod branch_state;
+mod context;
+mod engine;
+pub mod error;
+mod llama_ctx;
+pub mod model;
+pub mod sampling;
+mod store;
+
+pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
+pub use branch::{Branch, Produced};
+pub use context::{Context, ContextStats};
+pub use engine::Pending;
+pub use error::{Error, Result};
+pub use kvfork_core::metrics::LogBase;
+pub use kvfork_core::Handle;
+pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
+pub use model::{Model, ModelParams, Token};
+pub use sampling::{GrammarSpec, SamplingParams};
+pub use store::BranchStore;
+
+/// GBNF grammar for a JSON schema (llama.cpp's converter).
+pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
+    backend::ensure_backend()?;
+    llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| Error::Grammar(format!("bad JSON schema: {e}")))
+}

@@ -1,0 +1,285 @@
+//! Thin owners of a `llama_context` and a `llama_batch`. Only the engine thread touches them.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::error::{Error, Result};
+use crate::model::{Model, Token};
+
+/// KV cache element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+}
+
+impl CacheType {
+    pub fn from_name(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "f32" => CacheType::F32,
+            "f16" => CacheType::F16,
+            "bf16" => CacheType::BF16,
+            "q8_0" => CacheType::Q8_0,
+            "q4_0" => CacheType::Q4_0,
+            other => return Err(Error::invalid("type_k/type_v", format!("unknown cache type {other:?}"))),
+        })
+    }
+
+    fn ggml(self) -> sys::ggml_type {
+        match self {
+            CacheType::F32 => sys::GGML_TYPE_F32,
+            CacheType::F16 => sys::GGML_TYPE_F16,
+            CacheType::BF16 => sys::GGML_TYPE_BF16,
+            CacheType::Q8_0 => sys::GGML_TYPE_Q8_0,
+            CacheType::Q4_0 => sys::GGML_TYPE_Q4_0,
+        }
+    }
+}
+
+/// Options of a context (see `create_context` in the Python API).
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    /// `None`: the number of cores, at most 8.
+    pub n_threads: Option<i32>,
+    pub type_k: CacheType,
+    pub type_v: CacheType,
+    pub embeddings: bool,
+    /// llama.cpp pooling type for embeddings (`None`: the model's).
+    pub pooling: Option<i32>,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        ContextParams {
+            n_ctx: 4096,
+            n_batch: 512,
+            n_seq_max: 8,
+            n_threads: None,
+            type_k: CacheType::F16,
+            type_v: CacheType::F16,
+            embeddings: false,
+            pooling: None,
+        }
+    }
+}
+
+/// llama.cpp's limit on sequences per context.
+pub const MAX_SEQUENCES: u32 = 256;
+
+impl ContextParams {
+    /// Reject values llama.cpp would assert on.
+    pub fn validate(&self) -> Result<()> {
+        if self.n_seq_max == 0 || self.n_seq_max > MAX_SEQUENCES {
+            return Err(Error::invalid("n_seq_max", format!("{} is not in [1, {MAX_SEQUENCES}]", self.n_seq_max)));
+        }
+        if self.n_ctx < 16 || self.n_ctx > 1 << 24 {
+            return Err(Error::invalid("n_ctx", format!("{} is not in [16, 16777216]", self.n_ctx)));
+        }
+        if self.n_batch == 0 || self.n_batch > 1 << 16 {
+            return Err(Error::invalid("n_batch", format!("{} is not in [1, 65536]", self.n_batch)));
+        }
+        if let Some(t) = self.n_threads {
+            if !(1..=512).contains(&t) {
+                return Err(Error::invalid("n_threads", format!("{t} is not in [1, 512]")));
+            }
+        }
+        if let Some(p) = self.pooling {
+            if !(-1..=4).contains(&p) {
+                return Err(Error::invalid("pooling", format!("unknown pooling type {p}")));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn threads(&self) -> i32 {
+        self.n_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map(|n| n.get().min(8) as i32).unwrap_or(4)
+        })
+    }
+}
+
+/// An owned `llama_context`. `!Sync`; lives on the engine thread.
+pub(crate) struct LlamaCtx {
+    ptr: NonNull<sys::llama_context>,
+    mem: sys::llama_memory_t,
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    pub n_vocab: usize,
+    // Keeps the weights alive for as long as the context.
+    _model: Arc<Model>,
+}
+
+// SAFETY: the context is created, used and freed by the engine thread only; Send is
+// needed to move it into that thread.
+unsafe impl Send for LlamaCtx {}
+
+impl Drop for LlamaCtx {
+    fn drop(&mut self) {
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl LlamaCtx {
+    pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Self> {
+        p.validate()?;
+        let mut cp = unsafe { sys::llama_context_default_params() };
+        cp.n_ctx = p.n_ctx;
+        cp.n_batch = p.n_batch;
+        // One physical batch per logical batch: one llama_decode == one graph run.
+        cp.n_ubatch = p.n_batch;
+        cp.n_seq_max = p.n_seq_max;
+        cp.n_threads = p.threads();
+        cp.n_threads_batch = p.threads();
+        cp.type_k = p.type_k.ggml();
+        cp.type_v = p.type_v.ggml();
+        cp.embeddings = p.embeddings;
+        if let Some(pool) = p.pooling {
+            cp.pooling_type = pool;
+        }
+        // Forks share prefix cells only when the cache is unified (seq_cp just tags cells).
+        cp.kv_unified = true;
+        // Keep every position of sliding-window layers so partial seq_rm / forks stay exact.
+        cp.swa_full = true;
+        cp.no_perf = true;
+        let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            Error::Decode("llama.cpp could not create the context (out of memory? see the kvfork log)".into())
+        })?;
+        let mem = unsafe { sys::llama_get_memory(ptr.as_ptr()) };
+        Ok(LlamaCtx {
+            ptr,
+            mem,
+            n_ctx: unsafe { sys::llama_n_ctx(ptr.as_ptr()) },
+            n_batch: unsafe { sys::llama_n_batch(ptr.as_ptr()) },
+            n_seq_max: unsafe { sys::llama_n_seq_max(ptr.as_ptr()) },
+            n_vocab: model.vocab_size(),
+            _model: model,
+        })
+    }
+
+    /// Run one `llama_decode`. On failure llama.cpp restores the memory state (codes 1, -1).
+    pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        if batch.len() == 0 {
+            return Ok(());
+        }
+        let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw) };
+        match code {
+            0 => Ok(()),
+            1 => Err(Error::KvCacheFull(format!(
+                "no KV slot for a batch of {} tokens (n_ctx = {})",
+                batch.len(),
+                self.n_ctx
+            ))),
+            2 => Err(Error::Decode("decode aborted".into())),
+            -1 => Err(Error::Decode("llama.cpp rejected the batch (inconsistent positions or sequence ids)".into())),
+            c => Err(Error::Decode(format!("llama_decode returned {c}"))),
+        }
+    }
+
+    /// Logits row of batch entry `i` (which must have been marked for output).
+    pub fn logits_ith(&self, i: usize) -> Result<&[f32]> {
+        let p = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32) };
+        if p.is_null() {
+            return Err(Error::Decode(format!("no logits at batch index {i}")));
+        }
+        Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
+    }
+
+    fn check_seq(&self, seq: i32) -> Result<()> {
+        if seq < 0 || seq as u32 >= self.n_seq_max {
+            return Err(Error::invalid("seq", format!("sequence id {seq} is not in [0, {})", self.n_seq_max)));
+        }
+        Ok(())
+    }
+
+    fn check_range(p0: i32, p1: i32) -> Result<()> {
+        if p0 < -1 || p1 < -1 {
+            return Err(Error::invalid("p0/p1", "positions must be >= 0 (or -1 for 'open')"));
+        }
+        Ok(())
+    }
+
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        self.check_seq(src)?;
+        self.check_seq(dst)?;
+        Self::check_range(p0, p1)?;
+        if src != dst {
+            unsafe { sys::llama_memory_seq_cp(self.mem, src, dst, p0, p1) };
+        }
+        Ok(())
+    }
+
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        self.check_seq(seq)?;
+        Self::check_range(p0, p1)?;
+        Ok(unsafe { sys::llama_memory_seq_rm(self.mem, seq, p0, p1) })
+    }
+
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        self.check_seq(seq)?;
+        unsafe { sys::llama_memory_seq_keep(self.mem, seq) };
+        Ok(())
+    }
+
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        self.check_seq(seq)?;
+        Ok(unsafe { sys::llama_memory_seq_pos_max(self.mem, seq) })
+    }
+
+    pub fn clear(&mut self) {
+        unsafe { sys::llama_memory_clear(self.mem, true) }
+    }
+}
+
+/// A reusable `llama_batch` holding up to `capacity` tokens, one sequence id each.
+pub(crate) struct Batch {
+    raw: sys::llama_batch,
+    capacity: usize,
+}
+
+// SAFETY: plain heap buffers owned by this value.
+unsafe impl Send for Batch {}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        unsafe { sys::llama_batch_free(self.raw) }
+    }
+}
+
+impl Batch {
+    pub fn new(capacity: usize) -> Self {
+        let raw = unsafe { sys::llama_batch_init(capacity as i32, 0, 1) };
+        Batch { raw, capacity }
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.n_tokens as usize
+    }
+
+    pub fn clear(&mut self) {
+        self.raw.n_tokens = 0;
+    }
+
+    /// Append one token. Callers keep `len() < capacity` (checked: a panic here is a bug).
+    pub fn push(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
+        let i = self.len();
+        assert!(i < self.capacity, "batch overflow");
+        unsafe {
+            *self.raw.token.add(i) = token;
+            *self.raw.pos.add(i) = pos;
+            *self.raw.n_seq_id.add(i) = 1;
+            *(*self.raw.seq_id.add(i)) = seq;
+            *self.raw.logits.add(i) = logits as i8;
+        }
+        self.raw.n_tokens += 1;
+    }
+}

@@ -1,0 +1,269 @@
+//! A loaded GGUF model: weights plus vocabulary. Shared (`Arc<Model>`) by every context on it.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, CString};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::backend::ensure_backend;
+use crate::error::{Error, Result};
+
+/// A token id.
+pub type Token = i32;
+
+/// Options of [`Model::load`].
+#[derive(Debug, Clone)]
+pub struct ModelParams {
+    /// Layers to offload to the GPU (`None`: all when a GPU backend is built, else 0).
+    pub n_gpu_layers: Option<i32>,
+    pub use_mmap: bool,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        ModelParams { n_gpu_layers: None, use_mmap: true }
+    }
+}
+
+/// Weights and vocabulary. llama.cpp only reads a model after loading, so it is shared freely.
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    vocab: NonNull<sys::llama_vocab>,
+    n_vocab: i32,
+    path: PathBuf,
+}
+
+// SAFETY: a llama_model is immutable after load; llama.cpp reads it from any thread.
+unsafe impl Send for Model {}
+unsafe impl Sync for Model {}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("path", &self.path).field("n_vocab", &self.n_vocab).finish()
+    }
+}
+
+/// GGUF files start with these four bytes; checking them first keeps junk away from llama.cpp.
+fn check_gguf_magic(path: &Path) -> Result<()> {
+    let fail = |reason: String| Error::ModelLoad { path: path.to_path_buf(), reason };
+    let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
+    if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        return Err(fail("is a directory".into()));
+    }
+    let mut magic = [0u8; 4];
+    file.read_exact(&mut magic).map_err(|_| fail("file too short to be GGUF".into()))?;
+    if &magic != b"GGUF" {
+        return Err(fail("not a GGUF file (bad magic)".into()));
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Load a GGUF file.
+    pub fn load(path: impl AsRef<Path>, params: &ModelParams) -> Result<Arc<Model>> {
+        let path = path.as_ref();
+        check_gguf_magic(path)?;
+        ensure_backend()?;
+        let fail = |reason: &str| Error::ModelLoad { path: path.to_path_buf(), reason: reason.into() };
+        let c_path = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| fail("path contains a NUL byte"))?;
+        let mut mp = unsafe { sys::llama_model_default_params() };
+        let default_layers = if crate::backend::backend_name() == "cpu" { 0 } else { -1 };
+        mp.n_gpu_layers = params.n_gpu_layers.unwrap_or(default_layers);
+        mp.load_mode = if params.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
+        let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
+        let ptr = NonNull::new(raw).ok_or_else(|| fail("llama.cpp could not load it (see the kvfork log)"))?;
+        let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
+        let vocab = NonNull::new(vocab as *mut sys::llama_vocab).ok_or_else(|| fail("model has no vocabulary"))?;
+        let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
+        Ok(Arc::new(Model { ptr, vocab, n_vocab, path: path.to_path_buf() }))
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn vocab_ptr(&self) -> *const sys::llama_vocab {
+        self.vocab.as_ptr()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.n_vocab as usize
+    }
+
+    pub fn n_ctx_train(&self) -> u32 {
+        unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
+    }
+
+    pub fn n_embd(&self) -> usize {
+        unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as usize
+    }
+
+    /// `general.name`, else the file stem.
+    pub fn name(&self) -> String {
+        self.meta("general.name").unwrap_or_else(|| {
+            self.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+        })
+    }
+
+    /// One metadata value as a string.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let key = CString::new(key).ok()?;
+        read_c_string(|buf, len| unsafe { sys::llama_model_meta_val_str(self.as_ptr(), key.as_ptr(), buf, len) })
+    }
+
+    /// All GGUF metadata as strings (arrays are summarised by llama.cpp).
+    pub fn metadata(&self) -> BTreeMap<String, String> {
+        let n = unsafe { sys::llama_model_meta_count(self.as_ptr()) };
+        (0..n)
+            .filter_map(|i| {
+                let key = read_c_string(|b, l| unsafe { sys::llama_model_meta_key_by_index(self.as_ptr(), i, b, l) })?;
+                let val =
+                    read_c_string(|b, l| unsafe { sys::llama_model_meta_val_str_by_index(self.as_ptr(), i, b, l) })?;
+                Some((key, val))
+            })
+            .collect()
+    }
+
+    /// The Jinja chat template of the GGUF (`tokenizer.chat_template`), if any.
+    pub fn chat_template(&self) -> Option<String> {
+        let raw = unsafe { sys::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };
+        if raw.is_null() {
+            return None;
+        }
+        Some(unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy().into_owned())
+    }
+
+    /// `Ok` when `token` is a valid id of this vocabulary.
+    pub fn check_token(&self, token: Token) -> Result<()> {
+        if token < 0 || token >= self.n_vocab {
+            return Err(Error::invalid("token", format!("token id {token} is out of range [0, {})", self.n_vocab)));
+        }
+        Ok(())
+    }
+
+    /// Tokenize exactly as llama.cpp does.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::invalid("text", "longer than 2 GiB"))?;
+        let mut out: Vec<Token> = vec![0; text.len() + 2];
+        for _ in 0..2 {
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab_ptr(),
+                    text.as_ptr() as *const c_char,
+                    len,
+                    out.as_mut_ptr(),
+                    out.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n >= 0 {
+                out.truncate(n as usize);
+                return Ok(out);
+            }
+            if n == i32::MIN {
+                break;
+            }
+            out.resize((-n) as usize, 0);
+        }
+        Err(Error::Other("tokenization failed".into()))
+    }
+
+    /// Raw bytes of one token's piece.
+    pub fn token_to_bytes(&self, token: Token, special: bool) -> Result<Vec<u8>> {
+        self.check_token(token)?;
+        let mut buf = vec![0u8; 32];
+        loop {
+            let n = unsafe {
+                sys::llama_token_to_piece(
+                    self.vocab_ptr(),
+                    token,
+                    buf.as_mut_ptr() as *mut c_char,
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(buf);
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// One token's piece as text (special tokens rendered; invalid UTF-8 replaced).
+    pub fn token_to_text(&self, token: Token) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.token_to_bytes(token, true)?).into_owned())
+    }
+
+    /// Detokenize as llama.cpp does.
+    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+        for &t in tokens {
+            self.check_token(t)?;
+        }
+        let n_tokens = i32::try_from(tokens.len()).map_err(|_| Error::invalid("tokens", "too many tokens"))?;
+        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        loop {
+            let n = unsafe {
+                sys::llama_detokenize(
+                    self.vocab_ptr(),
+                    tokens.as_ptr(),
+                    n_tokens,
+                    buf.as_mut_ptr() as *mut c_char,
+                    buf.len() as i32,
+                    remove_special,
+                    unparse_special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// End-of-generation token (EOS, EOT, …) per the vocabulary.
+    pub fn is_eog(&self, token: Token) -> bool {
+        token >= 0 && token < self.n_vocab && unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
+    }
+
+    pub fn eos(&self) -> Option<Token> {
+        Some(unsafe { sys::llama_vocab_eos(self.vocab_ptr()) }).filter(|&t| t >= 0)
+    }
+
+    pub fn bos(&self) -> Option<Token> {
+        Some(unsafe { sys::llama_vocab_bos(self.vocab_ptr()) }).filter(|&t| t >= 0)
+    }
+}
+
+/// Call a llama.cpp "write into buf, return length" function, growing the buffer as needed.
+fn read_c_string(mut f: impl FnMut(*mut c_char, usize) -> i32) -> Option<String> {
+    let mut buf = vec![0u8; 256];
+    loop {
+        let n = f(buf.as_mut_ptr() as *mut c_char, buf.len());
+        if n < 0 {
+            return None;
+        }
+        if (n as usize) < buf.len() {
+            buf.truncate(n as usize);
+            return Some(String::from_utf8_lossy(&buf).into_owned());
+        }
+        buf.resize(n as usize + 1, 0);
+    }
+}

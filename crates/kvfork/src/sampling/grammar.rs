@@ -1,0 +1,95 @@
+//! GBNF grammars (eager and lazy) as llama.cpp grammar samplers, built through
+//! llama-cpp-sys-2's exception-catching wrappers so a bad grammar never aborts.
+
+use std::ffi::{c_char, CString};
+
+use llama_cpp_sys_2 as sys;
+
+use super::raw::RawSampler;
+use crate::error::{Error, Result};
+use crate::model::{Model, Token};
+
+/// How a grammar was declared (kept so it can be described, saved and rebuilt).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    Eager { gbnf: String },
+    /// Unconstrained until a trigger word, regex pattern or token fires.
+    Lazy { gbnf: String, words: Vec<String>, patterns: Vec<String>, tokens: Vec<Token> },
+}
+
+#[derive(Clone)]
+pub(crate) struct Grammar {
+    sampler: RawSampler,
+    spec: GrammarSpec,
+}
+
+fn c_string(s: &str, what: &'static str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::Grammar(format!("{what} contains a NUL byte")))
+}
+
+/// Regex that fires on a literal trigger word anywhere in the output (llama.cpp's convention:
+/// the grammar is fed from the first capture group on).
+fn word_pattern(word: &str) -> String {
+    let mut escaped = String::with_capacity(word.len() * 2);
+    for ch in word.chars() {
+        if "\\^$.|?*+()[]{}-".contains(ch) {
+            escaped.push('\\');
+        }
+        escaped.push(ch);
+    }
+    format!("[\\s\\S]*?({escaped})[\\s\\S]*")
+}
+
+impl Grammar {
+    pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
+        let raw = match &spec {
+            GrammarSpec::Eager { gbnf } => {
+                let g = c_string(gbnf, "grammar")?;
+                unsafe { sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr()) }
+            }
+            GrammarSpec::Lazy { gbnf, words, patterns, tokens } => {
+                for &t in tokens {
+                    model.check_token(t)?;
+                }
+                let g = c_string(gbnf, "grammar")?;
+                let all: Vec<String> = words.iter().map(|w| word_pattern(w)).chain(patterns.iter().cloned()).collect();
+                let owned = all.iter().map(|p| c_string(p, "trigger")).collect::<Result<Vec<_>>>()?;
+                let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
+                unsafe {
+                    sys::llama_rs_sampler_init_grammar_lazy_patterns(
+                        model.vocab_ptr(),
+                        g.as_ptr(),
+                        c"root".as_ptr(),
+                        ptrs.as_mut_ptr(),
+                        ptrs.len(),
+                        tokens.as_ptr(),
+                        tokens.len(),
+                    )
+                }
+            }
+        };
+        let sampler = RawSampler::from_raw(raw).ok_or_else(|| {
+            Error::Grammar("the grammar failed to parse (undefined rule, syntax error or bad trigger pattern; see the kvfork log)".into())
+        })?;
+        Ok(Grammar { sampler, spec })
+    }
+
+    pub fn spec(&self) -> &GrammarSpec {
+        &self.spec
+    }
+
+    /// Mask candidates the grammar forbids (logit = -inf).
+    pub fn apply(&mut self, cur: &mut sys::llama_token_data_array) {
+        self.sampler.apply(cur);
+    }
+
+    /// Advance the grammar; fails (without aborting) when the token is not allowed.
+    pub fn accept(&mut self, token: Token) -> Result<()> {
+        let status = unsafe { sys::llama_rs_sampler_accept(self.sampler.as_ptr(), token) };
+        if status == sys::LLAMA_RS_STATUS_OK {
+            Ok(())
+        } else {
+            Err(Error::Grammar(format!("token {token} is not allowed by the grammar here")))
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! Sampling: parameters, the llama.cpp sampler chain, grammars.
+
+pub(crate) mod chain;
+pub(crate) mod grammar;
+pub mod params;
+pub(crate) mod raw;
+
+pub use grammar::GrammarSpec;
+pub use params::SamplingParams;
