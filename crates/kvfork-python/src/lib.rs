@@ -1,1 +1,97 @@
+//! Python bindings of kvfork (`kvfork._native`). Thin: convert arguments, call the `kvfork`
+//! crate, convert results. One class per file.
 
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+mod awaitable;
+mod branch;
+mod context;
+mod convert;
+mod errors;
+mod generate;
+mod model;
+mod params;
+mod store;
+mod token;
+
+use errors::IntoPyResult;
+
+/// What llama.cpp and kvfork were built with and run on.
+#[pyfunction]
+fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Py<PyAny>>> {
+    use pyo3::IntoPyObjectExt;
+    let info = kvfork::system_info().py()?;
+    let mut d = std::collections::BTreeMap::new();
+    d.insert("backend", info.backend.into_py_any(py)?);
+    d.insert("cpu_features", info.cpu_features.clone().into_py_any(py)?);
+    d.insert("host_cpu_features", info.host_cpu_features.clone().into_py_any(py)?);
+    d.insert("llama_cpp", info.llama_cpp.into_py_any(py)?);
+    d.insert("llama_system_info", info.llama_system_info.clone().into_py_any(py)?);
+    d.insert("gpu_offload", info.gpu_offload.into_py_any(py)?);
+    d.insert("mmap", info.mmap.into_py_any(py)?);
+    Ok(d)
+}
+
+/// GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper).
+#[pyfunction]
+fn json_schema_to_grammar(py: Python<'_>, schema: &str) -> PyResult<String> {
+    py.detach(|| kvfork::json_schema_to_grammar(schema)).py()
+}
+
+/// Lowest Python logging level forwarded from llama.cpp (10 debug … 40 error).
+#[pyfunction]
+fn _set_log_level(level: i32) {
+    kvfork::set_log_min_level(match level {
+        ..=10 => kvfork::LogLevel::Debug,
+        11..=20 => kvfork::LogLevel::Info,
+        21..=30 => kvfork::LogLevel::Warn,
+        _ => kvfork::LogLevel::Error,
+    });
+}
+
+/// llama.cpp log lines → `logging.getLogger("kvfork")`. May run on any thread.
+fn forward_log(level: kvfork::LogLevel, message: &str) {
+    static LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let level = match level {
+        kvfork::LogLevel::Debug => 10,
+        kvfork::LogLevel::Info => 20,
+        kvfork::LogLevel::Warn => 30,
+        kvfork::LogLevel::Error => 40,
+    };
+    let _ = Python::try_attach(|py| {
+        let logger = LOGGER.get_or_try_init(py, || {
+            py.import("logging")?.call_method1("getLogger", ("kvfork",)).map(Bound::unbind)
+        });
+        if let Ok(logger) = logger {
+            let _ = logger.bind(py).call_method1("log", (level, message));
+        }
+    });
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // One tokio worker is plenty: it only awaits engine replies and resolves asyncio futures.
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.worker_threads(1).enable_all();
+    pyo3_async_runtimes::tokio::init(rt);
+    kvfork::set_log_sink(forward_log);
+
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<model::PyModel>()?;
+    m.add_class::<context::PyContext>()?;
+    m.add_class::<params::PySamplingParams>()?;
+    m.add_class::<token::PyToken>()?;
+    m.add_class::<branch::PyBranch>()?;
+    m.add_class::<store::PyBranchStore>()?;
+    m.add_class::<generate::PyGenerator>()?;
+    m.add_class::<generate::PyGeneratorSync>()?;
+    m.add_class::<awaitable::Ready>()?;
+    m.add_function(wrap_pyfunction!(context::create_context, m)?)?;
+    m.add_function(wrap_pyfunction!(context::create_context_sync, m)?)?;
+    m.add_function(wrap_pyfunction!(system_info, m)?)?;
+    m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
+    Ok(())
+}

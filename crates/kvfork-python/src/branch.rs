@@ -1,0 +1,298 @@
+//! `Branch`: one decode sequence with its own sampler, grammar, biases and metrics.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use pyo3::IntoPyObjectExt;
+
+use crate::awaitable::Ready;
+use crate::context::{token_id, PyContext};
+use crate::convert::{self, awaitable, wait};
+use crate::errors::IntoPyResult;
+use crate::generate::{PyGenerator, PyGeneratorSync};
+use crate::params;
+use crate::token::PyToken;
+
+#[pyclass(frozen, module = "kvfork", name = "Branch")]
+pub struct PyBranch {
+    pub inner: kvfork::Branch,
+}
+
+fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
+    kvfork::LogBase::from_name(base).ok_or_else(|| PyValueError::new_err(format!("base must be 'nats' or 'bits', not {base:?}")))
+}
+
+fn wrap(b: kvfork::Branch) -> PyBranch {
+    PyBranch { inner: b }
+}
+
+#[pymethods]
+impl PyBranch {
+    /// A new root branch on a fresh KV lease (blocking; cheap: no decode).
+    #[classmethod]
+    #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
+    fn create(
+        _cls: &Bound<'_, PyType>,
+        py: Python<'_>,
+        ctx: &Bound<'_, PyContext>,
+        position: i64,
+        params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<String>,
+    ) -> PyResult<Self> {
+        let position = i32::try_from(position).map_err(|_| PyValueError::new_err("position: out of range"))?;
+        if position < 0 {
+            return Err(PyValueError::new_err(format!("position: must be >= 0, got {position}")));
+        }
+        let params = params::extract(params)?;
+        let grammar = grammar.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf });
+        let ctx = ctx.get().inner.clone();
+        Ok(wrap(wait(py, kvfork::Branch::create(&ctx, position, &params, grammar))?))
+    }
+
+    // ---- decoding ----
+
+    /// Decode external tokens at the branch's position (no accept); captures the last logits.
+    fn prefill<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let tokens = convert::tokens(tokens, "tokens")?;
+        awaitable(py, self.inner.prefill(tokens), Ok)
+    }
+
+    fn prefill_sync(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = convert::tokens(tokens, "tokens")?;
+        wait(py, self.inner.prefill(tokens))
+    }
+
+    /// Sample a token from the snapshot (no KV write, no accept).
+    fn produce<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let token = self.produce_sync(py)?;
+        Ready::new(token.into_py_any(py)?).into_bound_py_any(py)
+    }
+
+    fn produce_sync(&self, py: Python<'_>) -> PyResult<PyToken> {
+        Ok(py.detach(|| self.inner.produce()).py()?.into())
+    }
+
+    /// Accept `token`, decode it, capture logits; rolled back if the decode fails.
+    fn commit<'py>(&self, py: Python<'py>, token: i64) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.commit(token_id(token)?), Ok)
+    }
+
+    fn commit_sync(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        wait(py, self.inner.commit(token_id(token)?))
+    }
+
+    /// Sample a token id (low level: no state change but the sampler RNG).
+    fn sample(&self, py: Python<'_>) -> PyResult<i32> {
+        py.detach(|| self.inner.sample()).py()
+    }
+
+    /// Accept a token into penalties, grammar and perplexity without decoding it (low level).
+    fn accept(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        let token = token_id(token)?;
+        py.detach(|| self.inner.accept(token)).py()
+    }
+
+    // ---- generation ----
+
+    /// Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
+    #[pyo3(signature = (max_tokens=None))]
+    fn generate(&self, max_tokens: Option<usize>) -> PyGenerator {
+        PyGenerator::new(self.inner.clone(), max_tokens)
+    }
+
+    #[pyo3(signature = (max_tokens=None))]
+    fn generate_sync(&self, max_tokens: Option<usize>) -> PyGeneratorSync {
+        PyGeneratorSync::new(self.inner.clone(), max_tokens)
+    }
+
+    fn __aiter__(&self) -> PyGenerator {
+        PyGenerator::new(self.inner.clone(), None)
+    }
+
+    // ---- tree ----
+
+    /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG), grammar,
+    /// perplexity, logits and logit bias; not steer.
+    fn fork<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.fork(), |b| Ok(wrap(b)))
+    }
+
+    fn fork_sync(&self, py: Python<'_>) -> PyResult<Self> {
+        Ok(wrap(wait(py, self.inner.fork())?))
+    }
+
+    /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once.
+    fn prune<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.prune(), Ok)
+    }
+
+    fn prune_sync(&self, py: Python<'_>) -> PyResult<()> {
+        wait(py, self.inner.prune())
+    }
+
+    /// Dispose this branch and its whole subtree (CASCADE).
+    fn prune_subtree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.prune_subtree(), Ok)
+    }
+
+    fn prune_subtree_sync(&self, py: Python<'_>) -> PyResult<()> {
+        wait(py, self.inner.prune_subtree())
+    }
+
+    #[getter]
+    fn parent(&self) -> Option<Self> {
+        self.inner.parent().map(wrap)
+    }
+
+    #[getter]
+    fn children(&self) -> Vec<Self> {
+        self.inner.children().into_iter().map(wrap).collect()
+    }
+
+    #[getter]
+    fn is_leaf(&self) -> bool {
+        self.inner.is_leaf()
+    }
+
+    #[getter]
+    fn is_active(&self) -> bool {
+        self.inner.is_active()
+    }
+
+    #[getter]
+    fn disposed(&self) -> bool {
+        self.inner.disposed()
+    }
+
+    #[getter]
+    fn fork_head(&self) -> PyResult<u32> {
+        self.inner.fork_head().py()
+    }
+
+    #[getter]
+    fn position(&self) -> PyResult<i32> {
+        self.inner.position().py()
+    }
+
+    /// A stable integer id (index and generation of the branch's slot).
+    #[getter]
+    fn handle(&self) -> u64 {
+        self.inner.handle().to_u64()
+    }
+
+    /// The KV sequence id leased by this branch.
+    #[getter]
+    fn seq_id(&self) -> PyResult<i32> {
+        self.inner.seq_id().py()
+    }
+
+    #[getter]
+    fn params(&self) -> PyResult<crate::params::PySamplingParams> {
+        Ok(crate::params::PySamplingParams { inner: self.inner.sampler_params().py()? })
+    }
+
+    // ---- sampler control ----
+
+    fn reseed_sampler(&self, seed: u32) -> PyResult<()> {
+        self.inner.reseed_sampler(seed).py()
+    }
+
+    fn set_sampler_params(&self, params: &Bound<'_, PyAny>) -> PyResult<()> {
+        let params = params::extract(Some(params))?;
+        self.inner.set_sampler_params(&params).py()
+    }
+
+    /// Replace (or with None remove) the GBNF grammar.
+    #[pyo3(signature = (gbnf))]
+    fn set_grammar(&self, gbnf: Option<String>) -> PyResult<()> {
+        self.inner.set_grammar(gbnf.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf })).py()
+    }
+
+    /// Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
+    /// words, ints are token ids; `patterns`: regexes matched from the start of the output.
+    #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
+    fn set_grammar_lazy(&self, gbnf: String, triggers: &Bound<'_, PyAny>, patterns: Option<Vec<String>>) -> PyResult<()> {
+        let (mut words, mut tokens) = (Vec::new(), Vec::new());
+        for t in triggers.try_iter()? {
+            let t = t?;
+            if let Ok(w) = t.extract::<String>() {
+                words.push(w);
+            } else {
+                tokens.push(token_id(t.extract::<i64>().map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err("triggers must be strings (words) or ints (token ids)")
+                })?)?);
+            }
+        }
+        let spec = kvfork::GrammarSpec::Lazy { gbnf, words, patterns: patterns.unwrap_or_default(), tokens };
+        self.inner.set_grammar(Some(spec)).py()
+    }
+
+    /// Static biases {token: bias} added to the logits (-inf bans); inherited on fork.
+    fn set_logit_bias(&self, bias: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.set_logit_bias(convert::bias_map(bias)?).py()
+    }
+
+    fn clear_logit_bias(&self) -> PyResult<()> {
+        self.inner.set_logit_bias(Vec::new()).py()
+    }
+
+    /// Dynamic biases {token: bias} applied after the logit bias; NOT inherited on fork.
+    fn steer(&self, bias: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.steer(convert::bias_map(bias)?).py()
+    }
+
+    fn clear_steer(&self) -> PyResult<()> {
+        self.inner.steer(Vec::new()).py()
+    }
+
+    // ---- metrics ----
+
+    #[getter]
+    fn perplexity(&self) -> PyResult<f64> {
+        self.inner.perplexity().py()
+    }
+
+    #[getter]
+    fn sampling_perplexity(&self) -> PyResult<f64> {
+        self.inner.sampling_perplexity().py()
+    }
+
+    #[pyo3(signature = (base="nats"))]
+    fn entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
+        let base = log_base(base)?;
+        py.detach(|| self.inner.entropy(base)).py()
+    }
+
+    #[pyo3(signature = (token, base="nats"))]
+    fn surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
+        let (token, base) = (token_id(token)?, log_base(base)?);
+        py.detach(|| self.inner.surprisal(token, base)).py()
+    }
+
+    /// A copy of the logits snapshot, float32 of shape (vocab_size,).
+    fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let r = self.inner.with_logits(|l| l.map(|l| convert::f32_array(py, l))).py()?;
+        r.unwrap_or_else(|| Err(crate::errors::KvforkError::new_err("the branch has no logits yet: prefill or commit first")))
+    }
+
+    /// Replace the snapshot with a float32 array of shape (vocab_size,).
+    fn set_logits(&self, logits: &Bound<'_, PyAny>) -> PyResult<()> {
+        let v = convert::f32_vec(logits, "logits")?;
+        self.inner.set_logits(&v).py()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<PyBranch>().is_ok_and(|o| o.get().inner == self.inner)
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.inner.handle().to_u64()
+    }
+
+    fn __repr__(&self) -> String {
+        match self.inner.position() {
+            Ok(p) => format!("Branch(handle={}, position={p})", self.inner.handle()),
+            Err(_) => format!("Branch(handle={}, disposed)", self.inner.handle()),
+        }
+    }
+}

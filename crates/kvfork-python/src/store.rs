@@ -1,0 +1,98 @@
+//! `BranchStore`: one decode for N branches.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+
+use crate::branch::PyBranch;
+use crate::context::{token_id, PyContext};
+use crate::convert::{self, awaitable, wait};
+use crate::token::PyToken;
+
+#[pyclass(frozen, module = "kvfork", name = "BranchStore")]
+pub struct PyBranchStore {
+    inner: kvfork::BranchStore,
+}
+
+fn branch(obj: &Bound<'_, PyAny>) -> PyResult<kvfork::Branch> {
+    Ok(obj.cast::<PyBranch>().map_err(|_| PyTypeError::new_err("expected a kvfork.Branch"))?.get().inner.clone())
+}
+
+fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i32)>> {
+    entries
+        .try_iter()?
+        .map(|e| {
+            let (b, t): (Bound<'_, PyAny>, i64) =
+                e?.extract().map_err(|_| PyTypeError::new_err("commit entries must be (Branch, int) pairs"))?;
+            Ok((branch(&b)?, token_id(t)?))
+        })
+        .collect()
+}
+
+fn prefill_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, Vec<i32>)>> {
+    entries
+        .try_iter()?
+        .map(|e| {
+            let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                e?.extract().map_err(|_| PyTypeError::new_err("prefill entries must be (Branch, tokens) pairs"))?;
+            Ok((branch(&b)?, convert::tokens(&toks, "tokens")?))
+        })
+        .collect()
+}
+
+fn branches(list: &Bound<'_, PyAny>) -> PyResult<Vec<kvfork::Branch>> {
+    list.try_iter()?.map(|b| branch(&b?)).collect()
+}
+
+fn tokens(produced: Vec<kvfork::Produced>) -> PyResult<Vec<PyToken>> {
+    Ok(produced.into_iter().map(PyToken::from).collect())
+}
+
+#[pymethods]
+impl PyBranchStore {
+    #[new]
+    fn new(ctx: &Bound<'_, PyContext>) -> Self {
+        PyBranchStore { inner: kvfork::BranchStore::new(&ctx.get().inner) }
+    }
+
+    /// Leases free now.
+    #[getter]
+    fn available(&self) -> u32 {
+        self.inner.available()
+    }
+
+    /// Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
+    fn commit<'py>(&self, py: Python<'py>, entries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.commit(&commit_entries(entries)?), Ok)
+    }
+
+    fn commit_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
+        wait(py, self.inner.commit(&commit_entries(entries)?))
+    }
+
+    /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes.
+    fn prefill<'py>(&self, py: Python<'py>, entries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.prefill(prefill_entries(entries)?), Ok)
+    }
+
+    fn prefill_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
+        wait(py, self.inner.prefill(prefill_entries(entries)?))
+    }
+
+    /// Keep `winner`'s KV only; every other branch of the context is disposed.
+    fn retain_only<'py>(&self, py: Python<'py>, winner: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.retain_only(&branch(winner)?), Ok)
+    }
+
+    fn retain_only_sync(&self, py: Python<'_>, winner: &Bound<'_, PyAny>) -> PyResult<()> {
+        wait(py, self.inner.retain_only(&branch(winner)?))
+    }
+
+    /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode.
+    fn step<'py>(&self, py: Python<'py>, branches_: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.step(&branches(branches_)?), tokens)
+    }
+
+    fn step_sync(&self, py: Python<'_>, branches_: &Bound<'_, PyAny>) -> PyResult<Vec<PyToken>> {
+        tokens(wait(py, self.inner.step(&branches(branches_)?))?)
+    }
+}

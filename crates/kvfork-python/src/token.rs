@@ -1,0 +1,53 @@
+//! `Token`: an immutable `(token, text, is_stop)` that unpacks like a tuple.
+
+use pyo3::exceptions::PyIndexError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+#[pyclass(frozen, eq, hash, module = "kvfork", name = "Token")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PyToken {
+    #[pyo3(get)]
+    token: i32,
+    #[pyo3(get)]
+    text: String,
+    #[pyo3(get)]
+    is_stop: bool,
+}
+
+impl From<kvfork::Produced> for PyToken {
+    fn from(p: kvfork::Produced) -> Self {
+        PyToken { token: p.token, text: p.text, is_stop: p.is_stop }
+    }
+}
+
+#[pymethods]
+impl PyToken {
+    #[new]
+    fn new(token: i32, text: String, is_stop: bool) -> Self {
+        PyToken { token, text, is_stop }
+    }
+
+    fn __len__(&self) -> usize {
+        3
+    }
+
+    fn __getitem__(&self, py: Python<'_>, index: isize) -> PyResult<Py<PyAny>> {
+        use pyo3::IntoPyObjectExt;
+        match index {
+            0 | -3 => self.token.into_py_any(py),
+            1 | -2 => self.text.clone().into_py_any(py),
+            2 | -1 => self.is_stop.into_py_any(py),
+            _ => Err(PyIndexError::new_err("Token index out of range")),
+        }
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let t = PyTuple::new(py, [self.token.into_pyobject(py)?.into_any(), self.text.clone().into_pyobject(py)?.into_any(), pyo3::types::PyBool::new(py, self.is_stop).to_owned().into_any()])?;
+        Ok(t.as_any().try_iter()?.into_any())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Token(token={}, text={:?}, is_stop={})", self.token, self.text, if self.is_stop { "True" } else { "False" })
+    }
+}

@@ -1,0 +1,90 @@
+"""kvfork: forkable, batched llama.cpp inference.
+
+Branches share one KV-cache prefix (a fork copies no tensors), each with its own sampler,
+grammar, biases and perplexity; a BranchStore advances N branches in one ``llama_decode``.
+Everything that runs the model is async first, with a blocking ``*_sync`` twin.
+
+llama.cpp's log goes to ``logging.getLogger("kvfork")`` (quiet by default: warnings and
+errors only, and no handler). ``set_log_level(logging.DEBUG)`` forwards everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from . import _native
+from ._models import default_chat_model_path, default_model_path
+from ._native import (
+    Branch,
+    BranchDisposedError,
+    BranchStore,
+    ChatTemplateError,
+    Context,
+    DecodeError,
+    GrammarError,
+    KvCacheFullError,
+    KvforkError,
+    LeaseExhaustedError,
+    Model,
+    ModelLoadError,
+    SamplingParams,
+    Token,
+    TokenStream,
+    TokenStreamSync,
+    create_context,
+    create_context_sync,
+    system_info,
+)
+
+__version__: str = _native.__version__
+
+logging.getLogger("kvfork").addHandler(logging.NullHandler())
+
+
+def set_log_level(level: int) -> None:
+    """Forward llama.cpp log lines at ``level`` and above to the ``kvfork`` logger."""
+    _native._set_log_level(int(level))
+
+
+def json_schema_to_grammar(schema: dict[str, Any] | str) -> str:
+    """GBNF grammar accepting exactly the JSON documents valid under ``schema``.
+
+    Raises GrammarError for a schema that is not valid JSON or that llama.cpp cannot convert.
+    """
+    if isinstance(schema, dict):
+        text = json.dumps(schema)
+    elif isinstance(schema, str):
+        text = schema
+    else:
+        raise TypeError("schema must be a dict or a JSON string")
+    return _native.json_schema_to_grammar(text)
+
+
+__all__ = [
+    "Branch",
+    "BranchDisposedError",
+    "BranchStore",
+    "ChatTemplateError",
+    "Context",
+    "DecodeError",
+    "GrammarError",
+    "KvCacheFullError",
+    "KvforkError",
+    "LeaseExhaustedError",
+    "Model",
+    "ModelLoadError",
+    "SamplingParams",
+    "Token",
+    "TokenStream",
+    "TokenStreamSync",
+    "__version__",
+    "create_context",
+    "create_context_sync",
+    "default_chat_model_path",
+    "default_model_path",
+    "json_schema_to_grammar",
+    "set_log_level",
+    "system_info",
+]
