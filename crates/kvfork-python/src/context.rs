@@ -38,7 +38,11 @@ fn pooling_type(name: Option<&str>) -> PyResult<Option<i32>> {
         Some("cls") => Some(2),
         Some("last") => Some(3),
         Some("rank") => Some(4),
-        Some(other) => return Err(PyValueError::new_err(format!("pooling: unknown pooling {other:?}"))),
+        Some(other) => {
+            return Err(PyValueError::new_err(format!(
+                "pooling: unknown pooling {other:?}"
+            )))
+        }
     })
 }
 
@@ -58,11 +62,9 @@ fn options(
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
     } else {
-        ModelSource::Path(
-            path_or_model
-                .extract::<PathBuf>()
-                .map_err(|_| PyTypeError::new_err("path_or_model must be a Model, str or os.PathLike"))?,
-        )
+        ModelSource::Path(path_or_model.extract::<PathBuf>().map_err(|_| {
+            PyTypeError::new_err("path_or_model must be a Model, str or os.PathLike")
+        })?)
     };
     let params = kvfork::ContextParams {
         n_ctx,
@@ -75,13 +77,23 @@ fn options(
         pooling: pooling_type(pooling)?,
     };
     params.validate().py()?;
-    Ok(Options { source, params, n_gpu_layers })
+    Ok(Options {
+        source,
+        params,
+        n_gpu_layers,
+    })
 }
 
 fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     let model = match o.source {
         ModelSource::Loaded(m) => m,
-        ModelSource::Path(p) => kvfork::Model::load(&p, &kvfork::ModelParams { n_gpu_layers: o.n_gpu_layers, use_mmap: true })?,
+        ModelSource::Path(p) => kvfork::Model::load(
+            &p,
+            &kvfork::ModelParams {
+                n_gpu_layers: o.n_gpu_layers,
+                use_mmap: true,
+            },
+        )?,
     };
     kvfork::Context::new(model, o.params)
 }
@@ -104,7 +116,18 @@ pub fn create_context<'py>(
     pooling: Option<&str>,
     n_gpu_layers: Option<i32>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let o = options(path_or_model, n_ctx, n_batch, n_seq_max, n_threads, type_k, type_v, embeddings, pooling, n_gpu_layers)?;
+    let o = options(
+        path_or_model,
+        n_ctx,
+        n_batch,
+        n_seq_max,
+        n_threads,
+        type_k,
+        type_v,
+        embeddings,
+        pooling,
+        n_gpu_layers,
+    )?;
     pyo3_async_runtimes::tokio::future_into_py(py, async move {
         let ctx = tokio::task::spawn_blocking(move || build(o))
             .await
@@ -132,8 +155,21 @@ pub fn create_context_sync(
     pooling: Option<&str>,
     n_gpu_layers: Option<i32>,
 ) -> PyResult<PyContext> {
-    let o = options(path_or_model, n_ctx, n_batch, n_seq_max, n_threads, type_k, type_v, embeddings, pooling, n_gpu_layers)?;
-    Ok(PyContext { inner: py.detach(|| build(o)).py()? })
+    let o = options(
+        path_or_model,
+        n_ctx,
+        n_batch,
+        n_seq_max,
+        n_threads,
+        type_k,
+        type_v,
+        embeddings,
+        pooling,
+        n_gpu_layers,
+    )?;
+    Ok(PyContext {
+        inner: py.detach(|| build(o)).py()?,
+    })
 }
 
 impl PyContext {
@@ -149,7 +185,9 @@ impl PyContext {
 impl PyContext {
     #[getter]
     fn model(&self) -> PyModel {
-        PyModel { inner: self.inner.model().clone() }
+        PyModel {
+            inner: self.inner.model().clone(),
+        }
     }
 
     #[getter]
@@ -179,9 +217,16 @@ impl PyContext {
 
     /// Tokenize with llama.cpp's tokenizer.
     #[pyo3(signature = (text, add_special=true, parse_special=false))]
-    fn tokenize(&self, py: Python<'_>, text: &str, add_special: bool, parse_special: bool) -> PyResult<Vec<i32>> {
+    fn tokenize(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> PyResult<Vec<i32>> {
         let ctx = self.open()?;
-        py.detach(|| ctx.tokenize(text, add_special, parse_special)).py()
+        py.detach(|| ctx.tokenize(text, add_special, parse_special))
+            .py()
     }
 
     #[pyo3(signature = (tokens, *, remove_special=false, unparse_special=false))]
@@ -194,7 +239,8 @@ impl PyContext {
     ) -> PyResult<String> {
         let tokens = convert::tokens(tokens, "tokens")?;
         let ctx = self.open()?;
-        py.detach(|| ctx.detokenize(&tokens, remove_special, unparse_special)).py()
+        py.detach(|| ctx.detokenize(&tokens, remove_special, unparse_special))
+            .py()
     }
 
     fn token_to_text(&self, token: i64) -> PyResult<String> {
@@ -248,7 +294,10 @@ impl PyContext {
         let mut d: BTreeMap<&str, Py<PyAny>> = BTreeMap::new();
         d.insert("decode_calls", s.decode_calls.into_py_any(py)?);
         d.insert("decoded_tokens", s.decoded_tokens.into_py_any(py)?);
-        d.insert("decode_seconds", (s.decode_ns as f64 / 1e9).into_py_any(py)?);
+        d.insert(
+            "decode_seconds",
+            (s.decode_ns as f64 / 1e9).into_py_any(py)?,
+        );
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
         d.into_bound_py_any(py)
     }
@@ -307,5 +356,6 @@ impl PyContext {
 }
 
 pub fn token_id(token: i64) -> PyResult<i32> {
-    i32::try_from(token).map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
+    i32::try_from(token)
+        .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
 }

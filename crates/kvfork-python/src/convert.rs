@@ -14,15 +14,26 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
     let py = obj.py();
     let narrow = |v: Vec<i64>| -> PyResult<Vec<i32>> {
         v.into_iter()
-            .map(|t| i32::try_from(t).map_err(|_| PyValueError::new_err(format!("{name}: token id {t} is out of range"))))
+            .map(|t| {
+                i32::try_from(t).map_err(|_| {
+                    PyValueError::new_err(format!("{name}: token id {t} is out of range"))
+                })
+            })
             .collect()
     };
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!("{name} must be a sequence of ints, not str")));
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints, not str"
+        )));
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        let v = list.iter().map(|x| x.extract::<i64>()).collect::<PyResult<Vec<_>>>();
-        return narrow(v.map_err(|_| PyTypeError::new_err(format!("{name} must contain only ints")))?);
+        let v = list
+            .iter()
+            .map(|x| x.extract::<i64>())
+            .collect::<PyResult<Vec<_>>>();
+        return narrow(
+            v.map_err(|_| PyTypeError::new_err(format!("{name} must contain only ints")))?,
+        );
     }
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
         check_1d(buf.dimensions(), name)?;
@@ -32,15 +43,19 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
         check_1d(buf.dimensions(), name)?;
         return buf.to_vec(py);
     }
-    let v = obj
-        .extract::<Vec<i64>>()
-        .map_err(|_| PyTypeError::new_err(format!("{name} must be a sequence of ints or a 1-D integer array")))?;
+    let v = obj.extract::<Vec<i64>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{name} must be a sequence of ints or a 1-D integer array"
+        ))
+    })?;
     narrow(v)
 }
 
 fn check_1d(ndim: usize, name: &str) -> PyResult<()> {
     if ndim != 1 {
-        return Err(PyValueError::new_err(format!("{name} must be 1-D, got {ndim} dimensions")));
+        return Err(PyValueError::new_err(format!(
+            "{name} must be 1-D, got {ndim} dimensions"
+        )));
     }
     Ok(())
 }
@@ -50,7 +65,9 @@ pub fn f32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f32>> {
     let buf = PyBuffer::<f32>::get(obj)
         .map_err(|_| PyValueError::new_err(format!("{name} must be a 1-D numpy.float32 array")))?;
     if !matches!(buf.format().to_bytes(), b"f" | b"@f" | b"=f" | b"<f") {
-        return Err(PyValueError::new_err(format!("{name} must be a native float32 array")));
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a native float32 array"
+        )));
     }
     check_1d(buf.dimensions(), name)?;
     buf.to_vec(obj.py())
@@ -59,7 +76,9 @@ pub fn f32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f32>> {
 /// A new writable float32 numpy array (a copy the caller owns).
 pub fn f32_array<'py>(py: Python<'py>, data: &[f32]) -> PyResult<Bound<'py, PyAny>> {
     static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    let np = NUMPY.get_or_try_init(py, || py.import("numpy").map(Bound::unbind))?.bind(py);
+    let np = NUMPY
+        .get_or_try_init(py, || py.import("numpy").map(Bound::unbind))?
+        .bind(py);
     let bytes = PyByteArray::new_with(py, std::mem::size_of_val(data), |out: &mut [u8]| {
         for (dst, v) in out.chunks_exact_mut(4).zip(data) {
             dst.copy_from_slice(&v.to_ne_bytes());
@@ -71,12 +90,19 @@ pub fn f32_array<'py>(py: Python<'py>, data: &[f32]) -> PyResult<Bound<'py, PyAn
 
 /// `{token: bias}` → pairs.
 pub fn bias_map(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
-    let dict = obj.cast::<PyDict>().map_err(|_| PyTypeError::new_err("bias must be a dict {token: bias}"))?;
+    let dict = obj
+        .cast::<PyDict>()
+        .map_err(|_| PyTypeError::new_err("bias must be a dict {token: bias}"))?;
     dict.iter()
         .map(|(k, v)| {
-            let t: i64 = k.extract().map_err(|_| PyTypeError::new_err("bias keys must be token ids (int)"))?;
-            let t = i32::try_from(t).map_err(|_| PyValueError::new_err(format!("token id {t} is out of range")))?;
-            let b: f64 = v.extract().map_err(|_| PyTypeError::new_err("bias values must be floats"))?;
+            let t: i64 = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err("bias keys must be token ids (int)"))?;
+            let t = i32::try_from(t)
+                .map_err(|_| PyValueError::new_err(format!("token id {t} is out of range")))?;
+            let b: f64 = v
+                .extract()
+                .map_err(|_| PyTypeError::new_err("bias values must be floats"))?;
             Ok((t, b as f32))
         })
         .collect()

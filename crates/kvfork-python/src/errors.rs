@@ -3,14 +3,49 @@
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
-pyo3::create_exception!(kvfork, KvforkError, PyException, "Base class of every kvfork error.");
-pyo3::create_exception!(kvfork, ModelLoadError, KvforkError, "A model file could not be loaded.");
+pyo3::create_exception!(
+    kvfork,
+    KvforkError,
+    PyException,
+    "Base class of every kvfork error."
+);
+pyo3::create_exception!(
+    kvfork,
+    ModelLoadError,
+    KvforkError,
+    "A model file could not be loaded."
+);
 pyo3::create_exception!(kvfork, DecodeError, KvforkError, "llama_decode failed.");
-pyo3::create_exception!(kvfork, KvCacheFullError, DecodeError, "No room left in the KV cache.");
-pyo3::create_exception!(kvfork, LeaseExhaustedError, KvforkError, "Every KV sequence of the context is leased.");
-pyo3::create_exception!(kvfork, BranchDisposedError, KvforkError, "The branch was pruned.");
-pyo3::create_exception!(kvfork, GrammarError, KvforkError, "A grammar failed to parse or has no legal continuation.");
-pyo3::create_exception!(kvfork, ChatTemplateError, KvforkError, "A chat template is missing or failed to render.");
+pyo3::create_exception!(
+    kvfork,
+    KvCacheFullError,
+    DecodeError,
+    "No room left in the KV cache."
+);
+pyo3::create_exception!(
+    kvfork,
+    LeaseExhaustedError,
+    KvforkError,
+    "Every KV sequence of the context is leased."
+);
+pyo3::create_exception!(
+    kvfork,
+    BranchDisposedError,
+    KvforkError,
+    "The branch was pruned."
+);
+pyo3::create_exception!(
+    kvfork,
+    GrammarError,
+    KvforkError,
+    "A grammar failed to parse or has no legal continuation."
+);
+pyo3::create_exception!(
+    kvfork,
+    ChatTemplateError,
+    KvforkError,
+    "A chat template is missing or failed to render."
+);
 
 /// `kvfork::Error` → the matching Python exception.
 pub fn to_py(err: kvfork::Error) -> PyErr {

@@ -21,7 +21,10 @@ struct Stepper {
 impl Stepper {
     /// Sample and queue the commit; the caller waits on the returned Pending.
     fn start(&self) -> kvfork::Result<Option<(kvfork::Produced, kvfork::Pending<()>)>> {
-        if self.max_tokens.is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m) {
+        if self
+            .max_tokens
+            .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m)
+        {
             return Ok(None);
         }
         let p = self.branch.produce()?;
@@ -42,7 +45,13 @@ pub struct PyGenerator {
 
 impl PyGenerator {
     pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
-        PyGenerator { stepper: Arc::new(Stepper { branch, max_tokens, produced: AtomicUsize::new(0) }) }
+        PyGenerator {
+            stepper: Arc::new(Stepper {
+                branch,
+                max_tokens,
+                produced: AtomicUsize::new(0),
+            }),
+        }
     }
 }
 
@@ -74,7 +83,13 @@ pub struct PyGeneratorSync {
 
 impl PyGeneratorSync {
     pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
-        PyGeneratorSync { stepper: Arc::new(Stepper { branch, max_tokens, produced: AtomicUsize::new(0) }) }
+        PyGeneratorSync {
+            stepper: Arc::new(Stepper {
+                branch,
+                max_tokens,
+                produced: AtomicUsize::new(0),
+            }),
+        }
     }
 }
 
@@ -94,6 +109,8 @@ impl PyGeneratorSync {
                 }
             })
             .py()?;
-        produced.map(PyToken::from).ok_or_else(|| PyStopIteration::new_err(()))
+        produced
+            .map(PyToken::from)
+            .ok_or_else(|| PyStopIteration::new_err(()))
     }
 }

@@ -25,9 +25,15 @@ fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static s
     let mut d = std::collections::BTreeMap::new();
     d.insert("backend", info.backend.into_py_any(py)?);
     d.insert("cpu_features", info.cpu_features.clone().into_py_any(py)?);
-    d.insert("host_cpu_features", info.host_cpu_features.clone().into_py_any(py)?);
+    d.insert(
+        "host_cpu_features",
+        info.host_cpu_features.clone().into_py_any(py)?,
+    );
     d.insert("llama_cpp", info.llama_cpp.into_py_any(py)?);
-    d.insert("llama_system_info", info.llama_system_info.clone().into_py_any(py)?);
+    d.insert(
+        "llama_system_info",
+        info.llama_system_info.clone().into_py_any(py)?,
+    );
     d.insert("gpu_offload", info.gpu_offload.into_py_any(py)?);
     d.insert("mmap", info.mmap.into_py_any(py)?);
     Ok(d)
@@ -61,7 +67,9 @@ fn forward_log(level: kvfork::LogLevel, message: &str) {
     };
     let _ = Python::try_attach(|py| {
         let logger = LOGGER.get_or_try_init(py, || {
-            py.import("logging")?.call_method1("getLogger", ("kvfork",)).map(Bound::unbind)
+            py.import("logging")?
+                .call_method1("getLogger", ("kvfork",))
+                .map(Bound::unbind)
         });
         if let Ok(logger) = logger {
             let _ = logger.bind(py).call_method1("log", (level, message));

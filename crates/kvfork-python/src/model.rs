@@ -13,8 +13,16 @@ pub struct PyModel {
     pub inner: Arc<kvfork::Model>,
 }
 
-pub fn load(py: Python<'_>, path: PathBuf, n_gpu_layers: Option<i32>, use_mmap: bool) -> PyResult<Arc<kvfork::Model>> {
-    let params = kvfork::ModelParams { n_gpu_layers, use_mmap };
+pub fn load(
+    py: Python<'_>,
+    path: PathBuf,
+    n_gpu_layers: Option<i32>,
+    use_mmap: bool,
+) -> PyResult<Arc<kvfork::Model>> {
+    let params = kvfork::ModelParams {
+        n_gpu_layers,
+        use_mmap,
+    };
     py.detach(|| kvfork::Model::load(&path, &params)).py()
 }
 
@@ -23,8 +31,15 @@ impl PyModel {
     /// Load a GGUF model (blocking; weights are memory-mapped by default).
     #[staticmethod]
     #[pyo3(signature = (path, *, n_gpu_layers=None, use_mmap=true))]
-    fn load(py: Python<'_>, path: PathBuf, n_gpu_layers: Option<i32>, use_mmap: bool) -> PyResult<Self> {
-        Ok(PyModel { inner: load(py, path, n_gpu_layers, use_mmap)? })
+    fn load(
+        py: Python<'_>,
+        path: PathBuf,
+        n_gpu_layers: Option<i32>,
+        use_mmap: bool,
+    ) -> PyResult<Self> {
+        Ok(PyModel {
+            inner: load(py, path, n_gpu_layers, use_mmap)?,
+        })
     }
 
     #[getter]
@@ -63,6 +78,10 @@ impl PyModel {
     }
 
     fn __repr__(&self) -> String {
-        format!("Model(name={:?}, path={:?})", self.inner.name(), self.inner.path())
+        format!(
+            "Model(name={:?}, path={:?})",
+            self.inner.name(),
+            self.inner.path()
+        )
     }
 }

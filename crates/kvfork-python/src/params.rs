@@ -58,29 +58,29 @@ macro_rules! sampling_params {
             fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
                 Self::with_changes(&kvfork::SamplingParams::default(), kwargs)
             }
-        
+
             /// A copy with some fields changed.
             #[pyo3(signature = (**changes))]
             fn replace(&self, changes: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
                 Self::with_changes(&self.inner, changes)
             }
-        
+
             /// The fields as a dict.
             fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 self.fields(py)
             }
-        
+
             fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
                 other.cast::<PySamplingParams>().is_ok_and(|o| o.get().inner == self.inner)
             }
-        
+
             fn __hash__(&self) -> u64 {
                 use std::hash::{Hash, Hasher};
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 format!("{:?}", self.inner).hash(&mut h);
                 h.finish()
             }
-        
+
             fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
                 let parts: Vec<String> = self
                     .fields(py)?
@@ -101,7 +101,6 @@ sampling_params! {
     xtc_probability: f32, xtc_threshold: f32,
 }
 
-
 /// `None` → defaults, a `SamplingParams`, or a dict of the same keys.
 pub fn extract(obj: Option<&Bound<'_, PyAny>>) -> PyResult<kvfork::SamplingParams> {
     match obj {
@@ -112,9 +111,15 @@ pub fn extract(obj: Option<&Bound<'_, PyAny>>) -> PyResult<kvfork::SamplingParam
                 return Ok(p.get().inner.clone());
             }
             if let Ok(d) = o.cast::<PyDict>() {
-                return Ok(PySamplingParams::with_changes(&kvfork::SamplingParams::default(), Some(d))?.inner);
+                return Ok(PySamplingParams::with_changes(
+                    &kvfork::SamplingParams::default(),
+                    Some(d),
+                )?
+                .inner);
             }
-            Err(PyTypeError::new_err("params must be a SamplingParams, a dict or None"))
+            Err(PyTypeError::new_err(
+                "params must be a SamplingParams, a dict or None",
+            ))
         }
     }
 }

@@ -14,15 +14,21 @@ pub struct PyBranchStore {
 }
 
 fn branch(obj: &Bound<'_, PyAny>) -> PyResult<kvfork::Branch> {
-    Ok(obj.cast::<PyBranch>().map_err(|_| PyTypeError::new_err("expected a kvfork.Branch"))?.get().inner.clone())
+    Ok(obj
+        .cast::<PyBranch>()
+        .map_err(|_| PyTypeError::new_err("expected a kvfork.Branch"))?
+        .get()
+        .inner
+        .clone())
 }
 
 fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i32)>> {
     entries
         .try_iter()?
         .map(|e| {
-            let (b, t): (Bound<'_, PyAny>, i64) =
-                e?.extract().map_err(|_| PyTypeError::new_err("commit entries must be (Branch, int) pairs"))?;
+            let (b, t): (Bound<'_, PyAny>, i64) = e?
+                .extract()
+                .map_err(|_| PyTypeError::new_err("commit entries must be (Branch, int) pairs"))?;
             Ok((branch(&b)?, token_id(t)?))
         })
         .collect()
@@ -32,8 +38,9 @@ fn prefill_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, 
     entries
         .try_iter()?
         .map(|e| {
-            let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                e?.extract().map_err(|_| PyTypeError::new_err("prefill entries must be (Branch, tokens) pairs"))?;
+            let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
+                PyTypeError::new_err("prefill entries must be (Branch, tokens) pairs")
+            })?;
             Ok((branch(&b)?, convert::tokens(&toks, "tokens")?))
         })
         .collect()
@@ -51,7 +58,9 @@ fn tokens(produced: Vec<kvfork::Produced>) -> PyResult<Vec<PyToken>> {
 impl PyBranchStore {
     #[new]
     fn new(ctx: &Bound<'_, PyContext>) -> Self {
-        PyBranchStore { inner: kvfork::BranchStore::new(&ctx.get().inner) }
+        PyBranchStore {
+            inner: kvfork::BranchStore::new(&ctx.get().inner),
+        }
     }
 
     /// Leases free now.
@@ -61,7 +70,11 @@ impl PyBranchStore {
     }
 
     /// Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
-    fn commit<'py>(&self, py: Python<'py>, entries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn commit<'py>(
+        &self,
+        py: Python<'py>,
+        entries: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         awaitable(py, self.inner.commit(&commit_entries(entries)?), Ok)
     }
 
@@ -70,7 +83,11 @@ impl PyBranchStore {
     }
 
     /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes.
-    fn prefill<'py>(&self, py: Python<'py>, entries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn prefill<'py>(
+        &self,
+        py: Python<'py>,
+        entries: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         awaitable(py, self.inner.prefill(prefill_entries(entries)?), Ok)
     }
 
@@ -79,7 +96,11 @@ impl PyBranchStore {
     }
 
     /// Keep `winner`'s KV only; every other branch of the context is disposed.
-    fn retain_only<'py>(&self, py: Python<'py>, winner: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn retain_only<'py>(
+        &self,
+        py: Python<'py>,
+        winner: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         awaitable(py, self.inner.retain_only(&branch(winner)?), Ok)
     }
 
@@ -88,7 +109,11 @@ impl PyBranchStore {
     }
 
     /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode.
-    fn step<'py>(&self, py: Python<'py>, branches_: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn step<'py>(
+        &self,
+        py: Python<'py>,
+        branches_: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         awaitable(py, self.inner.step(&branches(branches_)?), tokens)
     }
 

@@ -17,7 +17,11 @@ pub struct PyToken {
 
 impl From<kvfork::Produced> for PyToken {
     fn from(p: kvfork::Produced) -> Self {
-        PyToken { token: p.token, text: p.text, is_stop: p.is_stop }
+        PyToken {
+            token: p.token,
+            text: p.text,
+            is_stop: p.is_stop,
+        }
     }
 }
 
@@ -25,7 +29,11 @@ impl From<kvfork::Produced> for PyToken {
 impl PyToken {
     #[new]
     fn new(token: i32, text: String, is_stop: bool) -> Self {
-        PyToken { token, text, is_stop }
+        PyToken {
+            token,
+            text,
+            is_stop,
+        }
     }
 
     fn __len__(&self) -> usize {
@@ -43,11 +51,25 @@ impl PyToken {
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let t = PyTuple::new(py, [self.token.into_pyobject(py)?.into_any(), self.text.clone().into_pyobject(py)?.into_any(), pyo3::types::PyBool::new(py, self.is_stop).to_owned().into_any()])?;
+        let t = PyTuple::new(
+            py,
+            [
+                self.token.into_pyobject(py)?.into_any(),
+                self.text.clone().into_pyobject(py)?.into_any(),
+                pyo3::types::PyBool::new(py, self.is_stop)
+                    .to_owned()
+                    .into_any(),
+            ],
+        )?;
         Ok(t.as_any().try_iter()?.into_any())
     }
 
     fn __repr__(&self) -> String {
-        format!("Token(token={}, text={:?}, is_stop={})", self.token, self.text, if self.is_stop { "True" } else { "False" })
+        format!(
+            "Token(token={}, text={:?}, is_stop={})",
+            self.token,
+            self.text,
+            if self.is_stop { "True" } else { "False" }
+        )
     }
 }

@@ -7,15 +7,33 @@ use kvfork::{Branch, BranchStore, Context, ContextParams, Model, ModelParams, Sa
 
 fn main() -> kvfork::Result<()> {
     let mut args = std::env::args().skip(1);
-    let path = args.next().or_else(|| std::env::var("KVFORK_MODEL").ok()).expect("usage: best_of_n MODEL.gguf [N] [TOKENS]");
+    let path = args
+        .next()
+        .or_else(|| std::env::var("KVFORK_MODEL").ok())
+        .expect("usage: best_of_n MODEL.gguf [N] [TOKENS]");
     let n: u32 = args.next().map_or(4, |s| s.parse().expect("N"));
     let max_tokens: usize = args.next().map_or(24, |s| s.parse().expect("TOKENS"));
 
     let model = Model::load(&path, &ModelParams::default())?;
-    let ctx = Context::new(model, ContextParams { n_seq_max: n + 1, ..Default::default() })?;
+    let ctx = Context::new(
+        model,
+        ContextParams {
+            n_seq_max: n + 1,
+            ..Default::default()
+        },
+    )?;
     let prompt = ctx.tokenize("The history of the printing press begins with", true, false)?;
 
-    let root = Branch::create(&ctx, 0, &SamplingParams { seed: Some(1), ..Default::default() }, None).wait()?;
+    let root = Branch::create(
+        &ctx,
+        0,
+        &SamplingParams {
+            seed: Some(1),
+            ..Default::default()
+        },
+        None,
+    )
+    .wait()?;
     root.prefill(prompt).wait()?;
     let mut branches = Vec::new();
     for i in 0..n {

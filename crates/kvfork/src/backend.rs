@@ -82,7 +82,10 @@ pub fn ensure_backend() -> Result<()> {
         unsafe { sys::llama_log_set(Some(log_callback), std::ptr::null_mut()) };
         LlamaBackend::init().map_err(|e| e.to_string())
     });
-    state.as_ref().map(|_| ()).map_err(|e| Error::Other(e.clone()))
+    state
+        .as_ref()
+        .map(|_| ())
+        .map_err(|e| Error::Other(e.clone()))
 }
 
 /// (name, compiled into ggml, `is_x86_feature_detected!` name)
@@ -97,10 +100,26 @@ fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
             ("F16C", sys::ggml_cpu_has_f16c() != 0, has!("f16c")),
             ("BMI2", sys::ggml_cpu_has_bmi2() != 0, has!("bmi2")),
             ("AVX512", sys::ggml_cpu_has_avx512() != 0, has!("avx512f")),
-            ("AVX512_VNNI", sys::ggml_cpu_has_avx512_vnni() != 0, has!("avx512vnni")),
-            ("AVX512_VBMI", sys::ggml_cpu_has_avx512_vbmi() != 0, has!("avx512vbmi")),
-            ("AVX512_BF16", sys::ggml_cpu_has_avx512_bf16() != 0, has!("avx512bf16")),
-            ("AVX_VNNI", sys::ggml_cpu_has_avx_vnni() != 0, has!("avxvnni")),
+            (
+                "AVX512_VNNI",
+                sys::ggml_cpu_has_avx512_vnni() != 0,
+                has!("avx512vnni"),
+            ),
+            (
+                "AVX512_VBMI",
+                sys::ggml_cpu_has_avx512_vbmi() != 0,
+                has!("avx512vbmi"),
+            ),
+            (
+                "AVX512_BF16",
+                sys::ggml_cpu_has_avx512_bf16() != 0,
+                has!("avx512bf16"),
+            ),
+            (
+                "AVX_VNNI",
+                sys::ggml_cpu_has_avx_vnni() != 0,
+                has!("avxvnni"),
+            ),
             ("AMX_INT8", sys::ggml_cpu_has_amx_int8() != 0, false),
         ]
     }

@@ -54,7 +54,10 @@ impl Branch {
         let prepared = (|| {
             ctx.shared().check_open()?;
             if position < 0 || position as u32 >= ctx.n_ctx() {
-                return Err(Error::invalid("position", format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx())));
+                return Err(Error::invalid(
+                    "position",
+                    format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx()),
+                ));
             }
             let sampler = SamplerChain::new(params, ctx.model())?;
             let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
@@ -70,7 +73,11 @@ impl Branch {
             let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
             cell.lock().seq = seq as i32;
             w.ctx.seq_rm(seq as i32, 0, -1)?;
-            Ok(Branch { ctx: ctx2, handle, cell })
+            Ok(Branch {
+                ctx: ctx2,
+                handle,
+                cell,
+            })
         })
     }
 
@@ -109,7 +116,10 @@ impl Branch {
     /// Decode external tokens at the branch's position and capture the last logits.
     /// No accept: penalties and perplexity are untouched.
     pub fn prefill(&self, tokens: Vec<Token>) -> Pending<()> {
-        if let Err(e) = self.check_live().and_then(|_| check_tokens(&self.ctx, &tokens)) {
+        if let Err(e) = self
+            .check_live()
+            .and_then(|_| check_tokens(&self.ctx, &tokens))
+        {
             return Pending::ready(Err(e));
         }
         let cell = self.cell.clone();
@@ -126,7 +136,11 @@ impl Branch {
         let model = self.ctx.model().clone();
         self.state(|s| {
             let token = s.sample()?;
-            Ok(Produced { token, text: s.token_text(&model, token, false)?, is_stop: model.is_eog(token) })
+            Ok(Produced {
+                token,
+                text: s.token_text(&model, token, false)?,
+                is_stop: model.is_eog(token),
+            })
         })
     }
 
@@ -138,7 +152,10 @@ impl Branch {
 
     /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.
     pub fn commit(&self, token: Token) -> Pending<()> {
-        if let Err(e) = self.check_live().and_then(|_| self.ctx.model().check_token(token)) {
+        if let Err(e) = self
+            .check_live()
+            .and_then(|_| self.ctx.model().check_token(token))
+        {
             return Pending::ready(Err(e));
         }
         self.ctx.engine().commit(vec![(self.cell.clone(), token)])
@@ -161,7 +178,10 @@ impl Branch {
                 (p.fork_copy(-1), p.seq, p.position)
             };
             let cell = BranchCell::new(child_state);
-            let (handle, seq) = w.shared.registry().fork(parent, fork_head as u32, cell.clone())?;
+            let (handle, seq) = w
+                .shared
+                .registry()
+                .fork(parent, fork_head as u32, cell.clone())?;
             cell.lock().seq = seq as i32;
             w.ctx.seq_rm(seq as i32, 0, -1)?;
             w.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
@@ -248,7 +268,11 @@ impl Branch {
     }
 
     pub fn is_leaf(&self) -> bool {
-        self.ctx.shared().registry().get(self.handle).is_none_or(|n| n.children.is_empty())
+        self.ctx
+            .shared()
+            .registry()
+            .get(self.handle)
+            .is_none_or(|n| n.children.is_empty())
     }
 
     /// True while the branch holds a KV lease.
@@ -263,7 +287,12 @@ impl Branch {
     /// Position at which this branch was forked (0 for a root).
     pub fn fork_head(&self) -> Result<u32> {
         self.check_live()?;
-        Ok(self.ctx.shared().registry().get(self.handle).map_or(0, |n| n.fork_head))
+        Ok(self
+            .ctx
+            .shared()
+            .registry()
+            .get(self.handle)
+            .map_or(0, |n| n.fork_head))
     }
 
     /// Tokens in this branch's sequence (its next token goes at this position).
@@ -310,7 +339,9 @@ impl Branch {
 
     /// Replace (or remove, with `None`) the grammar.
     pub fn set_grammar(&self, grammar: Option<GrammarSpec>) -> Result<()> {
-        let grammar = grammar.map(|g| Grammar::new(self.ctx.model(), g)).transpose()?;
+        let grammar = grammar
+            .map(|g| Grammar::new(self.ctx.model(), g))
+            .transpose()?;
         self.state(|s| {
             s.grammar = grammar;
             s.touch_sampler();
@@ -381,7 +412,10 @@ impl Branch {
     pub fn set_logits(&self, logits: &[f32]) -> Result<()> {
         let n = self.ctx.vocab_size();
         if logits.len() != n {
-            return Err(Error::invalid("logits", format!("expected {n} values, got {}", logits.len())));
+            return Err(Error::invalid(
+                "logits",
+                format!("expected {n} values, got {}", logits.len()),
+            ));
         }
         if logits.iter().any(|v| v.is_nan()) {
             return Err(Error::invalid("logits", "contains NaN"));
@@ -407,7 +441,10 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
     for &(t, b) in bias {
         ctx.model().check_token(t)?;
         if b.is_nan() || b == f32::INFINITY {
-            return Err(Error::invalid("bias", format!("bias for token {t} must be finite or -inf")));
+            return Err(Error::invalid(
+                "bias",
+                format!("bias for token {t} must be finite or -inf"),
+            ));
         }
     }
     Ok(())

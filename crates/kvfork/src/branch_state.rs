@@ -134,7 +134,9 @@ impl BranchState {
     }
 
     fn require_logits(&self) -> Result<&[f32]> {
-        self.logits().ok_or_else(|| Error::Other("the branch has no logits yet: prefill or commit a token first".into()))
+        self.logits().ok_or_else(|| {
+            Error::Other("the branch has no logits yet: prefill or commit a token first".into())
+        })
     }
 
     pub fn set_logits(&mut self, row: &[f32]) {
@@ -158,7 +160,11 @@ impl BranchState {
     pub fn surprisal(&mut self, token: Token) -> Result<f64> {
         let lse = self.raw_lse()?;
         let logit = self.require_logits()?[token as usize] as f64;
-        Ok(if logit == f64::NEG_INFINITY { f64::INFINITY } else { lse - logit })
+        Ok(if logit == f64::NEG_INFINITY {
+            f64::INFINITY
+        } else {
+            lse - logit
+        })
     }
 
     /// Entropy of the raw snapshot in nats.
@@ -197,9 +203,18 @@ impl BranchState {
     fn filter_candidates(&mut self) -> Result<()> {
         self.require_logits()?;
         let logits = &self.logits[..];
-        let biased = |t: Token| self.logit_bias.iter().chain(&self.steer).any(|&(b, _)| b == t);
+        let biased = |t: Token| {
+            self.logit_bias
+                .iter()
+                .chain(&self.steer)
+                .any(|&(b, _)| b == t)
+        };
         self.candidates.clear();
-        let prefilter = if self.grammar.is_some() { None } else { self.sampler.prefilter_k() };
+        let prefilter = if self.grammar.is_some() {
+            None
+        } else {
+            self.sampler.prefilter_k()
+        };
         match prefilter {
             Some(k) if k < logits.len() => {
                 // The k best raw logits among unbiased tokens, plus every biased token: the
@@ -209,20 +224,36 @@ impl BranchState {
                 let mut kept = 0;
                 for &i in &self.scratch {
                     if kept < k && !biased(i as Token) {
-                        self.candidates.push(sys::llama_token_data { id: i as Token, logit: logits[i as usize], p: 0.0 });
+                        self.candidates.push(sys::llama_token_data {
+                            id: i as Token,
+                            logit: logits[i as usize],
+                            p: 0.0,
+                        });
                         kept += 1;
                     }
                 }
                 for &(t, _) in self.logit_bias.iter().chain(&self.steer) {
                     if !self.candidates.iter().any(|c| c.id == t) {
-                        self.candidates.push(sys::llama_token_data { id: t, logit: logits[t as usize], p: 0.0 });
+                        self.candidates.push(sys::llama_token_data {
+                            id: t,
+                            logit: logits[t as usize],
+                            p: 0.0,
+                        });
                     }
                 }
             }
             _ => {
-                self.candidates.extend(
-                    logits.iter().enumerate().map(|(i, &l)| sys::llama_token_data { id: i as Token, logit: l, p: 0.0 }),
-                );
+                self.candidates
+                    .extend(
+                        logits
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &l)| sys::llama_token_data {
+                                id: i as Token,
+                                logit: l,
+                                p: 0.0,
+                            }),
+                    );
             }
         }
         let mut cur = token_array(&mut self.candidates);
@@ -237,7 +268,10 @@ impl BranchState {
         }
         self.sampler.filter(&mut cur);
         // Samplers may shrink the array (they only move `data` within our buffer).
-        let (start, size) = (unsafe { cur.data.offset_from(self.candidates.as_ptr()) } as usize, cur.size);
+        let (start, size) = (
+            unsafe { cur.data.offset_from(self.candidates.as_ptr()) } as usize,
+            cur.size,
+        );
         self.candidates.truncate(start + size);
         self.candidates.drain(..start);
         if !self.candidates.iter().any(|c| c.logit.is_finite()) {
@@ -248,7 +282,10 @@ impl BranchState {
             });
         }
         let lse = log_sum_exp_candidates(&self.candidates);
-        self.cache = FilteredCache { key: Some((self.logits_version, self.sampler_epoch)), lse };
+        self.cache = FilteredCache {
+            key: Some((self.logits_version, self.sampler_epoch)),
+            lse,
+        };
         Ok(())
     }
 
@@ -265,8 +302,16 @@ impl BranchState {
         if self.cache.key != Some((self.logits_version, self.sampler_epoch)) {
             self.filter_candidates()?;
         }
-        let finite = self.candidates.iter().filter(|c| c.logit.is_finite()).count();
-        match self.candidates.iter().find(|c| c.id == token && c.logit.is_finite()) {
+        let finite = self
+            .candidates
+            .iter()
+            .filter(|c| c.logit.is_finite())
+            .count();
+        match self
+            .candidates
+            .iter()
+            .find(|c| c.id == token && c.logit.is_finite())
+        {
             None => Ok(f64::INFINITY),
             Some(_) if finite == 1 => Ok(0.0),
             Some(c) => Ok(self.cache.lse - c.logit as f64),
@@ -300,7 +345,9 @@ impl BranchState {
         bytes.extend_from_slice(&piece);
         let valid = match std::str::from_utf8(&bytes) {
             Ok(_) => bytes.len(),
-            Err(e) if e.error_len().is_none() && bytes.len() - e.valid_up_to() < 4 => e.valid_up_to(),
+            Err(e) if e.error_len().is_none() && bytes.len() - e.valid_up_to() < 4 => {
+                e.valid_up_to()
+            }
             Err(_) => bytes.len(), // invalid, not merely unfinished: emit lossily
         };
         let text = String::from_utf8_lossy(&bytes[..valid]).into_owned();
@@ -312,7 +359,12 @@ impl BranchState {
 }
 
 fn token_array(c: &mut [sys::llama_token_data]) -> sys::llama_token_data_array {
-    sys::llama_token_data_array { data: c.as_mut_ptr(), size: c.len(), selected: -1, sorted: false }
+    sys::llama_token_data_array {
+        data: c.as_mut_ptr(),
+        size: c.len(),
+        selected: -1,
+        sorted: false,
+    }
 }
 
 fn log_sum_exp_candidates(c: &[sys::llama_token_data]) -> f64 {
@@ -320,7 +372,11 @@ fn log_sum_exp_candidates(c: &[sys::llama_token_data]) -> f64 {
     if max == f64::NEG_INFINITY {
         return max;
     }
-    let sum: f64 = c.iter().filter(|c| c.logit.is_finite()).map(|c| (c.logit as f64 - max).exp()).sum();
+    let sum: f64 = c
+        .iter()
+        .filter(|c| c.logit.is_finite())
+        .map(|c| (c.logit as f64 - max).exp())
+        .sum();
     max + sum.ln()
 }
 

@@ -29,7 +29,9 @@ pub struct Context {
 impl Context {
     /// Create a context on `model` (blocks while llama.cpp allocates it).
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Context> {
-        Ok(Context { engine: Arc::new(Engine::start(model, params)?) })
+        Ok(Context {
+            engine: Arc::new(Engine::start(model, params)?),
+        })
     }
 
     pub(crate) fn engine(&self) -> &Engine {
@@ -92,14 +94,25 @@ impl Context {
         }
     }
 
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
         self.shared().check_open()?;
         self.model().tokenize(text, add_special, parse_special)
     }
 
-    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+    pub fn detokenize(
+        &self,
+        tokens: &[Token],
+        remove_special: bool,
+        unparse_special: bool,
+    ) -> Result<String> {
         self.shared().check_open()?;
-        self.model().detokenize(tokens, remove_special, unparse_special)
+        self.model()
+            .detokenize(tokens, remove_special, unparse_special)
     }
 
     pub fn token_to_text(&self, token: Token) -> Result<String> {

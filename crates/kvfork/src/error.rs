@@ -17,7 +17,9 @@ pub enum Error {
     #[error("KV cache is full: {0}")]
     KvCacheFull(String),
     /// Every sequence id of the context is leased.
-    #[error("no free KV sequence: all {n_seq_max} leases are in use; prune a branch or raise n_seq_max")]
+    #[error(
+        "no free KV sequence: all {n_seq_max} leases are in use; prune a branch or raise n_seq_max"
+    )]
     LeaseExhausted { n_seq_max: u32 },
     /// The branch was pruned (or its handle is stale).
     #[error("branch {0} is disposed")]
@@ -41,7 +43,10 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn invalid(name: &'static str, message: impl Into<String>) -> Self {
-        Error::InvalidArgument { name, message: message.into() }
+        Error::InvalidArgument {
+            name,
+            message: message.into(),
+        }
     }
 }
 

@@ -31,5 +31,6 @@ pub use store::BranchStore;
 /// GBNF grammar for a JSON schema (llama.cpp's converter).
 pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
     backend::ensure_backend()?;
-    llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| Error::Grammar(format!("bad JSON schema: {e}")))
+    llama_cpp_2::json_schema_to_grammar(schema_json)
+        .map_err(|e| Error::Grammar(format!("bad JSON schema: {e}")))
 }

@@ -26,7 +26,12 @@ impl CacheType {
             "bf16" => CacheType::BF16,
             "q8_0" => CacheType::Q8_0,
             "q4_0" => CacheType::Q4_0,
-            other => return Err(Error::invalid("type_k/type_v", format!("unknown cache type {other:?}"))),
+            other => {
+                return Err(Error::invalid(
+                    "type_k/type_v",
+                    format!("unknown cache type {other:?}"),
+                ))
+            }
         })
     }
 
@@ -78,22 +83,37 @@ impl ContextParams {
     /// Reject values llama.cpp would assert on.
     pub fn validate(&self) -> Result<()> {
         if self.n_seq_max == 0 || self.n_seq_max > MAX_SEQUENCES {
-            return Err(Error::invalid("n_seq_max", format!("{} is not in [1, {MAX_SEQUENCES}]", self.n_seq_max)));
+            return Err(Error::invalid(
+                "n_seq_max",
+                format!("{} is not in [1, {MAX_SEQUENCES}]", self.n_seq_max),
+            ));
         }
         if self.n_ctx < 16 || self.n_ctx > 1 << 24 {
-            return Err(Error::invalid("n_ctx", format!("{} is not in [16, 16777216]", self.n_ctx)));
+            return Err(Error::invalid(
+                "n_ctx",
+                format!("{} is not in [16, 16777216]", self.n_ctx),
+            ));
         }
         if self.n_batch == 0 || self.n_batch > 1 << 16 {
-            return Err(Error::invalid("n_batch", format!("{} is not in [1, 65536]", self.n_batch)));
+            return Err(Error::invalid(
+                "n_batch",
+                format!("{} is not in [1, 65536]", self.n_batch),
+            ));
         }
         if let Some(t) = self.n_threads {
             if !(1..=512).contains(&t) {
-                return Err(Error::invalid("n_threads", format!("{t} is not in [1, 512]")));
+                return Err(Error::invalid(
+                    "n_threads",
+                    format!("{t} is not in [1, 512]"),
+                ));
             }
         }
         if let Some(p) = self.pooling {
             if !(-1..=4).contains(&p) {
-                return Err(Error::invalid("pooling", format!("unknown pooling type {p}")));
+                return Err(Error::invalid(
+                    "pooling",
+                    format!("unknown pooling type {p}"),
+                ));
             }
         }
         Ok(())
@@ -101,7 +121,9 @@ impl ContextParams {
 
     pub fn threads(&self) -> i32 {
         self.n_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map(|n| n.get().min(8) as i32).unwrap_or(4)
+            std::thread::available_parallelism()
+                .map(|n| n.get().min(8) as i32)
+                .unwrap_or(4)
         })
     }
 }
@@ -152,7 +174,9 @@ impl LlamaCtx {
         cp.no_perf = true;
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
-            Error::Decode("llama.cpp could not create the context (out of memory? see the kvfork log)".into())
+            Error::Decode(
+                "llama.cpp could not create the context (out of memory? see the kvfork log)".into(),
+            )
         })?;
         let mem = unsafe { sys::llama_get_memory(ptr.as_ptr()) };
         Ok(LlamaCtx {
@@ -180,7 +204,9 @@ impl LlamaCtx {
                 self.n_ctx
             ))),
             2 => Err(Error::Decode("decode aborted".into())),
-            -1 => Err(Error::Decode("llama.cpp rejected the batch (inconsistent positions or sequence ids)".into())),
+            -1 => Err(Error::Decode(
+                "llama.cpp rejected the batch (inconsistent positions or sequence ids)".into(),
+            )),
             c => Err(Error::Decode(format!("llama_decode returned {c}"))),
         }
     }
@@ -196,14 +222,20 @@ impl LlamaCtx {
 
     fn check_seq(&self, seq: i32) -> Result<()> {
         if seq < 0 || seq as u32 >= self.n_seq_max {
-            return Err(Error::invalid("seq", format!("sequence id {seq} is not in [0, {})", self.n_seq_max)));
+            return Err(Error::invalid(
+                "seq",
+                format!("sequence id {seq} is not in [0, {})", self.n_seq_max),
+            ));
         }
         Ok(())
     }
 
     fn check_range(p0: i32, p1: i32) -> Result<()> {
         if p0 < -1 || p1 < -1 {
-            return Err(Error::invalid("p0/p1", "positions must be >= 0 (or -1 for 'open')"));
+            return Err(Error::invalid(
+                "p0/p1",
+                "positions must be >= 0 (or -1 for 'open')",
+            ));
         }
         Ok(())
     }

@@ -25,7 +25,10 @@ pub struct ModelParams {
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { n_gpu_layers: None, use_mmap: true }
+        ModelParams {
+            n_gpu_layers: None,
+            use_mmap: true,
+        }
     }
 }
 
@@ -49,19 +52,26 @@ impl Drop for Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("path", &self.path).field("n_vocab", &self.n_vocab).finish()
+        f.debug_struct("Model")
+            .field("path", &self.path)
+            .field("n_vocab", &self.n_vocab)
+            .finish()
     }
 }
 
 /// GGUF files start with these four bytes; checking them first keeps junk away from llama.cpp.
 fn check_gguf_magic(path: &Path) -> Result<()> {
-    let fail = |reason: String| Error::ModelLoad { path: path.to_path_buf(), reason };
+    let fail = |reason: String| Error::ModelLoad {
+        path: path.to_path_buf(),
+        reason,
+    };
     let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
     if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
         return Err(fail("is a directory".into()));
     }
     let mut magic = [0u8; 4];
-    file.read_exact(&mut magic).map_err(|_| fail("file too short to be GGUF".into()))?;
+    file.read_exact(&mut magic)
+        .map_err(|_| fail("file too short to be GGUF".into()))?;
     if &magic != b"GGUF" {
         return Err(fail("not a GGUF file (bad magic)".into()));
     }
@@ -74,18 +84,37 @@ impl Model {
         let path = path.as_ref();
         check_gguf_magic(path)?;
         ensure_backend()?;
-        let fail = |reason: &str| Error::ModelLoad { path: path.to_path_buf(), reason: reason.into() };
-        let c_path = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| fail("path contains a NUL byte"))?;
+        let fail = |reason: &str| Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        };
+        let c_path = CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| fail("path contains a NUL byte"))?;
         let mut mp = unsafe { sys::llama_model_default_params() };
-        let default_layers = if crate::backend::backend_name() == "cpu" { 0 } else { -1 };
+        let default_layers = if crate::backend::backend_name() == "cpu" {
+            0
+        } else {
+            -1
+        };
         mp.n_gpu_layers = params.n_gpu_layers.unwrap_or(default_layers);
-        mp.load_mode = if params.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
+        mp.load_mode = if params.use_mmap {
+            sys::LLAMA_LOAD_MODE_MMAP
+        } else {
+            sys::LLAMA_LOAD_MODE_NONE
+        };
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
-        let ptr = NonNull::new(raw).ok_or_else(|| fail("llama.cpp could not load it (see the kvfork log)"))?;
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| fail("llama.cpp could not load it (see the kvfork log)"))?;
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
-        let vocab = NonNull::new(vocab as *mut sys::llama_vocab).ok_or_else(|| fail("model has no vocabulary"))?;
+        let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
+            .ok_or_else(|| fail("model has no vocabulary"))?;
         let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
-        Ok(Arc::new(Model { ptr, vocab, n_vocab, path: path.to_path_buf() }))
+        Ok(Arc::new(Model {
+            ptr,
+            vocab,
+            n_vocab,
+            path: path.to_path_buf(),
+        }))
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
@@ -115,14 +144,19 @@ impl Model {
     /// `general.name`, else the file stem.
     pub fn name(&self) -> String {
         self.meta("general.name").unwrap_or_else(|| {
-            self.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+            self.path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
         })
     }
 
     /// One metadata value as a string.
     pub fn meta(&self, key: &str) -> Option<String> {
         let key = CString::new(key).ok()?;
-        read_c_string(|buf, len| unsafe { sys::llama_model_meta_val_str(self.as_ptr(), key.as_ptr(), buf, len) })
+        read_c_string(|buf, len| unsafe {
+            sys::llama_model_meta_val_str(self.as_ptr(), key.as_ptr(), buf, len)
+        })
     }
 
     /// All GGUF metadata as strings (arrays are summarised by llama.cpp).
@@ -130,9 +164,12 @@ impl Model {
         let n = unsafe { sys::llama_model_meta_count(self.as_ptr()) };
         (0..n)
             .filter_map(|i| {
-                let key = read_c_string(|b, l| unsafe { sys::llama_model_meta_key_by_index(self.as_ptr(), i, b, l) })?;
-                let val =
-                    read_c_string(|b, l| unsafe { sys::llama_model_meta_val_str_by_index(self.as_ptr(), i, b, l) })?;
+                let key = read_c_string(|b, l| unsafe {
+                    sys::llama_model_meta_key_by_index(self.as_ptr(), i, b, l)
+                })?;
+                let val = read_c_string(|b, l| unsafe {
+                    sys::llama_model_meta_val_str_by_index(self.as_ptr(), i, b, l)
+                })?;
                 Some((key, val))
             })
             .collect()
@@ -144,20 +181,33 @@ impl Model {
         if raw.is_null() {
             return None;
         }
-        Some(unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy().into_owned())
+        Some(
+            unsafe { std::ffi::CStr::from_ptr(raw) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     }
 
     /// `Ok` when `token` is a valid id of this vocabulary.
     pub fn check_token(&self, token: Token) -> Result<()> {
         if token < 0 || token >= self.n_vocab {
-            return Err(Error::invalid("token", format!("token id {token} is out of range [0, {})", self.n_vocab)));
+            return Err(Error::invalid(
+                "token",
+                format!("token id {token} is out of range [0, {})", self.n_vocab),
+            ));
         }
         Ok(())
     }
 
     /// Tokenize exactly as llama.cpp does.
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
-        let len = i32::try_from(text.len()).map_err(|_| Error::invalid("text", "longer than 2 GiB"))?;
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
+        let len =
+            i32::try_from(text.len()).map_err(|_| Error::invalid("text", "longer than 2 GiB"))?;
         let mut out: Vec<Token> = vec![0; text.len() + 2];
         for _ in 0..2 {
             let n = unsafe {
@@ -212,11 +262,17 @@ impl Model {
     }
 
     /// Detokenize as llama.cpp does.
-    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+    pub fn detokenize(
+        &self,
+        tokens: &[Token],
+        remove_special: bool,
+        unparse_special: bool,
+    ) -> Result<String> {
         for &t in tokens {
             self.check_token(t)?;
         }
-        let n_tokens = i32::try_from(tokens.len()).map_err(|_| Error::invalid("tokens", "too many tokens"))?;
+        let n_tokens =
+            i32::try_from(tokens.len()).map_err(|_| Error::invalid("tokens", "too many tokens"))?;
         let mut buf = vec![0u8; tokens.len() * 8 + 16];
         loop {
             let n = unsafe {
@@ -240,7 +296,9 @@ impl Model {
 
     /// End-of-generation token (EOS, EOT, …) per the vocabulary.
     pub fn is_eog(&self, token: Token) -> bool {
-        token >= 0 && token < self.n_vocab && unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
+        token >= 0
+            && token < self.n_vocab
+            && unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
     }
 
     pub fn eos(&self) -> Option<Token> {

@@ -29,16 +29,25 @@ impl BranchStore {
     }
 
     /// Every branch must be live, of this context, and appear once.
-    fn cells<'a>(&self, branches: impl Iterator<Item = &'a Branch>) -> Result<Vec<Arc<BranchCell>>> {
+    fn cells<'a>(
+        &self,
+        branches: impl Iterator<Item = &'a Branch>,
+    ) -> Result<Vec<Arc<BranchCell>>> {
         self.ctx.shared().check_open()?;
         let mut cells: Vec<Arc<BranchCell>> = Vec::new();
         for b in branches {
             if b.context().shared().id != self.ctx.shared().id {
-                return Err(Error::invalid("branches", format!("branch {} belongs to another context", b.handle())));
+                return Err(Error::invalid(
+                    "branches",
+                    format!("branch {} belongs to another context", b.handle()),
+                ));
             }
             b.check_live()?;
             if cells.iter().any(|c| Arc::ptr_eq(c, b.cell())) {
-                return Err(Error::invalid("branches", format!("branch {} appears twice", b.handle())));
+                return Err(Error::invalid(
+                    "branches",
+                    format!("branch {} appears twice", b.handle()),
+                ));
             }
             cells.push(b.cell().clone());
         }
@@ -47,12 +56,17 @@ impl BranchStore {
 
     /// Accept every token, then ONE llama_decode for all; full rollback if it fails.
     pub fn commit(&self, entries: &[(Branch, Token)]) -> Pending<()> {
-        let prepared = self.cells(entries.iter().map(|(b, _)| b)).and_then(|cells| {
-            for (_, t) in entries {
-                self.ctx.model().check_token(*t)?;
-            }
-            Ok(cells.into_iter().zip(entries.iter().map(|(_, t)| *t)).collect::<Vec<_>>())
-        });
+        let prepared = self
+            .cells(entries.iter().map(|(b, _)| b))
+            .and_then(|cells| {
+                for (_, t) in entries {
+                    self.ctx.model().check_token(*t)?;
+                }
+                Ok(cells
+                    .into_iter()
+                    .zip(entries.iter().map(|(_, t)| *t))
+                    .collect::<Vec<_>>())
+            });
         match prepared {
             Ok(items) if items.is_empty() => Pending::ready(Ok(())),
             Ok(items) => self.ctx.engine().commit(items),
@@ -62,12 +76,17 @@ impl BranchStore {
 
     /// Decode variable-length token runs into their branches, packed into ceil(total/n_batch) decodes.
     pub fn prefill(&self, entries: Vec<(Branch, Vec<Token>)>) -> Pending<()> {
-        let prepared = self.cells(entries.iter().map(|(b, _)| b)).and_then(|cells| {
-            for (_, toks) in &entries {
-                check_tokens(&self.ctx, toks)?;
-            }
-            Ok(cells.into_iter().zip(entries.into_iter().map(|(_, t)| t)).collect::<Vec<_>>())
-        });
+        let prepared = self
+            .cells(entries.iter().map(|(b, _)| b))
+            .and_then(|cells| {
+                for (_, toks) in &entries {
+                    check_tokens(&self.ctx, toks)?;
+                }
+                Ok(cells
+                    .into_iter()
+                    .zip(entries.into_iter().map(|(_, t)| t))
+                    .collect::<Vec<_>>())
+            });
         match prepared {
             Ok(items) if items.is_empty() => Pending::ready(Ok(())),
             Ok(items) => self.ctx.run(move |w| w.prefill(&items)),
@@ -87,7 +106,12 @@ impl BranchStore {
         }
         let handle = winner.handle();
         self.ctx.run(move |w| {
-            let seq = w.shared.registry().get(handle).map(|n| n.seq).ok_or(Error::BranchDisposed(handle.to_string()))?;
+            let seq = w
+                .shared
+                .registry()
+                .get(handle)
+                .map(|n| n.seq)
+                .ok_or(Error::BranchDisposed(handle.to_string()))?;
             w.shared.registry().retain_only(handle)?;
             w.ctx.seq_keep(seq as i32)
         })
@@ -114,22 +138,38 @@ impl crate::engine::Worker {
             }
             let mut st = cell.lock();
             let token = st.sample()?;
-            Ok(Produced { token, text: st.token_text(&model, token, false)?, is_stop: model.is_eog(token) })
+            Ok(Produced {
+                token,
+                text: st.token_text(&model, token, false)?,
+                is_stop: model.is_eog(token),
+            })
         };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(cells.len() / 2).max(1);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(cells.len() / 2)
+            .max(1);
         let produced: Vec<Result<Produced>> = if threads <= 1 {
             cells.iter().map(sample).collect()
         } else {
             let per = cells.len().div_ceil(threads);
             std::thread::scope(|s| {
-                let handles: Vec<_> =
-                    cells.chunks(per).map(|chunk| s.spawn(|| chunk.iter().map(sample).collect::<Vec<_>>())).collect();
-                handles.into_iter().flat_map(|h| h.join().expect("sampling thread panicked")).collect()
+                let handles: Vec<_> = cells
+                    .chunks(per)
+                    .map(|chunk| s.spawn(|| chunk.iter().map(sample).collect::<Vec<_>>()))
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("sampling thread panicked"))
+                    .collect()
             })
         };
         let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
-        let items: Vec<(Arc<BranchCell>, Token)> =
-            cells.iter().zip(&produced).filter(|(_, p)| !p.is_stop).map(|(c, p)| (c.clone(), p.token)).collect();
+        let items: Vec<(Arc<BranchCell>, Token)> = cells
+            .iter()
+            .zip(&produced)
+            .filter(|(_, p)| !p.is_stop)
+            .map(|(c, p)| (c.clone(), p.token))
+            .collect();
         self.commit_now(&items)?;
         Ok(produced)
     }

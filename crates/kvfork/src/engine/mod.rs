@@ -28,7 +28,10 @@ pub(crate) type CommitItem = (Arc<BranchCell>, Token);
 
 pub(crate) enum Job {
     /// Accept + decode one token per branch; mergeable with neighbouring commits.
-    Commit { items: Vec<CommitItem>, reply: Reply<()> },
+    Commit {
+        items: Vec<CommitItem>,
+        reply: Reply<()>,
+    },
     /// Any other work, run in order.
     Run(Box<dyn FnOnce(&mut Worker) + Send>),
 }
@@ -73,18 +76,30 @@ impl Engine {
                 Worker::new(ctx, shared).run(rx);
             })
             .map_err(|e| Error::Other(format!("could not start the engine thread: {e}")))?;
-        let shared = ready_rx.recv().map_err(|_| Error::Other("the engine thread died while starting".into()))??;
-        Ok(Engine { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)), shared })
+        let shared = ready_rx
+            .recv()
+            .map_err(|_| Error::Other("the engine thread died while starting".into()))??;
+        Ok(Engine {
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            shared,
+        })
     }
 
     fn send(&self, job: Job) -> Result<()> {
         self.shared.check_open()?;
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        tx.as_ref().ok_or(Error::Closed)?.send(job).map_err(|_| Error::Closed)
+        tx.as_ref()
+            .ok_or(Error::Closed)?
+            .send(job)
+            .map_err(|_| Error::Closed)
     }
 
     /// Queue `f` to run on the engine thread.
-    pub fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static) -> Pending<T> {
+    pub fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
         let (reply, pending) = Pending::channel();
         let job = Job::Run(Box::new(move |w: &mut Worker| {
             let _ = reply.send(f(w));

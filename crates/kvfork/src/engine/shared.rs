@@ -17,7 +17,10 @@ pub(crate) struct BranchCell {
 
 impl BranchCell {
     pub fn new(state: BranchState) -> Arc<Self> {
-        Arc::new(BranchCell { state: Mutex::new(state), disposed: AtomicBool::new(false) })
+        Arc::new(BranchCell {
+            state: Mutex::new(state),
+            disposed: AtomicBool::new(false),
+        })
     }
 
     /// Lock the state (a panic elsewhere never poisons kvfork for good).

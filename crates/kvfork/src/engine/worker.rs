@@ -36,7 +36,14 @@ struct Request {
 impl Worker {
     pub fn new(ctx: LlamaCtx, shared: Arc<Shared>) -> Self {
         let batch = Batch::new(ctx.n_batch as usize);
-        Worker { ctx, batch, shared, stash: None, last_group: 0, last_decode: Duration::ZERO }
+        Worker {
+            ctx,
+            batch,
+            shared,
+            stash: None,
+            last_group: 0,
+            last_decode: Duration::ZERO,
+        }
     }
 
     pub fn run(mut self, rx: Receiver<Job>) {
@@ -80,7 +87,11 @@ impl Worker {
             match job {
                 Job::Commit { items, reply }
                     if n_items + items.len() <= self.ctx.n_batch as usize
-                        && items.iter().all(|(c, _)| !group.iter().any(|r| r.items.iter().any(|(g, _)| Arc::ptr_eq(c, g)))) =>
+                        && items.iter().all(|(c, _)| {
+                            !group
+                                .iter()
+                                .any(|r| r.items.iter().any(|(g, _)| Arc::ptr_eq(c, g)))
+                        }) =>
                 {
                     n_items += items.len();
                     group.push(Request { items, reply });
@@ -140,7 +151,10 @@ impl Worker {
                 }
                 let mut st = cell.lock();
                 if st.position as u32 >= self.shared.n_ctx {
-                    return Err(Error::KvCacheFull(format!("position {} reached n_ctx = {}", st.position, self.shared.n_ctx)));
+                    return Err(Error::KvCacheFull(format!(
+                        "position {} reached n_ctx = {}",
+                        st.position, self.shared.n_ctx
+                    )));
                 }
                 let snap = st.snapshot();
                 if let Err(e) = st.accept(&model, *token) {

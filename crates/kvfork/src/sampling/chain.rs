@@ -35,7 +35,11 @@ pub(crate) struct SamplerChain {
 pub(crate) fn random_seed() -> u32 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    );
     h.finish() as u32
 }
 
@@ -60,8 +64,12 @@ impl SamplerChain {
                 ));
             }
             if p.dry_enabled() {
-                let breakers: Vec<CString> = DRY_BREAKERS.iter().map(|s| CString::new(*s).unwrap()).collect();
-                let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|s| s.as_ptr()).collect();
+                let breakers: Vec<CString> = DRY_BREAKERS
+                    .iter()
+                    .map(|s| CString::new(*s).unwrap())
+                    .collect();
+                let mut ptrs: Vec<*const std::ffi::c_char> =
+                    breakers.iter().map(|s| s.as_ptr()).collect();
                 stages.push(sys::llama_sampler_init_dry(
                     model.vocab_ptr(),
                     p.dry_multiplier,
@@ -90,7 +98,12 @@ impl SamplerChain {
                         stages.push(sys::llama_sampler_init_min_p(p.min_p, 1));
                     }
                     if p.xtc_probability > 0.0 {
-                        stages.push(sys::llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 1, seed));
+                        stages.push(sys::llama_sampler_init_xtc(
+                            p.xtc_probability,
+                            p.xtc_threshold,
+                            1,
+                            seed,
+                        ));
                     }
                 }
                 stages.push(sys::llama_sampler_init_temp(p.temperature.max(0.0)));
@@ -113,17 +126,33 @@ impl SamplerChain {
             (true, _) => Terminal::Greedy,
             (false, 1) => Terminal::Llama(
                 RawSampler::from_raw(unsafe {
-                    sys::llama_sampler_init_mirostat(n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100)
+                    sys::llama_sampler_init_mirostat(
+                        n_vocab,
+                        seed,
+                        p.mirostat_tau,
+                        p.mirostat_eta,
+                        100,
+                    )
                 })
                 .expect("mirostat init"),
             ),
             (false, 2) => Terminal::Llama(
-                RawSampler::from_raw(unsafe { sys::llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta) })
-                    .expect("mirostat_v2 init"),
+                RawSampler::from_raw(unsafe {
+                    sys::llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta)
+                })
+                .expect("mirostat_v2 init"),
             ),
-            _ => Terminal::Llama(RawSampler::from_raw(unsafe { sys::llama_sampler_init_dist(seed) }).expect("dist init")),
+            _ => Terminal::Llama(
+                RawSampler::from_raw(unsafe { sys::llama_sampler_init_dist(seed) })
+                    .expect("dist init"),
+            ),
         };
-        SamplerChain { params: p.clone(), seed, filters, terminal }
+        SamplerChain {
+            params: p.clone(),
+            seed,
+            filters,
+            terminal,
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -168,7 +197,10 @@ impl SamplerChain {
                 cur.selected = -1;
                 t.apply(cur);
                 let data = unsafe { std::slice::from_raw_parts(cur.data, cur.size) };
-                let i = usize::try_from(cur.selected).ok().filter(|&i| i < data.len()).unwrap_or(0);
+                let i = usize::try_from(cur.selected)
+                    .ok()
+                    .filter(|&i| i < data.len())
+                    .unwrap_or(0);
                 data[i].id
             }
         }
@@ -191,7 +223,12 @@ impl SamplerChain {
     }
 
     /// Rebuild for new params (same seed unless the params name one), replaying history.
-    pub fn rebuild(&mut self, params: &SamplingParams, model: &Model, history: &[Token]) -> Result<()> {
+    pub fn rebuild(
+        &mut self,
+        params: &SamplingParams,
+        model: &Model,
+        history: &[Token],
+    ) -> Result<()> {
         params.validate()?;
         let seed = params.seed.unwrap_or(self.seed);
         *self = Self::build(params, seed, model);
@@ -200,8 +237,15 @@ impl SamplerChain {
     }
 
     fn replay(&mut self, history: &[Token]) {
-        let window = self.params.penalty_last_n.max(self.params.dry_penalty_last_n);
-        let start = if window < 0 { 0 } else { history.len().saturating_sub(window as usize) };
+        let window = self
+            .params
+            .penalty_last_n
+            .max(self.params.dry_penalty_last_n);
+        let start = if window < 0 {
+            0
+        } else {
+            history.len().saturating_sub(window as usize)
+        };
         if let Some(f) = self.filters.as_mut() {
             for &t in &history[start..] {
                 f.accept(t);

@@ -12,9 +12,16 @@ use crate::model::{Model, Token};
 /// How a grammar was declared (kept so it can be described, saved and rebuilt).
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
-    Eager { gbnf: String },
+    Eager {
+        gbnf: String,
+    },
     /// Unconstrained until a trigger word, regex pattern or token fires.
-    Lazy { gbnf: String, words: Vec<String>, patterns: Vec<String>, tokens: Vec<Token> },
+    Lazy {
+        gbnf: String,
+        words: Vec<String>,
+        patterns: Vec<String>,
+        tokens: Vec<Token>,
+    },
 }
 
 #[derive(Clone)]
@@ -45,15 +52,33 @@ impl Grammar {
         let raw = match &spec {
             GrammarSpec::Eager { gbnf } => {
                 let g = c_string(gbnf, "grammar")?;
-                unsafe { sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr()) }
+                unsafe {
+                    sys::llama_rs_sampler_init_grammar(
+                        model.vocab_ptr(),
+                        g.as_ptr(),
+                        c"root".as_ptr(),
+                    )
+                }
             }
-            GrammarSpec::Lazy { gbnf, words, patterns, tokens } => {
+            GrammarSpec::Lazy {
+                gbnf,
+                words,
+                patterns,
+                tokens,
+            } => {
                 for &t in tokens {
                     model.check_token(t)?;
                 }
                 let g = c_string(gbnf, "grammar")?;
-                let all: Vec<String> = words.iter().map(|w| word_pattern(w)).chain(patterns.iter().cloned()).collect();
-                let owned = all.iter().map(|p| c_string(p, "trigger")).collect::<Result<Vec<_>>>()?;
+                let all: Vec<String> = words
+                    .iter()
+                    .map(|w| word_pattern(w))
+                    .chain(patterns.iter().cloned())
+                    .collect();
+                let owned = all
+                    .iter()
+                    .map(|p| c_string(p, "trigger"))
+                    .collect::<Result<Vec<_>>>()?;
                 let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
                 unsafe {
                     sys::llama_rs_sampler_init_grammar_lazy_patterns(
@@ -89,7 +114,9 @@ impl Grammar {
         if status == sys::LLAMA_RS_STATUS_OK {
             Ok(())
         } else {
-            Err(Error::Grammar(format!("token {token} is not allowed by the grammar here")))
+            Err(Error::Grammar(format!(
+                "token {token} is not allowed by the grammar here"
+            )))
         }
     }
 }

@@ -60,14 +60,20 @@ fn check(ok: bool, name: &'static str, message: impl FnOnce() -> String) -> Resu
     if ok {
         Ok(())
     } else {
-        Err(Error::InvalidArgument { name, message: message() })
+        Err(Error::InvalidArgument {
+            name,
+            message: message(),
+        })
     }
 }
 
 impl SamplingParams {
     /// Greedy decoding (argmax).
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -76,7 +82,9 @@ impl SamplingParams {
 
     /// True when the penalty samplers change nothing.
     pub fn penalties_neutral(&self) -> bool {
-        (self.repeat_penalty == 1.0 && self.frequency_penalty == 0.0 && self.presence_penalty == 0.0)
+        (self.repeat_penalty == 1.0
+            && self.frequency_penalty == 0.0
+            && self.presence_penalty == 0.0)
             || self.penalty_last_n == 0
     }
 
@@ -87,33 +95,77 @@ impl SamplingParams {
     /// Reject values llama.cpp would misbehave on; the error names the field.
     pub fn validate(&self) -> Result<()> {
         let finite = |v: f32| v.is_finite();
-        check(finite(self.temperature), "temperature", || "must be finite".into())?;
-        check(self.top_k >= 0, "top_k", || format!("{} must be >= 0 (0 disables)", self.top_k))?;
-        check((0.0..=1.0).contains(&self.top_p), "top_p", || format!("{} is not in [0, 1]", self.top_p))?;
-        check((0.0..=1.0).contains(&self.min_p), "min_p", || format!("{} is not in [0, 1]", self.min_p))?;
-        check((0.0..=1.0).contains(&self.typical_p), "typical_p", || format!("{} is not in [0, 1]", self.typical_p))?;
-        check(finite(self.top_n_sigma), "top_n_sigma", || "must be finite (<= 0 disables)".into())?;
-        check(finite(self.repeat_penalty) && self.repeat_penalty > 0.0, "repeat_penalty", || {
-            format!("{} must be > 0 (1 disables)", self.repeat_penalty)
+        check(finite(self.temperature), "temperature", || {
+            "must be finite".into()
         })?;
-        check(finite(self.frequency_penalty), "frequency_penalty", || "must be finite".into())?;
-        check(finite(self.presence_penalty), "presence_penalty", || "must be finite".into())?;
-        check(self.penalty_last_n >= -1, "penalty_last_n", || format!("{} must be >= -1", self.penalty_last_n))?;
-        check((0..=2).contains(&self.mirostat), "mirostat", || format!("{} is not 0, 1 or 2", self.mirostat))?;
-        check(finite(self.mirostat_tau) && self.mirostat_tau >= 0.0, "mirostat_tau", || "must be >= 0".into())?;
-        check(finite(self.mirostat_eta) && self.mirostat_eta >= 0.0, "mirostat_eta", || "must be >= 0".into())?;
-        check(finite(self.dry_multiplier) && self.dry_multiplier >= 0.0, "dry_multiplier", || {
+        check(self.top_k >= 0, "top_k", || {
+            format!("{} must be >= 0 (0 disables)", self.top_k)
+        })?;
+        check((0.0..=1.0).contains(&self.top_p), "top_p", || {
+            format!("{} is not in [0, 1]", self.top_p)
+        })?;
+        check((0.0..=1.0).contains(&self.min_p), "min_p", || {
+            format!("{} is not in [0, 1]", self.min_p)
+        })?;
+        check((0.0..=1.0).contains(&self.typical_p), "typical_p", || {
+            format!("{} is not in [0, 1]", self.typical_p)
+        })?;
+        check(finite(self.top_n_sigma), "top_n_sigma", || {
+            "must be finite (<= 0 disables)".into()
+        })?;
+        check(
+            finite(self.repeat_penalty) && self.repeat_penalty > 0.0,
+            "repeat_penalty",
+            || format!("{} must be > 0 (1 disables)", self.repeat_penalty),
+        )?;
+        check(finite(self.frequency_penalty), "frequency_penalty", || {
+            "must be finite".into()
+        })?;
+        check(finite(self.presence_penalty), "presence_penalty", || {
+            "must be finite".into()
+        })?;
+        check(self.penalty_last_n >= -1, "penalty_last_n", || {
+            format!("{} must be >= -1", self.penalty_last_n)
+        })?;
+        check((0..=2).contains(&self.mirostat), "mirostat", || {
+            format!("{} is not 0, 1 or 2", self.mirostat)
+        })?;
+        check(
+            finite(self.mirostat_tau) && self.mirostat_tau >= 0.0,
+            "mirostat_tau",
+            || "must be >= 0".into(),
+        )?;
+        check(
+            finite(self.mirostat_eta) && self.mirostat_eta >= 0.0,
+            "mirostat_eta",
+            || "must be >= 0".into(),
+        )?;
+        check(
+            finite(self.dry_multiplier) && self.dry_multiplier >= 0.0,
+            "dry_multiplier",
+            || "must be >= 0".into(),
+        )?;
+        check(
+            finite(self.dry_base) && self.dry_base >= 1.0,
+            "dry_base",
+            || format!("{} must be >= 1", self.dry_base),
+        )?;
+        check(self.dry_allowed_length >= 0, "dry_allowed_length", || {
             "must be >= 0".into()
         })?;
-        check(finite(self.dry_base) && self.dry_base >= 1.0, "dry_base", || format!("{} must be >= 1", self.dry_base))?;
-        check(self.dry_allowed_length >= 0, "dry_allowed_length", || "must be >= 0".into())?;
-        check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", || "must be >= -1".into())?;
-        check((0.0..=1.0).contains(&self.xtc_probability), "xtc_probability", || {
-            format!("{} is not in [0, 1]", self.xtc_probability)
+        check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", || {
+            "must be >= -1".into()
         })?;
-        check((0.0..=1.0).contains(&self.xtc_threshold), "xtc_threshold", || {
-            format!("{} is not in [0, 1]", self.xtc_threshold)
-        })?;
+        check(
+            (0.0..=1.0).contains(&self.xtc_probability),
+            "xtc_probability",
+            || format!("{} is not in [0, 1]", self.xtc_probability),
+        )?;
+        check(
+            (0.0..=1.0).contains(&self.xtc_threshold),
+            "xtc_threshold",
+            || format!("{} is not in [0, 1]", self.xtc_threshold),
+        )?;
         Ok(())
     }
 }

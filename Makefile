@@ -1,0 +1,36 @@
+# kvfork: one entry per job. `make demo` (set-up + main job), `make test` (whole suite).
+SHELL := bash
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-rust test-python lint fmt bench
+
+setup:
+	scripts/setup.sh
+
+demo: setup
+	$(PY) -m kvfork "The history of the printing press begins with"
+
+# Everything: set-up (idempotent), Rust tests (no Python), Python tests on the real model.
+test: setup
+	$(MAKE) test-rust test-python
+
+test-rust:
+	source scripts/cpu_flags.sh && KVFORK_MODEL=$$($(PY) -c 'import kvfork; print(kvfork.default_model_path())') \
+	  cargo test --release --workspace --exclude kvfork-python
+
+test-python:
+	$(PY) -m pytest tests -q
+
+lint:
+	cargo fmt --all -- --check
+	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
+	$(PY) -m ruff check python tests benchmarks examples
+	$(PY) -m ruff format --check python tests benchmarks examples
+	$(PY) -m mypy --strict python/kvfork examples
+
+fmt:
+	cargo fmt --all
+	$(PY) -m ruff format python tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/bench_store.py
