@@ -1,0 +1,122 @@
+"""Issue: BranchStore — one decode for N branches, packed prefill, rollback, coalescing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import kvfork
+import pytest
+
+from .conftest import GREEDY, PROMPT, root
+
+
+def test_commit_of_n_is_one_decode_and_equals_single_commits(ctx: kvfork.Context) -> None:
+    base = root(ctx)
+    batched = [base.fork_sync() for _ in range(3)]
+    single = [base.fork_sync() for _ in range(3)]
+    for i, b in enumerate(batched + single):
+        b.steer({int(b.logits().argmax()): -math.inf} if i % 3 == 1 else {})
+    store = kvfork.BranchStore(ctx)
+    for _ in range(4):
+        toks = [b.sample() for b in batched]
+        before = ctx.stats()["decode_calls"]
+        store.commit_sync(list(zip(batched, toks)))
+        assert ctx.stats()["decode_calls"] - before == 1
+        for b in single:
+            b.commit_sync(b.sample())
+    for b, s in zip(batched, single):
+        assert b.position == s.position
+        assert b.perplexity == pytest.approx(s.perplexity, rel=1e-5)
+        assert b.produce_sync().token == s.produce_sync().token
+
+
+@pytest.mark.parametrize("lens", [[5, 9, 3], [40, 2, 17, 30], [100], [8, 8]])
+def test_prefill_is_packed(model: kvfork.Model, lens: list[int]) -> None:
+    with kvfork.create_context_sync(model, n_ctx=1024, n_batch=16, n_seq_max=8) as c:
+        text = c.tokenize(PROMPT * 30, add_special=False)
+        branches = [kvfork.Branch.create(c, 0, GREEDY) for _ in lens]
+        store = kvfork.BranchStore(c)
+        before = c.stats()["decode_calls"]
+        store.prefill_sync([(b, text[:n]) for b, n in zip(branches, lens)])
+        assert c.stats()["decode_calls"] - before == -(-sum(lens) // 16)
+        for b, n in zip(branches, lens):
+            assert b.position == n
+            alone = kvfork.Branch.create(c, 0, GREEDY) if c.n_seq_max > len(lens) else None
+            if alone is not None:
+                alone.prefill_sync(text[:n])
+                assert alone.produce_sync().token == b.produce_sync().token
+                alone.prune_sync()
+
+
+def test_rollback_when_kv_is_full(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=64, n_seq_max=2) as c:
+        a = root(c, PROMPT)
+        b = a.fork_sync()
+        store = kvfork.BranchStore(c)
+        with pytest.raises(kvfork.KvCacheFullError):
+            while True:
+                ppl = (a.perplexity, b.perplexity, a.position)
+                store.commit_sync([(a, a.sample()), (b, b.sample())])
+        assert (a.perplexity, b.perplexity, a.position) == ppl  # rolled back
+        b.prune_sync()
+        a.commit_sync(a.sample()) if a.position < c.n_ctx else None
+
+
+def test_step_stops_one_branch_while_others_continue(ctx: kvfork.Context) -> None:
+    base = root(ctx)
+    a, b = base.fork_sync(), base.fork_sync()
+    eog = ctx.eog_token
+    assert eog is not None
+    b.set_logit_bias({eog: 100.0})  # b must stop now
+    store = kvfork.BranchStore(ctx)
+    before = (a.position, b.position)
+    toks = store.step_sync([a, b])
+    assert not toks[0].is_stop and toks[1].is_stop and toks[1].token == eog
+    assert (a.position, b.position) == (before[0] + 1, before[1])  # stop token not committed
+
+
+def test_retain_only(ctx: kvfork.Context) -> None:
+    base = root(ctx)
+    kids = [base.fork_sync() for _ in range(3)]
+    store = kvfork.BranchStore(ctx)
+    store.retain_only_sync(kids[1])
+    assert store.available == ctx.n_seq_max - 1
+    assert all(b.disposed for b in [base, kids[0], kids[2]])
+    assert kids[1].parent is None and kids[1].is_leaf
+    kids[1].commit_sync(kids[1].sample())
+
+
+def test_store_refuses_bad_entries(ctx: kvfork.Context, model: kvfork.Model) -> None:
+    a = root(ctx)
+    store = kvfork.BranchStore(ctx)
+    store.commit_sync([])  # no-op
+    dead = a.fork_sync()
+    dead.prune_sync()
+    before = ctx.stats()["decode_calls"]
+    with pytest.raises(kvfork.BranchDisposedError):
+        store.commit_sync([(a, 1), (dead, 1)])
+    with pytest.raises(ValueError, match="twice"):
+        store.commit_sync([(a, 1), (a, 2)])
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as other:
+        stranger = root(other, "Hi")
+        with pytest.raises(ValueError, match="another context"):
+            store.commit_sync([(a, 1), (stranger, 1)])
+    assert ctx.stats()["decode_calls"] == before
+
+
+async def test_concurrent_tasks_are_coalesced(ctx: kvfork.Context) -> None:
+    base = root(ctx)
+    kids = [await base.fork() for _ in range(6)]
+    before = ctx.stats()["decode_calls"]
+
+    async def run(b: kvfork.Branch) -> int:
+        n = 0
+        async for _ in b.generate(max_tokens=12):
+            n += 1
+        return n
+
+    counts = await asyncio.gather(*(run(k) for k in kids))
+    decodes = ctx.stats()["decode_calls"] - before
+    assert sum(counts) == 6 * 12
+    assert decodes <= 12 * 2  # about one decode per step, not one per branch (72)
