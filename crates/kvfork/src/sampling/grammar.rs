@@ -49,6 +49,11 @@ fn word_pattern(word: &str) -> String {
 
 impl Grammar {
     pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
+        let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = &spec;
+        if gbnf.trim().is_empty() {
+            // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
+            return Err(Error::Grammar("the grammar is empty".into()));
+        }
         let raw = match &spec {
             GrammarSpec::Eager { gbnf } => {
                 let g = c_string(gbnf, "grammar")?;
