@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jsonschema
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 import kvfork
 
-from .conftest import root
+from .conftest import PROMPT, root
 
 
 def run(b: kvfork.Branch, n: int) -> list[int]:
@@ -35,22 +36,78 @@ def test_seeded_chain_is_reproducible_and_seeds_diverge(ctx: kvfork.Context) -> 
     assert run(root(ctx, params=params), 20) != run(root(ctx, params={**params, "seed": 12}), 20)
 
 
-def test_top_k_one_is_greedy(ctx: kvfork.Context) -> None:
-    greedy = run(root(ctx), 12)
-    assert run(root(ctx, params={"temperature": 1.5, "top_k": 1, "seed": 9}), 12) == greedy
+# A chain hot enough to wander off the greedy path, and one cold enough to stay on it.
+HOT = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
+COLD = {"temperature": 0.05, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
+REPETITIVE = "one two three four one two three four one two three four one two three"
 
 
-def test_repeat_penalty_lowers_repeated_tokens(ctx: kvfork.Context) -> None:
-    plain = root(ctx)
-    run(plain, 8)
-    penal = root(ctx)
-    run(penal, 8)
-    penal.set_sampler_params({"temperature": 0.0, "repeat_penalty": 5.0, "penalty_last_n": 64})
-    assert run(penal, 12) != run(plain, 12)
+def generate(
+    ctx: kvfork.Context, params: dict[str, object], n: int = 16, prompt: str = PROMPT
+) -> list[int]:
+    b = root(ctx, prompt, params=params)
+    out = run(b, n)
+    b.prune_sync()
+    return out
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"top_k": 1},
+        {"top_p": 1e-6},
+        {"min_p": 1.0},
+        {"top_n_sigma": 1e-4},
+        {"mirostat": 1, "mirostat_tau": 1e-3},
+        {"mirostat": 2, "mirostat_tau": 1e-3},
+    ],
+    ids=lambda f: next(iter(f)) + (str(f["mirostat"]) if "mirostat" in f else ""),
+)
+def test_truncating_field_collapses_a_hot_chain_to_greedy(
+    ctx: kvfork.Context, field: dict[str, object]
+) -> None:
+    greedy = generate(ctx, {"temperature": 0.0})
+    assert generate(ctx, HOT) != greedy
+    assert generate(ctx, {**HOT, **field}) == greedy
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"xtc_probability": 1.0, "xtc_threshold": 0.05}, {"typical_p": 0.05}],
+    ids=["xtc", "typical_p"],
+)
+def test_field_moves_a_cold_chain_off_the_greedy_path(
+    ctx: kvfork.Context, field: dict[str, object]
+) -> None:
+    greedy = generate(ctx, {"temperature": 0.0})
+    assert generate(ctx, COLD) == greedy
+    assert generate(ctx, {**COLD, **field}) != greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "prompt"),
+    [
+        ({"repeat_penalty": 5.0}, PROMPT),
+        ({"presence_penalty": 2.0}, PROMPT),
+        ({"frequency_penalty": 2.0}, PROMPT),
+        ({"dry_multiplier": 2.0}, REPETITIVE),
+        ({"dry_multiplier": 2.0, "dry_penalty_last_n": 64}, REPETITIVE),
+    ],
+    ids=["repeat", "presence", "frequency", "dry_whole_context", "dry_last_64"],
+)
+def test_penalty_field_changes_greedy_output(
+    ctx: kvfork.Context, field: dict[str, object], prompt: str
+) -> None:
+    greedy = generate(ctx, {"temperature": 0.0}, 24, prompt)
+    assert generate(ctx, {"temperature": 0.0, **field}, 24, prompt) != greedy
+    disabled = {**field, "penalty_last_n": 0, "dry_penalty_last_n": 0}
+    assert generate(ctx, {"temperature": 0.0, **disabled}, 24, prompt) == greedy
 
 
 def test_gbnf_grammar(ctx: kvfork.Context) -> None:
-    b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0}, grammar='root ::= "{" ws "}" ws\nws ::= [ \\n]?')
+    b = kvfork.Branch.create(
+        ctx, 0, {"temperature": 0.0}, grammar='root ::= "{" ws "}" ws\nws ::= [ \\n]?'
+    )
     b.prefill_sync(ctx.tokenize("An empty JSON object:"))
     text = "".join(t.text for t in b.generate_sync(8))
     assert text.strip() == "{}" or text.replace(" ", "").replace("\n", "") == "{}"
@@ -94,11 +151,25 @@ def test_bad_grammars_raise(ctx: kvfork.Context) -> None:
     b.commit_sync(b.sample())
 
 
-def test_lazy_grammar(ctx: kvfork.Context) -> None:
-    b = root(ctx, "Q: name a color.\nA:", params={"temperature": 0.0})
-    b.set_grammar_lazy('root ::= "{" [a-z]+ "}"', [" The"])
-    free = run(b, 1)
-    assert free  # unconstrained before the trigger
+def test_lazy_grammar_is_free_before_the_trigger_and_constrained_after(ctx: kvfork.Context) -> None:
+    free = "".join(t.text for t in root(ctx).generate_sync(12))
+    assert " invention" in free and not re.search(r" invention[0-9]", free)
+    b = root(ctx)
+    b.set_grammar_lazy('root ::= " invention" [0-9]+ "!"', [" invention"])
+    text = "".join(t.text for t in b.generate_sync(12))
+    head, trigger, tail = text.partition(" invention")
+    assert trigger and free.startswith(head + trigger)  # unconstrained up to the trigger
+    assert re.fullmatch(r"[0-9]+!?", tail), tail  # constrained after it
+
+
+def test_grammar_without_a_legal_token_raises_on_sample(ctx: kvfork.Context) -> None:
+    b = root(ctx)
+    b.set_grammar('root ::= "{" [a-z]* "}"')
+    b.steer({t: -math.inf for t in range(ctx.vocab_size)})
+    with pytest.raises(kvfork.GrammarError):
+        b.sample()
+    b.clear_steer()
+    assert ctx.token_to_text(b.sample()).startswith("{")
 
 
 def test_steer_and_bias(ctx: kvfork.Context) -> None:

@@ -31,6 +31,15 @@ pub(crate) struct SamplerChain {
     terminal: Terminal,
 }
 
+/// A penalty window: -1 means the whole context (`whole` tokens).
+fn resolve_window(last_n: i32, whole: i32) -> i32 {
+    if last_n < 0 {
+        whole
+    } else {
+        last_n
+    }
+}
+
 /// A fresh random seed (for `seed=None`).
 pub(crate) fn random_seed() -> u32 {
     use std::hash::{BuildHasher, Hasher};
@@ -52,12 +61,14 @@ impl SamplerChain {
 
     fn build(p: &SamplingParams, seed: u32, model: &Model) -> Self {
         let n_vocab = model.vocab_size() as i32;
+        // llama.cpp clamps a window of -1 to 0 (disabled); we mean "the whole context".
+        let whole = model.n_ctx_train().max(1) as i32;
         let mut stages: Vec<*mut sys::llama_sampler> = Vec::new();
         unsafe {
             if !p.penalties_neutral() {
                 stages.push(sys::llama_sampler_init_penalties(
                     n_vocab,
-                    p.penalty_last_n,
+                    resolve_window(p.penalty_last_n, whole),
                     p.repeat_penalty,
                     p.frequency_penalty,
                     p.presence_penalty,
@@ -75,7 +86,7 @@ impl SamplerChain {
                     p.dry_multiplier,
                     p.dry_base,
                     p.dry_allowed_length,
-                    p.dry_penalty_last_n,
+                    resolve_window(p.dry_penalty_last_n, whole),
                     ptrs.as_mut_ptr(),
                     ptrs.len(),
                 ));

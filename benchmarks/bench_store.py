@@ -1,0 +1,240 @@
+"""BranchStore throughput against the peer, decode overhead, fork cost, KV sharing.
+
+Prints four tables (recorded in BENCHMARKS.md):
+
+1. aggregate generated tokens/s vs N for `store.step` (greedy and the default chain),
+   for N sequential `Branch.commit`s, and for the peer's hand-written batched loop
+   (`../shared/bench/peer_batched.py`, run as a subprocess with its own Python), each N
+   measured back to back in the same run, same model, same threads;
+2. the time inside the bare `llama_decode` of those batches and kvfork's overhead above it;
+3. `fork()` time vs prefix length;
+4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096.
+
+usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
+                                        [--peer-python /tmp/peer/bin/python] [--skip-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import kvfork
+
+PROMPT = "The history of the printing press begins with"
+THREADS = 2
+HERE = Path(__file__).resolve().parent
+PEER_SCRIPT = HERE.parent.parent / "shared" / "bench" / "peer_batched.py"
+GREEDY = kvfork.SamplingParams(temperature=0.0)
+DEFAULT_CHAIN = kvfork.SamplingParams(seed=1234)
+
+
+def make_context(model: kvfork.Model, n_seq: int, n_ctx: int = 4096) -> kvfork.Context:
+    return kvfork.create_context_sync(
+        model, n_ctx=n_ctx, n_batch=512, n_seq_max=n_seq, n_threads=THREADS
+    )
+
+
+def branches_at_prompt(
+    ctx: kvfork.Context, n: int, params: kvfork.SamplingParams
+) -> list[kvfork.Branch]:
+    """A root with the prompt prefilled plus n - 1 forks of it (n sequences, as the peer)."""
+    root = kvfork.Branch.create(ctx, 0, params)
+    root.prefill_sync(ctx.tokenize(PROMPT))
+    kids = [root.fork_sync() for _ in range(n - 1)]
+    for i, kid in enumerate(kids):
+        kid.reseed_sampler(i + 1)
+    return [root, *kids]
+
+
+def timed(ctx: kvfork.Context, body: Callable[[], None]) -> tuple[float, float, int]:
+    """(wall seconds, seconds inside llama_decode, tokens decoded) of `body`."""
+    s0 = ctx.stats()
+    t0 = time.perf_counter()
+    body()
+    wall = time.perf_counter() - t0
+    s1 = ctx.stats()
+    decode = float(s1["decode_seconds"]) - float(s0["decode_seconds"])
+    tokens = int(s1["decoded_tokens"]) - int(s0["decoded_tokens"])
+    return wall, decode, tokens
+
+
+def run_step(
+    model: kvfork.Model, n: int, steps: int, params: kvfork.SamplingParams
+) -> tuple[float, float, int]:
+    with make_context(model, n) as ctx:
+        branches = branches_at_prompt(ctx, n, params)
+        store = kvfork.BranchStore(ctx)
+
+        def body() -> None:
+            for _ in range(steps):
+                store.step_sync(branches)
+
+        return timed(ctx, body)
+
+
+def run_sequential(model: kvfork.Model, n: int, steps: int) -> tuple[float, float, int]:
+    with make_context(model, n) as ctx:
+        branches = branches_at_prompt(ctx, n, GREEDY)
+
+        def body() -> None:
+            for _ in range(steps):
+                for b in branches:
+                    b.commit_sync(b.sample())
+
+        return timed(ctx, body)
+
+
+def run_peer(python: str, model_path: str, n: int, steps: int) -> float | None:
+    """The peer's batched loop for one N, in its own interpreter; tokens/s."""
+    out = subprocess.run(
+        [python, str(PEER_SCRIPT), model_path, str(steps), str(n)],
+        env={**os.environ, "PEER_ONLY_BATCH": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    m = re.search(r"batch\s+([\d.]+) tok/s", out.stdout)
+    if m is None:
+        print(f"  peer failed for N={n}: {out.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(m.group(1))
+
+
+def throughput(args: argparse.Namespace, model: kvfork.Model) -> None:
+    print(
+        f"\n## 1-2. Aggregate tokens/s (steps={args.steps}, threads={THREADS}, best of {args.repeat})"
+    )
+    header = (
+        "| N | step greedy | step default chain | N sequential commits | peer batched "
+        "| greedy / peer | chain / peer | bare decode share (greedy) | overhead above bare decode |"
+    )
+    print(header)
+    print("|" + "---|" * header.count(" | ") + "---|")
+    for n in args.ns:
+        best: dict[str, tuple[float, float]] = {}
+        for _ in range(args.repeat):
+            runs = {
+                "greedy": run_step(model, n, args.steps, GREEDY),
+                "chain": run_step(model, n, args.steps, DEFAULT_CHAIN),
+                "seq": run_sequential(model, n, max(2, args.steps // 4)),
+            }
+            for key, (wall, decode, tokens) in runs.items():
+                rate = tokens / wall
+                if key not in best or rate > best[key][0]:
+                    best[key] = (rate, decode / wall)
+            if not args.skip_peer:
+                peer = run_peer(args.peer_python, model.path, n, args.steps)
+                if peer is not None and peer > best.get("peer", (0.0, 0.0))[0]:
+                    best["peer"] = (peer, math.nan)
+        greedy, chain, seq = best["greedy"], best["chain"], best["seq"]
+        peer_rate = best.get("peer", (math.nan, math.nan))[0]
+        share = greedy[1]
+        print(
+            f"| {n} | {greedy[0]:.1f} | {chain[0]:.1f} | {seq[0]:.1f} | {peer_rate:.1f} "
+            f"| {greedy[0] / peer_rate:.2f}x | {chain[0] / peer_rate:.2f}x "
+            f"| {share * 100:.1f}% | {(1 / share - 1) * 100:.1f}% |",
+            flush=True,
+        )
+
+
+def fork_cost(model: kvfork.Model, repeats: int = 50) -> None:
+    print(f"\n## 3. fork() vs prefix length (median of {repeats}; prune timed apart)")
+    print("| prefix tokens | fork_sync | prune_sync | fork / fork at 16 |")
+    print("|---|---|---|---|")
+    text = model_tokens(model, 2048)
+    base = None
+    with make_context(model, 2, n_ctx=4096) as ctx:
+        for length in (16, 64, 256, 1024, 2048):
+            root = kvfork.Branch.create(ctx, 0, GREEDY)
+            root.prefill_sync(text[:length])
+            forks, prunes = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                kid = root.fork_sync()
+                t1 = time.perf_counter()
+                kid.prune_sync()
+                t2 = time.perf_counter()
+                forks.append(t1 - t0)
+                prunes.append(t2 - t1)
+            fork_us = statistics.median(forks) * 1e6
+            base = base or fork_us
+            prune_us = statistics.median(prunes) * 1e6
+            print(f"| {length} | {fork_us:.0f} µs | {prune_us:.0f} µs | {fork_us / base:.2f}x |")
+            root.prune_sync()
+
+
+def model_tokens(model: kvfork.Model, n: int) -> list[int]:
+    with make_context(model, 1, n_ctx=256) as ctx:
+        words = ctx.tokenize(" ".join(f"item {i} of the long list," for i in range(n)), False)
+    return [int(t) for t in words[:n]]
+
+
+def kv_sharing(model: kvfork.Model) -> None:
+    n_forks, prefix, gen, n_ctx = 16, 1500, 64, 4096
+    print(f"\n## 4. KV sharing: {n_forks} forks of a {prefix}-token prefix, {gen} tokens each")
+    with make_context(model, n_forks + 1, n_ctx=n_ctx) as ctx:
+        root = kvfork.Branch.create(ctx, 0, GREEDY)
+        root.prefill_sync(model_tokens(model, prefix))
+        kids = [root.fork_sync() for _ in range(n_forks)]
+        for i, kid in enumerate(kids):
+            kid.set_sampler_params(DEFAULT_CHAIN.replace(seed=i))
+        store = kvfork.BranchStore(ctx)
+        t0 = time.perf_counter()
+        for _ in range(gen):
+            store.step_sync(kids)
+        wall = time.perf_counter() - t0
+        cells = prefix + n_forks * gen
+        unshared = n_forks * (prefix + gen)
+        positions = sorted({k.position for k in kids})
+        print(f"| n_ctx | KV cells used | without sharing | fork positions | wall |")
+        print("|---|---|---|---|---|")
+        print(
+            f"| {n_ctx} | {cells} ({cells / n_ctx:.0%}) | {unshared} ({unshared / n_ctx:.1f}x n_ctx) "
+            f"| {positions} | {wall:.1f} s |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument(
+        "--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32]
+    )
+    parser.add_argument("--repeat", type=int, default=2, help="runs per cell; the best is kept")
+    parser.add_argument(
+        "--peer-python", default=os.environ.get("PEER_PYTHON", "/tmp/peer/bin/python")
+    )
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--only", default="throughput,fork,kv")
+    args = parser.parse_args()
+    if not args.skip_peer and not (Path(args.peer_python).exists() and PEER_SCRIPT.exists()):
+        print(
+            f"peer not found ({args.peer_python}, {PEER_SCRIPT}): --skip-peer assumed",
+            file=sys.stderr,
+        )
+        args.skip_peer = True
+    kvfork.set_log_level(40)
+    model = kvfork.Model.load(kvfork.default_model_path())
+    info = kvfork.system_info()
+    print(f"# kvfork BranchStore benchmark: {Path(model.path).name}, {THREADS} threads")
+    print(f"cpu features: {info.get('cpu_features', info)}")
+    sections = set(args.only.split(","))
+    if "throughput" in sections:
+        throughput(args, model)
+    if "fork" in sections:
+        fork_cost(model)
+    if "kv" in sections:
+        kv_sharing(model)
+
+
+if __name__ == "__main__":
+    main()
