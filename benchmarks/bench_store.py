@@ -195,7 +195,7 @@ def kv_sharing(model: kvfork.Model) -> None:
         cells = prefix + n_forks * gen
         unshared = n_forks * (prefix + gen)
         positions = sorted({k.position for k in kids})
-        print(f"| n_ctx | KV cells used | without sharing | fork positions | wall |")
+        print("| n_ctx | KV cells used | without sharing | fork positions | wall |")
         print("|---|---|---|---|---|")
         print(
             f"| {n_ctx} | {cells} ({cells / n_ctx:.0%}) | {unshared} ({unshared / n_ctx:.1f}x n_ctx) "

@@ -7,10 +7,9 @@ import math
 import re
 
 import jsonschema
+import kvfork
 import numpy as np
 import pytest
-
-import kvfork
 
 from .conftest import PROMPT, root
 
