@@ -23,22 +23,27 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// Splits `x` (already clamped to a safe range) as `x = n ln 2 + r`,
 /// |r| <= ln(2)/2, returning `(e^r, n)`.
-#[inline]
-fn exp_reduce(x: f32) -> (f32, i32) {
-    let t = x * std::f32::consts::LOG2_E + ROUND_MAGIC;
+/// `FMA` fuses the multiply-adds (only where the CPU has FMA, else `mul_add` is a libm call).
+#[inline(always)]
+fn exp_reduce<const FMA: bool>(x: f32) -> (f32, i32) {
+    let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
+    let t = madd(x, std::f32::consts::LOG2_E, ROUND_MAGIC);
     let n = t.to_bits() as i32 - ROUND_MAGIC.to_bits() as i32;
     let nf = t - ROUND_MAGIC;
-    let r = (x - nf * LN2_HI) - nf * LN2_LO;
-    // Degree-6 Taylor series: truncation error r^7/7! < 1.2e-7 here.
-    let p = 1.0
-        + r * (1.0
-            + r * (1.0 / 2.0
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let r = madd(-nf, LN2_LO, madd(-nf, LN2_HI, x));
+    // Degree-6 Taylor series (Horner): truncation error r^7/7! < 1.2e-7 here.
+    let mut p = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 1.0 / 2.0, 1.0, 1.0] {
+        p = madd(p, r, c);
+    }
     (p, n)
 }
 
+/// Whether the baseline build may use `mul_add` freely.
+const BASE_FMA: bool = cfg!(target_feature = "fma");
+
 /// `2^e` for `e` in -126..=127, built directly from the exponent bits.
-#[inline]
+#[inline(always)]
 fn pow2i(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
@@ -49,7 +54,7 @@ fn pow2i(e: i32) -> f32 {
 pub fn fast_exp(x: f32) -> f32 {
     let xc = if x < EXP_LO { EXP_LO } else { x };
     let xc = if xc > EXP_HI { EXP_HI } else { xc };
-    let (p, n) = exp_reduce(xc);
+    let (p, n) = exp_reduce::<BASE_FMA>(xc);
     // n reaches 128 and 2^128 has no f32 encoding, so scale in two halves.
     let half = n >> 1;
     let y = p * pow2i(half) * pow2i(n - half);
@@ -62,9 +67,9 @@ pub fn fast_exp(x: f32) -> f32 {
 
 /// Cheaper `e^d` for the softmax sums, where `d = x - max <= 0`: one scale
 /// step suffices. `d < -87` is clamped (about 1.6e-38); callers mask it.
-#[inline]
-fn exp_nonpos(d: f32) -> f32 {
-    let (p, n) = exp_reduce(if d < EXP_LO { EXP_LO } else { d });
+#[inline(always)]
+fn exp_nonpos<const FMA: bool>(d: f32) -> f32 {
+    let (p, n) = exp_reduce::<FMA>(if d < EXP_LO { EXP_LO } else { d });
     p * pow2i(n)
 }
 
@@ -90,34 +95,60 @@ pub fn max(logits: &[f32]) -> f32 {
     acc.into_iter().chain(tail).fold(f32::NEG_INFINITY, max_f32)
 }
 
+/// `(e^d, d)` with `d` clamped to the cutoff: exactly 0 below it, so a lone finite logit has
+/// entropy 0; callers weight with the clamped `d` because `0 * -inf` is NaN.
+#[inline(always)]
+fn masked_exp<const FMA: bool>(d: f32) -> (f32, f32) {
+    let masked = d < EXP_LO;
+    let dc = if masked { EXP_LO } else { d };
+    let e = exp_nonpos::<FMA>(dc);
+    (if masked { 0.0 } else { e }, dc)
+}
+
 /// `(Σ e^d, Σ e^d·d)` with `d = x - shift <= 0`; the second sum only if
 /// `WEIGHTED`. Entries with `d < -87` (masked ones included) add exactly 0.
+/// Uses AVX-512 when the CPU has it (twice the lanes of the baseline build).
+#[allow(unsafe_code)]
 fn exp_sums<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: the CPU supports every feature the function is compiled for.
+        return unsafe { exp_sums_avx512::<WEIGHTED>(logits, shift) };
+    }
+    exp_sums_lanes::<WEIGHTED, BASE_FMA>(logits, shift)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn exp_sums_avx512<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
+    exp_sums_lanes::<WEIGHTED, true>(logits, shift)
+}
+
+#[inline(always)]
+fn exp_sums_lanes<const WEIGHTED: bool, const FMA: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
     let mut total = 0.0f64;
     let mut weighted = 0.0f64;
     for block in logits.chunks(BLOCK) {
         let mut s = [0.0f32; LANES];
         let mut w = [0.0f32; LANES];
-        let mut add = |lane: usize, x: f32| {
-            let d = x - shift;
-            // Exactly 0 below the cutoff, so a lone finite logit has entropy 0;
-            // the weight uses the clamped d because 0 * -inf is NaN.
-            let masked = d < EXP_LO;
-            let d = if masked { EXP_LO } else { d };
-            let e = if masked { 0.0 } else { exp_nonpos(d) };
-            s[lane] += e;
-            if WEIGHTED {
-                w[lane] += e * d;
-            }
-        };
         let mut chunks = block.chunks_exact(LANES);
         for c in &mut chunks {
-            for (lane, &x) in c.iter().enumerate() {
-                add(lane, x);
+            // Fixed-size lanes and selects (no calls under a branch) so this vectorizes.
+            for j in 0..LANES {
+                let (e, d) = masked_exp::<FMA>(c[j] - shift);
+                s[j] += e;
+                if WEIGHTED {
+                    w[j] += e * d;
+                }
             }
         }
         for &x in chunks.remainder() {
-            add(0, x);
+            let (e, d) = masked_exp::<FMA>(x - shift);
+            s[0] += e;
+            if WEIGHTED {
+                w[0] += e * d;
+            }
         }
         total += s.iter().map(|&v| f64::from(v)).sum::<f64>();
         if WEIGHTED {

@@ -72,7 +72,7 @@ impl Branch {
             let cell = BranchCell::new(state);
             let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
             cell.lock().seq = seq as i32;
-            w.ctx.seq_rm(seq as i32, 0, -1)?;
+            w.ctx.clear_seq(seq as i32)?;
             Ok(Branch {
                 ctx: ctx2,
                 handle,
@@ -183,7 +183,7 @@ impl Branch {
                 .registry()
                 .fork(parent, fork_head as u32, cell.clone())?;
             cell.lock().seq = seq as i32;
-            w.ctx.seq_rm(seq as i32, 0, -1)?;
+            w.ctx.clear_seq(seq as i32)?;
             w.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
             Ok(Branch { ctx, handle, cell })
         })

@@ -1,6 +1,8 @@
 //! Everything one branch owns besides its KV cells: logits snapshot, sampler chain,
 //! grammar, biases, perplexity trackers, accepted history. Guarded by one mutex per branch.
 
+use std::sync::Arc;
+
 use llama_cpp_sys_2 as sys;
 
 use kvfork_core::metrics::{self, Perplexity};
@@ -22,7 +24,8 @@ struct FilteredCache {
 pub(crate) struct BranchState {
     pub seq: i32,
     pub position: i32,
-    logits: Vec<f32>,
+    /// Shared with forks until either side gets new logits (a fork copies no row).
+    logits: Arc<[f32]>,
     has_logits: bool,
     /// Bumped on every new snapshot.
     logits_version: u64,
@@ -61,7 +64,7 @@ impl BranchState {
         BranchState {
             seq,
             position,
-            logits: Vec::new(),
+            logits: Arc::from(Vec::new()),
             has_logits: false,
             logits_version: 0,
             sampler_epoch: 0,
@@ -140,11 +143,19 @@ impl BranchState {
     }
 
     pub fn set_logits(&mut self, row: &[f32]) {
-        self.logits.clear();
-        self.logits.extend_from_slice(row);
+        match Arc::get_mut(&mut self.logits) {
+            Some(own) if own.len() == row.len() => own.copy_from_slice(row),
+            _ => self.logits = Arc::from(row),
+        }
         self.has_logits = true;
         self.logits_version += 1;
         self.raw_lse = None;
+    }
+
+    /// Compute now what `accept` needs from this snapshot (its log-partition), so the cost
+    /// lands where the caller chooses (in parallel right after a decode).
+    pub fn prepare_surprisal(&mut self) {
+        let _ = self.raw_lse();
     }
 
     fn raw_lse(&mut self) -> Result<f64> {

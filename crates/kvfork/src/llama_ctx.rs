@@ -256,6 +256,15 @@ impl LlamaCtx {
         Ok(unsafe { sys::llama_memory_seq_rm(self.mem, seq, p0, p1) })
     }
 
+    /// Empty a freshly leased sequence. A free lease holds no cells unless raw `kv_*` calls
+    /// put some there, so the O(n_ctx) scan of `seq_rm` is skipped when it is already empty.
+    pub fn clear_seq(&mut self, seq: i32) -> Result<()> {
+        if self.seq_pos_max(seq)? >= 0 {
+            self.seq_rm(seq, 0, -1)?;
+        }
+        Ok(())
+    }
+
     pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
         self.check_seq(seq)?;
         unsafe { sys::llama_memory_seq_keep(self.mem, seq) };

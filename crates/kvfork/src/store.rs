@@ -144,25 +144,7 @@ impl crate::engine::Worker {
                 is_stop: model.is_eog(token),
             })
         };
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(cells.len() / 2)
-            .max(1);
-        let produced: Vec<Result<Produced>> = if threads <= 1 {
-            cells.iter().map(sample).collect()
-        } else {
-            let per = cells.len().div_ceil(threads);
-            std::thread::scope(|s| {
-                let handles: Vec<_> = cells
-                    .chunks(per)
-                    .map(|chunk| s.spawn(|| chunk.iter().map(sample).collect::<Vec<_>>()))
-                    .collect();
-                handles
-                    .into_iter()
-                    .flat_map(|h| h.join().expect("sampling thread panicked"))
-                    .collect()
-            })
-        };
+        let produced = crate::engine::map_parallel(cells, sample);
         let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
         let items: Vec<(Arc<BranchCell>, Token)> = cells
             .iter()

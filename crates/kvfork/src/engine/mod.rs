@@ -5,6 +5,7 @@
 //! request waits, the thread gathers the commits queued behind it (and, when the previous
 //! step was a group, lingers briefly for its members) into ONE `llama_decode`.
 
+mod parallel;
 mod pending;
 pub(crate) mod shared;
 mod worker;
@@ -14,6 +15,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+pub(crate) use parallel::map_parallel;
 pub use pending::Pending;
 pub(crate) use pending::Reply;
 pub(crate) use shared::{BranchCell, Shared};
