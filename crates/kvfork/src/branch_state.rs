@@ -300,6 +300,12 @@ impl BranchState {
         Ok(())
     }
 
+    /// Whether sampling walks the whole vocabulary (grammar, or a chain that cannot be cut to
+    /// its top-k first): milliseconds per token instead of microseconds.
+    pub fn sampling_is_heavy(&self) -> bool {
+        self.grammar.is_some() || self.sampler.prefilter_k().is_none()
+    }
+
     /// Draw a token from the snapshot. Mutates only the RNG of stochastic terminals.
     pub fn sample(&mut self) -> Result<Token> {
         self.filter_candidates()?;

@@ -129,7 +129,8 @@ impl BranchStore {
 }
 
 impl crate::engine::Worker {
-    /// Sample each cell (parallel across cores when it pays), then commit the non-stop tokens.
+    /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
+    /// pay), then commit the non-stop tokens.
     pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
         let model = self.shared.model.clone();
         let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
@@ -144,7 +145,12 @@ impl crate::engine::Worker {
                 is_stop: model.is_eog(token),
             })
         };
-        let produced = crate::engine::map_parallel(cells, sample);
+        let heavy = cells.iter().any(|c| c.lock().sampling_is_heavy());
+        let produced: Vec<Result<Produced>> = if heavy {
+            crate::engine::map_parallel(cells, sample)
+        } else {
+            cells.iter().map(sample).collect()
+        };
         let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
         let items: Vec<(Arc<BranchCell>, Token)> = cells
             .iter()

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvfork_core::packer::{logits_index, plan_prefill};
 
 use super::shared::{BranchCell, Shared, Stats};
-use super::{map_parallel, CommitItem, Job, Reply};
+use super::{CommitItem, Job, Reply};
 use crate::branch_state::Snapshot;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
@@ -185,17 +185,14 @@ impl Worker {
             self.batch.push(*token, st.position, st.seq, true);
         }
         self.decode()?;
-        let rows = (0..items.len())
-            .map(|i| self.ctx.logits_ith(i))
-            .collect::<Result<Vec<_>>>()?;
-        let updates: Vec<_> = items.iter().zip(rows).collect();
-        // 1 MiB copies and log-sum-exps per branch: spread over the idle cores.
-        map_parallel(&updates, |((cell, _), row)| {
+        for (i, (cell, _)) in items.iter().enumerate() {
+            let row = self.ctx.logits_ith(i)?;
             let mut st = cell.lock();
             st.set_logits(row);
+            // Here, while the row is hot in cache, rather than inside the next accept.
             st.prepare_surprisal();
             st.position += 1;
-        });
+        }
         Ok(())
     }
 
