@@ -158,6 +158,76 @@ fn exp_sums_lanes<const WEIGHTED: bool, const FMA: bool>(logits: &[f32], shift: 
     (total, weighted)
 }
 
+/// What sampling and perplexity need first from a fresh logits row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowSummary {
+    /// `ln Σ e^x` over the finite logits; `-inf` when there are none.
+    pub log_sum_exp: f64,
+    /// Index of the first largest logit (0 for an empty or fully masked row).
+    pub argmax: usize,
+}
+
+/// Copies `src` into `dst` and summarizes it in the same pass over memory: each block is
+/// copied, then its max and exp-sum are taken while it is still in L1, with the running
+/// sum rescaled whenever a block raises the max. One DRAM read instead of three.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn copy_and_summarize(src: &[f32], dst: &mut [f32]) -> RowSummary {
+    assert_eq!(src.len(), dst.len(), "copy_and_summarize: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+    {
+        #[allow(unsafe_code)]
+        // SAFETY: the CPU supports every feature the function is compiled for.
+        return unsafe { copy_and_summarize_avx512(src, dst) };
+    }
+    copy_and_summarize_lanes::<BASE_FMA>(src, dst)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn copy_and_summarize_avx512(src: &[f32], dst: &mut [f32]) -> RowSummary {
+    copy_and_summarize_lanes::<true>(src, dst)
+}
+
+#[inline(always)]
+fn copy_and_summarize_lanes<const FMA: bool>(src: &[f32], dst: &mut [f32]) -> RowSummary {
+    let mut m = f32::NEG_INFINITY;
+    let mut max_block = 0;
+    // Σ e^(x - m) over the blocks so far.
+    let mut total = 0.0f64;
+    for (b, (from, to)) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)).enumerate() {
+        to.copy_from_slice(from);
+        let block_max = max(to);
+        if block_max > m {
+            if m > f32::NEG_INFINITY {
+                total *= (f64::from(m) - f64::from(block_max)).exp();
+            }
+            m = block_max;
+            max_block = b;
+        }
+        if m > f32::NEG_INFINITY {
+            total += exp_sums_lanes::<false, FMA>(to, m).0;
+        }
+    }
+    if m == f32::NEG_INFINITY {
+        return RowSummary {
+            log_sum_exp: f64::NEG_INFINITY,
+            argmax: 0,
+        };
+    }
+    let start = max_block * BLOCK;
+    let offset = dst[start..]
+        .iter()
+        .position(|&x| x == m)
+        .expect("the max block holds the max");
+    RowSummary {
+        log_sum_exp: f64::from(m) + total.ln(),
+        argmax: start + offset,
+    }
+}
+
 /// `ln Σ e^x` over the finite logits; `-inf` when there are none.
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let m = max(logits);

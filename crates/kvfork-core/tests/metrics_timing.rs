@@ -47,6 +47,14 @@ fn timings() {
     time("entropy", || {
         black_box(metrics::entropy(black_box(&xs)));
     });
+    let mut dst = vec![0.0f32; xs.len()];
+    time("copy", || {
+        dst.copy_from_slice(black_box(&xs));
+        black_box(&dst);
+    });
+    time("copy+summary", || {
+        black_box(metrics::copy_and_summarize(black_box(&xs), &mut dst));
+    });
     time("top_k(40)", || {
         metrics::top_k_indices(black_box(&xs), 40, &mut out);
         black_box(&out);

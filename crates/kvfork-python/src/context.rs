@@ -326,7 +326,7 @@ impl PyContext {
     fn __aenter__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let me: Py<Self> = slf.unbind();
-        Ok(crate::awaitable::Ready::new(me.into_any()).into_bound_py_any(py)?)
+        crate::awaitable::Ready::new(me.into_any()).into_bound_py_any(py)
     }
 
     #[pyo3(signature = (_exc_type=None, _exc=None, _tb=None))]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
-use kvfork_core::metrics::{self, Perplexity};
+use kvfork_core::metrics::{self, Perplexity, RowSummary};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
@@ -31,8 +31,8 @@ pub(crate) struct BranchState {
     logits_version: u64,
     /// Bumped on every change of sampler, grammar, bias or steer.
     sampler_epoch: u64,
-    /// log-sum-exp of the raw snapshot, computed on first use.
-    raw_lse: Option<f64>,
+    /// Log-partition and argmax of the snapshot (valid with `has_logits`).
+    summary: RowSummary,
     pub sampler: SamplerChain,
     pub grammar: Option<Grammar>,
     logit_bias: Vec<(Token, f32)>,
@@ -68,7 +68,10 @@ impl BranchState {
             has_logits: false,
             logits_version: 0,
             sampler_epoch: 0,
-            raw_lse: None,
+            summary: RowSummary {
+                log_sum_exp: f64::NEG_INFINITY,
+                argmax: 0,
+            },
             sampler,
             grammar,
             logit_bias: Vec::new(),
@@ -92,7 +95,7 @@ impl BranchState {
             has_logits: self.has_logits,
             logits_version: self.logits_version,
             sampler_epoch: self.sampler_epoch + 1,
-            raw_lse: self.raw_lse,
+            summary: self.summary,
             sampler: self.sampler.clone(),
             grammar: self.grammar.clone(),
             logit_bias: self.logit_bias.clone(),
@@ -142,39 +145,28 @@ impl BranchState {
         })
     }
 
+    /// Take a new snapshot; its log-partition and argmax come from the same pass as the copy.
     pub fn set_logits(&mut self, row: &[f32]) {
-        match Arc::get_mut(&mut self.logits) {
-            Some(own) if own.len() == row.len() => own.copy_from_slice(row),
-            _ => self.logits = Arc::from(row),
-        }
+        let own = match Arc::get_mut(&mut self.logits) {
+            Some(own) if own.len() == row.len() => own,
+            // Shared with a fork (or first use): start a buffer of our own.
+            _ => {
+                self.logits = Arc::from(vec![0.0; row.len()]);
+                Arc::get_mut(&mut self.logits).expect("a fresh Arc is unique")
+            }
+        };
+        self.summary = metrics::copy_and_summarize(row, own);
         self.has_logits = true;
         self.logits_version += 1;
-        self.raw_lse = None;
-    }
-
-    /// Compute now what `accept` needs from this snapshot (its log-partition), so the cost
-    /// lands where the caller chooses (in parallel right after a decode).
-    pub fn prepare_surprisal(&mut self) {
-        let _ = self.raw_lse();
-    }
-
-    fn raw_lse(&mut self) -> Result<f64> {
-        if let Some(v) = self.raw_lse {
-            return Ok(v);
-        }
-        let v = metrics::log_sum_exp(self.require_logits()?);
-        self.raw_lse = Some(v);
-        Ok(v)
     }
 
     /// Model-level surprisal of `token` in nats, from the raw snapshot.
-    pub fn surprisal(&mut self, token: Token) -> Result<f64> {
-        let lse = self.raw_lse()?;
+    pub fn surprisal(&self, token: Token) -> Result<f64> {
         let logit = self.require_logits()?[token as usize] as f64;
         Ok(if logit == f64::NEG_INFINITY {
             f64::INFINITY
         } else {
-            lse - logit
+            self.summary.log_sum_exp - logit
         })
     }
 
@@ -226,7 +218,17 @@ impl BranchState {
         } else {
             self.sampler.prefilter_k()
         };
+        let unbiased = self.logit_bias.is_empty() && self.steer.is_empty();
         match prefilter {
+            // Greedy: the argmax was found while the snapshot was copied.
+            Some(1) if unbiased => {
+                let i = self.summary.argmax;
+                self.candidates.push(sys::llama_token_data {
+                    id: i as Token,
+                    logit: logits[i],
+                    p: 0.0,
+                });
+            }
             Some(k) if k < logits.len() => {
                 // The k best raw logits among unbiased tokens, plus every biased token: the
                 // chain's own top-k then picks exactly the true top-k of the biased logits.

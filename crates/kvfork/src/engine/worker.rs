@@ -1,6 +1,6 @@
 //! The engine thread's side: owns the llama context and the batch, runs jobs.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,15 +73,10 @@ impl Worker {
         let deadline = Instant::now() + linger;
         loop {
             let next = if n_items < self.last_group {
-                match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                    Ok(job) => Some(job),
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-                }
+                rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    .ok()
             } else {
-                match rx.try_recv() {
-                    Ok(job) => Some(job),
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => None,
-                }
+                rx.try_recv().ok()
             };
             let Some(job) = next else { break };
             match job {
@@ -189,8 +184,6 @@ impl Worker {
             let row = self.ctx.logits_ith(i)?;
             let mut st = cell.lock();
             st.set_logits(row);
-            // Here, while the row is hot in cache, rather than inside the next accept.
-            st.prepare_surprisal();
             st.position += 1;
         }
         Ok(())
