@@ -148,15 +148,19 @@ def throughput(args: argparse.Namespace, model: kvfork.Model) -> None:
 
 def fork_cost(model: kvfork.Model, repeats: int = 50) -> None:
     print(f"\n## 3. fork() vs prefix length (median of {repeats}; prune timed apart)")
-    print("| prefix tokens | fork_sync | prune_sync | fork / fork at 16 |")
-    print("|---|---|---|---|")
+    print(
+        "| prefix tokens | fork_sync | fork / fork at 16 | bare llama seq_cp (ctx.kv_seq_copy) | prune_sync |"
+    )
+    print("|---|---|---|---|---|")
     text = model_tokens(model, 2048)
     base = None
     with make_context(model, 2, n_ctx=4096) as ctx:
         for length in (16, 64, 256, 1024, 2048):
             root = kvfork.Branch.create(ctx, 0, GREEDY)
             root.prefill_sync(text[:length])
-            forks, prunes = [], []
+            for _ in range(5):  # warm-up
+                root.fork_sync().prune_sync()
+            forks, prunes, copies = [], [], []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 kid = root.fork_sync()
@@ -165,10 +169,19 @@ def fork_cost(model: kvfork.Model, repeats: int = 50) -> None:
                 t2 = time.perf_counter()
                 forks.append(t1 - t0)
                 prunes.append(t2 - t1)
+                # The bare llama.cpp call inside fork: seq_cp into the free sequence.
+                free = 1 - root.seq_id
+                t3 = time.perf_counter()
+                ctx.kv_seq_copy(root.seq_id, free)
+                copies.append(time.perf_counter() - t3)
+                ctx.kv_seq_remove(free)
             fork_us = statistics.median(forks) * 1e6
             base = base or fork_us
             prune_us = statistics.median(prunes) * 1e6
-            print(f"| {length} | {fork_us:.0f} µs | {prune_us:.0f} µs | {fork_us / base:.2f}x |")
+            copy_us = statistics.median(copies) * 1e6
+            print(
+                f"| {length} | {fork_us:.0f} µs | {fork_us / base:.2f}x | {copy_us:.0f} µs | {prune_us:.0f} µs |"
+            )
             root.prune_sync()
 
 

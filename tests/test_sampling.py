@@ -184,3 +184,21 @@ def test_steer_and_bias(ctx: kvfork.Context) -> None:
     assert b.fork_sync().produce_sync().token != top  # logit bias is inherited
     b.clear_logit_bias()
     assert root(ctx).produce_sync().token == top  # a fresh branch has neither
+
+
+def test_grammar_window_equals_full_vocabulary_grammar(ctx: kvfork.Context) -> None:
+    # top_k chains check the grammar on a widening window of the best tokens only; a huge
+    # top_n_sigma keeps every token but forces the whole-vocabulary path. Same draws.
+    gbnf = kvfork.json_schema_to_grammar(
+        {"type": "object", "properties": {"name": {"type": "string"}}}
+    )
+    outs = []
+    for extra in ({}, {"top_n_sigma": 1e6}):
+        b = kvfork.Branch.create(
+            ctx, 0, {"temperature": 0.9, "top_k": 40, "seed": 3, **extra}, grammar=gbnf
+        )
+        b.prefill_sync(ctx.tokenize("A person as JSON:"))
+        outs.append(([t.token for t in b.generate_sync(30)], b.sampling_perplexity))
+        b.prune_sync()
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-4)
