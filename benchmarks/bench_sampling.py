@@ -92,7 +92,7 @@ def main() -> None:
     for chain, params in CHAINS.items():
         for name, g in variants.items():
             best = min(sample_us(model, g, params) for _ in range(args.repeat))
-            print(f"| {chain} | {name} | {best:.0f} µs |", flush=True)
+            print(f"| {chain} | {name} | {best:.1f} µs |", flush=True)
     print("\n| N | chain | grammar | tokens/s | host time per token (wall − llama_decode) |")
     print("|---|---|---|---|---|")
     for n in (1, 8):
