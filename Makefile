@@ -32,5 +32,7 @@ fmt:
 	cargo fmt --all
 	$(PY) -m ruff format python tests benchmarks examples
 
+# Benchmarks (not tests): tables recorded in BENCHMARKS.md. The peer needs /tmp/peer (see there).
 bench: setup
 	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_sampling.py
