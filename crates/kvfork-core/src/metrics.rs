@@ -95,6 +95,12 @@ pub fn max(logits: &[f32]) -> f32 {
     acc.into_iter().chain(tail).fold(f32::NEG_INFINITY, max_f32)
 }
 
+/// Whether the AVX-512 + FMA kernels may run (std caches the CPUID probe).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+}
+
 /// `(e^d, d)` with `d` clamped to the cutoff: exactly 0 below it, so a lone finite logit has
 /// entropy 0; callers weight with the clamped `d` because `0 * -inf` is NaN.
 #[inline(always)]
@@ -111,8 +117,7 @@ fn masked_exp<const FMA: bool>(d: f32) -> (f32, f32) {
 #[allow(unsafe_code)]
 fn exp_sums<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
-    {
+    if has_avx512_fma() {
         // SAFETY: the CPU supports every feature the function is compiled for.
         return unsafe { exp_sums_avx512::<WEIGHTED>(logits, shift) };
     }
@@ -176,8 +181,7 @@ pub struct RowSummary {
 pub fn copy_and_summarize(src: &[f32], dst: &mut [f32]) -> RowSummary {
     assert_eq!(src.len(), dst.len(), "copy_and_summarize: lengths differ");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
-    {
+    if has_avx512_fma() {
         #[allow(unsafe_code)]
         // SAFETY: the CPU supports every feature the function is compiled for.
         return unsafe { copy_and_summarize_avx512(src, dst) };
