@@ -5,10 +5,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # 1. System packages for building llama.cpp (CMake, C++ compiler, libclang for bindgen).
+# bindgen (clang-sys) loads `libclang.so*` or `libclang-<version>.so*` from LIBCLANG_PATH or
+# the usual library directories. `libclang-cpp.so*` (the C++ library shipped by some images)
+# is not libclang and does not count.
+have_libclang() {
+  local dirs=("${LIBCLANG_PATH:-}") d f
+  dirs+=(/usr/lib/llvm-*/lib /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64
+         /usr/lib /usr/local/lib)
+  for d in "${dirs[@]}"; do
+    [ -n "$d" ] && [ -d "$d" ] || continue
+    for f in "$d"/libclang.so* "$d"/libclang-[0-9]*.so*; do
+      [ -e "$f" ] && return 0
+    done
+  done
+  return 1
+}
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v c++ >/dev/null || need+=(g++)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+have_libclang || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   echo "setup: installing ${need[*]}"

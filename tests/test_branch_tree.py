@@ -60,7 +60,7 @@ def test_children_decode_independently_and_survive_parent_prune(ctx: kvfork.Cont
     seqs = [parent.seq_id, a.seq_id]
     parent.prune_subtree_sync()  # CASCADE
     assert a.disposed and parent.disposed
-    assert [ctx.kv_seq_pos_max(s) for s in seqs] == [-1, -1]
+    assert [ctx.kv_seq_pos_max_sync(s) for s in seqs] == [-1, -1]
 
 
 def test_prune_subtree_empties_sequences(ctx: kvfork.Context) -> None:
@@ -69,7 +69,7 @@ def test_prune_subtree_empties_sequences(ctx: kvfork.Context) -> None:
     seqs = [parent.seq_id, child.seq_id]
     parent.prune_subtree_sync()
     assert parent.disposed and child.disposed
-    assert [ctx.kv_seq_pos_max(s) for s in seqs] == [-1, -1]
+    assert [ctx.kv_seq_pos_max_sync(s) for s in seqs] == [-1, -1]
     with pytest.raises(kvfork.BranchDisposedError):
         child.fork_sync()
 

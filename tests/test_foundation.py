@@ -114,7 +114,7 @@ def test_position_and_prefill_chunking(model: kvfork.Model) -> None:
         b.prefill_sync(toks)
         assert b.position == len(toks)
         assert c.stats()["decode_calls"] - before == -(-len(toks) // 8)
-        assert c.kv_seq_pos_max(b.seq_id) == len(toks) - 1
+        assert c.kv_seq_pos_max_sync(b.seq_id) == len(toks) - 1
 
 
 async def test_async_for_equals_manual_loop(ctx: kvfork.Context) -> None:

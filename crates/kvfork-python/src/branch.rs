@@ -3,11 +3,9 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
-use pyo3::IntoPyObjectExt;
 
-use crate::awaitable::Ready;
 use crate::context::{token_id, PyContext};
-use crate::convert::{self, awaitable, wait};
+use crate::convert::{self, awaitable, wait, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::params;
@@ -28,38 +26,53 @@ fn wrap(b: kvfork::Branch) -> PyBranch {
     PyBranch { inner: b }
 }
 
+/// A token argument: an int id or a `Token`.
+pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
+    if let Ok(t) = obj.cast::<PyToken>() {
+        return Ok(t.get().token);
+    }
+    let id: i64 = obj.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "token must be an int or a kvfork.Token, got {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    token_id(id)
+}
+
+/// `max_tokens`: None (no limit) or an int >= 0.
+fn max_count(max_tokens: Option<Int>) -> PyResult<Option<usize>> {
+    max_tokens
+        .map(|m| m.within("max_tokens", 0, i64::MAX).map(|m| m as usize))
+        .transpose()
+}
+
 #[pymethods]
 impl PyBranch {
-    /// A new root branch on a fresh KV lease (blocking; cheap: no decode).
+    /// A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
+    /// for the engine (emptying the lease is queued ahead of the branch's own work).
     #[classmethod]
-    #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
+    #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None))]
     fn create(
         _cls: &Bound<'_, PyType>,
-        py: Python<'_>,
         ctx: &Bound<'_, PyContext>,
-        position: i64,
+        position: Int,
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<String>,
     ) -> PyResult<Self> {
-        let position =
-            i32::try_from(position).map_err(|_| PyValueError::new_err("position: out of range"))?;
-        if position < 0 {
-            return Err(PyValueError::new_err(format!(
-                "position: must be >= 0, got {position}"
-            )));
-        }
+        let position = position.i32("position", 0)?;
         let params = params::extract(params)?;
         let grammar = grammar.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf });
-        let ctx = ctx.get().inner.clone();
-        Ok(wrap(wait(
-            py,
-            kvfork::Branch::create(&ctx, position, &params, grammar),
-        )?))
+        let ctx = &ctx.get().inner;
+        Ok(wrap(
+            kvfork::Branch::create(ctx, position, &params, grammar).py()?,
+        ))
     }
 
     // ---- decoding ----
 
     /// Decode external tokens at the branch's position (no accept); captures the last logits.
+    /// Cancelled, it either never ran or was aborted and rolled back: nothing happened.
     fn prefill<'py>(
         &self,
         py: Python<'py>,
@@ -74,23 +87,29 @@ impl PyBranch {
         wait(py, self.inner.prefill(tokens))
     }
 
-    /// Sample a token from the snapshot (no KV write, no accept).
+    /// Sample a token from the snapshot on the engine thread, after any queued work on this
+    /// branch (no KV write, no accept; only a stochastic sampler's RNG moves).
     fn produce<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let token = self.produce_sync(py)?;
-        Ready::new(token.into_py_any(py)?).into_bound_py_any(py)
+        awaitable(py, self.inner.produce(), |p| Ok(PyToken::from(p)))
     }
 
     fn produce_sync(&self, py: Python<'_>) -> PyResult<PyToken> {
-        Ok(py.detach(|| self.inner.produce()).py()?.into())
+        Ok(wait(py, self.inner.produce())?.into())
     }
 
-    /// Accept `token`, decode it, capture logits; rolled back if the decode fails.
-    fn commit<'py>(&self, py: Python<'py>, token: i64) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.commit(token_id(token)?), Ok)
+    /// Accept `token` (an int or a Token), decode it, capture logits; rolled back if the
+    /// decode fails. Cancelled, it either never ran (nothing happened) or had started (it
+    /// completed).
+    fn commit<'py>(
+        &self,
+        py: Python<'py>,
+        token: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.inner.commit(token_arg(token)?), Ok)
     }
 
-    fn commit_sync(&self, py: Python<'_>, token: i64) -> PyResult<()> {
-        wait(py, self.inner.commit(token_id(token)?))
+    fn commit_sync(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
+        wait(py, self.inner.commit(token_arg(token)?))
     }
 
     /// Sample a token id (low level: no state change but the sampler RNG).
@@ -99,8 +118,8 @@ impl PyBranch {
     }
 
     /// Accept a token into penalties, grammar and perplexity without decoding it (low level).
-    fn accept(&self, py: Python<'_>, token: i64) -> PyResult<()> {
-        let token = token_id(token)?;
+    fn accept(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
+        let token = token_arg(token)?;
         py.detach(|| self.inner.accept(token)).py()
     }
 
@@ -108,13 +127,16 @@ impl PyBranch {
 
     /// Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
     #[pyo3(signature = (max_tokens=None))]
-    fn generate(&self, max_tokens: Option<usize>) -> PyGenerator {
-        PyGenerator::new(self.inner.clone(), max_tokens)
+    fn generate(&self, max_tokens: Option<Int>) -> PyResult<PyGenerator> {
+        Ok(PyGenerator::new(self.inner.clone(), max_count(max_tokens)?))
     }
 
     #[pyo3(signature = (max_tokens=None))]
-    fn generate_sync(&self, max_tokens: Option<usize>) -> PyGeneratorSync {
-        PyGeneratorSync::new(self.inner.clone(), max_tokens)
+    fn generate_sync(&self, max_tokens: Option<Int>) -> PyResult<PyGeneratorSync> {
+        Ok(PyGeneratorSync::new(
+            self.inner.clone(),
+            max_count(max_tokens)?,
+        ))
     }
 
     fn __aiter__(&self) -> PyGenerator {
@@ -125,12 +147,19 @@ impl PyBranch {
 
     /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG), grammar,
     /// perplexity, logits and logit bias; not steer.
-    fn fork<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.fork(), |b| Ok(wrap(b)))
+    ///
+    /// Without `seed` the child samples exactly like its parent until reseeded: forks made
+    /// for diversity need `seed=` (or `reseed_sampler`).
+    #[pyo3(signature = (*, seed=None))]
+    fn fork<'py>(&self, py: Python<'py>, seed: Option<Int>) -> PyResult<Bound<'py, PyAny>> {
+        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+        awaitable(py, self.inner.fork(seed), |b| Ok(wrap(b)))
     }
 
-    fn fork_sync(&self, py: Python<'_>) -> PyResult<Self> {
-        Ok(wrap(wait(py, self.inner.fork())?))
+    #[pyo3(signature = (*, seed=None))]
+    fn fork_sync(&self, py: Python<'_>, seed: Option<Int>) -> PyResult<Self> {
+        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+        Ok(wrap(wait(py, self.inner.fork(seed))?))
     }
 
     /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once.
@@ -207,8 +236,8 @@ impl PyBranch {
 
     // ---- sampler control ----
 
-    fn reseed_sampler(&self, seed: u32) -> PyResult<()> {
-        self.inner.reseed_sampler(seed).py()
+    fn reseed_sampler(&self, seed: Int) -> PyResult<()> {
+        self.inner.reseed_sampler(seed.u32("seed", 0)?).py()
     }
 
     fn set_sampler_params(&self, params: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -299,15 +328,13 @@ impl PyBranch {
 
     /// A copy of the logits snapshot, float32 of shape (vocab_size,).
     fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let r = self
-            .inner
-            .with_logits(|l| l.map(|l| convert::f32_array(py, l)))
-            .py()?;
-        r.unwrap_or_else(|| {
-            Err(crate::errors::KvforkError::new_err(
+        // The snapshot is shared out first: no Python runs under the branch lock.
+        match self.inner.logits_shared().py()? {
+            Some(row) => convert::f32_array(py, &row),
+            None => Err(crate::errors::KvforkError::new_err(
                 "the branch has no logits yet: prefill or commit first",
-            ))
-        })
+            )),
+        }
     }
 
     /// Replace the snapshot with a float32 array of shape (vocab_size,).

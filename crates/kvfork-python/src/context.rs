@@ -8,7 +8,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
-use crate::convert::{self, wait};
+use crate::awaitable::{OnCancel, Operation};
+use crate::convert::{self, awaitable, wait, Int};
 use crate::errors::IntoPyResult;
 use crate::model::PyModel;
 
@@ -49,15 +50,15 @@ fn pooling_type(name: Option<&str>) -> PyResult<Option<i32>> {
 #[allow(clippy::too_many_arguments)]
 fn options(
     path_or_model: &Bound<'_, PyAny>,
-    n_ctx: u32,
-    n_batch: u32,
-    n_seq_max: u32,
-    n_threads: Option<i32>,
+    n_ctx: Int,
+    n_batch: Int,
+    n_seq_max: Int,
+    n_threads: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
     pooling: Option<&str>,
-    n_gpu_layers: Option<i32>,
+    n_gpu_layers: Option<Int>,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
@@ -67,10 +68,10 @@ fn options(
         })?)
     };
     let params = kvfork::ContextParams {
-        n_ctx,
-        n_batch,
-        n_seq_max,
-        n_threads,
+        n_ctx: n_ctx.u32("n_ctx", 1)?,
+        n_batch: n_batch.u32("n_batch", 1)?,
+        n_seq_max: n_seq_max.u32("n_seq_max", 1)?,
+        n_threads: n_threads.map(|t| t.i32("n_threads", 1)).transpose()?,
         type_k: kvfork::CacheType::from_name(type_k).py()?,
         type_v: kvfork::CacheType::from_name(type_v).py()?,
         embeddings,
@@ -80,7 +81,9 @@ fn options(
     Ok(Options {
         source,
         params,
-        n_gpu_layers,
+        n_gpu_layers: n_gpu_layers
+            .map(|n| n.within("n_gpu_layers", -1, i32::MAX as i64).map(|n| n as i32))
+            .transpose()?,
     })
 }
 
@@ -98,23 +101,26 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     kvfork::Context::new(model, o.params)
 }
 
-/// Create a context (async): loads the model if given a path. Runs off the event loop.
+/// Create a context (async): loads the model if given a path, on a thread of its own (the
+/// event loop never waits). Cancelled before it finishes, it creates nothing: the context is
+/// freed as soon as it is built.
 #[pyfunction]
-#[pyo3(signature = (path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None,
-                    type_k="f16", type_v="f16", embeddings=false, pooling=None, n_gpu_layers=None))]
+#[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
+                    n_seq_max=Int(Some(8)), n_threads=None, type_k="f16", type_v="f16",
+                    embeddings=false, pooling=None, n_gpu_layers=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context<'py>(
     py: Python<'py>,
     path_or_model: &Bound<'py, PyAny>,
-    n_ctx: u32,
-    n_batch: u32,
-    n_seq_max: u32,
-    n_threads: Option<i32>,
+    n_ctx: Int,
+    n_batch: Int,
+    n_seq_max: Int,
+    n_threads: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
     pooling: Option<&str>,
-    n_gpu_layers: Option<i32>,
+    n_gpu_layers: Option<Int>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let o = options(
         path_or_model,
@@ -128,32 +134,31 @@ pub fn create_context<'py>(
         pooling,
         n_gpu_layers,
     )?;
-    pyo3_async_runtimes::tokio::future_into_py(py, async move {
-        let ctx = tokio::task::spawn_blocking(move || build(o))
-            .await
-            .map_err(|e| crate::errors::KvforkError::new_err(e.to_string()))?
-            .py()?;
-        Ok(PyContext { inner: ctx })
-    })
+    let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
+    let op = Operation::new(pending, OnCancel::Detach, |py, ctx| {
+        PyContext { inner: ctx }.into_py_any(py)
+    });
+    Bound::new(py, op).map(Bound::into_any)
 }
 
 /// Create a context (blocking twin of `create_context`).
 #[pyfunction]
-#[pyo3(signature = (path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None,
-                    type_k="f16", type_v="f16", embeddings=false, pooling=None, n_gpu_layers=None))]
+#[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
+                    n_seq_max=Int(Some(8)), n_threads=None, type_k="f16", type_v="f16",
+                    embeddings=false, pooling=None, n_gpu_layers=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context_sync(
     py: Python<'_>,
     path_or_model: &Bound<'_, PyAny>,
-    n_ctx: u32,
-    n_batch: u32,
-    n_seq_max: u32,
-    n_threads: Option<i32>,
+    n_ctx: Int,
+    n_batch: Int,
+    n_seq_max: Int,
+    n_threads: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
     pooling: Option<&str>,
-    n_gpu_layers: Option<i32>,
+    n_gpu_layers: Option<Int>,
 ) -> PyResult<PyContext> {
     let o = options(
         path_or_model,
@@ -168,7 +173,7 @@ pub fn create_context_sync(
         n_gpu_layers,
     )?;
     Ok(PyContext {
-        inner: py.detach(|| build(o)).py()?,
+        inner: wait(py, kvfork::Pending::spawn("kvfork-create", move || build(o)))?,
     })
 }
 
@@ -262,30 +267,53 @@ impl PyContext {
     }
 
     /// Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
-    #[pyo3(signature = (src, dst, p0=0, p1=-1))]
-    fn kv_seq_copy(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
-        wait(py, self.open()?.kv_seq_copy(src, dst, p0, p1))
+    /// Queued in order with all engine work; returns without waiting.
+    #[pyo3(signature = (src, dst, p0=Int(Some(0)), p1=Int(Some(-1))))]
+    fn kv_seq_copy(&self, src: Int, dst: Int, p0: Int, p1: Int) -> PyResult<()> {
+        let (src, dst) = (seq_arg(&src, "src")?, seq_arg(&dst, "dst")?);
+        let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
+        queued(self.open()?.kv_seq_copy(src, dst, p0, p1))
     }
 
-    /// Remove every cell not of `seq`. Bypasses branch tenancy.
-    fn kv_seq_keep(&self, py: Python<'_>, seq: i32) -> PyResult<()> {
-        wait(py, self.open()?.kv_seq_keep(seq))
+    /// Remove every cell not of `seq`. Bypasses branch tenancy. Returns without waiting.
+    fn kv_seq_keep(&self, seq: Int) -> PyResult<()> {
+        queued(self.open()?.kv_seq_keep(seq_arg(&seq, "seq")?))
     }
 
-    /// Remove the cells of `seq` in [p0, p1). Returns False if a partial removal is impossible.
-    #[pyo3(signature = (seq, p0=0, p1=-1))]
-    fn kv_seq_remove(&self, py: Python<'_>, seq: i32, p0: i32, p1: i32) -> PyResult<bool> {
-        wait(py, self.open()?.kv_seq_remove(seq, p0, p1))
+    /// Remove the cells of `seq` in [p0, p1) (-1 = open). Returns False, removing nothing, when
+    /// a partial removal is impossible (recurrent models). Returns without waiting.
+    #[pyo3(signature = (seq, p0=Int(Some(0)), p1=Int(Some(-1))))]
+    fn kv_seq_remove(&self, seq: Int, p0: Int, p1: Int) -> PyResult<bool> {
+        let seq = seq_arg(&seq, "seq")?;
+        let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
+        let ctx = self.open()?;
+        if !ctx.kv_can_remove(p0, p1) {
+            return Ok(false);
+        }
+        queued(ctx.kv_seq_remove(seq, p0, p1)).map(|_| true)
     }
 
-    /// Largest position stored for `seq` (-1 when empty).
-    fn kv_seq_pos_max(&self, py: Python<'_>, seq: i32) -> PyResult<i32> {
+    /// Largest position stored for `seq` (-1 when empty), after all queued work (async).
+    fn kv_seq_pos_max<'py>(&self, py: Python<'py>, seq: Int) -> PyResult<Bound<'py, PyAny>> {
+        let seq = seq_arg(&seq, "seq")?;
+        awaitable(py, self.open()?.kv_seq_pos_max(seq), Ok)
+    }
+
+    /// Blocking twin of `kv_seq_pos_max`.
+    fn kv_seq_pos_max_sync(&self, py: Python<'_>, seq: Int) -> PyResult<i32> {
+        let seq = seq_arg(&seq, "seq")?;
         wait(py, self.open()?.kv_seq_pos_max(seq))
     }
 
-    /// Empty the whole KV cache. Bypasses branch tenancy.
-    fn kv_clear(&self, py: Python<'_>) -> PyResult<()> {
-        wait(py, self.open()?.kv_clear())
+    /// Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting.
+    fn kv_clear(&self) -> PyResult<()> {
+        queued(self.open()?.kv_clear())
+    }
+
+    /// Threads llama.cpp decodes with.
+    #[getter]
+    fn n_threads(&self) -> i32 {
+        self.inner.n_threads()
     }
 
     /// Counters since creation: decode_calls, decoded_tokens, decode_seconds, commit_requests.
@@ -338,10 +366,11 @@ impl PyContext {
         _tb: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let ctx = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            tokio::task::spawn_blocking(move || ctx.close()).await.ok();
-            Ok(false)
-        })
+        let closing = kvfork::Pending::spawn("kvfork-close", move || {
+            ctx.close();
+            Ok(())
+        });
+        convert::awaitable(py, closing, |()| Ok(false))
     }
 
     fn __repr__(&self) -> String {
@@ -353,6 +382,24 @@ impl PyContext {
             self.inner.is_closed()
         )
     }
+}
+
+/// A sequence id argument (range against n_seq_max is checked by the engine call).
+fn seq_arg(v: &Int, name: &str) -> PyResult<i32> {
+    v.i32(name, 0)
+}
+
+/// A position argument: >= 0, or -1 for "open".
+fn pos_arg(v: &Int, name: &str) -> PyResult<i32> {
+    v.i32(name, -1)
+}
+
+/// A queued job nobody waits for: report an error found before queuing, else let it run.
+fn queued<T>(pending: kvfork::Pending<T>) -> PyResult<()> {
+    if pending.is_ready() {
+        pending.wait().py()?;
+    }
+    Ok(())
 }
 
 pub fn token_id(token: i64) -> PyResult<i32> {

@@ -4,10 +4,14 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyModule, PyString};
+use std::time::Duration;
 
-use crate::errors::{to_py, IntoPyResult};
-use kvfork::Pending;
+use pyo3::types::{PyByteArray, PyDict, PyInt, PyList, PyModule, PyString};
+use pyo3::IntoPyObjectExt;
+
+use crate::awaitable::{OnCancel, Operation};
+use crate::errors::IntoPyResult;
+use kvfork::{Cancel, Pending};
 
 /// Tokens from a list, any sequence of ints, or a 1-D integer numpy array.
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
@@ -108,12 +112,26 @@ pub fn bias_map(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
         .collect()
 }
 
-/// Block (without the GIL) until the engine replies.
+/// Block (without the GIL) until the engine replies. Signals are checked every 50 ms: on
+/// Ctrl-C the job is cancelled — dropped if it has not started, aborted and rolled back if it
+/// is a running prefill, else completed — and KeyboardInterrupt is raised.
 pub fn wait<T: Send>(py: Python<'_>, pending: Pending<T>) -> PyResult<T> {
-    py.detach(|| pending.wait()).py()
+    let mut pending = pending;
+    loop {
+        match py.detach(|| pending.wait_timeout(Duration::from_millis(50))) {
+            Ok(result) => return result.py(),
+            Err(still) => pending = still,
+        }
+        if let Err(interrupt) = py.check_signals() {
+            if pending.cancel() != Cancel::Prevented {
+                let _ = py.detach(|| pending.wait());
+            }
+            return Err(interrupt);
+        }
+    }
 }
 
-/// An asyncio awaitable resolving to the engine's reply, converted by `f` with the GIL.
+/// An awaitable resolving to the engine's reply, converted by `f` with the GIL.
 pub fn awaitable<'py, T, R>(
     py: Python<'py>,
     pending: Pending<T>,
@@ -121,7 +139,51 @@ pub fn awaitable<'py, T, R>(
 ) -> PyResult<Bound<'py, PyAny>>
 where
     T: Send + 'static,
-    R: for<'a> IntoPyObject<'a> + Send + 'static,
+    R: for<'a> IntoPyObject<'a>,
 {
-    pyo3_async_runtimes::tokio::future_into_py(py, async move { f(pending.await.map_err(to_py)?) })
+    let op = Operation::new(pending, OnCancel::Settle, move |py, v| {
+        f(v)?.into_py_any(py)
+    });
+    Bound::new(py, op).map(Bound::into_any)
+}
+
+/// An int argument of any size: a non-int is a TypeError (pyo3 adds the argument's name), an
+/// int beyond i64 is kept as `None` so range checks can name the argument.
+pub struct Int(pub Option<i64>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if !obj.is_instance_of::<PyInt>() {
+            return Err(PyTypeError::new_err(format!(
+                "expected an int, got {}",
+                obj.get_type().name()?
+            )));
+        }
+        Ok(Int(obj.extract::<i64>().ok()))
+    }
+}
+
+impl Int {
+    /// The value if it lies in [lo, hi], else a ValueError naming the argument.
+    pub fn within(&self, name: &str, lo: i64, hi: i64) -> PyResult<i64> {
+        match self.0 {
+            Some(v) if (lo..=hi).contains(&v) => Ok(v),
+            Some(v) => Err(PyValueError::new_err(format!(
+                "{name} must be in [{lo}, {hi}], got {v}"
+            ))),
+            None => Err(PyValueError::new_err(format!(
+                "{name} must be in [{lo}, {hi}], got an int outside the 64-bit range"
+            ))),
+        }
+    }
+
+    pub fn u32(&self, name: &str, lo: u32) -> PyResult<u32> {
+        Ok(self.within(name, lo as i64, u32::MAX as i64)? as u32)
+    }
+
+    pub fn i32(&self, name: &str, lo: i32) -> PyResult<i32> {
+        Ok(self.within(name, lo as i64, i32::MAX as i64)? as i32)
+    }
 }

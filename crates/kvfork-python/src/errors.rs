@@ -60,7 +60,7 @@ pub fn to_py(err: kvfork::Error) -> PyErr {
         E::Grammar(_) => GrammarError::new_err(msg),
         E::ChatTemplate(_) => ChatTemplateError::new_err(msg),
         E::InvalidArgument { .. } => PyValueError::new_err(msg),
-        E::Closed | E::Other(_) => KvforkError::new_err(msg),
+        E::Closed | E::Cancelled(_) | E::Internal(_) | E::Other(_) => KvforkError::new_err(msg),
     }
 }
 

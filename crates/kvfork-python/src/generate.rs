@@ -1,43 +1,61 @@
-//! Token iterators over one branch: produce → (stop? end) → commit → yield.
-//! Each step's commit goes through the engine's coalescing queue, so many tasks iterating
-//! their own branches share decodes.
+//! Token iterators over one branch. Each step is one engine request — sample, then commit
+//! unless it is a stop token — so many tasks iterating their own branches share decodes, and
+//! sampling never runs on the event loop's thread.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration};
 use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
 
-use crate::errors::{to_py, IntoPyResult};
+use crate::awaitable::{OnCancel, Operation};
+use crate::convert::wait;
 use crate::token::PyToken;
 
-/// What one step does; `None` when generation is over.
+/// The state shared by the steps of one iteration.
 struct Stepper {
     branch: kvfork::Branch,
     max_tokens: Option<usize>,
     produced: AtomicUsize,
+    /// A stop token was seen (it stays uncommitted; iteration is over).
+    finished: AtomicBool,
 }
 
 impl Stepper {
-    /// Sample and queue the commit; the caller waits on the returned Pending.
-    fn start(&self) -> kvfork::Result<Option<(kvfork::Produced, kvfork::Pending<()>)>> {
-        if self
+    fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Arc<Self> {
+        Arc::new(Stepper {
+            branch,
+            max_tokens,
+            produced: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+        })
+    }
+
+    /// Queue the next step, or `None` when the iteration is over.
+    fn next(&self) -> Option<kvfork::Pending<kvfork::Produced>> {
+        let limit = self
             .max_tokens
-            .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m)
-        {
-            return Ok(None);
+            .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m);
+        if limit || self.finished.load(Ordering::Relaxed) {
+            return None;
         }
-        let p = self.branch.produce()?;
+        Some(self.branch.step())
+    }
+
+    /// The token to yield, or `None` at a stop token.
+    fn record(&self, p: kvfork::Produced) -> Option<PyToken> {
         if p.is_stop {
-            return Ok(None);
+            self.finished.store(true, Ordering::Relaxed);
+            return None;
         }
         self.produced.fetch_add(1, Ordering::Relaxed);
-        let pending = self.branch.commit(p.token);
-        Ok(Some((p, pending)))
+        Some(p.into())
     }
 }
 
-/// `async for tok in branch.generate(max_tokens)`.
+/// `async for tok in branch.generate(max_tokens)`. A cancelled step either never ran or
+/// completed (its token is committed but not yielded).
 #[pyclass(frozen, module = "kvfork", name = "TokenStream")]
 pub struct PyGenerator {
     stepper: Arc<Stepper>,
@@ -46,11 +64,7 @@ pub struct PyGenerator {
 impl PyGenerator {
     pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
         PyGenerator {
-            stepper: Arc::new(Stepper {
-                branch,
-                max_tokens,
-                produced: AtomicUsize::new(0),
-            }),
+            stepper: Stepper::new(branch, max_tokens),
         }
     }
 }
@@ -62,16 +76,21 @@ impl PyGenerator {
     }
 
     fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let stepper = self.stepper.clone();
-        // Sampling runs here (cheap, GIL released); the decode runs on the engine thread.
-        let started = py.detach(move || stepper.start()).py()?;
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let Some((produced, pending)) = started else {
-                return Err(PyStopAsyncIteration::new_err(()));
-            };
-            pending.await.map_err(to_py)?;
-            Ok(PyToken::from(produced))
-        })
+        let op = match self.stepper.next() {
+            None => Operation::new(kvfork::Pending::ready(Ok(())), OnCancel::Settle, |_, ()| {
+                Err(PyStopAsyncIteration::new_err(()))
+            }),
+            Some(pending) => {
+                let stepper = self.stepper.clone();
+                Operation::new(pending, OnCancel::Settle, move |py, p| {
+                    match stepper.record(p) {
+                        Some(tok) => tok.into_py_any(py),
+                        None => Err(PyStopAsyncIteration::new_err(())),
+                    }
+                })
+            }
+        };
+        Bound::new(py, op).map(Bound::into_any)
     }
 }
 
@@ -84,11 +103,7 @@ pub struct PyGeneratorSync {
 impl PyGeneratorSync {
     pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
         PyGeneratorSync {
-            stepper: Arc::new(Stepper {
-                branch,
-                max_tokens,
-                produced: AtomicUsize::new(0),
-            }),
+            stepper: Stepper::new(branch, max_tokens),
         }
     }
 }
@@ -100,17 +115,11 @@ impl PyGeneratorSync {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<PyToken> {
-        let stepper = self.stepper.clone();
-        let produced = py
-            .detach(move || -> kvfork::Result<Option<kvfork::Produced>> {
-                match stepper.start()? {
-                    None => Ok(None),
-                    Some((p, pending)) => pending.wait().map(|_| Some(p)),
-                }
-            })
-            .py()?;
-        produced
-            .map(PyToken::from)
+        let Some(pending) = self.stepper.next() else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        self.stepper
+            .record(wait(py, pending)?)
             .ok_or_else(|| PyStopIteration::new_err(()))
     }
 }

@@ -96,6 +96,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<generate::PyGenerator>()?;
     m.add_class::<generate::PyGeneratorSync>()?;
     m.add_class::<awaitable::Ready>()?;
+    m.add_class::<awaitable::Operation>()?;
     m.add_function(wrap_pyfunction!(context::create_context, m)?)?;
     m.add_function(wrap_pyfunction!(context::create_context_sync, m)?)?;
     m.add_function(wrap_pyfunction!(system_info, m)?)?;

@@ -28,10 +28,7 @@ macro_rules! sampling_params {
                         match key.as_str() {
                             $(stringify!($field) => {
                                 p.$field = value.extract::<$ty>().map_err(|_| {
-                                    PyTypeError::new_err(format!(
-                                        "SamplingParams.{}: expected {}, got {}",
-                                        key, stringify!($ty), value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-                                    ))
+                                    field_error(&key, stringify!($ty), &value)
                                 })?;
                             })*
                             _ => return Err(PyValueError::new_err(format!("SamplingParams has no field {key:?}"))),
@@ -99,6 +96,32 @@ sampling_params! {
     penalty_last_n: i32, mirostat: i32, mirostat_tau: f32, mirostat_eta: f32,
     dry_multiplier: f32, dry_base: f32, dry_allowed_length: i32, dry_penalty_last_n: i32,
     xtc_probability: f32, xtc_threshold: f32,
+}
+
+/// A TypeError (wrong type) or ValueError (an int out of range) naming the field.
+fn field_error(key: &str, rust_type: &str, value: &Bound<'_, PyAny>) -> PyErr {
+    let expected = match rust_type {
+        "f32" => "a float",
+        "i32" => "an int in [-2**31, 2**31)",
+        "Option<u32>" => "an int in [0, 2**32) or None",
+        other => other,
+    };
+    let type_name = value
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
+    let is_int = value.is_instance_of::<pyo3::types::PyInt>();
+    let msg = if is_int && rust_type != "f32" {
+        format!("SamplingParams.{key}: expected {expected}, got {value}")
+    } else {
+        format!("SamplingParams.{key}: expected {expected}, got {type_name}")
+    };
+    if is_int && rust_type != "f32" {
+        PyValueError::new_err(msg)
+    } else {
+        PyTypeError::new_err(msg)
+    }
 }
 
 /// `None` → defaults, a `SamplingParams`, or a dict of the same keys.

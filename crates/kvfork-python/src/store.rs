@@ -3,8 +3,8 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::branch::PyBranch;
-use crate::context::{token_id, PyContext};
+use crate::branch::{token_arg, PyBranch};
+use crate::context::PyContext;
 use crate::convert::{self, awaitable, wait};
 use crate::token::PyToken;
 
@@ -26,10 +26,10 @@ fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i
     entries
         .try_iter()?
         .map(|e| {
-            let (b, t): (Bound<'_, PyAny>, i64) = e?
+            let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?
                 .extract()
-                .map_err(|_| PyTypeError::new_err("commit entries must be (Branch, int) pairs"))?;
-            Ok((branch(&b)?, token_id(t)?))
+                .map_err(|_| PyTypeError::new_err("commit entries must be (Branch, token) pairs"))?;
+            Ok((branch(&b)?, token_arg(&t)?))
         })
         .collect()
 }
@@ -46,7 +46,7 @@ fn prefill_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, 
         .collect()
 }
 
-fn branches(list: &Bound<'_, PyAny>) -> PyResult<Vec<kvfork::Branch>> {
+fn branch_list(list: &Bound<'_, PyAny>) -> PyResult<Vec<kvfork::Branch>> {
     list.try_iter()?.map(|b| branch(&b?)).collect()
 }
 
@@ -70,6 +70,8 @@ impl PyBranchStore {
     }
 
     /// Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
+    /// Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback unit.
+    /// Cancelled, it either never ran (nothing happened) or had started (it completed).
     fn commit<'py>(
         &self,
         py: Python<'py>,
@@ -112,12 +114,12 @@ impl PyBranchStore {
     fn step<'py>(
         &self,
         py: Python<'py>,
-        branches_: &Bound<'py, PyAny>,
+        branches: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.step(&branches(branches_)?), tokens)
+        awaitable(py, self.inner.step(&branch_list(branches)?), tokens)
     }
 
-    fn step_sync(&self, py: Python<'_>, branches_: &Bound<'_, PyAny>) -> PyResult<Vec<PyToken>> {
-        tokens(wait(py, self.inner.step(&branches(branches_)?))?)
+    fn step_sync(&self, py: Python<'_>, branches: &Bound<'_, PyAny>) -> PyResult<Vec<PyToken>> {
+        tokens(wait(py, self.inner.step(&branch_list(branches)?))?)
     }
 }

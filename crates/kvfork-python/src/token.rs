@@ -8,7 +8,7 @@ use pyo3::types::PyTuple;
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyToken {
     #[pyo3(get)]
-    token: i32,
+    pub token: i32,
     #[pyo3(get)]
     text: String,
     #[pyo3(get)]

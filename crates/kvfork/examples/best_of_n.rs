@@ -32,14 +32,11 @@ fn main() -> kvfork::Result<()> {
             ..Default::default()
         },
         None,
-    )
-    .wait()?;
+    )?;
     root.prefill(prompt).wait()?;
     let mut branches = Vec::new();
     for i in 0..n {
-        let b = root.fork().wait()?;
-        b.reseed_sampler(1000 + i)?;
-        branches.push(b);
+        branches.push(root.fork(Some(1000 + i)).wait()?);
     }
 
     let store = BranchStore::new(&ctx);

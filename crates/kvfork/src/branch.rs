@@ -7,7 +7,7 @@ use kvfork_core::Handle;
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
-use crate::engine::{BranchCell, Pending};
+use crate::engine::{BranchCell, CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::sampling::chain::SamplerChain;
@@ -44,40 +44,35 @@ impl std::fmt::Debug for Branch {
 }
 
 impl Branch {
-    /// A new root branch on a fresh lease, starting at `position`.
+    /// A new root branch on a fresh lease, starting at `position`. Does not wait for the
+    /// engine: the lease is taken at once and emptying its sequence is queued ahead of any
+    /// later work on the branch.
     pub fn create(
         ctx: &Context,
         position: i32,
         params: &SamplingParams,
         grammar: Option<GrammarSpec>,
-    ) -> Pending<Branch> {
-        let prepared = (|| {
-            ctx.shared().check_open()?;
-            if position < 0 || position as u32 >= ctx.n_ctx() {
-                return Err(Error::invalid(
-                    "position",
-                    format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx()),
-                ));
-            }
-            let sampler = SamplerChain::new(params, ctx.model())?;
-            let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
-            Ok(BranchState::new(-1, position, sampler, grammar))
-        })();
-        let state = match prepared {
-            Ok(s) => s,
-            Err(e) => return Pending::ready(Err(e)),
-        };
-        let ctx2 = ctx.clone();
-        ctx.run(move |w| {
-            let cell = BranchCell::new(state);
-            let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
-            cell.lock().seq = seq as i32;
-            w.ctx.clear_seq(seq as i32)?;
-            Ok(Branch {
-                ctx: ctx2,
-                handle,
-                cell,
-            })
+    ) -> Result<Branch> {
+        ctx.shared().check_open()?;
+        if position < 0 || position as u32 >= ctx.n_ctx() {
+            return Err(Error::invalid(
+                "position",
+                format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx()),
+            ));
+        }
+        let sampler = SamplerChain::new(params, ctx.model())?;
+        let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
+        let cell = BranchCell::new(BranchState::new(-1, position, sampler, grammar));
+        let (handle, seq) = ctx.shared().registry().create_root(cell.clone())?;
+        cell.lock().seq = seq as i32;
+        // Nothing waits for this; a failure (only a closed context) shows on the next call.
+        let _queued = ctx
+            .engine()
+            .run_with(CancelPolicy::Never, move |w| w.ctx.clear_seq(seq as i32));
+        Ok(Branch {
+            ctx: ctx.clone(),
+            handle,
+            cell,
         })
     }
 
@@ -123,25 +118,41 @@ impl Branch {
             return Pending::ready(Err(e));
         }
         let cell = self.cell.clone();
-        self.ctx.run(move |w| w.prefill(&[(cell, tokens)]))
+        self.ctx
+            .engine()
+            .run_with(CancelPolicy::DropOrAbort, move |w| {
+                w.prefill(&[(cell, tokens)])
+            })
     }
 
-    /// Sample from the snapshot: grammar → logit bias → steer → chain.
+    /// Sample from the snapshot: grammar → logit bias → steer → chain. Runs on the calling
+    /// thread on the snapshot as it is now (see `produce` for the engine-ordered version).
     pub fn sample(&self) -> Result<Token> {
         self.state(|s| s.sample())
     }
 
-    /// Sample and describe the token; no KV write.
-    pub fn produce(&self) -> Result<Produced> {
-        let model = self.ctx.model().clone();
-        self.state(|s| {
-            let token = s.sample()?;
-            Ok(Produced {
-                token,
-                text: s.token_text(&model, token, false)?,
-                is_stop: model.is_eog(token),
-            })
+    /// Sample and describe the token, on the engine thread after any queued work on this
+    /// branch (so it sees the snapshot of a commit still in flight); no KV write.
+    pub fn produce(&self) -> Pending<Produced> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| {
+            if cell.is_disposed() {
+                return Err(Error::BranchDisposed("in produce".into()));
+            }
+            produce(&mut cell.lock(), &w.shared.model)
         })
+    }
+
+    /// One generation step on the engine thread: sample, and commit the token unless it is a
+    /// stop token. Steps of different branches coalesce into one decode like commits.
+    pub fn step(&self) -> Pending<Produced> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        self.ctx.engine().step(self.cell.clone())
     }
 
     /// Record a token as accepted (penalty window, grammar, perplexity) without decoding it.
@@ -164,7 +175,9 @@ impl Branch {
     // ---- tree ----
 
     /// A new branch on a fresh lease sharing this branch's whole KV prefix (no tensor copy).
-    pub fn fork(&self) -> Pending<Branch> {
+    /// Without `seed` the child's sampler (RNG state included) equals the parent's: it samples
+    /// the same tokens until reseeded.
+    pub fn fork(&self, seed: Option<u32>) -> Pending<Branch> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
@@ -173,10 +186,13 @@ impl Branch {
             if parent_cell.is_disposed() {
                 return Err(Error::BranchDisposed(parent.to_string()));
             }
-            let (child_state, parent_seq, fork_head) = {
+            let (mut child_state, parent_seq, fork_head) = {
                 let p = parent_cell.lock();
                 (p.fork_copy(-1), p.seq, p.position)
             };
+            if let Some(seed) = seed {
+                child_state.reseed(seed, &w.shared.model);
+            }
             let cell = BranchCell::new(child_state);
             let (handle, seq) = w
                 .shared
@@ -214,7 +230,8 @@ impl Branch {
             self.cell.mark_disposed();
         }
         let handle = self.handle;
-        self.ctx.run(move |w| {
+        // `disposed` is already visible: the rest always happens, even if cancelled.
+        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
             let pruned = w.shared.registry().prune(handle)?;
             w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
             Ok(())
@@ -240,7 +257,7 @@ impl Branch {
             }
         }
         let handle = self.handle;
-        self.ctx.run(move |w| {
+        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
             let pruned = w.shared.registry().prune_subtree(handle)?;
             for p in pruned {
                 w.ctx.seq_rm(p.seq as i32, 0, -1)?;
@@ -314,10 +331,7 @@ impl Branch {
     pub fn reseed_sampler(&self, seed: u32) -> Result<()> {
         let model = self.ctx.model().clone();
         self.state(|s| {
-            let history = std::mem::take(&mut s.accepted);
-            s.sampler.reseed(seed, &model, &history);
-            s.accepted = history;
-            s.touch_sampler();
+            s.reseed(seed, &model);
             Ok(())
         })
     }
@@ -403,9 +417,9 @@ impl Branch {
         self.state(|s| Ok(s.logits().map(<[f32]>::to_vec)))
     }
 
-    /// Run `f` on the snapshot without copying it.
-    pub fn with_logits<T>(&self, f: impl FnOnce(Option<&[f32]>) -> T) -> Result<T> {
-        self.state(|s| Ok(f(s.logits())))
+    /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
+    pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
+        self.state(|s| Ok(s.logits_shared()))
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -430,6 +444,16 @@ impl Branch {
     pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
         self.state(|s| Ok(s.accepted.clone()))
     }
+}
+
+/// Sample and describe the token (the text is a preview: the UTF-8 carry is not consumed).
+pub(crate) fn produce(st: &mut BranchState, model: &crate::model::Model) -> Result<Produced> {
+    let token = st.sample()?;
+    Ok(Produced {
+        token,
+        text: st.token_text(model, token, false)?,
+        is_stop: model.is_eog(token),
+    })
 }
 
 pub(crate) fn check_tokens(ctx: &Context, tokens: &[Token]) -> Result<()> {

@@ -139,6 +139,10 @@ impl BranchState {
         self.has_logits.then_some(&self.logits[..])
     }
 
+    pub fn logits_shared(&self) -> Option<Arc<[f32]>> {
+        self.has_logits.then(|| self.logits.clone())
+    }
+
     fn require_logits(&self) -> Result<&[f32]> {
         self.logits().ok_or_else(|| {
             Error::Other("the branch has no logits yet: prefill or commit a token first".into())
@@ -193,6 +197,14 @@ impl BranchState {
 
     pub fn steer(&self) -> &[(Token, f32)] {
         &self.steer
+    }
+
+    /// A new RNG seed for the sampler, keeping everything else.
+    pub fn reseed(&mut self, seed: u32, model: &Model) {
+        let history = std::mem::take(&mut self.accepted);
+        self.sampler.reseed(seed, model, &history);
+        self.accepted = history;
+        self.touch_sampler();
     }
 
     /// Call after replacing the sampler or grammar.

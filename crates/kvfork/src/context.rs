@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::engine::{Engine, Pending, Shared, Worker};
-use crate::error::Result;
+use crate::engine::{CancelPolicy, Engine, Pending, Shared, Worker};
+use crate::error::{Error, Result};
 use crate::llama_ctx::ContextParams;
 use crate::model::{Model, Token};
 
@@ -63,6 +63,11 @@ impl Context {
 
     pub fn n_seq_max(&self) -> u32 {
         self.shared().n_seq_max
+    }
+
+    /// Threads llama.cpp uses for single-token and for batch decodes.
+    pub fn n_threads(&self) -> i32 {
+        self.shared().params.threads()
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -125,26 +130,72 @@ impl Context {
         Ok(self.model().is_eog(token))
     }
 
-    // Low-level KV operations; they bypass branch tenancy.
+    // Low-level KV operations; they bypass branch tenancy. Arguments are checked here, so a
+    // caller may queue them without waiting (they run in order with all other engine work).
+
+    fn check_seq(&self, seq: i32) -> Result<()> {
+        if seq < 0 || seq as u32 >= self.n_seq_max() {
+            return Err(Error::invalid(
+                "seq",
+                format!("sequence id {seq} is not in [0, n_seq_max = {})", self.n_seq_max()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_range(p0: i32, p1: i32) -> Result<()> {
+        if p0 < -1 || p1 < -1 {
+            return Err(Error::invalid(
+                "p0/p1",
+                "positions must be >= 0 (or -1 for 'open')",
+            ));
+        }
+        Ok(())
+    }
+
+    fn queue_kv<T: Send + 'static>(
+        &self,
+        checked: Result<()>,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        match checked.and_then(|_| self.shared().check_open()) {
+            Ok(()) => self.engine.run_with(CancelPolicy::Never, f),
+            Err(e) => Pending::ready(Err(e)),
+        }
+    }
 
     pub fn kv_seq_copy(&self, src: i32, dst: i32, p0: i32, p1: i32) -> Pending<()> {
-        self.run(move |w| w.ctx.seq_cp(src, dst, p0, p1))
+        let checked = self
+            .check_seq(src)
+            .and_then(|_| self.check_seq(dst))
+            .and_then(|_| Self::check_range(p0, p1));
+        self.queue_kv(checked, move |w| w.ctx.seq_cp(src, dst, p0, p1))
     }
 
     pub fn kv_seq_keep(&self, seq: i32) -> Pending<()> {
-        self.run(move |w| w.ctx.seq_keep(seq))
+        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_keep(seq))
+    }
+
+    /// Whether `kv_seq_remove(seq, p0, p1)` can succeed: always for a KV cache; a recurrent
+    /// model's state cannot lose only part of a sequence.
+    pub fn kv_can_remove(&self, p0: i32, p1: i32) -> bool {
+        let whole = p0 <= 0 && p1 < 0;
+        whole || !self.model().is_recurrent()
     }
 
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
-        self.run(move |w| w.ctx.seq_rm(seq, p0, p1))
+        let checked = self
+            .check_seq(seq)
+            .and_then(|_| Self::check_range(p0, p1));
+        self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
     }
 
     pub fn kv_seq_pos_max(&self, seq: i32) -> Pending<i32> {
-        self.run(move |w| w.ctx.seq_pos_max(seq))
+        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_pos_max(seq))
     }
 
     pub fn kv_clear(&self) -> Pending<()> {
-        self.run(|w| {
+        self.queue_kv(Ok(()), |w| {
             w.ctx.clear();
             Ok(())
         })

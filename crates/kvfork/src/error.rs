@@ -36,6 +36,12 @@ pub enum Error {
     /// The context was closed.
     #[error("the context is closed")]
     Closed,
+    /// The operation was cancelled before it happened (or aborted and rolled back).
+    #[error("cancelled: {0}")]
+    Cancelled(String),
+    /// A bug inside kvfork (a caught panic); the context it happened in is closed.
+    #[error("internal error in kvfork: {0}")]
+    Internal(String),
     /// Any other failure of the library (a rule of the tree, an I/O failure, …).
     #[error("{0}")]
     Other(String),

@@ -19,7 +19,7 @@ mod store;
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
 pub use branch::{Branch, Produced};
 pub use context::{Context, ContextStats};
-pub use engine::Pending;
+pub use engine::{Cancel, Canceller, Pending};
 pub use error::{Error, Result};
 pub use kvfork_core::metrics::LogBase;
 pub use kvfork_core::Handle;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+use crate::engine::AbortSignal;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
@@ -136,6 +137,8 @@ pub(crate) struct LlamaCtx {
     pub n_batch: u32,
     pub n_seq_max: u32,
     pub n_vocab: usize,
+    /// Read by llama.cpp's abort callback; dropped after the context (field order).
+    abort_signal: Option<Arc<AbortSignal>>,
     // Keeps the weights alive for as long as the context.
     _model: Arc<Model>,
 }
@@ -186,6 +189,7 @@ impl LlamaCtx {
             n_batch: unsafe { sys::llama_n_batch(ptr.as_ptr()) },
             n_seq_max: unsafe { sys::llama_n_seq_max(ptr.as_ptr()) },
             n_vocab: model.vocab_size(),
+            abort_signal: None,
             _model: model,
         })
     }
@@ -203,12 +207,27 @@ impl LlamaCtx {
                 batch.len(),
                 self.n_ctx
             ))),
-            2 => Err(Error::Decode("decode aborted".into())),
+            2 => Err(Error::Cancelled("the decode was aborted".into())),
             -1 => Err(Error::Decode(
                 "llama.cpp rejected the batch (inconsistent positions or sequence ids)".into(),
             )),
             c => Err(Error::Decode(format!("llama_decode returned {c}"))),
         }
+    }
+
+    /// Let `signal` abort a running `llama_decode` (between graph nodes; llama.cpp then
+    /// removes the aborted batch's cells and returns 2). The signal outlives the context:
+    /// the engine's `Shared` holds it for as long as the worker that owns this context.
+    pub fn set_abort_signal(&mut self, signal: Arc<AbortSignal>) {
+        unsafe extern "C" fn should_abort(data: *mut std::ffi::c_void) -> bool {
+            // SAFETY: `data` is the `AbortSignal` kept alive in `self.abort_signal`.
+            let signal = unsafe { &*(data as *const AbortSignal) };
+            signal.should_abort()
+        }
+        let data = Arc::as_ptr(&signal) as *mut std::ffi::c_void;
+        // SAFETY: the context is live; the callback only reads atomics through `data`.
+        unsafe { sys::llama_set_abort_callback(self.ptr.as_ptr(), Some(should_abort), data) };
+        self.abort_signal = Some(signal);
     }
 
     /// Logits row of batch entry `i` (which must have been marked for output).

@@ -188,6 +188,13 @@ impl Model {
         )
     }
 
+    /// Whether the model keeps a recurrent state (Mamba, RWKV, hybrids) instead of a KV cache.
+    pub fn is_recurrent(&self) -> bool {
+        unsafe {
+            sys::llama_model_is_recurrent(self.as_ptr()) || sys::llama_model_is_hybrid(self.as_ptr())
+        }
+    }
+
     /// `Ok` when `token` is a valid id of this vocabulary.
     pub fn check_token(&self, token: Token) -> Result<()> {
         if token < 0 || token >= self.n_vocab {

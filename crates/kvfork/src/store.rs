@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::branch::{check_tokens, Branch, Produced};
 use crate::context::Context;
-use crate::engine::{BranchCell, Pending};
+use crate::engine::{BranchCell, CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 
@@ -89,7 +89,10 @@ impl BranchStore {
             });
         match prepared {
             Ok(items) if items.is_empty() => Pending::ready(Ok(())),
-            Ok(items) => self.ctx.run(move |w| w.prefill(&items)),
+            Ok(items) => self
+                .ctx
+                .engine()
+                .run_with(CancelPolicy::DropOrAbort, move |w| w.prefill(&items)),
             Err(e) => Pending::ready(Err(e)),
         }
     }
@@ -105,7 +108,8 @@ impl BranchStore {
             }
         }
         let handle = winner.handle();
-        self.ctx.run(move |w| {
+        // The losers are already disposed: the rest always happens, even if cancelled.
+        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
             let seq = w
                 .shared
                 .registry()
@@ -129,28 +133,9 @@ impl BranchStore {
 }
 
 impl crate::engine::Worker {
-    /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
-    /// pay), then commit the non-stop tokens.
+    /// Sample each cell, then commit the non-stop tokens.
     pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
-        let model = self.shared.model.clone();
-        let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
-            if cell.is_disposed() {
-                return Err(Error::BranchDisposed("in step".into()));
-            }
-            let mut st = cell.lock();
-            let token = st.sample()?;
-            Ok(Produced {
-                token,
-                text: st.token_text(&model, token, false)?,
-                is_stop: model.is_eog(token),
-            })
-        };
-        let heavy = cells.iter().any(|c| c.lock().sampling_is_heavy());
-        let produced: Vec<Result<Produced>> = if heavy {
-            crate::engine::map_parallel(cells, sample)
-        } else {
-            cells.iter().map(sample).collect()
-        };
+        let produced = self.sample_cells(cells);
         let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
         let items: Vec<(Arc<BranchCell>, Token)> = cells
             .iter()

@@ -35,9 +35,7 @@ fn context(n_seq_max: u32) -> Context {
 }
 
 fn greedy_root(ctx: &Context) -> Branch {
-    let b = Branch::create(ctx, 0, &SamplingParams::greedy(), None)
-        .wait()
-        .unwrap();
+    let b = Branch::create(ctx, 0, &SamplingParams::greedy(), None).unwrap();
     b.prefill(
         ctx.tokenize("The history of the printing press begins with", true, false)
             .unwrap(),
@@ -70,7 +68,7 @@ fn greedy_generation_is_deterministic() {
 fn fork_shares_prefix_and_continues_like_parent() {
     let ctx = context(4);
     let root = greedy_root(&ctx);
-    let child = root.fork().wait().unwrap();
+    let child = root.fork(None).wait().unwrap();
     assert_eq!(child.position().unwrap(), root.position().unwrap());
     assert_eq!(child.fork_head().unwrap() as i32, root.position().unwrap());
     assert_eq!(child.parent().unwrap(), root);
@@ -82,7 +80,7 @@ fn fork_shares_prefix_and_continues_like_parent() {
 fn store_commit_is_one_decode() {
     let ctx = context(8);
     let root = greedy_root(&ctx);
-    let kids: Vec<Branch> = (0..6).map(|_| root.fork().wait().unwrap()).collect();
+    let kids: Vec<Branch> = (0..6).map(|_| root.fork(None).wait().unwrap()).collect();
     let store = BranchStore::new(&ctx);
     let before = ctx.stats().decode_calls;
     let entries: Vec<(Branch, i32)> = kids
@@ -100,9 +98,9 @@ fn store_commit_is_one_decode() {
 fn leases_exhaust_and_recycle() {
     let ctx = context(2);
     let a = greedy_root(&ctx);
-    let b = a.fork().wait().unwrap();
+    let b = a.fork(None).wait().unwrap();
     assert!(matches!(
-        a.fork().wait(),
+        a.fork(None).wait(),
         Err(Error::LeaseExhausted { n_seq_max: 2 })
     ));
     b.prune().wait().unwrap();

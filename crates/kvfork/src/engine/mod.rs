@@ -4,6 +4,10 @@
 //! Concurrent single-token commits on different branches are coalesced: while a commit
 //! request waits, the thread gathers the commits queued behind it (and, when the previous
 //! step was a group, lingers briefly for its members) into ONE `llama_decode`.
+//!
+//! Every job carries a [`Ticket`] (cancellation, see `pending.rs`). A panic inside a job is
+//! caught: its caller gets `Error::Internal` and the context closes (its state may be torn).
+//! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
 
 mod parallel;
 mod pending;
@@ -16,26 +20,122 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub(crate) use parallel::map_parallel;
-pub use pending::Pending;
-pub(crate) use pending::Reply;
+pub use pending::{Cancel, Canceller, Pending};
+pub(crate) use pending::{AbortSignal, CancelPolicy, Reply, Ticket};
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use worker::Worker;
 
 use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
+use crate::branch::Produced;
 use crate::model::{Model, Token};
 
 /// One token for one branch, part of a commit.
 pub(crate) type CommitItem = (Arc<BranchCell>, Token);
 
+/// Accept + decode one token per branch; mergeable with neighbouring commits.
+pub(crate) struct CommitRequest {
+    pub items: Vec<CommitItem>,
+    pub reply: CommitReply,
+    pub ticket: Arc<Ticket>,
+}
+
+/// Who chose the tokens of a commit request.
+pub(crate) enum CommitReply {
+    /// The caller gave them.
+    Given(Reply<()>),
+    /// One branch; the engine samples its token first (a stop token is reported, not
+    /// committed). This is a generation step.
+    Sampled(Reply<Produced>),
+}
+
+impl CommitReply {
+    fn send(self, result: Result<Option<Produced>>) {
+        match self {
+            CommitReply::Given(r) => r.send(result.map(|_| ())),
+            CommitReply::Sampled(r) => r.send(result.and_then(|p| {
+                p.ok_or_else(|| Error::Internal("a sampled step produced no token".into()))
+            })),
+        }
+    }
+}
+
 pub(crate) enum Job {
-    /// Accept + decode one token per branch; mergeable with neighbouring commits.
-    Commit {
-        items: Vec<CommitItem>,
-        reply: Reply<()>,
-    },
+    Commit(CommitRequest),
     /// Any other work, run in order.
-    Run(Box<dyn FnOnce(&mut Worker) + Send>),
+    Run(Box<dyn RunJob>),
+}
+
+impl Job {
+    fn ticket(&self) -> &Ticket {
+        match self {
+            Job::Commit(c) => &c.ticket,
+            Job::Run(r) => r.ticket(),
+        }
+    }
+
+    /// Reply with an error without running.
+    fn fail(self, err: Error) {
+        match self {
+            Job::Commit(c) => c.reply.send(Err(err)),
+            Job::Run(r) => r.fail(err),
+        }
+    }
+}
+
+/// A closure and its reply, type-erased so every job of the queue has one shape.
+pub(crate) trait RunJob: Send {
+    fn ticket(&self) -> &Ticket;
+    fn ticket_arc(&self) -> Arc<Ticket>;
+    /// Run and reply; `Err(message)` when the closure panicked (the caller got `Internal`).
+    fn run(self: Box<Self>, w: &mut Worker) -> std::result::Result<(), String>;
+    fn fail(self: Box<Self>, err: Error);
+}
+
+struct Task<T, F> {
+    f: F,
+    reply: Reply<T>,
+    ticket: Arc<Ticket>,
+}
+
+impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> {
+    fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    fn ticket_arc(&self) -> Arc<Ticket> {
+        self.ticket.clone()
+    }
+
+    fn run(self: Box<Self>, w: &mut Worker) -> std::result::Result<(), String> {
+        let Task { f, reply, .. } = *self;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(w))) {
+            Ok(r) => {
+                reply.send(r);
+                Ok(())
+            }
+            Err(payload) => {
+                let msg = panic_message(payload.as_ref());
+                reply.send(Err(Error::Internal(msg.clone())));
+                Err(msg)
+            }
+        }
+    }
+
+    fn fail(self: Box<Self>, err: Error) {
+        self.reply.send(Err(err));
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
 }
 
 /// The caller's side of an engine thread.
@@ -47,8 +147,9 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Start the thread; it creates the llama context itself and reports success or failure.
-    pub fn start(model: Arc<Model>, params: ContextParams) -> Result<Engine> {
+    pub fn start(model: Arc<Model>, mut params: ContextParams) -> Result<Engine> {
         params.validate()?;
+        params.n_threads = Some(params.threads());
         crate::backend::ensure_backend()?;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let (tx, rx) = mpsc::channel::<Job>();
@@ -57,7 +158,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("kvfork-engine".into())
             .spawn(move || {
-                let ctx = match LlamaCtx::new(thread_model.clone(), &params) {
+                let mut ctx = match LlamaCtx::new(thread_model.clone(), &params) {
                     Ok(ctx) => ctx,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -69,11 +170,15 @@ impl Engine {
                     registry: Mutex::new(kvfork_core::Registry::new(ctx.n_seq_max)),
                     stats: Default::default(),
                     closed: Default::default(),
+                    failure: Default::default(),
+                    abort: Default::default(),
                     n_ctx: ctx.n_ctx,
                     n_batch: ctx.n_batch,
                     n_seq_max: ctx.n_seq_max,
+                    params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });
+                ctx.set_abort_signal(shared.abort.clone());
                 let _ = ready_tx.send(Ok(shared.clone()));
                 Worker::new(ctx, shared).run(rx);
             })
@@ -97,16 +202,23 @@ impl Engine {
             .map_err(|_| Error::Closed)
     }
 
-    /// Queue `f` to run on the engine thread.
+    /// Queue `f` to run on the engine thread; a cancel drops it while it is queued.
     pub fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
-        let (reply, pending) = Pending::channel();
-        let job = Job::Run(Box::new(move |w: &mut Worker| {
-            let _ = reply.send(f(w));
-        }));
-        match self.send(job) {
+        self.run_with(CancelPolicy::Drop, f)
+    }
+
+    /// Queue `f` with an explicit cancel policy.
+    pub fn run_with<T: Send + 'static>(
+        &self,
+        policy: CancelPolicy,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        let ticket = Ticket::new(policy, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        match self.send(Job::Run(Box::new(Task { f, reply, ticket }))) {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }
@@ -114,16 +226,40 @@ impl Engine {
 
     /// Queue a coalescable commit.
     pub fn commit(&self, items: Vec<CommitItem>) -> Pending<()> {
-        let (reply, pending) = Pending::channel();
-        match self.send(Job::Commit { items, reply }) {
+        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        self.queue_commit(items, CommitReply::Given(reply), ticket, pending)
+    }
+
+    /// Queue a coalescable generation step (sample, then commit unless it is a stop token).
+    pub fn step(&self, cell: Arc<BranchCell>) -> Pending<Produced> {
+        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        self.queue_commit(vec![(cell, -1)], CommitReply::Sampled(reply), ticket, pending)
+    }
+
+    fn queue_commit<T>(
+        &self,
+        items: Vec<CommitItem>,
+        reply: CommitReply,
+        ticket: Arc<Ticket>,
+        pending: Pending<T>,
+    ) -> Pending<T> {
+        match self.send(Job::Commit(CommitRequest {
+            items,
+            reply,
+            ticket,
+        })) {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }
     }
 
-    /// Finish queued work, free the llama context, join the thread. Idempotent.
+    /// Abort the running decode, fail queued work, free the llama context, join the thread.
+    /// Idempotent.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
+        self.shared.abort.closing.store(true, Ordering::Relaxed);
         drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = thread {

@@ -1,45 +1,365 @@
-//! The reply to a request sent to the engine thread: wait for it, or `.await` it.
+//! The reply to a request sent to the engine thread: wait for it (with a timeout, so a caller
+//! can watch for signals), `.await` it, or cancel it.
+//!
+//! Cancellation is all-or-nothing: a job that has not started is dropped (nothing happened);
+//! a running prefill is aborted inside `llama_decode` and rolled back (nothing happened); any
+//! other running job completes (everything happened). The caller learns which from
+//! [`Pending::cancel`] and, when it must, waits for the job before handing control back.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use tokio::sync::oneshot;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
+
+// ---- the reply slot ----
+
+struct SlotState<T> {
+    result: Option<Result<T>>,
+    /// The sender went away without replying (the engine stopped).
+    dropped: bool,
+    waker: Option<Waker>,
+}
+
+struct Slot<T> {
+    state: Mutex<SlotState<T>>,
+    ready: Condvar,
+}
+
+impl<T> Slot<T> {
+    fn lock(&self) -> MutexGuard<'_, SlotState<T>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fill(&self, result: Option<Result<T>>) {
+        let waker = {
+            let mut st = self.lock();
+            match result {
+                Some(r) => st.result = Some(r),
+                None => st.dropped = true,
+            }
+            st.waker.take()
+        };
+        self.ready.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The engine's side: send exactly once (dropping it unsent reports `Error::Closed`).
+pub(crate) struct Reply<T>(Option<Arc<Slot<T>>>);
+
+impl<T> Reply<T> {
+    pub fn send(mut self, result: Result<T>) {
+        if let Some(slot) = self.0.take() {
+            slot.fill(Some(result));
+        }
+    }
+}
+
+impl<T> Drop for Reply<T> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.0.take() {
+            slot.fill(None);
+        }
+    }
+}
+
+// ---- cancellation ----
+
+const QUEUED: u8 = 0;
+const RUNNING: u8 = 1;
+const CANCELLED: u8 = 2;
+const DONE: u8 = 3;
+
+/// What a cancel may do to a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CancelPolicy {
+    /// Dropped while queued; completes once running.
+    Drop,
+    /// Dropped while queued; aborted (and rolled back) while running.
+    DropOrAbort,
+    /// Always completes (its effect is already visible to the caller, e.g. `prune`).
+    Never,
+}
+
+/// Which job the engine is running and which one a caller wants aborted; read by llama.cpp's
+/// abort callback between graph nodes.
+#[derive(Default)]
+pub(crate) struct AbortSignal {
+    pub current: AtomicU64,
+    target: AtomicU64,
+    /// Set by `close()`: abort whatever runs.
+    pub closing: AtomicBool,
+}
+
+impl AbortSignal {
+    pub fn should_abort(&self) -> bool {
+        if self.closing.load(Ordering::Relaxed) {
+            return true;
+        }
+        let current = self.current.load(Ordering::Relaxed);
+        current != 0 && self.target.load(Ordering::Relaxed) == current
+    }
+}
+
+/// One job's life: queued → running → done, or queued → cancelled.
+pub(crate) struct Ticket {
+    id: u64,
+    state: AtomicU8,
+    policy: CancelPolicy,
+    signal: Arc<AbortSignal>,
+}
+
+impl Ticket {
+    pub fn new(policy: CancelPolicy, signal: Arc<AbortSignal>) -> Arc<Ticket> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Arc::new(Ticket {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            state: AtomicU8::new(QUEUED),
+            policy,
+            signal,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The engine takes the job; false when it was cancelled first (then it must not run).
+    pub fn start(&self) -> bool {
+        self.state
+            .compare_exchange(QUEUED, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    pub fn finish(&self) {
+        self.state.store(DONE, Ordering::Release);
+    }
+
+    fn cancel(&self) -> Cancel {
+        if self.policy != CancelPolicy::Never
+            && self
+                .state
+                .compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            return Cancel::Prevented;
+        }
+        match self.state.load(Ordering::Acquire) {
+            CANCELLED => Cancel::Prevented,
+            RUNNING if self.policy == CancelPolicy::DropOrAbort => {
+                self.signal.target.store(self.id, Ordering::Relaxed);
+                Cancel::Aborting
+            }
+            _ => Cancel::Completing,
+        }
+    }
+}
+
+/// What [`Pending::cancel`] achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancel {
+    /// The job never started and never will: nothing happened.
+    Prevented,
+    /// The job was running and is being aborted: it rolls back (nothing happened), unless it
+    /// finished first (everything happened). Wait for the reply to know.
+    Aborting,
+    /// The job is running or done and completes: everything happens. Wait for the reply.
+    Completing,
+}
+
+// ---- the caller's side ----
 
 /// A result the engine thread will deliver. `wait()` blocks (never call it inside an async
 /// runtime); awaiting it does not block.
 #[must_use = "a Pending does nothing unless waited for or awaited"]
-pub struct Pending<T>(oneshot::Receiver<Result<T>>);
-
-pub(crate) type Reply<T> = oneshot::Sender<Result<T>>;
+pub struct Pending<T> {
+    slot: Arc<Slot<T>>,
+    ticket: Option<Arc<Ticket>>,
+}
 
 impl<T> Pending<T> {
-    pub(crate) fn channel() -> (Reply<T>, Pending<T>) {
-        let (tx, rx) = oneshot::channel();
-        (tx, Pending(rx))
+    pub(crate) fn channel(ticket: Option<Arc<Ticket>>) -> (Reply<T>, Pending<T>) {
+        let slot = Arc::new(Slot {
+            state: Mutex::new(SlotState {
+                result: None,
+                dropped: false,
+                waker: None,
+            }),
+            ready: Condvar::new(),
+        });
+        (Reply(Some(slot.clone())), Pending { slot, ticket })
     }
 
     /// A Pending that is already resolved (errors found before any work was queued).
     pub fn ready(result: Result<T>) -> Self {
-        let (tx, p) = Self::channel();
-        let _ = tx.send(result);
+        let (tx, p) = Self::channel(None);
+        tx.send(result);
         p
+    }
+
+    /// A Pending resolved by a thread of the caller's choosing (work that is not engine work,
+    /// such as loading a model). It cannot be cancelled.
+    pub fn spawn(name: &str, f: impl FnOnce() -> Result<T> + Send + 'static) -> Self
+    where
+        T: Send + 'static,
+    {
+        let (tx, p) = Self::channel(None);
+        let started = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || tx.send(f()));
+        match started {
+            Ok(_) => p,
+            Err(e) => Pending::ready(Err(Error::Other(format!("could not start a thread: {e}")))),
+        }
+    }
+
+    fn take(st: &mut SlotState<T>) -> Option<Result<T>> {
+        match st.result.take() {
+            Some(r) => Some(r),
+            None if st.dropped => Some(Err(Error::Closed)),
+            None => None,
+        }
     }
 
     /// Block the calling thread until the engine replies.
     pub fn wait(self) -> Result<T> {
-        self.0.blocking_recv().unwrap_or(Err(Error::Closed))
+        let mut st = self.slot.lock();
+        loop {
+            if let Some(r) = Self::take(&mut st) {
+                return r;
+            }
+            st = self
+                .slot
+                .ready
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Block for at most `timeout`; `Err(self)` when the reply has not come yet.
+    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
+        let got = {
+            let st = self.slot.lock();
+            let (mut st, _) = self
+                .slot
+                .ready
+                .wait_timeout_while(st, timeout, |s| s.result.is_none() && !s.dropped)
+                .unwrap_or_else(|e| e.into_inner());
+            Self::take(&mut st)
+        };
+        got.ok_or(self)
+    }
+
+    /// Whether the reply is there (a wait would not block).
+    pub fn is_ready(&self) -> bool {
+        let st = self.slot.lock();
+        st.result.is_some() || st.dropped
+    }
+
+    /// Ask for the job not to happen; see [`Cancel`] for what it achieved.
+    pub fn cancel(&self) -> Cancel {
+        self.canceller().cancel()
+    }
+
+    /// A handle that cancels this job from elsewhere (e.g. while the Pending is awaited).
+    pub fn canceller(&self) -> Canceller {
+        Canceller(self.ticket.clone())
+    }
+}
+
+/// Cancels one job; see [`Pending::cancel`].
+#[derive(Clone)]
+pub struct Canceller(Option<Arc<Ticket>>);
+
+impl Canceller {
+    pub fn cancel(&self) -> Cancel {
+        match &self.0 {
+            Some(t) => t.cancel(),
+            None => Cancel::Completing,
+        }
     }
 }
 
 impl<T> Future for Pending<T> {
     type Output = Result<T>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.0)
-            .poll(cx)
-            .map(|r| r.unwrap_or(Err(Error::Closed)))
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = self.slot.lock();
+        match Self::take(&mut st) {
+            Some(r) => Poll::Ready(r),
+            None => {
+                st.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket(policy: CancelPolicy) -> Arc<Ticket> {
+        Ticket::new(policy, Arc::new(AbortSignal::default()))
+    }
+
+    #[test]
+    fn reply_then_wait() {
+        let (tx, p) = Pending::<u32>::channel(None);
+        tx.send(Ok(7));
+        assert_eq!(p.wait().unwrap(), 7);
+    }
+
+    #[test]
+    fn dropped_reply_is_closed() {
+        let (tx, p) = Pending::<u32>::channel(None);
+        drop(tx);
+        assert!(matches!(p.wait(), Err(Error::Closed)));
+    }
+
+    #[test]
+    fn wait_timeout_returns_the_pending() {
+        let (tx, p) = Pending::<u32>::channel(None);
+        let p = p.wait_timeout(Duration::from_millis(1)).unwrap_err();
+        std::thread::spawn(move || tx.send(Ok(3)));
+        assert_eq!(p.wait_timeout(Duration::from_secs(10)).ok().unwrap().unwrap(), 3);
+    }
+
+    #[test]
+    fn cancel_before_start_prevents() {
+        let t = ticket(CancelPolicy::Drop);
+        let (_tx, p) = Pending::<()>::channel(Some(t.clone()));
+        assert_eq!(p.cancel(), Cancel::Prevented);
+        assert!(!t.start());
+    }
+
+    #[test]
+    fn cancel_after_start_completes_or_aborts() {
+        for (policy, want) in [
+            (CancelPolicy::Drop, Cancel::Completing),
+            (CancelPolicy::DropOrAbort, Cancel::Aborting),
+            (CancelPolicy::Never, Cancel::Completing),
+        ] {
+            let t = ticket(policy);
+            let (_tx, p) = Pending::<()>::channel(Some(t.clone()));
+            assert!(t.start());
+            t.signal.current.store(t.id(), Ordering::Relaxed);
+            assert_eq!(p.cancel(), want);
+            assert_eq!(t.signal.should_abort(), want == Cancel::Aborting);
+        }
+    }
+
+    #[test]
+    fn never_policy_is_not_prevented() {
+        let t = ticket(CancelPolicy::Never);
+        let (_tx, p) = Pending::<()>::channel(Some(t.clone()));
+        assert_eq!(p.cancel(), Cancel::Completing);
+        assert!(t.start());
     }
 }

@@ -5,8 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvfork_core::Registry;
 
+use super::AbortSignal;
 use crate::branch_state::BranchState;
 use crate::error::{Error, Result};
+use crate::llama_ctx::ContextParams;
 use crate::model::Model;
 
 /// One branch's state behind its own lock, plus the flag `prune` sets at once.
@@ -61,9 +63,14 @@ pub(crate) struct Shared {
     pub registry: Mutex<Registry<Arc<BranchCell>>>,
     pub stats: Stats,
     pub closed: AtomicBool,
+    /// Why the engine stopped on its own (a caught panic), for every later caller.
+    pub failure: Mutex<Option<String>>,
+    pub abort: Arc<AbortSignal>,
     pub n_ctx: u32,
     pub n_batch: u32,
     pub n_seq_max: u32,
+    /// The options the context was created with (threads resolved).
+    pub params: ContextParams,
     /// Distinguishes contexts, so a branch of one is refused by another.
     pub id: u64,
 }
@@ -75,9 +82,26 @@ impl Shared {
 
     pub fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
-            Err(Error::Closed)
+            Err(self.closed_error())
         } else {
             Ok(())
         }
+    }
+
+    /// `Closed`, or the internal failure that closed the context.
+    pub fn closed_error(&self) -> Error {
+        match self.failure.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(msg) => Error::Internal(format!("{msg} (the context was closed)")),
+            None => Error::Closed,
+        }
+    }
+
+    /// Close the context after an internal failure.
+    pub fn fail(&self, message: String) {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(message);
+        self.closed.store(true, Ordering::Release);
     }
 }

@@ -1,5 +1,6 @@
 //! The engine thread's side: owns the llama context and the batch, runs jobs.
 
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -7,7 +8,8 @@ use std::time::{Duration, Instant};
 use kvfork_core::packer::{logits_index, plan_prefill};
 
 use super::shared::{BranchCell, Shared, Stats};
-use super::{CommitItem, Job, Reply};
+use super::{panic_message, CommitItem, CommitReply, CommitRequest, Job};
+use crate::branch::Produced;
 use crate::branch_state::Snapshot;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
@@ -25,12 +27,6 @@ pub(crate) struct Worker {
     /// Branches in the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
-}
-
-/// One commit request inside a coalesced group.
-struct Request {
-    items: Vec<CommitItem>,
-    reply: Reply<()>,
 }
 
 impl Worker {
@@ -55,18 +51,41 @@ impl Worker {
                     Err(_) => return,
                 },
             };
+            let Some(job) = self.admit(job) else { continue };
             match job {
-                Job::Run(f) => f(&mut self),
-                Job::Commit { items, reply } => {
-                    let group = self.gather(&rx, Request { items, reply });
+                Job::Run(task) => {
+                    let ticket = task.ticket_arc();
+                    self.shared.abort.current.store(ticket.id(), Ordering::Relaxed);
+                    let outcome = task.run(&mut self);
+                    self.shared.abort.current.store(0, Ordering::Relaxed);
+                    ticket.finish();
+                    if let Err(panic) = outcome {
+                        self.shared.fail(format!("panic on the engine thread: {panic}"));
+                    }
+                }
+                Job::Commit(first) => {
+                    let group = self.gather(&rx, first);
                     self.run_group(group);
                 }
             }
         }
     }
 
+    /// Start `job` unless the context is closed or the job was cancelled (then fail it).
+    fn admit(&self, job: Job) -> Option<Job> {
+        if let Err(e) = self.shared.check_open() {
+            job.fail(e);
+            return None;
+        }
+        if !job.ticket().start() {
+            job.fail(Error::Cancelled("cancelled before it started".into()));
+            return None;
+        }
+        Some(job)
+    }
+
     /// Collect the commit requests queued behind `first` (disjoint branches, within n_batch).
-    fn gather(&mut self, rx: &Receiver<Job>, first: Request) -> Vec<Request> {
+    fn gather(&mut self, rx: &Receiver<Job>, first: CommitRequest) -> Vec<CommitRequest> {
         let mut n_items = first.items.len();
         let mut group = vec![first];
         let linger = (self.last_decode / 10).min(MAX_LINGER);
@@ -80,16 +99,18 @@ impl Worker {
             };
             let Some(job) = next else { break };
             match job {
-                Job::Commit { items, reply }
-                    if n_items + items.len() <= self.ctx.n_batch as usize
-                        && items.iter().all(|(c, _)| {
+                Job::Commit(req)
+                    if n_items + req.items.len() <= self.ctx.n_batch as usize
+                        && req.items.iter().all(|(c, _)| {
                             !group
                                 .iter()
                                 .any(|r| r.items.iter().any(|(g, _)| Arc::ptr_eq(c, g)))
                         }) =>
                 {
-                    n_items += items.len();
-                    group.push(Request { items, reply });
+                    if let Some(Job::Commit(req)) = self.admit(Job::Commit(req)) {
+                        n_items += req.items.len();
+                        group.push(req);
+                    }
                 }
                 other => {
                     self.stash = Some(other);
@@ -102,25 +123,97 @@ impl Worker {
     }
 
     /// One decode for every request of the group; each request succeeds or fails as a whole.
-    fn run_group(&mut self, group: Vec<Request>) {
+    /// A panic fails every request of the group and closes the context.
+    fn run_group(&mut self, mut group: Vec<CommitRequest>) {
         Stats::add(&self.shared.stats.commit_requests, group.len() as u64);
-        let mut accepted: Vec<(Request, Vec<Snapshot>)> = Vec::with_capacity(group.len());
-        for req in group {
-            match self.accept_all(&req.items) {
-                Ok(snaps) => accepted.push((req, snaps)),
-                Err(e) => {
-                    let _ = req.reply.send(Err(e));
+        let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.commit_group(&mut group)
+        }));
+        let results = match results {
+            Ok(results) => results,
+            Err(payload) => {
+                let msg = panic_message(payload.as_ref());
+                self.shared
+                    .fail(format!("panic on the engine thread: {msg}"));
+                vec![Err(Error::Internal(msg)); group.len()]
+            }
+        };
+        for (req, result) in group.into_iter().zip(results) {
+            req.ticket.finish();
+            req.reply.send(result);
+        }
+    }
+
+    /// Sample the tokens of generation steps, accept every request (a failing one alone is
+    /// refused), then one decode for all that remain.
+    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
+        let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
+        let steps: Vec<usize> = (0..group.len())
+            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled(_)))
+            .collect();
+        if !steps.is_empty() {
+            let cells: Vec<Arc<BranchCell>> =
+                steps.iter().map(|&i| group[i].items[0].0.clone()).collect();
+            for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
+                match produced {
+                    Ok(p) => {
+                        if p.is_stop {
+                            group[i].items.clear(); // reported, not committed
+                        } else {
+                            group[i].items[0].1 = p.token;
+                        }
+                        results[i] = Ok(Some(p));
+                    }
+                    Err(e) => {
+                        group[i].items.clear();
+                        results[i] = Err(e);
+                    }
                 }
             }
         }
-        let items: Vec<&CommitItem> = accepted.iter().flat_map(|(r, _)| r.items.iter()).collect();
+        let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
+        for (i, req) in group.iter().enumerate() {
+            if req.items.is_empty() {
+                continue;
+            }
+            match self.accept_all(&req.items) {
+                Ok(snaps) => accepted.push((i, snaps)),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let items: Vec<&CommitItem> = accepted
+            .iter()
+            .flat_map(|(i, _)| group[*i].items.iter())
+            .collect();
         let result = self.decode_items(&items);
         drop(items);
-        for (req, snaps) in accepted {
-            if result.is_err() {
-                restore(&req.items, snaps);
+        for (i, snaps) in accepted {
+            match &result {
+                Ok(()) => {}
+                Err(e) => {
+                    restore(&group[i].items, snaps);
+                    results[i] = Err(e.clone());
+                }
             }
-            let _ = req.reply.send(result.clone());
+        }
+        results
+    }
+
+    /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
+    /// pay); nothing is accepted.
+    pub(crate) fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+        let model = self.shared.model.clone();
+        let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
+            if cell.is_disposed() {
+                return Err(Error::BranchDisposed("in step".into()));
+            }
+            crate::branch::produce(&mut cell.lock(), &model)
+        };
+        let heavy = cells.iter().any(|c| c.lock().sampling_is_heavy());
+        if heavy {
+            super::map_parallel(cells, sample)
+        } else {
+            cells.iter().map(sample).collect()
         }
     }
 
@@ -169,21 +262,48 @@ impl Worker {
         Ok(snaps)
     }
 
-    /// Decode one token per item in one batch; on success store logits and advance positions.
+    /// Decode one token per item, in ceil(N / n_batch) decodes that form one rollback unit;
+    /// on success store logits and advance positions.
     fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
-        self.batch.clear();
-        for (cell, token) in items {
-            let st = cell.lock();
-            self.batch.push(*token, st.position, st.seq, true);
+        let places: Vec<(i32, i32)> = items
+            .iter()
+            .map(|(cell, _)| {
+                let st = cell.lock();
+                (st.seq, st.position)
+            })
+            .collect();
+        let n_batch = self.ctx.n_batch as usize;
+        // Rows of earlier decodes are kept aside: the next decode overwrites the output buffer.
+        let mut kept: Vec<Vec<f32>> = Vec::new();
+        for start in (0..items.len()).step_by(n_batch) {
+            let end = (start + n_batch).min(items.len());
+            self.batch.clear();
+            for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
+                self.batch.push(*token, pos, seq, true);
+            }
+            if let Err(e) = self.decode() {
+                // llama.cpp removed this decode's cells; remove those of the earlier ones.
+                for &(seq, pos) in &places[..start] {
+                    let _ = self.ctx.seq_rm(seq, pos, -1);
+                }
+                return Err(e);
+            }
+            if end < items.len() || start > 0 {
+                for k in 0..end - start {
+                    kept.push(self.ctx.logits_ith(k)?.to_vec());
+                }
+            }
         }
-        self.decode()?;
         for (i, (cell, _)) in items.iter().enumerate() {
-            let row = self.ctx.logits_ith(i)?;
             let mut st = cell.lock();
-            st.set_logits(row);
+            if kept.is_empty() {
+                st.set_logits(self.ctx.logits_ith(i)?);
+            } else {
+                st.set_logits(&kept[i]);
+            }
             st.position += 1;
         }
         Ok(())
@@ -192,8 +312,12 @@ impl Worker {
     /// `llama_decode` of the current batch, counted.
     fn decode(&mut self) -> Result<()> {
         let t0 = Instant::now();
-        let r = self.ctx.decode(&self.batch);
+        let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
+        if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.closing.load(Ordering::Relaxed)
+        {
+            r = Err(Error::Closed);
+        }
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
         Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
