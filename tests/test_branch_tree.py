@@ -9,16 +9,7 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import root
-
-
-def greedy_tokens(b: kvfork.Branch, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        t = b.produce_sync().token
-        b.commit_sync(t)
-        out.append(t)
-    return out
+from .conftest import greedy_tokens, root
 
 
 def test_fork_position_and_topology(ctx: kvfork.Context) -> None:

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 use crate::context::{token_id, PyContext};
-use crate::convert::{self, awaitable, wait, Int};
+use crate::convert::{self, awaitable, awaitable_none, wait, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::params;
@@ -79,7 +79,7 @@ impl PyBranch {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tokens = convert::tokens(tokens, "tokens")?;
-        awaitable(py, self.inner.prefill(tokens), Ok)
+        awaitable_none(py, self.inner.prefill(tokens))
     }
 
     fn prefill_sync(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -105,7 +105,7 @@ impl PyBranch {
         py: Python<'py>,
         token: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.commit(token_arg(token)?), Ok)
+        awaitable_none(py, self.inner.commit(token_arg(token)?))
     }
 
     fn commit_sync(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -164,7 +164,7 @@ impl PyBranch {
 
     /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once.
     fn prune<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.prune(), Ok)
+        awaitable_none(py, self.inner.prune())
     }
 
     fn prune_sync(&self, py: Python<'_>) -> PyResult<()> {
@@ -173,7 +173,7 @@ impl PyBranch {
 
     /// Dispose this branch and its whole subtree (CASCADE).
     fn prune_subtree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.prune_subtree(), Ok)
+        awaitable_none(py, self.inner.prune_subtree())
     }
 
     fn prune_subtree_sync(&self, py: Python<'_>) -> PyResult<()> {

@@ -310,6 +310,11 @@ impl PyContext {
         queued(self.open()?.kv_clear())
     }
 
+    /// Make the engine thread panic (tests of the panic path only).
+    fn _debug_panic(&self, py: Python<'_>) -> PyResult<()> {
+        wait(py, self.open()?.debug_panic())
+    }
+
     /// Threads llama.cpp decodes with.
     #[getter]
     fn n_threads(&self) -> i32 {

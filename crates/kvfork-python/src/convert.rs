@@ -147,6 +147,11 @@ where
     Bound::new(py, op).map(Bound::into_any)
 }
 
+/// An awaitable resolving to None when the engine's job is done.
+pub fn awaitable_none<'py>(py: Python<'py>, pending: Pending<()>) -> PyResult<Bound<'py, PyAny>> {
+    awaitable(py, pending, |()| Ok(None::<()>))
+}
+
 /// An int argument of any size: a non-int is a TypeError (pyo3 adds the argument's name), an
 /// int beyond i64 is kept as `None` so range checks can name the argument.
 pub struct Int(pub Option<i64>);

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 
 use crate::branch::{token_arg, PyBranch};
 use crate::context::PyContext;
-use crate::convert::{self, awaitable, wait};
+use crate::convert::{self, awaitable, awaitable_none, wait};
 use crate::token::PyToken;
 
 #[pyclass(frozen, module = "kvfork", name = "BranchStore")]
@@ -77,7 +77,7 @@ impl PyBranchStore {
         py: Python<'py>,
         entries: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.commit(&commit_entries(entries)?), Ok)
+        awaitable_none(py, self.inner.commit(&commit_entries(entries)?))
     }
 
     fn commit_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -90,7 +90,7 @@ impl PyBranchStore {
         py: Python<'py>,
         entries: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.prefill(prefill_entries(entries)?), Ok)
+        awaitable_none(py, self.inner.prefill(prefill_entries(entries)?))
     }
 
     fn prefill_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -103,7 +103,7 @@ impl PyBranchStore {
         py: Python<'py>,
         winner: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.retain_only(&branch(winner)?), Ok)
+        awaitable_none(py, self.inner.retain_only(&branch(winner)?))
     }
 
     fn retain_only_sync(&self, py: Python<'_>, winner: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -130,6 +130,12 @@ impl Context {
         Ok(self.model().is_eog(token))
     }
 
+    /// Make the engine thread panic inside a job (tests of the panic path only).
+    #[doc(hidden)]
+    pub fn debug_panic(&self) -> Pending<()> {
+        self.run(|_| panic!("requested by debug_panic"))
+    }
+
     // Low-level KV operations; they bypass branch tenancy. Arguments are checked here, so a
     // caller may queue them without waiting (they run in order with all other engine work).
 

@@ -161,6 +161,9 @@ impl LlamaCtx {
         cp.n_batch = p.n_batch;
         // One physical batch per logical batch: one llama_decode == one graph run.
         cp.n_ubatch = p.n_batch;
+        // llama.cpp reserves outputs for max(batch outputs, n_seq_max) rows and asserts that
+        // this fits n_outputs_max (default n_batch): n_seq_max > n_batch would abort.
+        cp.n_outputs_max = p.n_batch.max(p.n_seq_max);
         cp.n_seq_max = p.n_seq_max;
         cp.n_threads = p.threads();
         cp.n_threads_batch = p.threads();

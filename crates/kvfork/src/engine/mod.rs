@@ -116,6 +116,8 @@ impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> 
             }
             Err(payload) => {
                 let msg = panic_message(payload.as_ref());
+                // Closed before the caller hears of it, so it sees `closed` at once.
+                w.shared.fail(format!("panic on the engine thread: {msg}"));
                 reply.send(Err(Error::Internal(msg.clone())));
                 Err(msg)
             }

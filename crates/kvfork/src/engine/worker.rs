@@ -56,12 +56,10 @@ impl Worker {
                 Job::Run(task) => {
                     let ticket = task.ticket_arc();
                     self.shared.abort.current.store(ticket.id(), Ordering::Relaxed);
-                    let outcome = task.run(&mut self);
+                    // A panic is caught inside and closes the context.
+                    let _ = task.run(&mut self);
                     self.shared.abort.current.store(0, Ordering::Relaxed);
                     ticket.finish();
-                    if let Err(panic) = outcome {
-                        self.shared.fail(format!("panic on the engine thread: {panic}"));
-                    }
                 }
                 Job::Commit(first) => {
                     let group = self.gather(&rx, first);
