@@ -49,6 +49,16 @@ fn max_count(max_tokens: Option<Int>) -> PyResult<Option<usize>> {
 
 #[pymethods]
 impl PyBranch {
+    /// Branches come from `Branch.create(ctx, ...)` or `branch.fork()`.
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyAny>, _kwargs: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        Err(pyo3::exceptions::PyTypeError::new_err(
+            "kvfork.Branch cannot be constructed directly: use Branch.create(ctx, position, params) \
+             or branch.fork()",
+        ))
+    }
+
     /// A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
     /// for the engine (emptying the lease is queued ahead of the branch's own work).
     #[classmethod]

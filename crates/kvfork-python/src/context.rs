@@ -188,6 +188,16 @@ impl PyContext {
 
 #[pymethods]
 impl PyContext {
+    /// Contexts come from `create_context(...)` / `create_context_sync(...)`.
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyAny>, _kwargs: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        Err(PyTypeError::new_err(
+            "kvfork.Context cannot be constructed directly: use \
+             `await kvfork.create_context(path_or_model, ...)` or create_context_sync(...)",
+        ))
+    }
+
     #[getter]
     fn model(&self) -> PyModel {
         PyModel {

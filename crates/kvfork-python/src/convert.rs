@@ -33,11 +33,14 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let v = list
             .iter()
-            .map(|x| x.extract::<i64>())
-            .collect::<PyResult<Vec<_>>>();
-        return narrow(
-            v.map_err(|_| PyTypeError::new_err(format!("{name} must contain only ints")))?,
-        );
+            .map(|x| match x.extract::<i64>() {
+                Ok(t) => Ok(t),
+                // An int too large for i64 is out of range, not of the wrong type.
+                Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
+                Err(_) => Err(PyTypeError::new_err(format!("{name} must contain only ints"))),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        return narrow(v);
     }
     if let Ok(buf) = PyBuffer::<i64>::get(obj) {
         check_1d(buf.dimensions(), name)?;

@@ -431,8 +431,8 @@ impl Branch {
                 format!("expected {n} values, got {}", logits.len()),
             ));
         }
-        if logits.iter().any(|v| v.is_nan()) {
-            return Err(Error::invalid("logits", "contains NaN"));
+        if logits.iter().any(|v| v.is_nan() || *v == f32::INFINITY) {
+            return Err(Error::invalid("logits", "contains NaN or +inf"));
         }
         self.state(|s| {
             s.set_logits(logits);

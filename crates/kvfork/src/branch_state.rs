@@ -313,6 +313,10 @@ impl BranchState {
         let mut cur = token_array(&mut self.candidates);
         let data = unsafe { std::slice::from_raw_parts_mut(cur.data, cur.size) };
         apply_biases(&self.logit_bias, &self.steer, whole, data);
+        // llama.cpp's filters drop -inf candidates and then assert on an empty array.
+        if !data.iter().any(|c| c.logit.is_finite()) {
+            return Err(self.nothing_to_sample());
+        }
         self.sampler.filter(&mut cur);
         // Samplers may shrink the array (they only move `data` within our buffer).
         let (start, size) = (
@@ -322,11 +326,7 @@ impl BranchState {
         self.candidates.truncate(start + size);
         self.candidates.drain(..start);
         if !self.candidates.iter().any(|c| c.logit.is_finite()) {
-            return Err(if self.grammar.is_some() {
-                Error::Grammar("no token satisfies the grammar at this point".into())
-            } else {
-                Error::Other("every candidate token is masked (logit bias / steer of -inf?)".into())
-            });
+            return Err(self.nothing_to_sample());
         }
         let lse = log_sum_exp_candidates(&self.candidates);
         self.cache = FilteredCache {
@@ -334,6 +334,17 @@ impl BranchState {
             lse,
         };
         Ok(())
+    }
+
+    fn nothing_to_sample(&self) -> Error {
+        if self.grammar.is_some() {
+            Error::Grammar("no token satisfies the grammar at this point".into())
+        } else {
+            Error::Other(
+                "every candidate token is masked (all logits -inf, or logit bias / steer of -inf)"
+                    .into(),
+            )
+        }
     }
 
     /// Whether sampling walks the whole vocabulary (grammar, or a chain that cannot be cut to

@@ -1,0 +1,430 @@
+"""Bad-input sweep: every public call with wrong types, out-of-range values, NaN/inf, huge and
+empty inputs, malformed grammars and schemas, broken GGUF files. Each raises the documented
+exception and the process lives on; the dangerous ones run in a subprocess that must exit
+normally (an abort inside llama.cpp would kill the test runner otherwise)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvfork
+import numpy as np
+import pytest
+
+from .conftest import GREEDY, root
+
+Case = tuple[str, Callable[[], Any], type[BaseException] | tuple[type[BaseException], ...], str]
+
+
+def _branch_cases(ctx: kvfork.Context) -> list[Case]:
+    b = root(ctx)
+    vocab = ctx.vocab_size
+    other_ctx = kvfork.create_context_sync(ctx.model, n_ctx=256, n_seq_max=1)
+    foreign = kvfork.Branch.create(other_ctx, 0, GREEDY)
+    store = kvfork.BranchStore(ctx)
+    big = 2**70
+    return [
+        # construction
+        ("Branch()", lambda: kvfork.Branch(), TypeError, "Branch.create"),
+        ("Context()", lambda: kvfork.Context(), TypeError, "create_context"),
+        ("create position<0", lambda: kvfork.Branch.create(ctx, -1), ValueError, "position"),
+        ("create position>=n_ctx", lambda: kvfork.Branch.create(ctx, 10**6), ValueError, ""),
+        ("create position huge", lambda: kvfork.Branch.create(ctx, big), ValueError, "position"),
+        ("create params int", lambda: kvfork.Branch.create(ctx, 0, 5), TypeError, "params"),
+        ("create params key", lambda: kvfork.Branch.create(ctx, 0, {"tmp": 1}), ValueError, ""),
+        ("create empty grammar", lambda: kvfork.Branch.create(ctx, 0, grammar=""), kvfork.GrammarError, ""),
+        ("create bad grammar", lambda: kvfork.Branch.create(ctx, 0, grammar="root ::= foo"), kvfork.GrammarError, ""),
+        ("create ctx=None", lambda: kvfork.Branch.create(None, 0), TypeError, ""),
+        # decoding
+        ("prefill str", lambda: b.prefill_sync("hello"), TypeError, "tokens"),
+        ("prefill floats", lambda: b.prefill_sync([1.5, 2.5]), TypeError, "tokens"),
+        ("prefill nested", lambda: b.prefill_sync([[1, 2]]), TypeError, "tokens"),
+        ("prefill token<0", lambda: b.prefill_sync([1, -1]), ValueError, "token"),
+        ("prefill token>=vocab", lambda: b.prefill_sync([vocab]), ValueError, "token"),
+        ("prefill token huge", lambda: b.prefill_sync([big]), ValueError, "token"),
+        ("prefill 2-D array", lambda: b.prefill_sync(np.ones((2, 2), np.int64)), ValueError, "1-D"),
+        ("prefill float array", lambda: b.prefill_sync(np.ones(3)), TypeError, ""),
+        ("prefill past n_ctx", lambda: b.prefill_sync([1] * (ctx.n_ctx + 1)), kvfork.KvCacheFullError, ""),
+        ("commit token<0", lambda: b.commit_sync(-1), ValueError, "token"),
+        ("commit token>=vocab", lambda: b.commit_sync(vocab), ValueError, "token"),
+        ("commit str", lambda: b.commit_sync("a"), TypeError, "token"),
+        ("commit float", lambda: b.commit_sync(1.0), TypeError, "token"),
+        ("commit None", lambda: b.commit_sync(None), TypeError, "token"),
+        ("accept token>=vocab", lambda: b.accept(vocab), ValueError, "token"),
+        ("generate max<0", lambda: b.generate(max_tokens=-1), ValueError, "max_tokens"),
+        ("generate_sync max str", lambda: b.generate_sync(max_tokens="3"), TypeError, ""),
+        # sampler control
+        ("reseed -1", lambda: b.reseed_sampler(-1), ValueError, "seed"),
+        ("reseed 2**32", lambda: b.reseed_sampler(2**32), ValueError, "seed"),
+        ("fork seed -1", lambda: b.fork_sync(seed=-1), ValueError, "seed"),
+        ("set params bad", lambda: b.set_sampler_params({"top_p": 2.0}), ValueError, "top_p"),
+        ("set params type", lambda: b.set_sampler_params(3), TypeError, "params"),
+        ("grammar undefined rule", lambda: b.set_grammar("root ::= foo"), kvfork.GrammarError, ""),
+        ("grammar syntax", lambda: b.set_grammar("root ::= (("), kvfork.GrammarError, ""),
+        ("grammar NUL", lambda: b.set_grammar('root ::= "a\0"'), kvfork.GrammarError, "NUL"),
+        ("grammar whitespace", lambda: b.set_grammar("   "), kvfork.GrammarError, "empty"),
+        ("grammar int", lambda: b.set_grammar(5), TypeError, ""),
+        ("lazy bad regex", lambda: b.set_grammar_lazy('root ::= "a"', [], patterns=["("]), kvfork.GrammarError, ""),
+        ("lazy bad trigger token", lambda: b.set_grammar_lazy('root ::= "a"', [vocab]), ValueError, "token"),
+        ("lazy trigger type", lambda: b.set_grammar_lazy('root ::= "a"', [1.5]), TypeError, "triggers"),
+        ("bias not dict", lambda: b.set_logit_bias([(1, 1.0)]), TypeError, "dict"),
+        ("bias key str", lambda: b.set_logit_bias({"a": 1.0}), TypeError, "token"),
+        ("bias key range", lambda: b.set_logit_bias({vocab: 1.0}), ValueError, "token"),
+        ("bias NaN", lambda: b.set_logit_bias({1: math.nan}), ValueError, "bias"),
+        ("bias +inf", lambda: b.steer({1: math.inf}), ValueError, "bias"),
+        ("steer value str", lambda: b.steer({1: "x"}), TypeError, "float"),
+        # metrics and logits
+        ("entropy base", lambda: b.entropy("decibans"), ValueError, "base"),
+        ("surprisal token", lambda: b.surprisal(-3), ValueError, "token"),
+        ("set_logits length", lambda: b.set_logits(np.zeros(10, np.float32)), ValueError, "logits"),
+        ("set_logits NaN", lambda: b.set_logits(np.full(vocab, np.nan, np.float32)), ValueError, "NaN"),
+        ("set_logits float64", lambda: b.set_logits(np.zeros(vocab)), ValueError, "float32"),
+        ("set_logits 2-D", lambda: b.set_logits(np.zeros((2, vocab), np.float32)), ValueError, ""),
+        ("set_logits list", lambda: b.set_logits([0.0] * 4), ValueError, "float32"),
+        # store
+        ("store ctx type", lambda: kvfork.BranchStore(5), TypeError, ""),
+        ("store commit non-branch", lambda: store.commit_sync([(5, 1)]), TypeError, "Branch"),
+        ("store commit shape", lambda: store.commit_sync([b]), TypeError, "pairs"),
+        ("store commit duplicate", lambda: store.commit_sync([(b, 1), (b, 2)]), ValueError, "twice"),
+        ("store commit foreign", lambda: store.commit_sync([(foreign, 1)]), ValueError, "another context"),
+        ("store commit token", lambda: store.commit_sync([(b, vocab)]), ValueError, "token"),
+        ("store prefill shape", lambda: store.prefill_sync([(b,)]), TypeError, "pairs"),
+        ("store step foreign", lambda: store.step_sync([foreign]), ValueError, "another context"),
+        ("store step non-iterable", lambda: store.step_sync(5), TypeError, ""),
+        ("store retain foreign", lambda: store.retain_only_sync(foreign), ValueError, "another context"),
+        # context
+        ("tokenize int", lambda: ctx.tokenize(5), TypeError, ""),
+        ("detokenize range", lambda: ctx.detokenize([vocab]), ValueError, "token"),
+        ("detokenize str", lambda: ctx.detokenize("abc"), TypeError, "tokens"),
+        ("token_to_text range", lambda: ctx.token_to_text(-1), ValueError, "token"),
+        ("is_stop_token huge", lambda: ctx.is_stop_token(big), (ValueError, OverflowError), ""),
+        ("kv copy seq range", lambda: ctx.kv_seq_copy(0, ctx.n_seq_max), ValueError, "seq"),
+        ("kv copy seq<0", lambda: ctx.kv_seq_copy(-1, 0), ValueError, "src"),
+        ("kv remove p0<-1", lambda: ctx.kv_seq_remove(0, -5), ValueError, "p0"),
+        ("kv keep range", lambda: ctx.kv_seq_keep(10**6), ValueError, "seq"),
+        ("kv pos_max range", lambda: ctx.kv_seq_pos_max_sync(ctx.n_seq_max), ValueError, "seq"),
+        # module
+        ("schema not JSON", lambda: kvfork.json_schema_to_grammar("{"), kvfork.GrammarError, ""),
+        ("schema type", lambda: kvfork.json_schema_to_grammar(5), TypeError, "schema"),
+        ("schema bad type", lambda: kvfork.json_schema_to_grammar({"type": "bogus"}), kvfork.GrammarError, ""),
+        ("params seed -1", lambda: kvfork.SamplingParams(seed=-1), ValueError, "seed"),
+        ("params seed str", lambda: kvfork.SamplingParams(seed="1"), TypeError, "seed"),
+        ("params top_k huge", lambda: kvfork.SamplingParams(top_k=2**40), ValueError, "top_k"),
+        ("params temp NaN", lambda: kvfork.SamplingParams(temperature=math.nan), ValueError, "temperature"),
+        ("params unknown", lambda: kvfork.SamplingParams(temprature=1.0), ValueError, "temprature"),
+    ]
+
+
+def test_bad_inputs_raise_the_documented_exception(ctx: kvfork.Context) -> None:
+    failures = []
+    for name, call, exc, match in _branch_cases(ctx):
+        try:
+            call()
+        except exc as e:
+            if match and match.lower() not in str(e).lower():
+                failures.append(f"{name}: message {str(e)!r} lacks {match!r}")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+        else:
+            failures.append(f"{name}: no exception")
+    assert not failures, "\n".join(failures)
+    # and the context still works
+    assert len(ctx.tokenize("still alive")) > 0
+    b = root(ctx)
+    b.commit_sync(b.produce_sync().token)
+
+
+def test_disposed_branch_raises_on_every_use(ctx: kvfork.Context) -> None:
+    b = root(ctx)
+    b.prune_sync()
+    uses: list[Callable[[], Any]] = [
+        lambda: b.prefill_sync([1]),
+        lambda: b.produce_sync(),
+        lambda: b.commit_sync(1),
+        lambda: b.sample(),
+        lambda: b.accept(1),
+        lambda: b.fork_sync(),
+        lambda: b.position,
+        lambda: b.perplexity,
+        lambda: b.entropy(),
+        lambda: b.logits(),
+        lambda: b.set_grammar(None),
+        lambda: b.steer({1: 1.0}),
+        lambda: next(iter(b.generate_sync())),
+        lambda: kvfork.BranchStore(ctx).step_sync([b]),
+        lambda: kvfork.BranchStore(ctx).retain_only_sync(b),
+    ]
+    for use in uses:
+        with pytest.raises(kvfork.BranchDisposedError):
+            use()
+    b.prune_sync()  # a second prune is a no-op
+
+
+def test_closed_context_raises_on_every_use(model: kvfork.Model) -> None:
+    ctx = kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2)
+    b = root(ctx)
+    ctx.close()
+    for use in [
+        lambda: kvfork.Branch.create(ctx, 0),
+        lambda: b.commit_sync(1),
+        lambda: b.prefill_sync([1]),
+        lambda: ctx.tokenize("x"),
+        lambda: ctx.kv_clear(),
+        lambda: ctx.kv_seq_pos_max_sync(0),
+        lambda: kvfork.BranchStore(ctx).step_sync([b]),
+    ]:
+        with pytest.raises(kvfork.KvforkError):
+            use()
+    ctx.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "exc"),
+    [
+        ("n_ctx", -1, ValueError),
+        ("n_ctx", 0, ValueError),
+        ("n_ctx", 2**70, ValueError),
+        ("n_ctx", "4096", TypeError),
+        ("n_batch", -8, ValueError),
+        ("n_batch", 0, ValueError),
+        ("n_seq_max", -1, ValueError),
+        ("n_seq_max", 0, ValueError),
+        ("n_seq_max", 257, ValueError),
+        ("n_threads", 0, ValueError),
+        ("n_threads", -2, ValueError),
+        ("type_k", "q7_z", ValueError),
+        ("type_v", 5, TypeError),
+        ("pooling", "median", ValueError),
+        ("n_gpu_layers", -7, ValueError),
+    ],
+)
+def test_create_context_rejects_bad_options_by_name(
+    model: kvfork.Model, name: str, value: object, exc: type[BaseException]
+) -> None:
+    with pytest.raises(exc, match=name):
+        kvfork.create_context_sync(model, **{name: value})  # type: ignore[arg-type]
+
+
+def test_create_context_rejects_non_model(model: kvfork.Model) -> None:
+    with pytest.raises(TypeError, match="path_or_model"):
+        kvfork.create_context_sync(123)  # type: ignore[arg-type]
+    with pytest.raises(kvfork.ModelLoadError):
+        kvfork.create_context_sync("/nonexistent/model.gguf")
+
+
+# ---- dangerous inputs: each in a subprocess that must exit normally
+
+
+def run_isolated(body: str, timeout: float = 300) -> str:
+    """Run `body` in a fresh interpreter (kvfork imported, MODEL = the default model's path);
+    fail unless it exits 0. Returns its stdout."""
+    code = "import kvfork, numpy as np\nMODEL = kvfork.default_model_path()\n" + textwrap.dedent(
+        body
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def test_broken_gguf_files_raise_model_load_error(tmp_path: Path) -> None:
+    real = kvfork.default_model_path().read_bytes()
+    rng = np.random.default_rng(0)
+    files = {
+        "empty.gguf": b"",
+        "magic_only.gguf": b"GGUF",
+        "random.gguf": rng.bytes(4096),
+        "magic_random.gguf": b"GGUF" + rng.bytes(4096),
+        "header_only.gguf": real[:64],
+        "truncated_meta.gguf": real[:100_000],
+        "truncated_tensors.gguf": real[: len(real) // 2],
+        "flipped.gguf": real[:24] + bytes(b ^ 0xFF for b in real[24:4096]) + real[4096:1_000_000],
+        "huge_counts.gguf": real[:8] + (2**62).to_bytes(8, "little") * 2 + real[24:4096],
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "a_directory.gguf").mkdir()
+    out = run_isolated(
+        f"""
+        import os
+        for name in sorted(os.listdir({str(tmp_path)!r})):
+            try:
+                kvfork.Model.load(os.path.join({str(tmp_path)!r}, name))
+                print(name, "LOADED")
+            except kvfork.ModelLoadError:
+                print(name, "ModelLoadError")
+        """
+    )
+    lines = dict(line.split() for line in out.splitlines())
+    assert set(lines) == {*files, "a_directory.gguf"}
+    assert all(v == "ModelLoadError" for v in lines.values()), lines
+
+
+def test_context_option_combinations_llama_cpp_would_assert_on() -> None:
+    out = run_isolated(
+        """
+        model = kvfork.Model.load(MODEL)
+        combos = [
+            dict(n_ctx=1024, n_batch=8, n_seq_max=16),   # used to abort (n_outputs_max)
+            dict(n_ctx=16, n_batch=1, n_seq_max=1),
+            dict(n_ctx=300, n_batch=7, n_seq_max=3),      # nothing a multiple of anything
+            dict(n_ctx=256, n_batch=512, n_seq_max=1),    # n_batch > n_ctx
+            dict(n_ctx=512, n_seq_max=256, n_batch=64),
+            dict(n_ctx=512, type_k="q8_0", type_v="q8_0"),
+            dict(n_ctx=512, type_k="q4_0", type_v="f16"),
+            dict(n_ctx=512, type_k="bf16", type_v="f32"),
+            dict(n_ctx=512, embeddings=True),
+            dict(n_ctx=512, embeddings=True, pooling="mean"),
+            dict(n_ctx=512, embeddings=True, pooling="last"),
+            dict(n_ctx=512, embeddings=True, pooling="rank"),
+            dict(n_ctx=512, n_threads=1),
+            dict(n_ctx=512, n_threads=64),
+        ]
+        for opts in combos:
+            try:
+                ctx = kvfork.create_context_sync(model, **opts)
+            except (ValueError, kvfork.KvforkError) as e:
+                print("refused", opts, type(e).__name__)
+                continue
+            b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0))
+            n = min(ctx.n_seq_max, 24)
+            toks = ctx.tokenize("The history of the printing press begins with")
+            try:
+                b.prefill_sync(toks)
+                kids = [b] + [b.fork_sync() for _ in range(n - 1)]
+                kvfork.BranchStore(ctx).step_sync(kids)   # n > n_batch: split decodes
+                print("ok", opts)
+            except kvfork.KvforkError as e:
+                print("error", opts, type(e).__name__, e)
+            ctx.close()
+        print("DONE")
+        """
+    )
+    assert out.strip().endswith("DONE")
+    print(out)
+    assert "ok {'n_ctx': 1024, 'n_batch': 8, 'n_seq_max': 16}" in out
+
+
+def test_hostile_grammars_and_schemas_do_not_crash() -> None:
+    out = run_isolated(
+        r"""
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=256, n_seq_max=2)
+        b = kvfork.Branch.create(ctx, 0)
+        b.prefill_sync(ctx.tokenize("Answer:"))
+        grammars = [
+            "root ::= root",                      # left recursion
+            "root ::= a\na ::= a \"x\"",          # indirect left recursion
+            "root ::= [",                          # unterminated class
+            'root ::= "unterminated',
+            "root ::= " + "(" * 5000 + '"a"' + ")" * 5000,   # deep nesting
+            "root ::= " + " | ".join(f'"{i}"' for i in range(20000)),  # huge alternation
+            "\xff\xfe garbage \u2603",
+            "root ::= [^]",
+            'root ::= "a"{1000000}',
+        ]
+        for g in grammars:
+            try:
+                b.set_grammar(g)
+                try:
+                    b.produce_sync()
+                except kvfork.KvforkError:
+                    pass
+                print("accepted")
+            except kvfork.GrammarError:
+                print("GrammarError")
+        b.set_grammar(None)
+        schemas = ['{', '[]', '{"type": "object", "properties": 5}',
+                   '{"$ref": "#/nowhere"}', '{"type": "string", "pattern": "("}',
+                   '{"a":' * 3000 + '1' + '}' * 3000]
+        for s in schemas:
+            try:
+                kvfork.json_schema_to_grammar(s)
+                print("converted")
+            except kvfork.GrammarError:
+                print("GrammarError")
+        for pattern in ["(", "[z-a]", "a{2,1}", "(?<=x)"]:
+            try:
+                b.set_grammar_lazy('root ::= "a"', ["go"], patterns=[pattern])
+                print("lazy accepted")
+            except kvfork.GrammarError:
+                print("lazy GrammarError")
+        print("DONE")
+        """
+    )
+    assert out.strip().endswith("DONE")
+
+
+def test_hostile_logits_and_huge_inputs_do_not_crash() -> None:
+    out = run_isolated(
+        """
+        import math
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=512, n_seq_max=2)
+        b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(seed=1))
+        b.prefill_sync(ctx.tokenize("Hello"))
+        V = ctx.vocab_size
+        for fill in [-math.inf, math.inf, 3.4e38, -3.4e38, 0.0]:
+            try:
+                b.set_logits(np.full(V, fill, np.float32))
+                b.produce_sync(); b.entropy(); b.surprisal(1)
+                print("ok", fill)
+            except (ValueError, kvfork.KvforkError) as e:
+                print(type(e).__name__, fill)
+        row = np.full(V, -math.inf, np.float32); row[7] = 1.0
+        b.set_logits(row)
+        assert b.produce_sync().token == 7
+        b.set_logit_bias({t: -math.inf for t in range(V)})   # every token banned
+        try:
+            b.produce_sync()
+        except kvfork.KvforkError as e:
+            print("all banned:", type(e).__name__)
+        b.clear_logit_bias()
+        ctx.tokenize("x" * 5_000_000)                        # a huge text
+        try:
+            b.prefill_sync([1] * 10**6)                       # a huge token list
+        except kvfork.KvCacheFullError:
+            print("huge prefill refused")
+        try:
+            kvfork.BranchStore(ctx).prefill_sync([(b, [1] * 400), (b, [1])])
+        except ValueError:
+            print("duplicate refused")
+        print("DONE")
+        """
+    )
+    assert "huge prefill refused" in out and out.strip().endswith("DONE")
+
+
+@pytest.mark.skipif(os.environ.get("CI") == "true" and sys.platform != "linux", reason="linux")
+def test_kv_ops_that_bypass_tenancy_cannot_crash() -> None:
+    out = run_isolated(
+        """
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=512, n_seq_max=4)
+        b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0))
+        b.prefill_sync(ctx.tokenize("The history of the printing press begins with"))
+        ctx.kv_seq_copy(b.seq_id, 3, 2, 5)        # partial copy into a free sequence
+        ctx.kv_seq_remove(b.seq_id, 3, 6)         # a hole in the middle of the branch
+        for op in [lambda: b.commit_sync(b.produce_sync().token),
+                   lambda: b.prefill_sync([1, 2, 3])]:
+            try:
+                op(); print("ok")
+            except kvfork.KvforkError as e:
+                print(type(e).__name__)
+        ctx.kv_seq_keep(3)                         # every branch's cells gone but seq 3
+        ctx.kv_clear()
+        for op in [lambda: b.commit_sync(1), lambda: b.fork_sync(),
+                   lambda: kvfork.Branch.create(ctx, 5).prefill_sync([1, 2])]:
+            try:
+                op(); print("ok")
+            except kvfork.KvforkError as e:
+                print(type(e).__name__)
+        print("DONE")
+        """
+    )
+    assert out.strip().endswith("DONE")
