@@ -1,0 +1,63 @@
+"""Soak: many fork/commit/prune cycles and context open/close cycles with flat memory.
+
+CI runs a short version; `KVFORK_SOAK=1` runs the full one (10,000 and 1,000 cycles) and
+prints the RSS numbers (`pytest tests/test_soak.py -s`)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import kvfork
+
+from .conftest import GREEDY, root
+
+FULL = os.environ.get("KVFORK_SOAK") == "1"
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_fork_commit_prune_cycles_keep_memory_flat(model: kvfork.Model) -> None:
+    cycles = 10_000 if FULL else 600
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=4) as ctx:
+        parent = root(ctx)
+        store = kvfork.BranchStore(ctx)
+        token = parent.produce_sync().token
+        warm = cycles // 10
+        base = 0.0
+        for i in range(cycles):
+            child = parent.fork_sync()
+            child.commit_sync(token)
+            child.prune_sync()
+            if i == warm:
+                gc.collect()
+                base = rss_mib()
+        gc.collect()
+        end = rss_mib()
+        assert store.available == 3 and parent.children == []
+        assert parent.position == len(ctx.tokenize("The history of the printing press begins with"))
+    per_cycle_kib = (end - base) * 1024 / (cycles - warm)
+    print(f"\nfork/commit/prune x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.2f} KiB/cycle)")
+    assert per_cycle_kib < 1.0, f"memory grows {per_cycle_kib:.2f} KiB per cycle"
+
+
+def test_context_open_close_cycles_keep_memory_flat(model: kvfork.Model) -> None:
+    cycles = 1_000 if FULL else 60
+    warm = cycles // 10
+    base = 0.0
+    for i in range(cycles):
+        ctx = kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2)
+        b = kvfork.Branch.create(ctx, 0, GREEDY)
+        b.prefill_sync([2, 9259])
+        ctx.close()
+        if i == warm:
+            gc.collect()
+            base = rss_mib()
+    gc.collect()
+    end = rss_mib()
+    per_cycle_kib = (end - base) * 1024 / (cycles - warm)
+    print(f"\nopen/close x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.1f} KiB/cycle)")
+    assert per_cycle_kib < 64, f"memory grows {per_cycle_kib:.1f} KiB per context"
