@@ -107,3 +107,63 @@ fn leases_exhaust_and_recycle() {
     assert!(matches!(a.prune().wait(), Ok(())));
     assert_eq!(ctx.available(), 2);
 }
+
+#[test]
+fn commits_over_n_batch_split_into_one_rollback_unit() {
+    let ctx = Context::new(
+        model(),
+        ContextParams {
+            n_ctx: 1024,
+            n_batch: 4,
+            n_seq_max: 11,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let root = greedy_root(&ctx);
+    let kids: Vec<Branch> = (0..9).map(|_| root.fork(None).wait().unwrap()).collect();
+    let expected = continue_greedy(&root.fork(None).wait().unwrap(), 1)[0];
+    let before = ctx.stats().decode_calls;
+    let produced = BranchStore::new(&ctx).step(&kids).wait().unwrap();
+    assert_eq!(ctx.stats().decode_calls - before, 3); // ceil(9 / 4)
+    assert!(produced.iter().all(|p| p.token == expected));
+}
+
+#[test]
+fn a_queued_job_cancelled_never_runs() {
+    let ctx = context(4);
+    let a = greedy_root(&ctx);
+    let b = Branch::create(&ctx, 0, &SamplingParams::greedy(), None).unwrap();
+    let long: Vec<i32> = std::iter::repeat_n(9259, 600).collect();
+    let busy = b.prefill(long);
+    let commit = a.commit(a.sample().unwrap());
+    assert_eq!(commit.cancel(), kvfork::Cancel::Prevented);
+    busy.wait().unwrap();
+    assert!(matches!(commit.wait(), Err(Error::Cancelled(_))));
+    let position = a.position().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(a.position().unwrap(), position);
+}
+
+#[test]
+fn a_running_prefill_is_aborted_and_rolled_back() {
+    let ctx = context(2);
+    let b = Branch::create(&ctx, 0, &SamplingParams::greedy(), None).unwrap();
+    let long: Vec<i32> = std::iter::repeat_n(9259, 1000).collect();
+    let prefill = b.prefill(long);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(prefill.cancel(), kvfork::Cancel::Aborting);
+    assert!(matches!(prefill.wait(), Err(Error::Cancelled(_))));
+    assert_eq!(b.position().unwrap(), 0);
+    assert_eq!(ctx.kv_seq_pos_max(b.seq_id().unwrap()).wait().unwrap(), -1);
+}
+
+#[test]
+fn an_engine_panic_is_reported_and_closes_the_context() {
+    let ctx = context(2);
+    let b = greedy_root(&ctx);
+    let err = ctx.debug_panic().wait().unwrap_err();
+    assert!(matches!(&err, Error::Internal(m) if m.contains("debug_panic")), "{err}");
+    assert!(ctx.is_closed());
+    assert!(matches!(b.commit(1).wait(), Err(Error::Internal(m)) if m.contains("panic")));
+}
