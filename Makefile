@@ -2,7 +2,7 @@
 SHELL := bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rust test-python lint fmt bench
+.PHONY: setup demo test test-rust test-python soak asan lint fmt bench
 
 setup:
 	scripts/setup.sh
@@ -20,6 +20,15 @@ test-rust:
 
 test-python:
 	$(PY) -m pytest tests -q
+
+# Long runs (not in `make test`): the full soak and a longer randomized state-machine fuzz.
+soak: setup
+	KVFORK_SOAK=1 KVFORK_FUZZ_EXAMPLES=200 KVFORK_FUZZ_STEPS=50 KVFORK_FUZZ_RANDOM=1 \
+	  $(PY) -m pytest tests/test_soak.py tests/test_fuzz.py -q -s
+
+# The Rust tests under AddressSanitizer (nightly toolchain).
+asan: setup
+	scripts/asan.sh
 
 lint:
 	cargo fmt --all -- --check

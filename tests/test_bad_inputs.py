@@ -39,8 +39,18 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("create position huge", lambda: kvfork.Branch.create(ctx, big), ValueError, "position"),
         ("create params int", lambda: kvfork.Branch.create(ctx, 0, 5), TypeError, "params"),
         ("create params key", lambda: kvfork.Branch.create(ctx, 0, {"tmp": 1}), ValueError, ""),
-        ("create empty grammar", lambda: kvfork.Branch.create(ctx, 0, grammar=""), kvfork.GrammarError, ""),
-        ("create bad grammar", lambda: kvfork.Branch.create(ctx, 0, grammar="root ::= foo"), kvfork.GrammarError, ""),
+        (
+            "create empty grammar",
+            lambda: kvfork.Branch.create(ctx, 0, grammar=""),
+            kvfork.GrammarError,
+            "",
+        ),
+        (
+            "create bad grammar",
+            lambda: kvfork.Branch.create(ctx, 0, grammar="root ::= foo"),
+            kvfork.GrammarError,
+            "",
+        ),
         ("create ctx=None", lambda: kvfork.Branch.create(None, 0), TypeError, ""),
         # decoding
         ("prefill str", lambda: b.prefill_sync("hello"), TypeError, "tokens"),
@@ -51,7 +61,12 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("prefill token huge", lambda: b.prefill_sync([big]), ValueError, "token"),
         ("prefill 2-D array", lambda: b.prefill_sync(np.ones((2, 2), np.int64)), ValueError, "1-D"),
         ("prefill float array", lambda: b.prefill_sync(np.ones(3)), TypeError, ""),
-        ("prefill past n_ctx", lambda: b.prefill_sync([1] * (ctx.n_ctx + 1)), kvfork.KvCacheFullError, ""),
+        (
+            "prefill past n_ctx",
+            lambda: b.prefill_sync([1] * (ctx.n_ctx + 1)),
+            kvfork.KvCacheFullError,
+            "",
+        ),
         ("commit token<0", lambda: b.commit_sync(-1), ValueError, "token"),
         ("commit token>=vocab", lambda: b.commit_sync(vocab), ValueError, "token"),
         ("commit str", lambda: b.commit_sync("a"), TypeError, "token"),
@@ -71,9 +86,24 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("grammar NUL", lambda: b.set_grammar('root ::= "a\0"'), kvfork.GrammarError, "NUL"),
         ("grammar whitespace", lambda: b.set_grammar("   "), kvfork.GrammarError, "empty"),
         ("grammar int", lambda: b.set_grammar(5), TypeError, ""),
-        ("lazy bad regex", lambda: b.set_grammar_lazy('root ::= "a"', [], patterns=["("]), kvfork.GrammarError, ""),
-        ("lazy bad trigger token", lambda: b.set_grammar_lazy('root ::= "a"', [vocab]), ValueError, "token"),
-        ("lazy trigger type", lambda: b.set_grammar_lazy('root ::= "a"', [1.5]), TypeError, "triggers"),
+        (
+            "lazy bad regex",
+            lambda: b.set_grammar_lazy('root ::= "a"', [], patterns=["("]),
+            kvfork.GrammarError,
+            "",
+        ),
+        (
+            "lazy bad trigger token",
+            lambda: b.set_grammar_lazy('root ::= "a"', [vocab]),
+            ValueError,
+            "token",
+        ),
+        (
+            "lazy trigger type",
+            lambda: b.set_grammar_lazy('root ::= "a"', [1.5]),
+            TypeError,
+            "triggers",
+        ),
         ("bias not dict", lambda: b.set_logit_bias([(1, 1.0)]), TypeError, "dict"),
         ("bias key str", lambda: b.set_logit_bias({"a": 1.0}), TypeError, "token"),
         ("bias key range", lambda: b.set_logit_bias({vocab: 1.0}), ValueError, "token"),
@@ -84,7 +114,12 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("entropy base", lambda: b.entropy("decibans"), ValueError, "base"),
         ("surprisal token", lambda: b.surprisal(-3), ValueError, "token"),
         ("set_logits length", lambda: b.set_logits(np.zeros(10, np.float32)), ValueError, "logits"),
-        ("set_logits NaN", lambda: b.set_logits(np.full(vocab, np.nan, np.float32)), ValueError, "NaN"),
+        (
+            "set_logits NaN",
+            lambda: b.set_logits(np.full(vocab, np.nan, np.float32)),
+            ValueError,
+            "NaN",
+        ),
         ("set_logits float64", lambda: b.set_logits(np.zeros(vocab)), ValueError, "float32"),
         ("set_logits 2-D", lambda: b.set_logits(np.zeros((2, vocab), np.float32)), ValueError, ""),
         ("set_logits list", lambda: b.set_logits([0.0] * 4), ValueError, "float32"),
@@ -92,13 +127,28 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("store ctx type", lambda: kvfork.BranchStore(5), TypeError, ""),
         ("store commit non-branch", lambda: store.commit_sync([(5, 1)]), TypeError, "Branch"),
         ("store commit shape", lambda: store.commit_sync([b]), TypeError, "pairs"),
-        ("store commit duplicate", lambda: store.commit_sync([(b, 1), (b, 2)]), ValueError, "twice"),
-        ("store commit foreign", lambda: store.commit_sync([(foreign, 1)]), ValueError, "another context"),
+        (
+            "store commit duplicate",
+            lambda: store.commit_sync([(b, 1), (b, 2)]),
+            ValueError,
+            "twice",
+        ),
+        (
+            "store commit foreign",
+            lambda: store.commit_sync([(foreign, 1)]),
+            ValueError,
+            "another context",
+        ),
         ("store commit token", lambda: store.commit_sync([(b, vocab)]), ValueError, "token"),
         ("store prefill shape", lambda: store.prefill_sync([(b,)]), TypeError, "pairs"),
         ("store step foreign", lambda: store.step_sync([foreign]), ValueError, "another context"),
         ("store step non-iterable", lambda: store.step_sync(5), TypeError, ""),
-        ("store retain foreign", lambda: store.retain_only_sync(foreign), ValueError, "another context"),
+        (
+            "store retain foreign",
+            lambda: store.retain_only_sync(foreign),
+            ValueError,
+            "another context",
+        ),
         # context
         ("tokenize int", lambda: ctx.tokenize(5), TypeError, ""),
         ("detokenize range", lambda: ctx.detokenize([vocab]), ValueError, "token"),
@@ -113,11 +163,21 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         # module
         ("schema not JSON", lambda: kvfork.json_schema_to_grammar("{"), kvfork.GrammarError, ""),
         ("schema type", lambda: kvfork.json_schema_to_grammar(5), TypeError, "schema"),
-        ("schema bad type", lambda: kvfork.json_schema_to_grammar({"type": "bogus"}), kvfork.GrammarError, ""),
+        (
+            "schema bad type",
+            lambda: kvfork.json_schema_to_grammar({"type": "bogus"}),
+            kvfork.GrammarError,
+            "",
+        ),
         ("params seed -1", lambda: kvfork.SamplingParams(seed=-1), ValueError, "seed"),
         ("params seed str", lambda: kvfork.SamplingParams(seed="1"), TypeError, "seed"),
         ("params top_k huge", lambda: kvfork.SamplingParams(top_k=2**40), ValueError, "top_k"),
-        ("params temp NaN", lambda: kvfork.SamplingParams(temperature=math.nan), ValueError, "temperature"),
+        (
+            "params temp NaN",
+            lambda: kvfork.SamplingParams(temperature=math.nan),
+            ValueError,
+            "temperature",
+        ),
         ("params unknown", lambda: kvfork.SamplingParams(temprature=1.0), ValueError, "temprature"),
     ]
 
@@ -229,7 +289,7 @@ def run_isolated(body: str, timeout: float = 300) -> str:
         body
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=timeout
     )
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
     return out.stdout

@@ -65,9 +65,7 @@ class BranchTree(RuleBasedStateMachine):
         self.replayed: set[tuple[int, int]] = set()
 
     def _open(self) -> kvfork.Context:
-        return kvfork.create_context_sync(
-            self.model, n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=N_SEQ
-        )
+        return kvfork.create_context_sync(self.model, n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=N_SEQ)
 
     def live(self) -> list[Node]:
         return [n for n in self.nodes if not n.disposed]

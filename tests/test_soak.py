@@ -40,7 +40,9 @@ def test_fork_commit_prune_cycles_keep_memory_flat(model: kvfork.Model) -> None:
         assert store.available == 3 and parent.children == []
         assert parent.position == len(ctx.tokenize("The history of the printing press begins with"))
     per_cycle_kib = (end - base) * 1024 / (cycles - warm)
-    print(f"\nfork/commit/prune x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.2f} KiB/cycle)")
+    print(
+        f"\nfork/commit/prune x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.2f} KiB/cycle)"
+    )
     assert per_cycle_kib < 1.0, f"memory grows {per_cycle_kib:.2f} KiB per cycle"
 
 
@@ -59,5 +61,7 @@ def test_context_open_close_cycles_keep_memory_flat(model: kvfork.Model) -> None
     gc.collect()
     end = rss_mib()
     per_cycle_kib = (end - base) * 1024 / (cycles - warm)
-    print(f"\nopen/close x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.1f} KiB/cycle)")
+    print(
+        f"\nopen/close x{cycles}: RSS {base:.1f} -> {end:.1f} MiB ({per_cycle_kib:.1f} KiB/cycle)"
+    )
     assert per_cycle_kib < 64, f"memory grows {per_cycle_kib:.1f} KiB per context"

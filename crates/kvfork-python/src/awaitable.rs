@@ -143,10 +143,7 @@ impl Operation {
     }
 }
 
-fn exception(
-    typ: &Bound<'_, PyAny>,
-    val: Option<&Bound<'_, PyAny>>,
-) -> PyResult<PyErr> {
+fn exception(typ: &Bound<'_, PyAny>, val: Option<&Bound<'_, PyAny>>) -> PyResult<PyErr> {
     if typ.is_instance_of::<pyo3::exceptions::PyBaseException>() {
         return Ok(PyErr::from_value(typ.clone()));
     }

@@ -34,7 +34,10 @@ pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     let id: i64 = obj.extract().map_err(|_| {
         pyo3::exceptions::PyTypeError::new_err(format!(
             "token must be an int or a kvfork.Token, got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))
     })?;
     token_id(id)
@@ -136,6 +139,8 @@ impl PyBranch {
     // ---- generation ----
 
     /// Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
+    /// Each step samples and commits on the engine thread (steps of concurrent tasks share
+    /// decodes). A cancelled step either never ran or completed (committed, not yielded).
     #[pyo3(signature = (max_tokens=None))]
     fn generate(&self, max_tokens: Option<Int>) -> PyResult<PyGenerator> {
         Ok(PyGenerator::new(self.inner.clone(), max_count(max_tokens)?))
@@ -156,7 +161,8 @@ impl PyBranch {
     // ---- tree ----
 
     /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG), grammar,
-    /// perplexity, logits and logit bias; not steer.
+    /// perplexity, logits and logit bias; not steer. Cancelled, it either never ran (no lease
+    /// taken) or completed (the child exists, as a child of this branch).
     ///
     /// Without `seed` the child samples exactly like its parent until reseeded: forks made
     /// for diversity need `seed=` (or `reseed_sampler`).
@@ -172,7 +178,8 @@ impl PyBranch {
         Ok(wrap(wait(py, self.inner.fork(seed))?))
     }
 
-    /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once.
+    /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once,
+    /// and the rest always happens, even if the await is cancelled.
     fn prune<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         awaitable_none(py, self.inner.prune())
     }
@@ -181,7 +188,7 @@ impl PyBranch {
         wait(py, self.inner.prune())
     }
 
-    /// Dispose this branch and its whole subtree (CASCADE).
+    /// Dispose this branch and its whole subtree (CASCADE). Always completes once called.
     fn prune_subtree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         awaitable_none(py, self.inner.prune_subtree())
     }

@@ -82,7 +82,10 @@ fn options(
         source,
         params,
         n_gpu_layers: n_gpu_layers
-            .map(|n| n.within("n_gpu_layers", -1, i32::MAX as i64).map(|n| n as i32))
+            .map(|n| {
+                n.within("n_gpu_layers", -1, i32::MAX as i64)
+                    .map(|n| n as i32)
+            })
             .transpose()?,
     })
 }
@@ -173,7 +176,10 @@ pub fn create_context_sync(
         n_gpu_layers,
     )?;
     Ok(PyContext {
-        inner: wait(py, kvfork::Pending::spawn("kvfork-create", move || build(o)))?,
+        inner: wait(
+            py,
+            kvfork::Pending::spawn("kvfork-create", move || build(o)),
+        )?,
     })
 }
 

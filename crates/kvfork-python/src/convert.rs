@@ -37,7 +37,9 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
                 Ok(t) => Ok(t),
                 // An int too large for i64 is out of range, not of the wrong type.
                 Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
-                Err(_) => Err(PyTypeError::new_err(format!("{name} must contain only ints"))),
+                Err(_) => Err(PyTypeError::new_err(format!(
+                    "{name} must contain only ints"
+                ))),
             })
             .collect::<PyResult<Vec<_>>>()?;
         return narrow(v);

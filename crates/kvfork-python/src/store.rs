@@ -26,9 +26,9 @@ fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i
     entries
         .try_iter()?
         .map(|e| {
-            let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?
-                .extract()
-                .map_err(|_| PyTypeError::new_err("commit entries must be (Branch, token) pairs"))?;
+            let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
+                PyTypeError::new_err("commit entries must be (Branch, token) pairs")
+            })?;
             Ok((branch(&b)?, token_arg(&t)?))
         })
         .collect()
@@ -84,7 +84,8 @@ impl PyBranchStore {
         wait(py, self.inner.commit(&commit_entries(entries)?))
     }
 
-    /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes.
+    /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes, all or
+    /// nothing. Cancelled, it either never ran or was aborted and rolled back.
     fn prefill<'py>(
         &self,
         py: Python<'py>,
@@ -97,7 +98,8 @@ impl PyBranchStore {
         wait(py, self.inner.prefill(prefill_entries(entries)?))
     }
 
-    /// Keep `winner`'s KV only; every other branch of the context is disposed.
+    /// Keep `winner`'s KV only; every other branch of the context is disposed at once, and
+    /// the rest always happens, even if the await is cancelled.
     fn retain_only<'py>(
         &self,
         py: Python<'py>,
@@ -110,7 +112,9 @@ impl PyBranchStore {
         wait(py, self.inner.retain_only(&branch(winner)?))
     }
 
-    /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode.
+    /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode
+    /// (ceil(N / n_batch) over more than n_batch branches). Cancelled, it either never ran or
+    /// completed.
     fn step<'py>(
         &self,
         py: Python<'py>,

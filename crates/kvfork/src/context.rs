@@ -143,7 +143,10 @@ impl Context {
         if seq < 0 || seq as u32 >= self.n_seq_max() {
             return Err(Error::invalid(
                 "seq",
-                format!("sequence id {seq} is not in [0, n_seq_max = {})", self.n_seq_max()),
+                format!(
+                    "sequence id {seq} is not in [0, n_seq_max = {})",
+                    self.n_seq_max()
+                ),
             ));
         }
         Ok(())
@@ -190,9 +193,7 @@ impl Context {
     }
 
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
-        let checked = self
-            .check_seq(seq)
-            .and_then(|_| Self::check_range(p0, p1));
+        let checked = self.check_seq(seq).and_then(|_| Self::check_range(p0, p1));
         self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
     }
 

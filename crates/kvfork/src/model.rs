@@ -191,7 +191,8 @@ impl Model {
     /// Whether the model keeps a recurrent state (Mamba, RWKV, hybrids) instead of a KV cache.
     pub fn is_recurrent(&self) -> bool {
         unsafe {
-            sys::llama_model_is_recurrent(self.as_ptr()) || sys::llama_model_is_hybrid(self.as_ptr())
+            sys::llama_model_is_recurrent(self.as_ptr())
+                || sys::llama_model_is_hybrid(self.as_ptr())
         }
     }
 

@@ -163,7 +163,10 @@ fn an_engine_panic_is_reported_and_closes_the_context() {
     let ctx = context(2);
     let b = greedy_root(&ctx);
     let err = ctx.debug_panic().wait().unwrap_err();
-    assert!(matches!(&err, Error::Internal(m) if m.contains("debug_panic")), "{err}");
+    assert!(
+        matches!(&err, Error::Internal(m) if m.contains("debug_panic")),
+        "{err}"
+    );
     assert!(ctx.is_closed());
     assert!(matches!(b.commit(1).wait(), Err(Error::Internal(m)) if m.contains("panic")));
 }

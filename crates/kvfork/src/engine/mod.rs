@@ -20,14 +20,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub(crate) use parallel::map_parallel;
-pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use pending::{AbortSignal, CancelPolicy, Reply, Ticket};
+pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use worker::Worker;
 
+use crate::branch::Produced;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
-use crate::branch::Produced;
 use crate::model::{Model, Token};
 
 /// One token for one branch, part of a commit.
@@ -237,7 +237,12 @@ impl Engine {
     pub fn step(&self, cell: Arc<BranchCell>) -> Pending<Produced> {
         let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
         let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        self.queue_commit(vec![(cell, -1)], CommitReply::Sampled(reply), ticket, pending)
+        self.queue_commit(
+            vec![(cell, -1)],
+            CommitReply::Sampled(reply),
+            ticket,
+            pending,
+        )
     }
 
     fn queue_commit<T>(

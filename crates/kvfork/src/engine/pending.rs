@@ -234,11 +234,7 @@ impl<T> Pending<T> {
             if let Some(r) = Self::take(&mut st) {
                 return r;
             }
-            st = self
-                .slot
-                .ready
-                .wait(st)
-                .unwrap_or_else(|e| e.into_inner());
+            st = self.slot.ready.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -328,7 +324,13 @@ mod tests {
         let (tx, p) = Pending::<u32>::channel(None);
         let p = p.wait_timeout(Duration::from_millis(1)).unwrap_err();
         std::thread::spawn(move || tx.send(Ok(3)));
-        assert_eq!(p.wait_timeout(Duration::from_secs(10)).ok().unwrap().unwrap(), 3);
+        assert_eq!(
+            p.wait_timeout(Duration::from_secs(10))
+                .ok()
+                .unwrap()
+                .unwrap(),
+            3
+        );
     }
 
     #[test]

@@ -90,7 +90,12 @@ impl Shared {
 
     /// `Closed`, or the internal failure that closed the context.
     pub fn closed_error(&self) -> Error {
-        match self.failure.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        match self
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
             Some(msg) => Error::Internal(format!("{msg} (the context was closed)")),
             None => Error::Closed,
         }

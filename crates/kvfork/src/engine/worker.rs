@@ -55,7 +55,10 @@ impl Worker {
             match job {
                 Job::Run(task) => {
                     let ticket = task.ticket_arc();
-                    self.shared.abort.current.store(ticket.id(), Ordering::Relaxed);
+                    self.shared
+                        .abort
+                        .current
+                        .store(ticket.id(), Ordering::Relaxed);
                     // A panic is caught inside and closes the context.
                     let _ = task.run(&mut self);
                     self.shared.abort.current.store(0, Ordering::Relaxed);
@@ -312,7 +315,8 @@ impl Worker {
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
-        if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.closing.load(Ordering::Relaxed)
+        if matches!(r, Err(Error::Cancelled(_)))
+            && self.shared.abort.closing.load(Ordering::Relaxed)
         {
             r = Err(Error::Closed);
         }
