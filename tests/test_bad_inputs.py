@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from .conftest import GREEDY, root
+from .gguf_patch import read_layout
 
 Case = tuple[str, Callable[[], Any], type[BaseException] | tuple[type[BaseException], ...], str]
 
@@ -328,6 +331,58 @@ def test_broken_gguf_files_raise_model_load_error(tmp_path: Path) -> None:
     assert all(v == "ModelLoadError" for v in lines.values()), lines
 
 
+def _malformed_models(real: bytes) -> dict[str, bytes]:
+    """Files that parse as GGUF but hold values llama.cpp aborts on (at load or first decode)."""
+    layout = read_layout(real)
+    arch = "gemma3"
+
+    def patched(offset: int, value: bytes) -> bytes:
+        return real[:offset] + value + real[offset + len(value) :]
+
+    block_count, _ = layout.values[f"{arch}.block_count"]
+    eps, _ = layout.values[f"{arch}.attention.layer_norm_rms_epsilon"]
+    norm_type = layout.tensor_types["blk.0.attn_norm.weight"]
+    tokens = layout.strings["tokenizer.ggml.tokens"]
+    # two different tokens of the same byte length: make the second a copy of the first
+    by_len: dict[int, tuple[int, int]] = {}
+    dup = None
+    for off, n in tokens[1000:]:
+        if n in by_len and real[by_len[n][0] : by_len[n][0] + n] != real[off : off + n]:
+            dup = (by_len[n][0], off, n)
+            break
+        by_len.setdefault(n, (off, n))
+    assert dup is not None
+    src, dst, n = dup
+    return {
+        "zero_layers.gguf": patched(block_count, struct.pack("<I", 0)),
+        "too_many_layers.gguf": patched(block_count, struct.pack("<I", 100_000)),
+        "nan_eps.gguf": patched(eps, struct.pack("<f", math.nan)),
+        "negative_eps.gguf": patched(eps, struct.pack("<f", -1e-6)),
+        "i32_norm.gguf": patched(norm_type, struct.pack("<I", 26)),  # same size as f32
+        "duplicate_token.gguf": patched(dst, real[src : src + n]),
+    }
+
+
+def test_malformed_but_parseable_gguf_files_are_refused(tmp_path: Path) -> None:
+    real = kvfork.default_model_path().read_bytes()
+    for name, data in _malformed_models(real).items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        out = run_isolated(
+            f"""
+            try:
+                m = kvfork.Model.load({str(path)!r})
+                ctx = kvfork.create_context_sync(m, n_ctx=256, n_seq_max=1)
+                kvfork.Branch.create(ctx, 0).prefill_sync([2, 9259])
+                print("LOADED AND DECODED")
+            except kvfork.ModelLoadError as e:
+                print("ModelLoadError", e)
+            """
+        )
+        path.unlink()
+        assert out.startswith("ModelLoadError") and "malformed GGUF" in out, (name, out)
+
+
 def test_context_option_combinations_llama_cpp_would_assert_on() -> None:
     out = run_isolated(
         """
@@ -410,6 +465,22 @@ def test_hostile_grammars_and_schemas_do_not_crash() -> None:
                 print("converted")
             except kvfork.GrammarError:
                 print("GrammarError")
+        # end-of-generation into an incomplete grammar (llama.cpp aborts on it)
+        b.set_grammar('root ::= "abc"')
+        for commit in [lambda: b.commit_sync(ctx.eog_token), lambda: b.accept(ctx.eog_token),
+                       lambda: kvfork.BranchStore(ctx).commit_sync([(b, ctx.eog_token)])]:
+            try:
+                commit(); print("eog accepted")
+            except kvfork.GrammarError:
+                print("eog GrammarError")
+        b.produce_sync()                      # the grammar is intact
+        b.set_grammar(None)
+        deep = '{"type": "object", "properties": {"a": ' * 2000 + '{"type": "integer"}' + '}}' * 2000
+        try:
+            kvfork.json_schema_to_grammar(deep)
+            print("deep converted")
+        except kvfork.GrammarError as e:
+            print("deep GrammarError")
         for pattern in ["(", "[z-a]", "a{2,1}", "(?<=x)"]:
             try:
                 b.set_grammar_lazy('root ::= "a"', ["go"], patterns=[pattern])
@@ -420,6 +491,20 @@ def test_hostile_grammars_and_schemas_do_not_crash() -> None:
         """
     )
     assert out.strip().endswith("DONE")
+    assert out.count("eog GrammarError") == 3 and "deep GrammarError" in out
+
+
+def test_lazy_trigger_words_stay_cheap_on_long_outputs(ctx: kvfork.Context) -> None:
+    """A lazy grammar waiting for its trigger word scans the whole output after every token:
+    it must stay linear (the usual [\\s\\S]*?(word) pattern was quadratic and overflowed the
+    regex engine's stack after ~20k characters)."""
+    b = root(ctx)
+    b.set_grammar_lazy('root ::= "x"', ["NEVER_SAID"])
+    words = ctx.tokenize(" the cat sat on the mat" * 500, add_special=False)  # ~15k chars
+    t0 = time.perf_counter()
+    for t in words[:1500]:
+        b.accept(t)
+    assert time.perf_counter() - t0 < 5.0
 
 
 def test_hostile_logits_and_huge_inputs_do_not_crash() -> None:

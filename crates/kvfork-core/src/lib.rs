@@ -6,6 +6,7 @@
 pub mod arena;
 pub mod error;
 pub mod handle;
+pub mod json;
 pub mod lease;
 pub mod metrics;
 pub mod packer;

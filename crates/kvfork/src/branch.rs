@@ -156,9 +156,13 @@ impl Branch {
     }
 
     /// Record a token as accepted (penalty window, grammar, perplexity) without decoding it.
+    /// All or nothing: a refused token leaves the branch as it was.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.state(|s| s.accept(&model, token))
+        self.state(|s| {
+            let before = s.snapshot();
+            s.accept(&model, token).inspect_err(|_| s.restore(before))
+        })
     }
 
     /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.

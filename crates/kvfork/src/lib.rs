@@ -11,6 +11,7 @@ mod branch_state;
 mod context;
 mod engine;
 pub mod error;
+mod gguf_check;
 mod llama_ctx;
 pub mod model;
 pub mod sampling;
@@ -28,8 +29,18 @@ pub use model::{Model, ModelParams, Token};
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use store::BranchStore;
 
+/// Deepest JSON nesting accepted by [`json_schema_to_grammar`]: llama.cpp's converter recurses
+/// once per level and overflows a thread's stack at ~1,500 schema levels (2 MiB).
+pub const MAX_SCHEMA_DEPTH: usize = 256;
+
 /// GBNF grammar for a JSON schema (llama.cpp's converter).
 pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
+    let depth = kvfork_core::json::max_depth(schema_json);
+    if depth > MAX_SCHEMA_DEPTH {
+        return Err(Error::Grammar(format!(
+            "the schema nests {depth} levels deep (at most {MAX_SCHEMA_DEPTH})"
+        )));
+    }
     backend::ensure_backend()?;
     llama_cpp_2::json_schema_to_grammar(schema_json)
         .map_err(|e| Error::Grammar(format!("bad JSON schema: {e}")))

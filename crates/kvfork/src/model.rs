@@ -84,6 +84,10 @@ impl Model {
         let path = path.as_ref();
         check_gguf_magic(path)?;
         ensure_backend()?;
+        crate::gguf_check::check(path).map_err(|reason| Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: format!("malformed GGUF: {reason}"),
+        })?;
         let fail = |reason: &str| Error::ModelLoad {
             path: path.to_path_buf(),
             reason: reason.into(),
@@ -281,7 +285,15 @@ impl Model {
         }
         let n_tokens =
             i32::try_from(tokens.len()).map_err(|_| Error::invalid("tokens", "too many tokens"))?;
-        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        // The buffer length is passed as an i32 (a negative one aborts in llama.cpp).
+        let mut buf = vec![
+            0u8;
+            tokens
+                .len()
+                .saturating_mul(8)
+                .saturating_add(16)
+                .min(i32::MAX as usize)
+        ];
         loop {
             let n = unsafe {
                 sys::llama_detokenize(

@@ -30,6 +30,9 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
 use crate::model::{Model, Token};
 
+/// Stack of the engine thread (virtual memory; pages are only touched when used).
+const ENGINE_STACK_BYTES: usize = 64 << 20;
+
 /// One token for one branch, part of a commit.
 pub(crate) type CommitItem = (Arc<BranchCell>, Token);
 
@@ -159,6 +162,8 @@ impl Engine {
         let thread_model = model.clone();
         let thread = std::thread::Builder::new()
             .name("kvfork-engine".into())
+            // llama.cpp recurses (grammars, libstdc++ regex for lazy triggers): room to spare.
+            .stack_size(ENGINE_STACK_BYTES)
             .spawn(move || {
                 let mut ctx = match LlamaCtx::new(thread_model.clone(), &params) {
                     Ok(ctx) => ctx,

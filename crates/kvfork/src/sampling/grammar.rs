@@ -34,8 +34,10 @@ fn c_string(s: &str, what: &'static str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Grammar(format!("{what} contains a NUL byte")))
 }
 
-/// Regex that fires on a literal trigger word anywhere in the output (llama.cpp's convention:
-/// the grammar is fed from the first capture group on).
+/// Regex that fires on a literal trigger word anywhere in the output (the grammar is fed from
+/// the first capture group on). llama.cpp runs `regex_search` over the whole buffered output
+/// after every token: the plain group is linear, where the usual `[\\s\\S]*?(word)[\\s\\S]*`
+/// is quadratic and overflows the stack of libstdc++'s recursive matcher after ~20k characters.
 fn word_pattern(word: &str) -> String {
     let mut escaped = String::with_capacity(word.len() * 2);
     for ch in word.chars() {
@@ -44,7 +46,7 @@ fn word_pattern(word: &str) -> String {
         }
         escaped.push(ch);
     }
-    format!("[\\s\\S]*?({escaped})[\\s\\S]*")
+    format!("({escaped})")
 }
 
 impl Grammar {
@@ -113,8 +115,35 @@ impl Grammar {
         self.sampler.apply(cur);
     }
 
+    /// Whether the grammar allows `token` now (always, for a lazy grammar not yet triggered).
+    pub fn allows(&mut self, token: Token) -> bool {
+        let mut one = [sys::llama_token_data {
+            id: token,
+            logit: 0.0,
+            p: 0.0,
+        }];
+        let mut cur = sys::llama_token_data_array {
+            data: one.as_mut_ptr(),
+            size: 1,
+            selected: -1,
+            sorted: false,
+        };
+        self.sampler.apply(&mut cur);
+        one[0].logit.is_finite()
+    }
+
     /// Advance the grammar; fails (without aborting) when the token is not allowed.
+    ///
+    /// The token is checked first: llama.cpp aborts the process when an end-of-generation
+    /// token reaches an incomplete grammar, and a rejected token leaves the grammar broken
+    /// (its next use aborts). A lazy grammar can still fail when its trigger fires on text the
+    /// grammar rejects: callers restore a clone then.
     pub fn accept(&mut self, token: Token) -> Result<()> {
+        if !self.allows(token) {
+            return Err(Error::Grammar(format!(
+                "token {token} is not allowed by the grammar here"
+            )));
+        }
         let status = unsafe { sys::llama_rs_sampler_accept(self.sampler.as_ptr(), token) };
         if status == sys::LLAMA_RS_STATUS_OK {
             Ok(())
