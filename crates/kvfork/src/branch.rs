@@ -137,13 +137,7 @@ impl Branch {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
-        let cell = self.cell.clone();
-        self.ctx.run(move |w| {
-            if cell.is_disposed() {
-                return Err(Error::BranchDisposed("in produce".into()));
-            }
-            produce(&mut cell.lock(), &w.shared.model)
-        })
+        self.ctx.engine().sample(self.cell.clone(), false)
     }
 
     /// One generation step on the engine thread: sample, and commit the token unless it is a
@@ -152,7 +146,7 @@ impl Branch {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
-        self.ctx.engine().step(self.cell.clone())
+        self.ctx.engine().sample(self.cell.clone(), true)
     }
 
     /// Record a token as accepted (penalty window, grammar, perplexity) without decoding it.

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use crate::engine::{CancelPolicy, Engine, Pending, Shared, Worker};
-use crate::error::{Error, Result};
-use crate::llama_ctx::ContextParams;
+use crate::error::Result;
+use crate::llama_ctx::{check_range, check_seq, ContextParams};
 use crate::model::{Model, Token};
 
 /// Counters since the context was created.
@@ -140,26 +140,7 @@ impl Context {
     // caller may queue them without waiting (they run in order with all other engine work).
 
     fn check_seq(&self, seq: i32) -> Result<()> {
-        if seq < 0 || seq as u32 >= self.n_seq_max() {
-            return Err(Error::invalid(
-                "seq",
-                format!(
-                    "sequence id {seq} is not in [0, n_seq_max = {})",
-                    self.n_seq_max()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_range(p0: i32, p1: i32) -> Result<()> {
-        if p0 < -1 || p1 < -1 {
-            return Err(Error::invalid(
-                "p0/p1",
-                "positions must be >= 0 (or -1 for 'open')",
-            ));
-        }
-        Ok(())
+        check_seq(seq, self.n_seq_max())
     }
 
     fn queue_kv<T: Send + 'static>(
@@ -177,7 +158,7 @@ impl Context {
         let checked = self
             .check_seq(src)
             .and_then(|_| self.check_seq(dst))
-            .and_then(|_| Self::check_range(p0, p1));
+            .and_then(|_| check_range(p0, p1));
         self.queue_kv(checked, move |w| w.ctx.seq_cp(src, dst, p0, p1))
     }
 
@@ -193,7 +174,7 @@ impl Context {
     }
 
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
-        let checked = self.check_seq(seq).and_then(|_| Self::check_range(p0, p1));
+        let checked = self.check_seq(seq).and_then(|_| check_range(p0, p1));
         self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
     }
 

@@ -243,29 +243,13 @@ impl LlamaCtx {
     }
 
     fn check_seq(&self, seq: i32) -> Result<()> {
-        if seq < 0 || seq as u32 >= self.n_seq_max {
-            return Err(Error::invalid(
-                "seq",
-                format!("sequence id {seq} is not in [0, {})", self.n_seq_max),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_range(p0: i32, p1: i32) -> Result<()> {
-        if p0 < -1 || p1 < -1 {
-            return Err(Error::invalid(
-                "p0/p1",
-                "positions must be >= 0 (or -1 for 'open')",
-            ));
-        }
-        Ok(())
+        check_seq(seq, self.n_seq_max)
     }
 
     pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
         self.check_seq(src)?;
         self.check_seq(dst)?;
-        Self::check_range(p0, p1)?;
+        check_range(p0, p1)?;
         if src != dst {
             unsafe { sys::llama_memory_seq_cp(self.mem, src, dst, p0, p1) };
         }
@@ -274,7 +258,7 @@ impl LlamaCtx {
 
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
         self.check_seq(seq)?;
-        Self::check_range(p0, p1)?;
+        check_range(p0, p1)?;
         Ok(unsafe { sys::llama_memory_seq_rm(self.mem, seq, p0, p1) })
     }
 
@@ -301,6 +285,28 @@ impl LlamaCtx {
     pub fn clear(&mut self) {
         unsafe { sys::llama_memory_clear(self.mem, true) }
     }
+}
+
+/// A sequence id must lie in [0, n_seq_max): llama.cpp aborts on ids outside [0, 256).
+pub(crate) fn check_seq(seq: i32, n_seq_max: u32) -> Result<()> {
+    if seq < 0 || seq as u32 >= n_seq_max {
+        return Err(Error::invalid(
+            "seq",
+            format!("sequence id {seq} is not in [0, n_seq_max = {n_seq_max})"),
+        ));
+    }
+    Ok(())
+}
+
+/// KV positions are >= 0, or -1 for an open end.
+pub(crate) fn check_range(p0: i32, p1: i32) -> Result<()> {
+    if p0 < -1 || p1 < -1 {
+        return Err(Error::invalid(
+            "p0/p1",
+            "positions must be >= 0 (or -1 for 'open')",
+        ));
+    }
+    Ok(())
 }
 
 /// A reusable `llama_batch` holding up to `capacity` tokens, one sequence id each.

@@ -47,17 +47,21 @@ pub(crate) struct CommitRequest {
 pub(crate) enum CommitReply {
     /// The caller gave them.
     Given(Reply<()>),
-    /// One branch; the engine samples its token first (a stop token is reported, not
-    /// committed). This is a generation step.
-    Sampled(Reply<Produced>),
+    /// One branch; the engine samples its token first, then commits it (a generation step)
+    /// unless `commit` is false (`produce`) or it is a stop token. Sample-only requests ride
+    /// in the same groups as commits, so a `produce` never splits a gathering of commits.
+    Sampled {
+        reply: Reply<Produced>,
+        commit: bool,
+    },
 }
 
 impl CommitReply {
     fn send(self, result: Result<Option<Produced>>) {
         match self {
             CommitReply::Given(r) => r.send(result.map(|_| ())),
-            CommitReply::Sampled(r) => r.send(result.and_then(|p| {
-                p.ok_or_else(|| Error::Internal("a sampled step produced no token".into()))
+            CommitReply::Sampled { reply, .. } => reply.send(result.and_then(|p| {
+                p.ok_or_else(|| Error::Internal("a sampled request produced no token".into()))
             })),
         }
     }
@@ -90,8 +94,8 @@ impl Job {
 pub(crate) trait RunJob: Send {
     fn ticket(&self) -> &Ticket;
     fn ticket_arc(&self) -> Arc<Ticket>;
-    /// Run and reply; `Err(message)` when the closure panicked (the caller got `Internal`).
-    fn run(self: Box<Self>, w: &mut Worker) -> std::result::Result<(), String>;
+    /// Run and reply. A panic is caught: the context closes and the caller gets `Internal`.
+    fn run(self: Box<Self>, w: &mut Worker);
     fn fail(self: Box<Self>, err: Error);
 }
 
@@ -110,19 +114,15 @@ impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> 
         self.ticket.clone()
     }
 
-    fn run(self: Box<Self>, w: &mut Worker) -> std::result::Result<(), String> {
+    fn run(self: Box<Self>, w: &mut Worker) {
         let Task { f, reply, .. } = *self;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(w))) {
-            Ok(r) => {
-                reply.send(r);
-                Ok(())
-            }
+            Ok(r) => reply.send(r),
             Err(payload) => {
                 let msg = panic_message(payload.as_ref());
                 // Closed before the caller hears of it, so it sees `closed` at once.
                 w.shared.fail(format!("panic on the engine thread: {msg}"));
-                reply.send(Err(Error::Internal(msg.clone())));
-                Err(msg)
+                reply.send(Err(Error::Internal(msg)));
             }
         }
     }
@@ -238,16 +238,13 @@ impl Engine {
         self.queue_commit(items, CommitReply::Given(reply), ticket, pending)
     }
 
-    /// Queue a coalescable generation step (sample, then commit unless it is a stop token).
-    pub fn step(&self, cell: Arc<BranchCell>) -> Pending<Produced> {
+    /// Queue a coalescable sample of one branch, then (with `commit`) its commit unless it is
+    /// a stop token.
+    pub fn sample(&self, cell: Arc<BranchCell>, commit: bool) -> Pending<Produced> {
         let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
         let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        self.queue_commit(
-            vec![(cell, -1)],
-            CommitReply::Sampled(reply),
-            ticket,
-            pending,
-        )
+        let reply = CommitReply::Sampled { reply, commit };
+        self.queue_commit(vec![(cell, -1)], reply, ticket, pending)
     }
 
     fn queue_commit<T>(

@@ -59,8 +59,7 @@ impl Worker {
                         .abort
                         .current
                         .store(ticket.id(), Ordering::Relaxed);
-                    // A panic is caught inside and closes the context.
-                    let _ = task.run(&mut self);
+                    task.run(&mut self);
                     self.shared.abort.current.store(0, Ordering::Relaxed);
                     ticket.finish();
                 }
@@ -126,7 +125,6 @@ impl Worker {
     /// One decode for every request of the group; each request succeeds or fails as a whole.
     /// A panic fails every request of the group and closes the context.
     fn run_group(&mut self, mut group: Vec<CommitRequest>) {
-        Stats::add(&self.shared.stats.commit_requests, group.len() as u64);
         let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.commit_group(&mut group)
         }));
@@ -150,7 +148,7 @@ impl Worker {
     fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
         let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
         let steps: Vec<usize> = (0..group.len())
-            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled(_)))
+            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled { .. }))
             .collect();
         if !steps.is_empty() {
             let cells: Vec<Arc<BranchCell>> =
@@ -158,7 +156,9 @@ impl Worker {
             for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
                 match produced {
                     Ok(p) => {
-                        if p.is_stop {
+                        let commit =
+                            matches!(group[i].reply, CommitReply::Sampled { commit: true, .. });
+                        if p.is_stop || !commit {
                             group[i].items.clear(); // reported, not committed
                         } else {
                             group[i].items[0].1 = p.token;
@@ -177,6 +177,7 @@ impl Worker {
             if req.items.is_empty() {
                 continue;
             }
+            Stats::add(&self.shared.stats.commit_requests, 1);
             match self.accept_all(&req.items) {
                 Ok(snaps) => accepted.push((i, snaps)),
                 Err(e) => results[i] = Err(e),
@@ -220,6 +221,9 @@ impl Worker {
 
     /// Commit one group synchronously (BranchStore::commit, step).
     pub fn commit_now(&mut self, items: &[CommitItem]) -> Result<()> {
+        if !items.is_empty() {
+            Stats::add(&self.shared.stats.commit_requests, 1);
+        }
         let snaps = self.accept_all(items)?;
         let refs: Vec<&CommitItem> = items.iter().collect();
         let result = self.decode_items(&refs);
