@@ -312,6 +312,8 @@ def test_keyboard_interrupt_stops_a_long_prefill_promptly() -> None:
     script = textwrap.dedent(
         f"""
         import os, signal, threading, time, kvfork
+        # A shell that starts jobs in the background makes them ignore SIGINT (inherited).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ctx = kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=8192, n_seq_max=1)
         b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0))
         toks = ctx.tokenize({PROMPT!r} * 400)[:6000]
