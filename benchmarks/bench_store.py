@@ -169,11 +169,16 @@ def fork_cost(model: kvfork.Model, repeats: int = 50) -> None:
                 t2 = time.perf_counter()
                 forks.append(t1 - t0)
                 prunes.append(t2 - t1)
-                # The bare llama.cpp call inside fork: seq_cp into the free sequence.
+                # The bare llama.cpp call inside fork: seq_cp into the free sequence. The
+                # kv_* calls are queued without waiting: one engine round trip (pos_max)
+                # after the copy, minus the same round trip alone.
                 free = 1 - root.seq_id
                 t3 = time.perf_counter()
+                ctx.kv_seq_pos_max_sync(free)
+                t4 = time.perf_counter()
                 ctx.kv_seq_copy(root.seq_id, free)
-                copies.append(time.perf_counter() - t3)
+                ctx.kv_seq_pos_max_sync(free)
+                copies.append(max(0.0, (time.perf_counter() - t4) - (t4 - t3)))
                 ctx.kv_seq_remove(free)
             fork_us = statistics.median(forks) * 1e6
             base = base or fork_us
