@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from . import _native
+from ._chat import Chat
 from ._models import default_chat_model_path, default_model_path
 from ._native import (
     Branch,
@@ -23,6 +24,7 @@ from ._native import (
     ChatTemplateError,
     Context,
     DecodeError,
+    FormattedChat,
     GrammarError,
     KvCacheFullError,
     KvforkError,
@@ -66,9 +68,11 @@ __all__ = [
     "Branch",
     "BranchDisposedError",
     "BranchStore",
+    "Chat",
     "ChatTemplateError",
     "Context",
     "DecodeError",
+    "FormattedChat",
     "GrammarError",
     "KvCacheFullError",
     "KvforkError",

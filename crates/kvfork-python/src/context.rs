@@ -326,6 +326,46 @@ impl PyContext {
         queued(self.open()?.kv_clear())
     }
 
+    /// Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /
+    /// tool_call_id) with the model's own chat template (GGUF `tokenizer.chat_template`, as
+    /// Hugging Face's `apply_chat_template` renders it), or with `template`: a Jinja string or
+    /// a llama.cpp built-in name such as "chatml". Extra keyword arguments become template
+    /// variables. Raises ChatTemplateError for a bad message, a template error, or a model
+    /// without a template when none is given.
+    #[pyo3(signature = (messages, *, add_generation_prompt=true, tools=None, template=None, **kwargs))]
+    fn format_chat(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        tools: Option<&Bound<'_, PyAny>>,
+        template: Option<String>,
+        kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> PyResult<crate::chat::PyFormattedChat> {
+        let messages = crate::chat::json(messages, "messages")?;
+        let tools = tools
+            .filter(|t| !t.is_none())
+            .map(|t| crate::chat::json(t, "tools"))
+            .transpose()?;
+        let extra = kwargs
+            .map(|k| crate::chat::json(k.as_any(), "kwargs"))
+            .transpose()?;
+        let model = self.open()?.model().clone();
+        let formatted = py
+            .detach(|| {
+                kvfork::format_chat(
+                    &model,
+                    &messages,
+                    add_generation_prompt,
+                    tools.as_ref(),
+                    template.as_deref(),
+                    extra.as_ref(),
+                )
+            })
+            .py()?;
+        Ok(formatted.into())
+    }
+
     /// Make the engine thread panic (tests of the panic path only).
     fn _debug_panic(&self, py: Python<'_>) -> PyResult<()> {
         wait(py, self.open()?.debug_panic())

@@ -6,6 +6,7 @@ use pyo3::sync::PyOnceLock;
 
 mod awaitable;
 mod branch;
+mod chat;
 mod context;
 mod convert;
 mod errors;
@@ -91,6 +92,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<params::PySamplingParams>()?;
     m.add_class::<token::PyToken>()?;
+    m.add_class::<chat::PyFormattedChat>()?;
     m.add_class::<branch::PyBranch>()?;
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<generate::PyGenerator>()?;

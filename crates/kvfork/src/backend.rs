@@ -44,7 +44,7 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
     }
     let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
     let mut pending = LOG_PENDING.lock().unwrap_or_else(|e| e.into_inner());
-    if level != sys::GGML_LOG_LEVEL_CONT as _ {
+    if level != sys::GGML_LOG_LEVEL_CONT as sys::ggml_log_level {
         pending.0 = level as i32;
     }
     pending.1.push_str(&text);

@@ -8,6 +8,7 @@
 pub mod backend;
 mod branch;
 mod branch_state;
+pub mod chat;
 mod context;
 mod engine;
 pub mod error;
@@ -19,6 +20,7 @@ mod store;
 
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
 pub use branch::{Branch, Produced};
+pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
 pub use engine::{Cancel, Canceller, Pending};
 pub use error::{Error, Result};

@@ -325,6 +325,11 @@ impl Model {
         Some(unsafe { sys::llama_vocab_eos(self.vocab_ptr()) }).filter(|&t| t >= 0)
     }
 
+    /// End-of-turn token (chat models), if the vocabulary has one.
+    pub fn eot(&self) -> Option<Token> {
+        Some(unsafe { sys::llama_vocab_eot(self.vocab_ptr()) }).filter(|&t| t >= 0)
+    }
+
     pub fn bos(&self) -> Option<Token> {
         Some(unsafe { sys::llama_vocab_bos(self.vocab_ptr()) }).filter(|&t| t >= 0)
     }

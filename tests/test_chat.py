@@ -1,0 +1,260 @@
+"""Chat templates (rendered as Hugging Face renders them) and warm multi-turn chat, on the real
+chat model (SmolLM2-135M-Instruct, ChatML template in its GGUF)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import kvfork
+import numpy as np
+import pytest
+
+GREEDY = kvfork.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def chat_model() -> kvfork.Model:
+    return kvfork.Model.load(kvfork.default_chat_model_path())
+
+
+@pytest.fixture
+def chat_ctx(chat_model: kvfork.Model) -> Iterator[kvfork.Context]:
+    with kvfork.create_context_sync(chat_model, n_ctx=2048, n_seq_max=4) as c:
+        yield c
+
+
+def hf_render(template: str, messages: list[dict[str, Any]], **variables: Any) -> str:
+    """What transformers' `apply_chat_template` renders (its jinja2 environment)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda f: datetime.now(timezone.utc).strftime(f)
+    return env.from_string(template).render(messages=messages, **variables)
+
+
+CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
+    "user": [{"role": "user", "content": "Hi!"}],
+    "system": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ],
+    "multi_turn": [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6."},
+        {"role": "user", "content": "Thanks."},
+    ],
+    "unicode": [
+        {"role": "user", "content": "héllo wörld — ünïcödé ✓ 日本語 🙂\n\ttabs and\nnewlines"}
+    ],
+    "empty": [{"role": "user", "content": ""}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("gen", [True, False])
+def test_model_template_renders_like_hugging_face(
+    chat_ctx: kvfork.Context, name: str, gen: bool
+) -> None:
+    template = chat_ctx.model.chat_template
+    assert template is not None and "<|im_start|>" in template
+    messages = CONVERSATIONS[name]
+    got = chat_ctx.format_chat(messages, add_generation_prompt=gen)
+    want = hf_render(template, messages, add_generation_prompt=gen, bos_token="", eos_token="")
+    assert got.prompt == want
+    assert "<|im_end|>" in got.stop
+
+
+# A template that uses what real ones use: whitespace control, loop controls, namespace,
+# tojson on tool schemas (with characters an HTML-safe encoder would escape), Python string
+# and dict methods, raise_exception, strftime_now, extra keyword variables.
+RICH = """{%- set ns = namespace(sys='') -%}
+{% for m in messages %}
+  {% if m['role'] == 'system' %}{% set ns.sys = m['content'].strip() %}{% continue %}{% endif %}
+  {% if m['role'] not in ['user', 'assistant', 'tool'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}
+<{{ m['role'] }}>{{ m['content'] | trim }}
+  {% if m.get('tool_calls') %}
+    {% for call in m['tool_calls'] %}CALL {{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}
+    {% endfor %}
+  {% endif %}
+  {% if loop.index >= limit %}{% break %}{% endif %}
+{% endfor %}
+{% if tools %}TOOLS {{ tools | tojson }}
+{{ tools[0] | tojson(indent=2) }}
+{% endif %}
+SYSTEM={{ ns.sys.upper() }} {{ 'x' if ns.sys.startswith('You') else 'y' }}
+{% for k, v in meta.items() %}{{ k }}={{ v }};{% endfor %}
+DATE={{ strftime_now('%Y-%m-%d') }}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def test_rich_template_renders_like_hugging_face(chat_ctx: kvfork.Context) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "search",
+                "description": "Find <b>pages</b> & 'quotes' — ünï",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "system", "content": "  You are kind.  "},
+        {"role": "user", "content": " What's new? "},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "search", "arguments": {"q": "news <today>"}}}],
+        },
+        {"role": "tool", "content": "nothing", "tool_call_id": "1"},
+        {"role": "user", "content": "ok"},
+    ]
+    meta = {"b": 2, "a": 1}
+    got = chat_ctx.format_chat(messages, tools=tools, template=RICH, limit=3, meta=meta)
+    want = hf_render(
+        RICH,
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        limit=3,
+        meta=meta,
+        bos_token="",
+        eos_token="",
+    )
+    assert got.prompt == want
+
+
+def test_builtin_templates_by_name(ctx: kvfork.Context) -> None:
+    # The default model has no template of its own; llama.cpp's built-ins work by name.
+    assert ctx.model.chat_template is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chatml = ctx.format_chat(messages, template="chatml")
+    assert chatml.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    gemma = ctx.format_chat(messages, template="gemma")
+    assert gemma.prompt.startswith("<start_of_turn>user\nHi<end_of_turn>")
+    assert gemma.prompt.endswith("<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize(
+    ("messages", "template", "match"),
+    [
+        ([{"role": "user", "content": "x"}], None, "no chat template"),
+        ([{"content": "x"}], "chatml", "role"),
+        ([{"role": "user", "content": 5}], "chatml", "content"),
+        ("not a list", "chatml", "list"),
+        (["not a dict"], "chatml", "dict"),
+        ([{"role": "user", "content": "x"}], "{% if %}", "syntax"),
+        ([{"role": "user", "content": "x"}], "{{ raise_exception('no users here') }}", "no users"),
+        ([{"role": "user", "content": "x"}], "{{ messages[5]['content'].foo() }}", ""),
+    ],
+)
+def test_chat_template_errors(
+    ctx: kvfork.Context, messages: Any, template: str, match: str
+) -> None:
+    with pytest.raises(kvfork.ChatTemplateError, match=match):
+        ctx.format_chat(messages, template=template)
+
+
+def test_unconvertible_message_values_are_type_errors(ctx: kvfork.Context) -> None:
+    with pytest.raises(TypeError, match=r"messages\[0\]"):
+        ctx.format_chat([{"role": "user", "content": object()}], template="chatml")
+
+
+# ---- warm multi-turn
+
+
+# Replies the model gives with clear margins (>= 0.6 logits at every token): greedy decoding
+# is then the same whether history tokens were decoded one by one or prefilled in a batch
+# (those differ by up to ~0.5, DESIGN.md).
+QUESTIONS = [
+    "Repeat exactly: red green blue",
+    "Repeat exactly: one two three",
+    "Repeat exactly: cat dog bird",
+]
+
+
+def cold_replies(ctx: kvfork.Context) -> tuple[list[str], int]:
+    """Each turn re-rendered and re-prefilled from nothing."""
+    messages: list[dict[str, Any]] = []
+    replies, prefilled = [], 0
+    for q in QUESTIONS:
+        messages.append({"role": "user", "content": q})
+        chat = ctx.format_chat(messages)
+        b = kvfork.Branch.create(ctx, 0, GREEDY)
+        toks = ctx.tokenize(chat.prompt, parse_special=True)
+        prefilled += len(toks)
+        b.prefill_sync(toks)
+        text = ""
+        for _ in range(24):
+            top2 = np.partition(b.logits(), -2)[-2:]
+            assert top2[1] - top2[0] > 0.5, "the test's premise: clear greedy margins"
+            tok = b.produce_sync()
+            if tok.is_stop:
+                break
+            b.commit_sync(tok)
+            text += tok.text
+            if any(s in text for s in chat.stop):
+                break
+        cut = min([text.find(s) for s in chat.stop if s in text] or [len(text)])
+        replies.append(text[:cut])
+        messages.append({"role": "assistant", "content": text[:cut]})
+        b.prune_sync()
+    return replies, prefilled
+
+
+def test_warm_turns_equal_cold_turns_and_prefill_less(chat_ctx: kvfork.Context) -> None:
+    cold, cold_prefilled = cold_replies(chat_ctx)
+    chat = kvfork.Chat(chat_ctx, params=GREEDY)
+    warm = [chat.send_sync(q, max_tokens=24) for q in QUESTIONS]
+    assert warm == cold
+    assert chat.cold_restarts == 0
+    assert chat.prefilled_tokens < cold_prefilled / 2
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
+
+
+async def test_async_chat_equals_sync_chat(chat_ctx: kvfork.Context) -> None:
+    a = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer in one word.")
+    b = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer in one word.")
+    for q in QUESTIONS[:2]:
+        assert await a.send(q, max_tokens=16) == b.send_sync(q, max_tokens=16)
+    assert a.messages == b.messages and a.messages[0]["role"] == "system"
+
+
+def test_warm_turn_is_faster_than_cold(chat_ctx: kvfork.Context) -> None:
+    long_system = "You are a careful assistant. " * 60
+    chat = kvfork.Chat(chat_ctx, params=GREEDY, system=long_system)
+    chat.send_sync("Hello.", max_tokens=4)
+    t0 = time.perf_counter()
+    chat.send_sync("Name a fruit.", max_tokens=4)
+    warm = time.perf_counter() - t0
+    _, cold = cold_prefill_time(chat_ctx, chat.messages[:-1])
+    assert warm < cold
+
+
+def cold_prefill_time(ctx: kvfork.Context, messages: list[dict[str, Any]]) -> tuple[int, float]:
+    toks = ctx.tokenize(ctx.format_chat(messages).prompt, parse_special=True)
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    t0 = time.perf_counter()
+    b.prefill_sync(toks)
+    for _ in b.generate_sync(max_tokens=4):
+        pass
+    elapsed = time.perf_counter() - t0
+    b.prune_sync()
+    return len(toks), elapsed
