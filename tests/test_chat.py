@@ -162,7 +162,7 @@ def test_builtin_templates_by_name(ctx: kvfork.Context) -> None:
         (["not a dict"], "chatml", "dict"),
         ([{"role": "user", "content": "x"}], "{% if %}", "syntax"),
         ([{"role": "user", "content": "x"}], "{{ raise_exception('no users here') }}", "no users"),
-        ([{"role": "user", "content": "x"}], "{{ messages[5]['content'].foo() }}", ""),
+        ([{"role": "user", "content": "x"}], "{{ messages[5]['content'].foo() }}", "undefined"),
     ],
 )
 def test_chat_template_errors(
