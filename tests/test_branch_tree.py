@@ -178,3 +178,18 @@ def test_thousand_cycles_leak_nothing(model: kvfork.Model) -> None:
         assert store.available == 3
         assert base.children == []
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 * 1024  # KiB
+
+
+def test_fork_seed_diverges_and_no_seed_copies_the_rng(ctx: kvfork.Context) -> None:
+    parent = root(ctx, params=kvfork.SamplingParams(temperature=1.5, top_k=0, top_p=1.0, seed=7))
+    same = [parent.fork_sync(), parent.fork_sync()]
+    assert greedy_tokens(same[0], 12) == greedy_tokens(same[1], 12)  # cloned RNG state
+    seeded = [parent.fork_sync(seed=s) for s in (1, 2)]
+    assert greedy_tokens(seeded[0], 12) != greedy_tokens(seeded[1], 12)
+
+
+def test_context_reports_its_threads(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1, n_threads=1) as c:
+        assert c.n_threads == 1
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as c:
+        assert c.n_threads >= 1
