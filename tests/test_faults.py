@@ -39,9 +39,10 @@ def big(model: kvfork.Model) -> kvfork.Context:
 async def test_cancelled_queued_commit_never_lands(big: kvfork.Context) -> None:
     b = root(big)
     before = (b.position, b.perplexity)
+    token = b.produce_sync()  # before the busy work: produce is ordered behind it too
     other = kvfork.Branch.create(big, 0, GREEDY)
-    busy = other.prefill(big.tokenize(LONG))  # queued first: the commit waits behind it
-    t = asyncio.ensure_future(b.commit(b.produce_sync()))
+    busy = other.prefill(big.tokenize(LONG * 2))  # queued first: the commit waits behind it
+    t = asyncio.ensure_future(b.commit(token))
     await asyncio.sleep(0)
     t.cancel()
     with pytest.raises(asyncio.CancelledError):
