@@ -24,6 +24,18 @@ def ctx(model: kvfork.Model) -> Iterator[kvfork.Context]:
         yield c
 
 
+@pytest.fixture(scope="session")
+def chat_model() -> kvfork.Model:
+    """The chat model (SmolLM2-135M-Instruct, ChatML template in its GGUF)."""
+    return kvfork.Model.load(kvfork.default_chat_model_path())
+
+
+@pytest.fixture
+def chat_ctx(chat_model: kvfork.Model) -> Iterator[kvfork.Context]:
+    with kvfork.create_context_sync(chat_model, n_ctx=2048, n_seq_max=4) as c:
+        yield c
+
+
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 
 

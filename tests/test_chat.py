@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -16,17 +15,6 @@ import numpy as np
 import pytest
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def chat_model() -> kvfork.Model:
-    return kvfork.Model.load(kvfork.default_chat_model_path())
-
-
-@pytest.fixture
-def chat_ctx(chat_model: kvfork.Model) -> Iterator[kvfork.Context]:
-    with kvfork.create_context_sync(chat_model, n_ctx=2048, n_seq_max=4) as c:
-        yield c
 
 
 def hf_render(template: str, messages: list[dict[str, Any]], **variables: Any) -> str:
