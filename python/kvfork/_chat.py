@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from ._native import Branch, Context, FormattedChat, SamplingParams, Token
+from ._native import Branch, Context, SamplingParams
 
 
 class Chat:
@@ -42,71 +41,67 @@ class Chat:
         self.cold_restarts = 0
         self._text = ""  # the rendered text whose tokens are in the branch's KV cache
 
-    def _render(self) -> FormattedChat:
-        return self.ctx.format_chat(
+    def _begin(self, content: str) -> tuple[_Reply, list[int]]:
+        """Add the user turn; the tokens to prefill so the branch holds the new prompt (on a
+        fresh branch when the prompt no longer extends what it holds)."""
+        self.messages.append({"role": "user", "content": content})
+        chat = self.ctx.format_chat(
             self.messages,
             add_generation_prompt=True,
             template=self.template,
             **self.template_kwargs,
         )
-
-    def _new_tokens(self, prompt: str) -> list[int]:
-        """Tokens to prefill so the branch holds `prompt` (a fresh branch when it must)."""
-        if self.branch is None or not prompt.startswith(self._text):
+        if self.branch is None or not chat.prompt.startswith(self._text):
             if self.branch is not None:
                 self.branch.prune_sync()
                 self.cold_restarts += 1
             self.branch = Branch.create(self.ctx, 0, self.params)
             self._text = ""
-        delta = prompt[len(self._text) :]
+        delta = chat.prompt[len(self._text) :]
         tokens = self.ctx.tokenize(delta, add_special=not self._text, parse_special=True)
-        self._text = prompt
+        self._text = chat.prompt
         self.prefilled_tokens += len(tokens)
-        return tokens
+        return _Reply(chat.stop), tokens
 
-    def _finish(self, pieces: Iterable[Token], stop: list[str]) -> str:
-        text = ""
-        for tok in pieces:
-            text += tok.text
-            cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                self._text += text  # the stop string's tokens were committed
-                reply = text[:cut]
-                break
-        else:
-            self._text += text
-            reply = text
-        self.messages.append({"role": "assistant", "content": reply})
-        return reply
+    def _end(self, reply: _Reply) -> str:
+        self._text += reply.text  # every generated token was committed (a stop string too)
+        self.messages.append({"role": "assistant", "content": reply.content})
+        return reply.content
 
     async def send(self, content: str, *, max_tokens: int = 256) -> str:
         """Add a user turn, generate the assistant's reply (also appended to ``messages``)."""
-        self.messages.append({"role": "user", "content": content})
-        chat = self._render()
-        tokens = self._new_tokens(chat.prompt)
+        reply, tokens = self._begin(content)
         assert self.branch is not None
         await self.branch.prefill(tokens)
-        pieces = []
-        text = ""
         async for tok in self.branch.generate(max_tokens=max_tokens):
-            pieces.append(tok)
-            text += tok.text
-            if any(s in text for s in chat.stop):
+            if reply.add(tok.text):
                 break
-        return self._finish(pieces, chat.stop)
+        return self._end(reply)
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
-        self.messages.append({"role": "user", "content": content})
-        chat = self._render()
-        tokens = self._new_tokens(chat.prompt)
+        reply, tokens = self._begin(content)
         assert self.branch is not None
         self.branch.prefill_sync(tokens)
-        pieces = []
-        text = ""
         for tok in self.branch.generate_sync(max_tokens=max_tokens):
-            pieces.append(tok)
-            text += tok.text
-            if any(s in text for s in chat.stop):
+            if reply.add(tok.text):
                 break
-        return self._finish(pieces, chat.stop)
+        return self._end(reply)
+
+
+class _Reply:
+    """The text of one assistant turn, cut at the first stop string."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.content = ""
+
+    def add(self, piece: str) -> bool:
+        """Append a token's text; True once a stop string has appeared."""
+        start = max(0, len(self.text) - self.longest)  # only the new tail can hold a new stop
+        self.text += piece
+        cuts = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        self.content = self.text[: min(cuts)] if cuts else self.text
+        return bool(cuts)

@@ -92,8 +92,7 @@ impl Job {
 
 /// A closure and its reply, type-erased so every job of the queue has one shape.
 pub(crate) trait RunJob: Send {
-    fn ticket(&self) -> &Ticket;
-    fn ticket_arc(&self) -> Arc<Ticket>;
+    fn ticket(&self) -> &Arc<Ticket>;
     /// Run and reply. A panic is caught: the context closes and the caller gets `Internal`.
     fn run(self: Box<Self>, w: &mut Worker);
     fn fail(self: Box<Self>, err: Error);
@@ -106,12 +105,8 @@ struct Task<T, F> {
 }
 
 impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> {
-    fn ticket(&self) -> &Ticket {
+    fn ticket(&self) -> &Arc<Ticket> {
         &self.ticket
-    }
-
-    fn ticket_arc(&self) -> Arc<Ticket> {
-        self.ticket.clone()
     }
 
     fn run(self: Box<Self>, w: &mut Worker) {
@@ -247,32 +242,31 @@ impl Engine {
 
     /// Queue a coalescable commit.
     pub fn commit(&self, items: Vec<CommitItem>) -> Pending<()> {
-        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
-        let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        self.queue_commit(items, CommitReply::Given(reply), ticket, pending)
+        self.queue_commit(items, CommitReply::Given)
     }
 
     /// Queue a coalescable sample of one branch, then (with `commit`) its commit unless it is
     /// a stop token.
     pub fn sample(&self, cell: Arc<BranchCell>, commit: bool) -> Pending<Produced> {
-        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
-        let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        let reply = CommitReply::Sampled { reply, commit };
-        self.queue_commit(vec![(cell, -1)], reply, ticket, pending)
+        self.queue_commit(vec![(cell, -1)], |reply| CommitReply::Sampled {
+            reply,
+            commit,
+        })
     }
 
     fn queue_commit<T>(
         &self,
         items: Vec<CommitItem>,
-        reply: CommitReply,
-        ticket: Arc<Ticket>,
-        pending: Pending<T>,
+        reply: impl FnOnce(Reply<T>) -> CommitReply,
     ) -> Pending<T> {
-        match self.send(Job::Commit(CommitRequest {
+        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
+        let (tx, pending) = Pending::channel(Some(ticket.clone()));
+        let request = CommitRequest {
             items,
-            reply,
+            reply: reply(tx),
             ticket,
-        })) {
+        };
+        match self.send(Job::Commit(request)) {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }

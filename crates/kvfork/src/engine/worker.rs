@@ -54,7 +54,7 @@ impl Worker {
             let Some(job) = self.admit(job) else { continue };
             match job {
                 Job::Run(task) => {
-                    let ticket = task.ticket_arc();
+                    let ticket = task.ticket().clone();
                     self.shared
                         .abort
                         .current
