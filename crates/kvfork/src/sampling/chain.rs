@@ -7,28 +7,33 @@ use llama_cpp_sys_2 as sys;
 
 use super::params::SamplingParams;
 use super::raw::RawSampler;
-use crate::error::Result;
+use super::stochastic::{self, Rng};
+use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
 /// Sequence breakers of DRY (llama.cpp's defaults).
 const DRY_BREAKERS: [&str; 4] = ["\n", ":", "\"", "*"];
-
-/// Draws the token from the filtered candidates.
-#[derive(Clone)]
-enum Terminal {
-    /// Argmax, done in Rust.
-    Greedy,
-    /// `dist` or a Mirostat sampler (stateful: RNG, mu).
-    Llama(RawSampler),
-}
 
 /// A branch's sampler chain. Cloning copies all state, the RNG included.
 #[derive(Clone)]
 pub(crate) struct SamplerChain {
     params: SamplingParams,
     seed: u32,
+    /// The deterministic llama.cpp filters (penalties … min-p); None when there are none.
     filters: Option<RawSampler>,
-    terminal: Terminal,
+    /// Draws of XTC and the terminal (see `stochastic.rs`).
+    rng: Rng,
+    /// Mirostat's running target (2·tau at the start).
+    mu: f32,
+    n_vocab: usize,
+}
+
+/// The random and adaptive state of a chain, as `Branch.save` writes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DrawState {
+    pub seed: u32,
+    pub rng: [u64; 4],
+    pub mu: f32,
 }
 
 /// A penalty window: -1 means the whole context (`whole` tokens).
@@ -91,33 +96,23 @@ impl SamplerChain {
                     ptrs.len(),
                 ));
             }
-            if !p.is_greedy() {
-                if p.mirostat == 0 {
-                    if p.top_n_sigma > 0.0 {
-                        stages.push(sys::llama_sampler_init_top_n_sigma(p.top_n_sigma));
-                    }
-                    if p.top_k > 0 {
-                        stages.push(sys::llama_sampler_init_top_k(p.top_k));
-                    }
-                    if p.typical_p < 1.0 {
-                        stages.push(sys::llama_sampler_init_typical(p.typical_p, 1));
-                    }
-                    if p.top_p < 1.0 {
-                        stages.push(sys::llama_sampler_init_top_p(p.top_p, 1));
-                    }
-                    if p.min_p > 0.0 {
-                        stages.push(sys::llama_sampler_init_min_p(p.min_p, 1));
-                    }
-                    if p.xtc_probability > 0.0 {
-                        stages.push(sys::llama_sampler_init_xtc(
-                            p.xtc_probability,
-                            p.xtc_threshold,
-                            1,
-                            seed,
-                        ));
-                    }
+            // The truncation filters; XTC and temperature follow in Rust (`filter`).
+            if !p.is_greedy() && p.mirostat == 0 {
+                if p.top_n_sigma > 0.0 {
+                    stages.push(sys::llama_sampler_init_top_n_sigma(p.top_n_sigma));
                 }
-                stages.push(sys::llama_sampler_init_temp(p.temperature.max(0.0)));
+                if p.top_k > 0 {
+                    stages.push(sys::llama_sampler_init_top_k(p.top_k));
+                }
+                if p.typical_p < 1.0 {
+                    stages.push(sys::llama_sampler_init_typical(p.typical_p, 1));
+                }
+                if p.top_p < 1.0 {
+                    stages.push(sys::llama_sampler_init_top_p(p.top_p, 1));
+                }
+                if p.min_p > 0.0 {
+                    stages.push(sys::llama_sampler_init_min_p(p.min_p, 1));
+                }
             }
         }
         let filters = if stages.is_empty() {
@@ -133,36 +128,13 @@ impl SamplerChain {
             }
             RawSampler::from_raw(chain)
         };
-        let terminal = match (p.is_greedy(), p.mirostat) {
-            (true, _) => Terminal::Greedy,
-            (false, 1) => Terminal::Llama(
-                RawSampler::from_raw(unsafe {
-                    sys::llama_sampler_init_mirostat(
-                        n_vocab,
-                        seed,
-                        p.mirostat_tau,
-                        p.mirostat_eta,
-                        100,
-                    )
-                })
-                .expect("mirostat init"),
-            ),
-            (false, 2) => Terminal::Llama(
-                RawSampler::from_raw(unsafe {
-                    sys::llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta)
-                })
-                .expect("mirostat_v2 init"),
-            ),
-            _ => Terminal::Llama(
-                RawSampler::from_raw(unsafe { sys::llama_sampler_init_dist(seed) })
-                    .expect("dist init"),
-            ),
-        };
         SamplerChain {
             params: p.clone(),
             seed,
             filters,
-            terminal,
+            rng: Rng::from_seed(seed),
+            mu: 2.0 * p.mirostat_tau,
+            n_vocab: model.vocab_size(),
         }
     }
 
@@ -184,56 +156,79 @@ impl SamplerChain {
         (p.top_k > 0 && p.top_n_sigma <= 0.0).then_some(p.top_k as usize)
     }
 
-    /// Run the filters over `cur` (in place).
+    /// Run the filters over `cur` (in place): llama.cpp's, then XTC and temperature.
     pub fn filter(&mut self, cur: &mut sys::llama_token_data_array) {
         if let Some(f) = self.filters.as_mut() {
             f.apply(cur);
         }
+        let p = &self.params;
+        if p.is_greedy() {
+            return;
+        }
+        if p.mirostat == 0 {
+            let cut = stochastic::xtc(
+                window(cur),
+                p.xtc_probability,
+                p.xtc_threshold,
+                &mut self.rng,
+            );
+            // SAFETY: `cut < size`: the window moves forward within the same buffer.
+            cur.data = unsafe { cur.data.add(cut) };
+            cur.size -= cut;
+        }
+        stochastic::temperature(window(cur), p.temperature);
     }
 
     /// Draw the token from filtered candidates (at least one finite).
     pub fn select(&mut self, cur: &mut sys::llama_token_data_array) -> Token {
-        let data = unsafe { std::slice::from_raw_parts(cur.data, cur.size) };
-        match &mut self.terminal {
-            Terminal::Greedy => {
+        let p = &self.params;
+        let c = window(cur);
+        let i = match p.mirostat {
+            _ if p.is_greedy() => {
                 let mut best = 0;
-                for (i, c) in data.iter().enumerate() {
-                    if c.logit > data[best].logit {
+                for (i, x) in c.iter().enumerate() {
+                    if x.logit > c[best].logit {
                         best = i;
                     }
                 }
-                data[best].id
+                best
             }
-            Terminal::Llama(t) => {
-                cur.selected = -1;
-                t.apply(cur);
-                let data = unsafe { std::slice::from_raw_parts(cur.data, cur.size) };
-                let i = usize::try_from(cur.selected)
-                    .ok()
-                    .filter(|&i| i < data.len())
-                    .unwrap_or(0);
-                data[i].id
-            }
-        }
+            0 => stochastic::dist(c, &mut self.rng),
+            1 => stochastic::mirostat_v1(
+                c,
+                self.n_vocab,
+                p.mirostat_tau,
+                p.mirostat_eta,
+                &mut self.mu,
+                &mut self.rng,
+            ),
+            _ => stochastic::mirostat_v2(
+                c,
+                p.mirostat_tau,
+                p.mirostat_eta,
+                &mut self.mu,
+                &mut self.rng,
+            ),
+        };
+        c[i].id
     }
 
-    /// Feed an accepted token to the stateful stages (penalty window, DRY, Mirostat).
+    /// Feed an accepted token to the stateful filters (penalty window, DRY).
     pub fn accept(&mut self, token: Token) {
         if let Some(f) = self.filters.as_mut() {
             f.accept(token);
         }
-        if let Terminal::Llama(t) = &mut self.terminal {
-            t.accept(token);
-        }
     }
 
-    /// New RNG seed, keeping the penalty/DRY history (`history` is replayed into the rebuilt chain).
-    pub fn reseed(&mut self, seed: u32, model: &Model, history: &[Token]) {
-        *self = Self::build(&self.params.clone(), seed, model);
-        self.replay(history);
+    /// New RNG seed; everything else (penalty/DRY history, Mirostat's mu) carries on.
+    pub fn reseed(&mut self, seed: u32) {
+        self.seed = seed;
+        self.rng = Rng::from_seed(seed);
     }
 
-    /// Rebuild for new params (same seed unless the params name one), replaying history.
+    /// Rebuild for new params, replaying `history` into the penalty/DRY filters. The RNG
+    /// stream and Mirostat's mu carry on, unless the params name a new seed (a fresh stream)
+    /// or switch Mirostat on (mu starts at 2·tau).
     pub fn rebuild(
         &mut self,
         params: &SamplingParams,
@@ -241,10 +236,42 @@ impl SamplerChain {
         history: &[Token],
     ) -> Result<()> {
         params.validate()?;
-        let seed = params.seed.unwrap_or(self.seed);
-        *self = Self::build(params, seed, model);
-        self.replay(history);
+        let new_seed = params.seed.filter(|_| params.seed != self.params.seed);
+        let mut next = Self::build(params, new_seed.unwrap_or(self.seed), model);
+        if new_seed.is_none() {
+            next.rng = self.rng;
+        }
+        if self.params.mirostat != 0 && params.mirostat != 0 {
+            next.mu = self.mu;
+        }
+        next.replay(history);
+        *self = next;
         Ok(())
+    }
+
+    pub fn draw_state(&self) -> DrawState {
+        DrawState {
+            seed: self.seed,
+            rng: self.rng.state(),
+            mu: self.mu,
+        }
+    }
+
+    /// A chain in the state `draw_state` described, its filters fed `history`.
+    pub fn restore(
+        params: &SamplingParams,
+        state: DrawState,
+        model: &Model,
+        history: &[Token],
+    ) -> Result<Self> {
+        params.validate()?;
+        let rng = Rng::from_state(state.rng)
+            .ok_or_else(|| Error::Other("the saved RNG state is invalid".into()))?;
+        let mut chain = Self::build(params, state.seed, model);
+        chain.rng = rng;
+        chain.mu = state.mu;
+        chain.replay(history);
+        Ok(chain)
     }
 
     fn replay(&mut self, history: &[Token]) {
@@ -263,4 +290,11 @@ impl SamplerChain {
             }
         }
     }
+}
+
+/// The candidates of `cur` as a slice.
+fn window(cur: &mut sys::llama_token_data_array) -> &mut [sys::llama_token_data] {
+    // SAFETY: `cur` describes `size` initialised entries of the branch's candidate buffer,
+    // which outlives this borrow.
+    unsafe { std::slice::from_raw_parts_mut(cur.data, cur.size) }
 }

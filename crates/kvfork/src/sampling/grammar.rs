@@ -28,6 +28,9 @@ pub enum GrammarSpec {
 pub(crate) struct Grammar {
     sampler: RawSampler,
     spec: GrammarSpec,
+    /// Tokens accepted since the grammar was set: replaying them rebuilds its parse state
+    /// (llama.cpp's grammar state cannot be read out), which is how a saved branch restores it.
+    history: Vec<Token>,
 }
 
 fn c_string(s: &str, what: &'static str) -> Result<CString> {
@@ -103,11 +106,29 @@ impl Grammar {
         let sampler = RawSampler::from_raw(raw).ok_or_else(|| {
             Error::Grammar("the grammar failed to parse (undefined rule, syntax error or bad trigger pattern; see the kvfork log)".into())
         })?;
-        Ok(Grammar { sampler, spec })
+        Ok(Grammar {
+            sampler,
+            spec,
+            history: Vec::new(),
+        })
     }
 
     pub fn spec(&self) -> &GrammarSpec {
         &self.spec
+    }
+
+    pub fn history(&self) -> &[Token] {
+        &self.history
+    }
+
+    /// The grammar `spec` after accepting `history` (restoring a saved branch).
+    pub fn replay(model: &Model, spec: GrammarSpec, history: &[Token]) -> Result<Self> {
+        let mut g = Grammar::new(model, spec)?;
+        for &t in history {
+            model.check_token(t)?;
+            g.accept(t)?;
+        }
+        Ok(g)
     }
 
     /// Mask candidates the grammar forbids (logit = -inf).
@@ -146,6 +167,7 @@ impl Grammar {
         }
         let status = unsafe { sys::llama_rs_sampler_accept(self.sampler.as_ptr(), token) };
         if status == sys::LLAMA_RS_STATUS_OK {
+            self.history.push(token);
             Ok(())
         } else {
             Err(Error::Grammar(format!(

@@ -4,6 +4,7 @@ pub(crate) mod chain;
 pub(crate) mod grammar;
 pub mod params;
 pub(crate) mod raw;
+pub(crate) mod stochastic;
 
 pub use grammar::GrammarSpec;
 pub use params::SamplingParams;
