@@ -9,6 +9,10 @@ pub enum TenancyError {
     #[error("no free KV sequence: all {n_seq_max} leases are in use; prune a branch first")]
     LeaseExhausted { n_seq_max: u32 },
 
+    /// A specific sequence id was asked for (restoring state) but is taken or out of range.
+    #[error("KV sequence {seq} is not available (leased, or not below n_seq_max = {n_seq_max})")]
+    SeqUnavailable { seq: u32, n_seq_max: u32 },
+
     /// Releasing a sequence id that nobody holds (a double free).
     #[error("KV sequence {0} is not leased")]
     NotLeased(u32),

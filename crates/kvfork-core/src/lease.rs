@@ -29,6 +29,18 @@ impl LeaseAllocator {
         })
     }
 
+    /// Leases `seq` itself (restoring saved state); refuses an id that is taken or out of range.
+    pub fn acquire_exact(&mut self, seq: u32) -> Result<(), TenancyError> {
+        if self.free.remove(&seq) {
+            Ok(())
+        } else {
+            Err(TenancyError::SeqUnavailable {
+                seq,
+                n_seq_max: self.n_seq_max,
+            })
+        }
+    }
+
     /// Returns `seq` to the pool; refuses double frees and out-of-range ids.
     pub fn release(&mut self, seq: u32) -> Result<(), TenancyError> {
         if !self.is_leased(seq) {
@@ -109,6 +121,17 @@ mod tests {
         assert!(l.is_leased(4));
         assert!((0..4).all(|s| !l.is_leased(s)));
         assert_eq!(l.acquire(), Ok(0));
+    }
+
+    #[test]
+    fn acquire_exact_takes_that_id_only_when_free() {
+        let mut l = LeaseAllocator::new(3);
+        l.acquire_exact(2).unwrap();
+        assert!(l.acquire_exact(2).is_err());
+        assert!(l.acquire_exact(3).is_err());
+        assert_eq!(l.acquire(), Ok(0));
+        assert_eq!(l.acquire(), Ok(1));
+        assert_eq!(l.available(), 0);
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod json;
 pub mod lease;
 pub mod metrics;
 pub mod packer;
+pub mod persist;
 pub mod tree;
 
 pub use arena::Arena;

@@ -319,6 +319,15 @@ impl Perplexity {
         Self::default()
     }
 
+    /// The accumulator as (sum of surprisals in nats, token count), for saving.
+    pub fn parts(&self) -> (f64, u64) {
+        (self.sum, self.count)
+    }
+
+    pub fn from_parts(sum: f64, count: u64) -> Self {
+        Perplexity { sum, count }
+    }
+
     /// Adds one token's surprisal in nats (`+inf` makes the result `+inf`).
     pub fn add(&mut self, surprisal_nats: f64) {
         self.sum += surprisal_nats;

@@ -142,6 +142,36 @@ impl<T> Registry<T> {
         Ok((h, seq))
     }
 
+    /// Re-creates a saved branch on the sequence id it had (`parent` must be live). On error
+    /// nothing changes.
+    pub fn restore(
+        &mut self,
+        parent: Option<Handle>,
+        fork_head: u32,
+        seq: u32,
+        data: T,
+    ) -> Result<Handle, TenancyError> {
+        if let Some(p) = parent {
+            self.node(p)?;
+        }
+        self.leases.acquire_exact(seq)?;
+        let h = self.nodes.insert(Node {
+            seq,
+            parent,
+            children: Vec::new(),
+            fork_head: if parent.is_some() { fork_head } else { 0 },
+            data,
+        });
+        if let Some(p) = parent {
+            self.nodes
+                .get_mut(p)
+                .expect("parent checked live above")
+                .children
+                .push(h);
+        }
+        Ok(h)
+    }
+
     /// Removes a childless branch. Refuses (changing nothing) if it has
     /// children, so a prune can never silently take descendants with it.
     pub fn prune(&mut self, h: Handle) -> Result<Pruned<T>, TenancyError> {
@@ -280,6 +310,21 @@ mod tests {
 
     fn seqs(p: &[Pruned<&str>]) -> Vec<u32> {
         p.iter().map(|p| p.seq).collect()
+    }
+
+    #[test]
+    fn restore_takes_the_saved_seq_and_links_the_parent() {
+        let mut r = Registry::new(4);
+        let root = r.restore(None, 7, 2, "root").unwrap();
+        let child = r.restore(Some(root), 5, 0, "child").unwrap();
+        assert_eq!((r.seq(root), r.seq(child)), (Some(2), Some(0)));
+        assert_eq!(r.get(root).unwrap().fork_head, 0);
+        assert_eq!(r.get(child).unwrap().fork_head, 5);
+        assert_eq!(r.children(root), Some(&[child][..]));
+        assert!(r.restore(None, 0, 2, "taken").is_err());
+        assert_eq!(r.len(), 2);
+        assert_eq!(r.create_root("next").unwrap().1, 1);
+        r.check_invariants();
     }
 
     #[test]
