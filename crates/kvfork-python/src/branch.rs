@@ -1,5 +1,7 @@
 //! `Branch`: one decode sequence with its own sampler, grammar, biases and metrics.
 
+use std::path::PathBuf;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
@@ -176,6 +178,71 @@ impl PyBranch {
     fn fork_sync(&self, py: Python<'_>, seed: Option<Int>) -> PyResult<Self> {
         let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
         Ok(wrap(wait(py, self.inner.fork(seed))?))
+    }
+
+    // ---- persistence and infinite context ----
+
+    /// Save the branch to `path` (its KV cells, position, sampler params and RNG state,
+    /// grammar, biases, steer, perplexity accumulators), after queued work on it.
+    fn save<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.inner.save(path))
+    }
+
+    fn save_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        wait(py, self.inner.save(path))
+    }
+
+    /// A new root branch on a fresh lease of `ctx` (any context of the same model), restored
+    /// from a file `save` wrote; it continues exactly as the saved branch would have.
+    /// A corrupt, truncated or foreign file raises StateFileError.
+    #[classmethod]
+    fn load<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        ctx: &Bound<'py, PyContext>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, kvfork::Branch::load(&ctx.get().inner, path), |b| {
+            Ok(wrap(b))
+        })
+    }
+
+    #[classmethod]
+    fn load_sync(
+        _cls: &Bound<'_, PyType>,
+        py: Python<'_>,
+        ctx: &Bound<'_, PyContext>,
+        path: PathBuf,
+    ) -> PyResult<Self> {
+        Ok(wrap(wait(
+            py,
+            kvfork::Branch::load(&ctx.get().inner, path),
+        )?))
+    }
+
+    /// Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
+    /// first tokens) followed by the last `tail` tokens the branch accepted, from position 0.
+    /// Sampler, grammar, biases and metrics carry on.
+    fn reseed_context<'py>(
+        &self,
+        py: Python<'py>,
+        sinks: &Bound<'py, PyAny>,
+        tail: Int,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let sinks = convert::tokens(sinks, "sinks")?;
+        let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
+        awaitable_none(py, self.inner.reseed_context(sinks, tail))
+    }
+
+    fn reseed_context_sync(
+        &self,
+        py: Python<'_>,
+        sinks: &Bound<'_, PyAny>,
+        tail: Int,
+    ) -> PyResult<()> {
+        let sinks = convert::tokens(sinks, "sinks")?;
+        let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
+        wait(py, self.inner.reseed_context(sinks, tail))
     }
 
     /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once,

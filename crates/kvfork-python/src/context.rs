@@ -9,7 +9,9 @@ use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{OnCancel, Operation};
-use crate::convert::{self, awaitable, wait, Int};
+use crate::branch::PyBranch;
+use crate::convert::{self, awaitable, awaitable_none, wait, Int};
+use crate::embed;
 use crate::errors::IntoPyResult;
 use crate::model::PyModel;
 
@@ -38,7 +40,6 @@ fn pooling_type(name: Option<&str>) -> PyResult<Option<i32>> {
         Some("mean") => Some(1),
         Some("cls") => Some(2),
         Some("last") => Some(3),
-        Some("rank") => Some(4),
         Some(other) => {
             return Err(PyValueError::new_err(format!(
                 "pooling: unknown pooling {other:?}"
@@ -326,6 +327,110 @@ impl PyContext {
         queued(self.open()?.kv_clear())
     }
 
+    // ---- persistence ----
+
+    /// Save every live branch (its record and tree links) and the whole KV cache to `path`,
+    /// after queued work. Shared prefixes are stored once.
+    fn save_state<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.open()?.save_state(path))
+    }
+
+    fn save_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        wait(py, self.open()?.save_state(path))
+    }
+
+    /// Restore a `save_state` file into this context, which must have no live branch; the
+    /// model must be the same. Returns the restored branches, each after its parent.
+    /// A corrupt, truncated or foreign file raises StateFileError.
+    fn load_state<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.open()?.load_state(path), |bs| Ok(wrap_all(bs)))
+    }
+
+    fn load_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<PyBranch>> {
+        Ok(wrap_all(wait(py, self.open()?.load_state(path))?))
+    }
+
+    // ---- embeddings ----
+
+    /// Width of the vectors `embed` returns.
+    #[getter]
+    fn embedding_dim(&self) -> PyResult<usize> {
+        Ok(self.open()?.embedding_dim())
+    }
+
+    /// Embedding of one text (str) or token list, as a float32 array of `embedding_dim`
+    /// (shape `(n_tokens, embedding_dim)` on a context with pooling "none"). Needs a context
+    /// created with `embeddings=True` and no live branches.
+    #[pyo3(signature = (text_or_tokens, *, normalize=true))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        text_or_tokens: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ctx = self.open()?;
+        let input = vec![embed::input(ctx, text_or_tokens)?];
+        let (dim, pooled) = (ctx.embedding_dim(), ctx.embeddings_pooled());
+        let pending = ctx.embed(input, normalize);
+        let op = Operation::new(pending, OnCancel::Settle, move |py, mut rows| {
+            embed::text_array(py, rows.pop().unwrap_or_default(), pooled, dim).map(Bound::unbind)
+        });
+        Bound::new(py, op).map(Bound::into_any)
+    }
+
+    #[pyo3(signature = (text_or_tokens, *, normalize=true))]
+    fn embed_sync<'py>(
+        &self,
+        py: Python<'py>,
+        text_or_tokens: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ctx = self.open()?;
+        let input = vec![embed::input(ctx, text_or_tokens)?];
+        let mut rows = wait(py, ctx.embed(input, normalize))?;
+        embed::text_array(
+            py,
+            rows.pop().unwrap_or_default(),
+            ctx.embeddings_pooled(),
+            ctx.embedding_dim(),
+        )
+    }
+
+    /// Embeddings of many texts (str or token lists), shape `(len(texts), embedding_dim)`,
+    /// packed into as few decodes as fit (one text per sequence, each text whole in a batch).
+    #[pyo3(signature = (texts, *, normalize=true))]
+    fn embed_batch<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ctx = self.open()?;
+        embed::check_pooled(ctx)?;
+        let inputs = embed::inputs(ctx, texts)?;
+        let dim = ctx.embedding_dim();
+        let op = Operation::new(
+            ctx.embed(inputs, normalize),
+            OnCancel::Settle,
+            move |py, rows| embed::batch_array(py, rows, dim).map(Bound::unbind),
+        );
+        Bound::new(py, op).map(Bound::into_any)
+    }
+
+    #[pyo3(signature = (texts, *, normalize=true))]
+    fn embed_batch_sync<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ctx = self.open()?;
+        embed::check_pooled(ctx)?;
+        let inputs = embed::inputs(ctx, texts)?;
+        let rows = wait(py, ctx.embed(inputs, normalize))?;
+        embed::batch_array(py, rows, ctx.embedding_dim())
+    }
+
     /// Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /
     /// tool_call_id) with the model's own chat template (GGUF `tokenizer.chat_template`, as
     /// Hugging Face's `apply_chat_template` renders it), or with `template`: a Jinja string or
@@ -466,4 +571,11 @@ fn queued<T>(pending: kvfork::Pending<T>) -> PyResult<()> {
 pub fn token_id(token: i64) -> PyResult<i32> {
     i32::try_from(token)
         .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
+}
+
+fn wrap_all(branches: Vec<kvfork::Branch>) -> Vec<PyBranch> {
+    branches
+        .into_iter()
+        .map(|inner| PyBranch { inner })
+        .collect()
 }

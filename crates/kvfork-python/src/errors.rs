@@ -1,6 +1,9 @@
 //! The Python exception hierarchy and the mapping from `kvfork::Error`.
 
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyFileNotFoundError, PyIsADirectoryError, PyOSError, PyPermissionError,
+    PyValueError,
+};
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
@@ -47,6 +50,13 @@ pyo3::create_exception!(
     "A chat template is missing or failed to render."
 );
 
+pyo3::create_exception!(
+    kvfork,
+    StateFileError,
+    KvforkError,
+    "A saved state file is corrupt, truncated, foreign, or from another model."
+);
+
 /// `kvfork::Error` → the matching Python exception.
 pub fn to_py(err: kvfork::Error) -> PyErr {
     use kvfork::Error as E;
@@ -60,6 +70,13 @@ pub fn to_py(err: kvfork::Error) -> PyErr {
         E::Grammar(_) => GrammarError::new_err(msg),
         E::ChatTemplate(_) => ChatTemplateError::new_err(msg),
         E::InvalidArgument { .. } => PyValueError::new_err(msg),
+        E::State(_) => StateFileError::new_err(msg),
+        E::Io { kind, .. } => match kind {
+            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
+            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
+            std::io::ErrorKind::IsADirectory => PyIsADirectoryError::new_err(msg),
+            _ => PyOSError::new_err(msg),
+        },
         E::Closed | E::Cancelled(_) | E::Internal(_) | E::Other(_) => KvforkError::new_err(msg),
     }
 }
@@ -85,5 +102,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BranchDisposedError", py.get_type::<BranchDisposedError>())?;
     m.add("GrammarError", py.get_type::<GrammarError>())?;
     m.add("ChatTemplateError", py.get_type::<ChatTemplateError>())?;
+    m.add("StateFileError", py.get_type::<StateFileError>())?;
     Ok(())
 }

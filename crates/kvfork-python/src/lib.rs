@@ -9,6 +9,7 @@ mod branch;
 mod chat;
 mod context;
 mod convert;
+mod embed;
 mod errors;
 mod generate;
 mod model;

@@ -170,6 +170,46 @@ impl Branch {
         self.ctx.engine().commit(vec![(self.cell.clone(), token)])
     }
 
+    /// Infinite context: empty the branch's KV sequence, then prefill `sinks` followed by the
+    /// last `tail` tokens the branch accepted, from position 0, so generation can go on past
+    /// `n_ctx`. Sampler, grammar, biases and metrics carry on. If the prefill fails the branch
+    /// is left empty at position 0 and the error is raised.
+    pub fn reseed_context(&self, sinks: Vec<Token>, tail: usize) -> Pending<()> {
+        if let Err(e) = self
+            .check_live()
+            .and_then(|_| check_tokens(&self.ctx, &sinks))
+        {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| {
+            let (seq, tokens) = {
+                let st = cell.lock();
+                let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
+                (st.seq, [&sinks[..], kept].concat())
+            };
+            if tokens.is_empty() {
+                return Err(Error::invalid(
+                    "sinks/tail",
+                    "nothing to re-prefill: give sink tokens or a tail > 0",
+                ));
+            }
+            if tokens.len() >= w.shared.n_ctx as usize {
+                return Err(Error::invalid(
+                    "sinks/tail",
+                    format!(
+                        "{} sink + tail tokens leave no room in n_ctx = {}",
+                        tokens.len(),
+                        w.shared.n_ctx
+                    ),
+                ));
+            }
+            w.ctx.seq_rm(seq, -1, -1)?;
+            cell.lock().position = 0;
+            w.prefill(&[(cell, tokens)])
+        })
+    }
+
     // ---- tree ----
 
     /// A new branch on a fresh lease sharing this branch's whole KV prefix (no tensor copy).
@@ -189,7 +229,7 @@ impl Branch {
                 (p.fork_copy(-1), p.seq, p.position)
             };
             if let Some(seed) = seed {
-                child_state.reseed(seed, &w.shared.model);
+                child_state.reseed(seed);
             }
             let cell = BranchCell::new(child_state);
             let (handle, seq) = w
@@ -327,9 +367,8 @@ impl Branch {
     }
 
     pub fn reseed_sampler(&self, seed: u32) -> Result<()> {
-        let model = self.ctx.model().clone();
         self.state(|s| {
-            s.reseed(seed, &model);
+            s.reseed(seed);
             Ok(())
         })
     }

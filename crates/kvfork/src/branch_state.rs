@@ -5,6 +5,9 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+mod persist;
+pub(crate) use persist::state_error;
+
 use kvfork_core::metrics::{self, Perplexity, RowSummary};
 
 use crate::error::{Error, Result};
@@ -200,10 +203,8 @@ impl BranchState {
     }
 
     /// A new RNG seed for the sampler, keeping everything else.
-    pub fn reseed(&mut self, seed: u32, model: &Model) {
-        let history = std::mem::take(&mut self.accepted);
-        self.sampler.reseed(seed, model, &history);
-        self.accepted = history;
+    pub fn reseed(&mut self, seed: u32) {
+        self.sampler.reseed(seed);
         self.touch_sampler();
     }
 

@@ -33,6 +33,16 @@ pub enum Error {
     /// A caller-supplied value is out of range; `name` is the argument's name.
     #[error("invalid {name}: {message}")]
     InvalidArgument { name: &'static str, message: String },
+    /// A state file (`save`/`load`) is corrupt, truncated, foreign or from another model.
+    #[error("cannot load the state file: {0}")]
+    State(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {message}")]
+    Io {
+        path: PathBuf,
+        kind: std::io::ErrorKind,
+        message: String,
+    },
     /// The context was closed.
     #[error("the context is closed")]
     Closed,
@@ -52,6 +62,16 @@ impl Error {
         Error::InvalidArgument {
             name,
             message: message.into(),
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn io(path: &std::path::Path, err: std::io::Error) -> Self {
+        Error::Io {
+            path: path.to_path_buf(),
+            kind: err.kind(),
+            message: err.to_string(),
         }
     }
 }

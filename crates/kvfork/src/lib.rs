@@ -10,11 +10,13 @@ mod branch;
 mod branch_state;
 pub mod chat;
 mod context;
+mod embed;
 mod engine;
 pub mod error;
 mod gguf_check;
 mod llama_ctx;
 pub mod model;
+mod persist;
 pub mod sampling;
 mod store;
 
@@ -22,6 +24,7 @@ pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, System
 pub use branch::{Branch, Produced};
 pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
+pub use embed::Embedding;
 pub use engine::{Cancel, Canceller, Pending};
 pub use error::{Error, Result};
 pub use kvfork_core::metrics::LogBase;

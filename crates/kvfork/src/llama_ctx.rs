@@ -110,7 +110,7 @@ impl ContextParams {
             }
         }
         if let Some(p) = self.pooling {
-            if !(-1..=4).contains(&p) {
+            if !(-1..=3).contains(&p) {
                 return Err(Error::invalid(
                     "pooling",
                     format!("unknown pooling type {p}"),
@@ -246,6 +246,32 @@ impl LlamaCtx {
         check_seq(seq, self.n_seq_max)
     }
 
+    /// The pooling llama.cpp applies to embeddings (`LLAMA_POOLING_TYPE_*`).
+    pub fn pooling(&self) -> i32 {
+        unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) }
+    }
+
+    /// The pooled embedding of `seq` after the last decode (pooled contexts only).
+    pub fn embeddings_seq(&self, seq: i32, n_embd: usize) -> Result<&[f32]> {
+        self.check_seq(seq)?;
+        let p = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), seq) };
+        if p.is_null() {
+            return Err(Error::Decode(format!(
+                "no pooled embedding for sequence {seq}"
+            )));
+        }
+        Ok(unsafe { std::slice::from_raw_parts(p, n_embd) })
+    }
+
+    /// The embedding of batch entry `i` (contexts without pooling).
+    pub fn embeddings_ith(&self, i: usize, n_embd: usize) -> Result<&[f32]> {
+        let p = unsafe { sys::llama_get_embeddings_ith(self.ptr.as_ptr(), i as i32) };
+        if p.is_null() {
+            return Err(Error::Decode(format!("no embedding at batch index {i}")));
+        }
+        Ok(unsafe { std::slice::from_raw_parts(p, n_embd) })
+    }
+
     pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
         self.check_seq(src)?;
         self.check_seq(dst)?;
@@ -284,6 +310,50 @@ impl LlamaCtx {
 
     pub fn clear(&mut self) {
         unsafe { sys::llama_memory_clear(self.mem, true) }
+    }
+
+    /// The KV cells of `seq`, or of every sequence with `seq = -1` (shared cells once, with
+    /// all their sequence ids), in llama.cpp's own layout.
+    pub fn kv_state(&self, seq: i32) -> Result<Vec<u8>> {
+        if seq != -1 {
+            self.check_seq(seq)?;
+        }
+        let ctx = self.ptr.as_ptr();
+        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq) };
+        let mut buf = vec![0u8; size];
+        let written = unsafe { sys::llama_state_seq_get_data(ctx, buf.as_mut_ptr(), size, seq) };
+        if written == 0 && size != 0 {
+            return Err(Error::Other(
+                "llama.cpp could not copy the KV cells out".into(),
+            ));
+        }
+        buf.truncate(written);
+        Ok(buf)
+    }
+
+    /// Restore cells written by `kv_state` into `seq` (which must be empty), or replace every
+    /// sequence with `seq = -1`. Bytes must be kvfork-verified first: llama.cpp trusts them.
+    /// On failure the target is left empty.
+    pub fn set_kv_state(&mut self, seq: i32, data: &[u8]) -> Result<()> {
+        if seq != -1 {
+            self.check_seq(seq)?;
+        }
+        let ctx = self.ptr.as_ptr();
+        let read = unsafe { sys::llama_state_seq_set_data(ctx, data.as_ptr(), data.len(), seq) };
+        if read == data.len() {
+            return Ok(());
+        }
+        // A failed restore can leave cells behind (iSWA models).
+        if seq == -1 {
+            self.clear();
+        } else {
+            self.seq_rm(seq, -1, -1)?;
+        }
+        Err(Error::State(
+            "llama.cpp refused the saved KV cells (saved from a context with other cache \
+             types, or too large for this context's n_ctx; see the kvfork log)"
+                .into(),
+        ))
     }
 }
 

@@ -179,6 +179,21 @@ impl Model {
             .collect()
     }
 
+    /// A fingerprint of the weights (metadata, parameter count and size): state files carry
+    /// it so a file saved with another model is refused.
+    pub fn identity(&self) -> u64 {
+        let mut w = kvfork_core::persist::Writer::new();
+        for (k, v) in self.metadata() {
+            w.str(&k).str(&v);
+        }
+        unsafe {
+            w.u64(sys::llama_model_n_params(self.as_ptr()))
+                .u64(sys::llama_model_size(self.as_ptr()));
+        }
+        w.u64(self.n_vocab as u64);
+        kvfork_core::persist::checksum(&w.into_bytes())
+    }
+
     /// The Jinja chat template of the GGUF (`tokenizer.chat_template`), if any.
     pub fn chat_template(&self) -> Option<String> {
         let raw = unsafe { sys::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };

@@ -191,6 +191,7 @@ impl Engine {
                     n_ctx: ctx.n_ctx,
                     n_batch: ctx.n_batch,
                     n_seq_max: ctx.n_seq_max,
+                    pooling: ctx.pooling(),
                     params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });

@@ -69,6 +69,8 @@ pub(crate) struct Shared {
     pub n_ctx: u32,
     pub n_batch: u32,
     pub n_seq_max: u32,
+    /// llama.cpp's pooling type for embeddings (resolved from the model when not given).
+    pub pooling: i32,
     /// The options the context was created with (threads resolved).
     pub params: ContextParams,
     /// Distinguishes contexts, so a branch of one is refused by another.

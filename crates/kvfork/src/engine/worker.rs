@@ -20,7 +20,7 @@ const MAX_LINGER: Duration = Duration::from_millis(2);
 
 pub(crate) struct Worker {
     pub ctx: LlamaCtx,
-    batch: Batch,
+    pub(crate) batch: Batch,
     pub shared: Arc<Shared>,
     /// A job pulled while gathering a commit group that could not join it.
     stash: Option<Job>,
@@ -315,7 +315,7 @@ impl Worker {
     }
 
     /// `llama_decode` of the current batch, counted.
-    fn decode(&mut self) -> Result<()> {
+    pub(crate) fn decode(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();

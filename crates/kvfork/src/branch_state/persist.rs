@@ -1,0 +1,265 @@
+//! A branch's state (everything but its KV cells) as a record of a kvfork state file.
+
+use kvfork_core::persist::{Reader, StateError, Writer};
+use kvfork_core::Perplexity;
+
+use super::BranchState;
+use crate::error::{Error, Result};
+use crate::model::{Model, Token};
+use crate::sampling::chain::{DrawState, SamplerChain};
+use crate::sampling::grammar::{Grammar, GrammarSpec};
+use crate::sampling::SamplingParams;
+
+fn malformed(what: &str) -> Error {
+    Error::State(StateError::Malformed(what.into()).to_string())
+}
+
+pub(crate) fn state_error(e: StateError) -> Error {
+    Error::State(e.to_string())
+}
+
+impl BranchState {
+    /// Append this branch's record to `w`.
+    pub fn write(&self, w: &mut Writer) {
+        w.i32(self.position);
+        w.bool(self.has_logits);
+        w.f32s(if self.has_logits { &self.logits } else { &[] });
+        write_params(w, self.sampler.params());
+        let draw = self.sampler.draw_state();
+        w.u32(draw.seed).f32(draw.mu);
+        draw.rng.iter().for_each(|&x| {
+            w.u64(x);
+        });
+        match &self.grammar {
+            None => {
+                w.u8(0);
+            }
+            Some(g) => {
+                write_grammar(w, g.spec());
+                w.i32s(g.history());
+            }
+        }
+        write_pairs(w, &self.logit_bias);
+        write_pairs(w, &self.steer);
+        for ppl in [self.ppl_model, self.ppl_sampling] {
+            let (sum, count) = ppl.parts();
+            w.f64(sum).u64(count);
+        }
+        w.i32s(&self.accepted);
+        w.bytes(&self.utf8_carry);
+    }
+
+    /// Read a record written by `write`, for a branch on `seq`. Every value is checked
+    /// against the model; the chain and grammar are rebuilt from their history.
+    pub fn read(r: &mut Reader<'_>, model: &Model, seq: i32) -> Result<BranchState> {
+        let position = r.i32().map_err(state_error)?;
+        if position < 0 {
+            return Err(malformed("negative position"));
+        }
+        let has_logits = r.bool().map_err(state_error)?;
+        let logits = r.f32s().map_err(state_error)?;
+        if has_logits && logits.len() != model.vocab_size() {
+            return Err(malformed("the logits row does not match the vocabulary"));
+        }
+        let params = read_params(r)?;
+        let seed = r.u32().map_err(state_error)?;
+        let mu = r.f32().map_err(state_error)?;
+        if !mu.is_finite() {
+            return Err(malformed("Mirostat mu is not finite"));
+        }
+        let mut rng = [0u64; 4];
+        for x in &mut rng {
+            *x = r.u64().map_err(state_error)?;
+        }
+        let grammar = read_grammar(r)?;
+        let logit_bias = read_pairs(r, model)?;
+        let steer = read_pairs(r, model)?;
+        let mut ppl = [Perplexity::default(); 2];
+        for p in &mut ppl {
+            let sum = r.f64().map_err(state_error)?;
+            let count = r.u64().map_err(state_error)?;
+            *p = Perplexity::from_parts(sum, count);
+        }
+        let accepted = read_tokens(r, model)?;
+        let utf8_carry = r.bytes().map_err(state_error)?.to_vec();
+        if utf8_carry.len() > 3 {
+            return Err(malformed("UTF-8 carry longer than a character"));
+        }
+
+        let sampler =
+            SamplerChain::restore(&params, DrawState { seed, rng, mu }, model, &accepted)?;
+        let grammar = match grammar {
+            None => None,
+            Some((spec, history)) => {
+                for &t in &history {
+                    model
+                        .check_token(t)
+                        .map_err(|_| malformed("bad grammar token"))?;
+                }
+                Some(Grammar::replay(model, spec, &history)?)
+            }
+        };
+        let mut st = BranchState::new(seq, position, sampler, grammar);
+        if has_logits {
+            st.set_logits(&logits);
+        }
+        st.logit_bias = logit_bias;
+        st.steer = steer;
+        st.ppl_model = ppl[0];
+        st.ppl_sampling = ppl[1];
+        st.accepted = accepted;
+        st.utf8_carry = utf8_carry;
+        Ok(st)
+    }
+}
+
+/// (token, bias) pairs as one i32 list: token, bias bits, token, bias bits, …
+fn write_pairs(w: &mut Writer, pairs: &[(Token, f32)]) {
+    let flat: Vec<i32> = pairs
+        .iter()
+        .flat_map(|&(t, b)| [t, b.to_bits() as i32])
+        .collect();
+    w.i32s(&flat);
+}
+
+fn read_pairs(r: &mut Reader<'_>, model: &Model) -> Result<Vec<(Token, f32)>> {
+    let flat = r.i32s().map_err(state_error)?; // (token, bias bits) interleaved
+    if flat.len() % 2 != 0 {
+        return Err(malformed("odd bias list"));
+    }
+    let mut pairs = Vec::with_capacity(flat.len() / 2);
+    for c in flat.chunks_exact(2) {
+        model
+            .check_token(c[0])
+            .map_err(|_| malformed("bias for a token outside the vocabulary"))?;
+        let bias = f32::from_bits(c[1] as u32);
+        if bias.is_nan() || bias == f32::INFINITY {
+            return Err(malformed("bias is NaN or +inf"));
+        }
+        pairs.push((c[0], bias));
+    }
+    // `normalize_bias` order (sorted by token) is what lookups rely on.
+    if pairs.windows(2).any(|w| w[0].0 >= w[1].0) {
+        return Err(malformed("bias list out of order"));
+    }
+    Ok(pairs)
+}
+
+fn read_tokens(r: &mut Reader<'_>, model: &Model) -> Result<Vec<Token>> {
+    let tokens = r.i32s().map_err(state_error)?;
+    for &t in &tokens {
+        model
+            .check_token(t)
+            .map_err(|_| malformed("token outside the vocabulary"))?;
+    }
+    Ok(tokens)
+}
+
+fn write_grammar(w: &mut Writer, spec: &GrammarSpec) {
+    match spec {
+        GrammarSpec::Eager { gbnf } => {
+            w.u8(1).str(gbnf);
+        }
+        GrammarSpec::Lazy {
+            gbnf,
+            words,
+            patterns,
+            tokens,
+        } => {
+            w.u8(2).str(gbnf);
+            for list in [words, patterns] {
+                w.u64(list.len() as u64);
+                list.iter().for_each(|s| {
+                    w.str(s);
+                });
+            }
+            w.i32s(tokens);
+        }
+    }
+}
+
+type SavedGrammar = (GrammarSpec, Vec<Token>);
+
+fn read_grammar(r: &mut Reader<'_>) -> Result<Option<SavedGrammar>> {
+    let spec = match r.u8().map_err(state_error)? {
+        0 => return Ok(None),
+        1 => GrammarSpec::Eager {
+            gbnf: r.str().map_err(state_error)?,
+        },
+        2 => {
+            let gbnf = r.str().map_err(state_error)?;
+            let mut lists = [Vec::new(), Vec::new()];
+            for list in &mut lists {
+                let n = r.u64().map_err(state_error)?;
+                for _ in 0..n {
+                    list.push(r.str().map_err(state_error)?);
+                }
+            }
+            let [words, patterns] = lists;
+            GrammarSpec::Lazy {
+                gbnf,
+                words,
+                patterns,
+                tokens: r.i32s().map_err(state_error)?,
+            }
+        }
+        _ => return Err(malformed("unknown grammar kind")),
+    };
+    Ok(Some((spec, r.i32s().map_err(state_error)?)))
+}
+
+fn write_params(w: &mut Writer, p: &SamplingParams) {
+    w.f32(p.temperature)
+        .i32(p.top_k)
+        .f32(p.top_p)
+        .f32(p.min_p)
+        .f32(p.typical_p)
+        .f32(p.top_n_sigma)
+        .bool(p.seed.is_some())
+        .u32(p.seed.unwrap_or(0))
+        .f32(p.repeat_penalty)
+        .f32(p.frequency_penalty)
+        .f32(p.presence_penalty)
+        .i32(p.penalty_last_n)
+        .i32(p.mirostat)
+        .f32(p.mirostat_tau)
+        .f32(p.mirostat_eta)
+        .f32(p.dry_multiplier)
+        .f32(p.dry_base)
+        .i32(p.dry_allowed_length)
+        .i32(p.dry_penalty_last_n)
+        .f32(p.xtc_probability)
+        .f32(p.xtc_threshold);
+}
+
+fn read_params(r: &mut Reader<'_>) -> Result<SamplingParams> {
+    let e = state_error;
+    let mut p = SamplingParams {
+        temperature: r.f32().map_err(e)?,
+        top_k: r.i32().map_err(e)?,
+        top_p: r.f32().map_err(e)?,
+        min_p: r.f32().map_err(e)?,
+        typical_p: r.f32().map_err(e)?,
+        top_n_sigma: r.f32().map_err(e)?,
+        ..Default::default()
+    };
+    let has_seed = r.bool().map_err(e)?;
+    let seed = r.u32().map_err(e)?;
+    p.seed = has_seed.then_some(seed);
+    p.repeat_penalty = r.f32().map_err(e)?;
+    p.frequency_penalty = r.f32().map_err(e)?;
+    p.presence_penalty = r.f32().map_err(e)?;
+    p.penalty_last_n = r.i32().map_err(e)?;
+    p.mirostat = r.i32().map_err(e)?;
+    p.mirostat_tau = r.f32().map_err(e)?;
+    p.mirostat_eta = r.f32().map_err(e)?;
+    p.dry_multiplier = r.f32().map_err(e)?;
+    p.dry_base = r.f32().map_err(e)?;
+    p.dry_allowed_length = r.i32().map_err(e)?;
+    p.dry_penalty_last_n = r.i32().map_err(e)?;
+    p.xtc_probability = r.f32().map_err(e)?;
+    p.xtc_threshold = r.f32().map_err(e)?;
+    p.validate()
+        .map_err(|err| malformed(&format!("sampling params: {err}")))?;
+    Ok(p)
+}

@@ -1,0 +1,218 @@
+//! Saving and loading branches and whole contexts. A file is sealed by
+//! `kvfork_core::persist` (version, model identity, checksum) and is fully verified and
+//! parsed before anything reaches llama.cpp, which trusts the KV bytes it is given.
+//!
+//! - Branch file: the branch's record, then its sequence's KV cells.
+//! - Context file: every live branch (parents first: parent index, fork head, sequence id,
+//!   record), then the KV cells of all sequences at once, so shared prefixes stay shared.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvfork_core::persist::{self, Kind, Reader, Writer};
+use kvfork_core::Handle;
+
+use crate::branch::Branch;
+use crate::branch_state::{state_error, BranchState};
+use crate::context::Context;
+use crate::engine::{BranchCell, Pending, Worker};
+use crate::error::{Error, Result};
+
+/// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".kvfork-tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io(path, e)
+        })
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
+fn check_position(position: i32, n_ctx: u32) -> Result<()> {
+    if position as u32 >= n_ctx {
+        return Err(Error::State(format!(
+            "the saved branch is at position {position}, beyond this context's n_ctx = {n_ctx}"
+        )));
+    }
+    Ok(())
+}
+
+impl Branch {
+    /// Save the branch (KV cells, position, sampler params and RNG, grammar, biases, metrics)
+    /// to `path`, after the work already queued on it.
+    pub fn save(&self, path: impl Into<PathBuf>) -> Pending<()> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let (cell, path) = (self.cell().clone(), path.into());
+        self.context().run(move |w| {
+            let mut out = Writer::new();
+            let seq = {
+                let st = cell.lock();
+                st.write(&mut out);
+                st.seq
+            };
+            out.bytes(&w.ctx.kv_state(seq)?);
+            let model_id = w.shared.model.identity();
+            write_atomically(
+                &path,
+                &persist::seal(Kind::Branch, model_id, &out.into_bytes()),
+            )
+        })
+    }
+
+    /// A new root branch on a fresh lease of `ctx`, restored from a file `save` wrote (with
+    /// any context of the same model). It continues exactly as the saved branch would have.
+    pub fn load(ctx: &Context, path: impl Into<PathBuf>) -> Pending<Branch> {
+        if let Err(e) = ctx.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        let (ctx2, path) = (ctx.clone(), path.into());
+        ctx.run(move |w| {
+            let file = read_file(&path)?;
+            let model = w.shared.model.clone();
+            let payload =
+                persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
+            let mut r = Reader::new(payload);
+            let state = BranchState::read(&mut r, &model, -1)?;
+            let kv = r.bytes().map_err(state_error)?;
+            r.finish().map_err(state_error)?;
+            check_position(state.position, w.ctx.n_ctx)?;
+            let cell = BranchCell::new(state);
+            let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
+            cell.lock().seq = seq as i32;
+            let restored = w
+                .ctx
+                .clear_seq(seq as i32)
+                .and_then(|_| w.ctx.set_kv_state(seq as i32, kv));
+            if let Err(e) = restored {
+                w.shared.registry().prune(handle)?;
+                cell.mark_disposed();
+                return Err(e);
+            }
+            Ok(Branch::from_parts(ctx2, handle, cell))
+        })
+    }
+}
+
+/// A live branch as the context file lists it.
+struct Listed {
+    handle: Handle,
+    parent: Option<Handle>,
+    fork_head: u32,
+    seq: u32,
+    cell: Arc<BranchCell>,
+}
+
+/// Live branches, each after its parent.
+fn tree_order(w: &Worker) -> Vec<Listed> {
+    let reg = w.shared.registry();
+    let mut out = Vec::with_capacity(reg.len());
+    let mut stack: Vec<Handle> = reg
+        .iter()
+        .filter(|(_, n)| n.parent.is_none())
+        .map(|(h, _)| h)
+        .collect();
+    stack.reverse();
+    while let Some(h) = stack.pop() {
+        let n = reg.get(h).expect("listed as live");
+        out.push(Listed {
+            handle: h,
+            parent: n.parent,
+            fork_head: n.fork_head,
+            seq: n.seq,
+            cell: n.data.clone(),
+        });
+        stack.extend(n.children.iter().rev().copied());
+    }
+    out
+}
+
+impl Context {
+    /// Save every live branch and the whole KV cache to `path` (shared prefixes once).
+    pub fn save_state(&self, path: impl Into<PathBuf>) -> Pending<()> {
+        if let Err(e) = self.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        let path = path.into();
+        self.run(move |w| {
+            let branches = tree_order(w);
+            let index = |h: Handle| branches.iter().position(|b| b.handle == h);
+            let mut out = Writer::new();
+            out.u64(branches.len() as u64);
+            for b in &branches {
+                let parent = b.parent.and_then(index).map_or(-1, |i| i as i32);
+                out.i32(parent).u32(b.fork_head).u32(b.seq);
+                b.cell.lock().write(&mut out);
+            }
+            out.bytes(&w.ctx.kv_state(-1)?);
+            let model_id = w.shared.model.identity();
+            write_atomically(
+                &path,
+                &persist::seal(Kind::Context, model_id, &out.into_bytes()),
+            )
+        })
+    }
+
+    /// Restore a file `save_state` wrote into this context, which must have no live branch.
+    /// Returns the restored branches, each after its parent, on the sequences they had.
+    pub fn load_state(&self, path: impl Into<PathBuf>) -> Pending<Vec<Branch>> {
+        if let Err(e) = self.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        let (ctx, path) = (self.clone(), path.into());
+        self.run(move |w| {
+            if !w.shared.registry().is_empty() {
+                return Err(Error::Other(
+                    "load_state needs a context without live branches: prune them first".into(),
+                ));
+            }
+            let file = read_file(&path)?;
+            let model = w.shared.model.clone();
+            let payload =
+                persist::open(&file, Kind::Context, model.identity()).map_err(state_error)?;
+            let mut r = Reader::new(payload);
+            let n = r.u64().map_err(state_error)?;
+            let mut saved = Vec::new();
+            let mut seqs = std::collections::HashSet::new();
+            for i in 0..n {
+                let parent = r.i32().map_err(state_error)?;
+                let fork_head = r.u32().map_err(state_error)?;
+                let seq = r.u32().map_err(state_error)?;
+                if parent >= i as i32 || parent < -1 {
+                    return Err(Error::State("a branch's parent comes after it".into()));
+                }
+                if seq >= w.ctx.n_seq_max || !seqs.insert(seq) {
+                    return Err(Error::State(format!(
+                        "the file needs sequence {seq}: this context has n_seq_max = {}",
+                        w.ctx.n_seq_max
+                    )));
+                }
+                let state = BranchState::read(&mut r, &model, seq as i32)?;
+                check_position(state.position, w.ctx.n_ctx)?;
+                saved.push((parent, fork_head, seq, state));
+            }
+            let kv = r.bytes().map_err(state_error)?;
+            r.finish().map_err(state_error)?;
+            w.ctx.set_kv_state(-1, kv)?;
+            let mut handles: Vec<Handle> = Vec::with_capacity(saved.len());
+            let mut branches = Vec::with_capacity(saved.len());
+            let mut reg = w.shared.registry();
+            for (parent, fork_head, seq, state) in saved {
+                let parent = usize::try_from(parent).ok().map(|i| handles[i]);
+                let cell = BranchCell::new(state);
+                let h = reg.restore(parent, fork_head, seq, cell.clone())?;
+                handles.push(h);
+                branches.push(Branch::from_parts(ctx.clone(), h, cell));
+            }
+            Ok(branches)
+        })
+    }
+}
