@@ -1,0 +1,131 @@
+"""Greedy tokens of kvfork against llama-cpp-python (the peer), per model and prompt.
+
+Both sides decode the same token ids (kvfork's tokenization, also compared) on one
+sequence: the prompt in one batch, then one token per step. Different builds of ggml may
+round differently, so tokens are compared up to the first near-tie of kvfork's logits (the
+best two within 1.0): beyond that point either choice is correct.
+
+usage: python benchmarks/peer_greedy.py --peer-python /tmp/peer/bin/python [--tokens 48]
+The peer: llama-cpp-python 0.3.36 in its own venv (BENCHMARKS.md, "peer").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import kvfork
+
+# Runs under the peer's Python: greedy argmax over llama-cpp-python's logits.
+PEER_CODE = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+
+job = json.load(sys.stdin)
+llm = Llama(model_path=job["model"], n_ctx=2048, n_batch=512, verbose=False, seed=0)
+out = {}
+for name, case in job["cases"].items():
+    llm.reset()
+    tokens = case["tokens"]
+    llm.eval(tokens)
+    got = []
+    for _ in range(job["n"]):
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        got.append(t)
+        if llm.token_eos() == t or t in job["stops"]:
+            break
+        llm.eval([t])
+    peer_tokens = llm.tokenize(case["text"].encode(), add_bos=True, special=True)
+    out[name] = {"greedy": got, "tokenized": peer_tokens}
+json.dump(out, sys.stdout)
+"""
+
+
+def kvfork_greedy(
+    ctx: kvfork.Context, tokens: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+    b.prefill_sync(tokens)
+    got, margins = [], []
+    for _ in range(n):
+        top2 = np.partition(b.logits(), -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        t = b.produce_sync()
+        got.append(t.token)
+        if t.is_stop:
+            break
+        b.commit_sync(t)
+    b.prune_sync()
+    return got, margins
+
+
+def agreement(ours: list[int], peer: list[int], margins: list[float]) -> tuple[int, int, bool]:
+    """(tokens equal before the first near-tie, tokens compared, whether all compared agree)."""
+    compared = 0
+    for i, (a, b) in enumerate(zip(ours, peer, strict=False)):
+        if margins[i] < 1.0:
+            break
+        compared += 1
+        if a != b:
+            return i, compared, False
+    return compared, compared, True
+
+
+def cases(ctx: kvfork.Context) -> dict[str, str]:
+    plain = {
+        "completion": "The history of the printing press begins with",
+        "counting": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
+    }
+    if ctx.model.chat_template is not None:
+        chat = ctx.format_chat([{"role": "user", "content": "What is the capital of France?"}])
+        plain["chat"] = chat.prompt
+    return plain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
+    ap.add_argument("--tokens", type=int, default=48)
+    args = ap.parse_args()
+    models = {
+        "Gemma 3 270M": kvfork.default_model_path(),
+        "SmolLM2-135M-Instruct": kvfork.default_chat_model_path(),
+    }
+    print("| model | prompt | tokenization equal | greedy tokens equal / compared | agree |")
+    print("|---|---|---|---|---|")
+    failures = 0
+    for label, path in models.items():
+        with kvfork.create_context_sync(path, n_ctx=2048, n_seq_max=1) as ctx:
+            texts = cases(ctx)
+            job_cases = {
+                name: {"text": text, "tokens": ctx.tokenize(text, parse_special=True)}
+                for name, text in texts.items()
+            }
+            stops = [t for t in range(ctx.vocab_size) if ctx.is_stop_token(t)]
+            job = {"model": str(path), "cases": job_cases, "n": args.tokens, "stops": stops}
+            peer = json.loads(
+                subprocess.run(
+                    [args.peer_python, "-c", PEER_CODE],
+                    input=json.dumps(job),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
+            for name, case in job_cases.items():
+                ours, margins = kvfork_greedy(ctx, case["tokens"], args.tokens)
+                equal, compared, ok = agreement(ours, peer[name]["greedy"], margins)
+                same_tok = peer[name]["tokenized"] == case["tokens"]
+                failures += not ok
+                print(f"| {label} | {name} | {same_tok} | {equal} / {compared} | {ok} |")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Issue 10: embeddings on a context created with embeddings=True (the default Gemma 3 270M;
+no GGUF embedding model is packaged on PyPI)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import kvfork
+import numpy as np
+import pytest
+
+CAT = "The cat sat on the mat."
+CAT_AGAIN = "A cat was sitting on a mat."
+MARKETS = "Stock markets fell sharply after the central bank raised interest rates."
+
+
+@pytest.fixture
+def emb(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    with kvfork.create_context_sync(
+        model, n_ctx=1024, n_batch=256, n_seq_max=4, embeddings=True, pooling="mean"
+    ) as c:
+        yield c
+
+
+def test_unit_vectors_that_rank_meaning(emb: kvfork.Context) -> None:
+    v = emb.embed_sync(CAT)
+    assert v.shape == (emb.embedding_dim,) and v.dtype == np.float32
+    assert emb.embedding_dim == 640  # Gemma 3 270M
+    assert abs(float(np.linalg.norm(v)) - 1.0) < 1e-5
+    again = emb.embed_sync(emb.tokenize(CAT))  # tokens give the same vector as the text
+    assert float(v @ again) > 0.99
+    related = float(v @ emb.embed_sync(CAT_AGAIN))
+    unrelated = float(v @ emb.embed_sync(MARKETS))
+    assert related > unrelated + 0.1, (related, unrelated)
+    raw = emb.embed_sync(CAT, normalize=False)
+    assert float(np.linalg.norm(raw)) != pytest.approx(1.0)
+    assert np.allclose(raw / np.linalg.norm(raw), v, atol=1e-5)
+
+
+def test_embed_batch_packs_texts_into_few_decodes(emb: kvfork.Context) -> None:
+    texts = [CAT, CAT_AGAIN, MARKETS, CAT, "x " * 100, "short"]
+    before = emb.stats()["decode_calls"]
+    m = emb.embed_batch_sync(texts)
+    decodes = emb.stats()["decode_calls"] - before
+    lengths = [len(emb.tokenize(t)) for t in texts]
+    # n_seq_max = 4 texts per decode at most, and each decode within n_batch = 256 tokens.
+    assert decodes == 2, (decodes, lengths)
+    assert m.shape == (len(texts), emb.embedding_dim)
+    assert np.allclose(np.linalg.norm(m, axis=1), 1.0, atol=1e-5)
+    assert float(m[0] @ m[3]) > 0.99
+    singles = np.stack([emb.embed_sync(t) for t in texts])
+    # Batched vs alone: the same vectors up to the float noise of other batch shapes.
+    assert np.all(np.sum(m * singles, axis=1) > 0.995)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "last"])
+def test_other_poolings(model: kvfork.Model, pooling: str) -> None:
+    with kvfork.create_context_sync(
+        model, n_ctx=512, n_seq_max=2, embeddings=True, pooling=pooling
+    ) as c:
+        a, b = c.embed_batch_sync([CAT, CAT])
+        assert float(a @ b) > 0.99 and abs(float(np.linalg.norm(a)) - 1) < 1e-5
+
+
+def test_pooling_none_gives_one_row_per_token(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(
+        model, n_ctx=512, n_seq_max=2, embeddings=True, pooling="none"
+    ) as c:
+        rows = c.embed_sync(CAT)
+        assert rows.shape == (len(c.tokenize(CAT)), c.embedding_dim)
+        with pytest.raises(ValueError, match="pooled"):
+            c.embed_batch_sync([CAT, MARKETS])
+
+
+def test_embedding_errors(emb: kvfork.Context, ctx: kvfork.Context) -> None:
+    with pytest.raises(kvfork.KvforkError, match="embeddings=True"):
+        ctx.embed_sync(CAT)
+    with pytest.raises(ValueError, match="n_batch"):
+        emb.embed_sync("word " * 400)
+    with pytest.raises(ValueError, match="no tokens"):
+        emb.embed_sync([])
+    with pytest.raises(TypeError, match="one str"):
+        emb.embed_batch_sync(CAT)
+    with pytest.raises(ValueError, match="pooling"):
+        kvfork.create_context_sync(ctx.model, embeddings=True, pooling="max")
+    b = kvfork.Branch.create(emb, 0)
+    with pytest.raises(kvfork.KvforkError, match="prune its branches"):
+        emb.embed_sync(CAT)
+    b.prune_sync()
+    assert emb.embed_sync(CAT).shape == (emb.embedding_dim,)
+
+
+def test_async_embed(emb: kvfork.Context) -> None:
+    async def main() -> tuple[np.ndarray, np.ndarray]:
+        return await emb.embed(CAT), await emb.embed_batch([CAT, MARKETS])
+
+    one, many = asyncio.run(main())
+    assert float(one @ many[0]) > 0.999

@@ -1,0 +1,38 @@
+"""The examples run, and do what their docstrings say."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_infinite_context_streams_three_contexts_of_text() -> None:
+    produced, ppl, text = asyncio.run(example("infinite_context").stream(n_ctx=256, tail=48))
+    assert produced == 3 * 256
+    assert math.isfinite(ppl) and ppl < 50
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.8 * len(text)
+
+
+def test_embed_and_save(tmp_path: Path) -> None:
+    tour = example("embed_and_save")
+    ranked = [sentence for _, sentence in tour.rank("The cat lay on the carpet.")]
+    assert ranked[-1] == "Stock markets fell sharply today."
+    expected, continued = tour.save_and_resume(tmp_path)
+    assert expected and continued == expected
+
+
+def test_best_of_n() -> None:
+    asyncio.run(example("best_of_n").main(3, 8))
