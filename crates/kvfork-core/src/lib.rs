@@ -5,12 +5,14 @@
 
 pub mod arena;
 pub mod error;
+pub mod gbnf;
 pub mod handle;
 pub mod json;
 pub mod lease;
 pub mod metrics;
 pub mod packer;
 pub mod persist;
+pub mod threads;
 pub mod tree;
 
 pub use arena::Arena;

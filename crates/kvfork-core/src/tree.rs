@@ -185,6 +185,26 @@ impl<T> Registry<T> {
         Ok(self.remove_leaf(h))
     }
 
+    /// Removes `h` but not its children: they take its place under its parent (in its slot
+    /// of the parent's child list, in order), or become roots. Their `fork_head` is kept:
+    /// their KV cells carry their own sequence ids, so nothing they hold is lost.
+    pub fn prune_keep_children(&mut self, h: Handle) -> Result<Pruned<T>, TenancyError> {
+        let node = self.node(h)?;
+        let (parent, children) = (node.parent, node.children.clone());
+        for &c in &children {
+            self.nodes.get_mut(c).expect("live child").parent = parent;
+        }
+        if let Some(p) = parent {
+            let siblings = &mut self.nodes.get_mut(p).expect("live parent").children;
+            let at = siblings.iter().position(|&c| c == h).expect("listed");
+            siblings.splice(at..=at, children);
+        }
+        let node = self.nodes.get_mut(h).expect("checked above");
+        node.children.clear();
+        node.parent = None;
+        Ok(self.remove_leaf(h))
+    }
+
     /// Removes `h` and all its descendants, children before parents (siblings
     /// in creation order), which is the order the results are returned in.
     pub fn prune_subtree(&mut self, h: Handle) -> Result<Vec<Pruned<T>>, TenancyError> {
@@ -325,6 +345,30 @@ mod tests {
         assert_eq!(r.len(), 2);
         assert_eq!(r.create_root("next").unwrap().1, 1);
         r.check_invariants();
+    }
+
+    #[test]
+    fn prune_keep_children_reparents_in_place() {
+        let mut r = Registry::new(6);
+        let (root, _) = r.create_root("root").unwrap();
+        let (a, _) = r.fork(root, 3, "a").unwrap();
+        let (mid, mid_seq) = r.fork(root, 4, "mid").unwrap();
+        let (z, _) = r.fork(root, 5, "z").unwrap();
+        let (k1, _) = r.fork(mid, 7, "k1").unwrap();
+        let (k2, _) = r.fork(mid, 8, "k2").unwrap();
+        let pruned = r.prune_keep_children(mid).unwrap();
+        assert_eq!((pruned.seq, pruned.data), (mid_seq, "mid"));
+        assert_eq!(r.children(root), Some(&[a, k1, k2, z][..]));
+        assert_eq!(r.parent(k1), Some(Some(root)));
+        assert_eq!(r.get(k2).unwrap().fork_head, 8);
+        assert_eq!(r.available(), 1);
+        r.check_invariants();
+        // A root's children become roots.
+        r.prune_keep_children(root).unwrap();
+        assert_eq!(r.parent(a), Some(None));
+        assert_eq!(r.parent(z), Some(None));
+        r.check_invariants();
+        assert!(r.prune_keep_children(mid).is_err());
     }
 
     #[test]
