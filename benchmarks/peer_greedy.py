@@ -15,11 +15,9 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-import numpy as np
 
 import kvfork
+import numpy as np
 
 # Runs under the peer's Python: greedy argmax over llama-cpp-python's logits.
 PEER_CODE = r"""
@@ -28,12 +26,15 @@ import numpy as np
 from llama_cpp import Llama
 
 job = json.load(sys.stdin)
-llm = Llama(model_path=job["model"], n_ctx=2048, n_batch=512, verbose=False, seed=0)
+llm = Llama(model_path=job["model"], n_ctx=2048, n_batch=512, logits_all=True, verbose=False)
 out = {}
 for name, case in job["cases"].items():
     llm.reset()
     tokens = case["tokens"]
     llm.eval(tokens)
+    row = llm.scores[llm.n_tokens - 1]
+    top = [int(i) for i in np.argsort(-row)[:50]]
+    first = {"ids": top, "logits": [float(row[i]) for i in top]}
     got = []
     for _ in range(job["n"]):
         t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -42,16 +43,18 @@ for name, case in job["cases"].items():
             break
         llm.eval([t])
     peer_tokens = llm.tokenize(case["text"].encode(), add_bos=True, special=True)
-    out[name] = {"greedy": got, "tokenized": peer_tokens}
+    out[name] = {"greedy": got, "tokenized": peer_tokens, "first": first}
 json.dump(out, sys.stdout)
 """
 
 
 def kvfork_greedy(
     ctx: kvfork.Context, tokens: list[int], n: int
-) -> tuple[list[int], list[float]]:
+) -> tuple[list[int], list[float], np.ndarray]:
+    """Greedy tokens, each one's margin over the runner-up, and the prompt's logits row."""
     b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
     b.prefill_sync(tokens)
+    first = b.logits()
     got, margins = [], []
     for _ in range(n):
         top2 = np.partition(b.logits(), -2)[-2:]
@@ -62,7 +65,7 @@ def kvfork_greedy(
             break
         b.commit_sync(t)
     b.prune_sync()
-    return got, margins
+    return got, margins, first
 
 
 def agreement(ours: list[int], peer: list[int], margins: list[float]) -> tuple[int, int, bool]:
@@ -97,8 +100,11 @@ def main() -> None:
         "Gemma 3 270M": kvfork.default_model_path(),
         "SmolLM2-135M-Instruct": kvfork.default_chat_model_path(),
     }
-    print("| model | prompt | tokenization equal | greedy tokens equal / compared | agree |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | prompt | tokenization equal | equal before the first near-tie "
+        "| whole sequences equal | max abs logit diff, prompt row (top 50) | agree |"
+    )
+    print("|---|---|---|---|---|---|---|")
     failures = 0
     for label, path in models.items():
         with kvfork.create_context_sync(path, n_ctx=2048, n_seq_max=1) as ctx:
@@ -119,11 +125,18 @@ def main() -> None:
                 ).stdout
             )
             for name, case in job_cases.items():
-                ours, margins = kvfork_greedy(ctx, case["tokens"], args.tokens)
+                ours, margins, first = kvfork_greedy(ctx, case["tokens"], args.tokens)
+                theirs = peer[name]["first"]
+                diff = float(np.max(np.abs(first[theirs["ids"]] - np.array(theirs["logits"]))))
                 equal, compared, ok = agreement(ours, peer[name]["greedy"], margins)
                 same_tok = peer[name]["tokenized"] == case["tokens"]
                 failures += not ok
-                print(f"| {label} | {name} | {same_tok} | {equal} / {compared} | {ok} |")
+                same = ours == peer[name]["greedy"]
+                whole = f"{same} ({len(ours)} tokens)"
+                print(
+                    f"| {label} | {name} | {same_tok} | {equal} / {compared} | {whole} "
+                    f"| {diff:.3f} | {ok} |"
+                )
     sys.exit(1 if failures else 0)
 
 

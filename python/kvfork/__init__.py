@@ -36,10 +36,10 @@ from ._native import (
     Token,
     TokenStream,
     TokenStreamSync,
-    create_context,
     create_context_sync,
     system_info,
 )
+from ._open import ContextOpening, create_context
 
 __version__: str = _native.__version__
 
@@ -72,6 +72,7 @@ __all__ = [
     "Chat",
     "ChatTemplateError",
     "Context",
+    "ContextOpening",
     "DecodeError",
     "FormattedChat",
     "GrammarError",

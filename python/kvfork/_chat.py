@@ -29,6 +29,12 @@ class Chat:
         template: str | None = None,
         **template_kwargs: Any,
     ) -> None:
+        """Start a conversation on ``ctx`` (no branch is taken until the first turn).
+
+        ``params``: the reply's SamplingParams (or a dict; None for the defaults); ``system``:
+        an optional system message; ``template`` and ``template_kwargs``: as in
+        ``Context.format_chat``. From its first turn it holds one lease of ``ctx`` (``branch``).
+        """
         self.ctx = ctx
         self.params = params
         self.template = template

@@ -13,6 +13,10 @@ use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::params;
 use crate::token::PyToken;
 
+/// One decode sequence on its own KV lease, with its own sampler chain, grammar, logit bias,
+/// steer, logits snapshot and perplexity trackers; forks share their parent's KV prefix.
+/// Made by `Branch.create(ctx, ...)` or `fork()`; it holds its lease until `prune()`, and any
+/// use after that raises BranchDisposedError.
 #[pyclass(frozen, module = "kvfork", name = "Branch")]
 pub struct PyBranch {
     pub inner: kvfork::Branch,
@@ -52,6 +56,16 @@ fn max_count(max_tokens: Option<Int>) -> PyResult<Option<usize>> {
         .transpose()
 }
 
+impl PyBranch {
+    fn pruning(&self, keep_children: bool) -> kvfork::Pending<()> {
+        if keep_children {
+            self.inner.prune_keep_children()
+        } else {
+            self.inner.prune()
+        }
+    }
+}
+
 #[pymethods]
 impl PyBranch {
     /// Branches come from `Branch.create(ctx, ...)` or `branch.fork()`.
@@ -66,6 +80,7 @@ impl PyBranch {
 
     /// A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
     /// for the engine (emptying the lease is queued ahead of the branch's own work).
+    /// LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a bad argument.
     #[classmethod]
     #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None))]
     fn create(
@@ -97,6 +112,8 @@ impl PyBranch {
         awaitable_none(py, self.inner.prefill(tokens))
     }
 
+    /// Blocking twin of `prefill`: returns None once the tokens are decoded. Waits without the
+    /// GIL; Ctrl-C aborts and rolls the prefill back, then raises KeyboardInterrupt.
     fn prefill_sync(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let tokens = convert::tokens(tokens, "tokens")?;
         wait(py, self.inner.prefill(tokens))
@@ -108,6 +125,8 @@ impl PyBranch {
         awaitable(py, self.inner.produce(), |p| Ok(PyToken::from(p)))
     }
 
+    /// Blocking twin of `produce`: returns the sampled Token, not committed. Waits without the
+    /// GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
     fn produce_sync(&self, py: Python<'_>) -> PyResult<PyToken> {
         Ok(wait(py, self.inner.produce())?.into())
     }
@@ -123,6 +142,9 @@ impl PyBranch {
         awaitable_none(py, self.inner.commit(token_arg(token)?))
     }
 
+    /// Blocking twin of `commit`: returns None once the token is accepted and decoded (a failed
+    /// decode is rolled back and raised). Waits without the GIL; on Ctrl-C a started commit
+    /// completes, then KeyboardInterrupt is raised.
     fn commit_sync(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
         wait(py, self.inner.commit(token_arg(token)?))
     }
@@ -148,6 +170,9 @@ impl PyBranch {
         Ok(PyGenerator::new(self.inner.clone(), max_count(max_tokens)?))
     }
 
+    /// Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
+    /// Each step waits without the GIL; on Ctrl-C a started step completes (its token is
+    /// committed, not yielded), then KeyboardInterrupt is raised.
     #[pyo3(signature = (max_tokens=None))]
     fn generate_sync(&self, max_tokens: Option<Int>) -> PyResult<PyGeneratorSync> {
         Ok(PyGeneratorSync::new(
@@ -167,13 +192,17 @@ impl PyBranch {
     /// taken) or completed (the child exists, as a child of this branch).
     ///
     /// Without `seed` the child samples exactly like its parent until reseeded: forks made
-    /// for diversity need `seed=` (or `reseed_sampler`).
+    /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease is
+    /// free.
     #[pyo3(signature = (*, seed=None))]
     fn fork<'py>(&self, py: Python<'py>, seed: Option<Int>) -> PyResult<Bound<'py, PyAny>> {
         let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
         awaitable(py, self.inner.fork(seed), |b| Ok(wrap(b)))
     }
 
+    /// Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is
+    /// free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists),
+    /// then KeyboardInterrupt is raised.
     #[pyo3(signature = (*, seed=None))]
     fn fork_sync(&self, py: Python<'_>, seed: Option<Int>) -> PyResult<Self> {
         let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
@@ -188,6 +217,8 @@ impl PyBranch {
         awaitable_none(py, self.inner.save(path))
     }
 
+    /// Blocking twin of `save`: returns None once the file is written. Waits without the GIL;
+    /// Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
     fn save_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         wait(py, self.inner.save(path))
     }
@@ -207,6 +238,9 @@ impl PyBranch {
         })
     }
 
+    /// Blocking twin of `load`: returns the restored Branch; StateFileError for a corrupt,
+    /// truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as
+    /// an await would, and raises KeyboardInterrupt.
     #[classmethod]
     fn load_sync(
         _cls: &Bound<'_, PyType>,
@@ -234,6 +268,9 @@ impl PyBranch {
         awaitable_none(py, self.inner.reseed_context(sinks, tail))
     }
 
+    /// Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled.
+    /// Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises
+    /// KeyboardInterrupt.
     fn reseed_context_sync(
         &self,
         py: Python<'_>,
@@ -245,14 +282,22 @@ impl PyBranch {
         wait(py, self.inner.reseed_context(sinks, tail))
     }
 
-    /// Dispose (RESTRICT: raises KvforkError with live children). `disposed` is True at once,
-    /// and the rest always happens, even if the await is cancelled.
-    fn prune<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.prune())
+    /// Dispose the branch and free its KV lease; siblings and the shared prefix are
+    /// untouched. RESTRICT by default: raises KvforkError while it has live children.
+    /// `keep_children=True` frees the lease anyway: the children keep the cells they share
+    /// with it and move to its parent (or become roots) — e.g. a dropped beam whose forks
+    /// survive. `disposed` is True at once and the rest always happens, even if the await is
+    /// cancelled; a second prune is a no-op.
+    #[pyo3(signature = (*, keep_children=false))]
+    fn prune<'py>(&self, py: Python<'py>, keep_children: bool) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.pruning(keep_children))
     }
 
-    fn prune_sync(&self, py: Python<'_>) -> PyResult<()> {
-        wait(py, self.inner.prune())
+    /// Blocking twin of `prune`: returns None once the lease is freed; KvforkError while the
+    /// branch has live children, unless `keep_children=True`. Always completes, even on Ctrl-C.
+    #[pyo3(signature = (*, keep_children=false))]
+    fn prune_sync(&self, py: Python<'_>, keep_children: bool) -> PyResult<()> {
+        wait(py, self.pruning(keep_children))
     }
 
     /// Dispose this branch and its whole subtree (CASCADE). Always completes once called.
@@ -260,40 +305,54 @@ impl PyBranch {
         awaitable_none(py, self.inner.prune_subtree())
     }
 
+    /// Blocking twin of `prune_subtree`: returns None once the branch and all its descendants
+    /// are disposed. Waits without the GIL; always completes, even on Ctrl-C.
     fn prune_subtree_sync(&self, py: Python<'_>) -> PyResult<()> {
         wait(py, self.inner.prune_subtree())
     }
 
+    /// The Branch this one was forked from, or None for a root (and for a disposed branch).
     #[getter]
     fn parent(&self) -> Option<Self> {
         self.inner.parent().map(wrap)
     }
 
+    /// The live branches forked from this one, as a list (empty for a leaf or a disposed
+    /// branch).
     #[getter]
     fn children(&self) -> Vec<Self> {
         self.inner.children().into_iter().map(wrap).collect()
     }
 
+    /// True when the branch has no live children (also True once it is disposed).
     #[getter]
     fn is_leaf(&self) -> bool {
         self.inner.is_leaf()
     }
 
+    /// True while the branch holds its KV lease; False once it is pruned or its context closed.
     #[getter]
     fn is_active(&self) -> bool {
         self.inner.is_active()
     }
 
+    /// True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
+    /// context's `close`), from the moment the call is made; any use then raises
+    /// BranchDisposedError.
     #[getter]
     fn disposed(&self) -> bool {
         self.inner.disposed()
     }
 
+    /// The position at which this branch was forked from its parent (0 for a root).
+    /// Raises BranchDisposedError once the branch is pruned.
     #[getter]
     fn fork_head(&self) -> PyResult<u32> {
         self.inner.fork_head().py()
     }
 
+    /// Tokens in the branch's KV sequence: the position its next token is decoded at (the
+    /// `position` it was created at, before any prefill). Raises BranchDisposedError once pruned.
     #[getter]
     fn position(&self) -> PyResult<i32> {
         self.inner.position().py()
@@ -311,6 +370,8 @@ impl PyBranch {
         self.inner.seq_id().py()
     }
 
+    /// The branch's current SamplingParams (from `create` or the last `set_sampler_params`).
+    /// Raises BranchDisposedError once pruned.
     #[getter]
     fn params(&self) -> PyResult<crate::params::PySamplingParams> {
         Ok(crate::params::PySamplingParams {
@@ -320,10 +381,16 @@ impl PyBranch {
 
     // ---- sampler control ----
 
+    /// Restart the sampler's RNG stream from `seed` (an int in [0, 2**32)), keeping the params,
+    /// penalty/DRY history and Mirostat state. Forks sample like their parent until reseeded.
+    /// ValueError for a seed out of range.
     fn reseed_sampler(&self, seed: Int) -> PyResult<()> {
         self.inner.reseed_sampler(seed.u32("seed", 0)?).py()
     }
 
+    /// Rebuild the sampler chain from `params` (a SamplingParams or a dict); a no-op when equal.
+    /// The RNG stream, penalty/DRY history and Mirostat state carry on, unless `params` names a
+    /// new seed. ValueError (naming the field) for a bad value.
     fn set_sampler_params(&self, params: &Bound<'_, PyAny>) -> PyResult<()> {
         let params = params::extract(Some(params))?;
         self.inner.set_sampler_params(&params).py()
@@ -373,6 +440,7 @@ impl PyBranch {
         self.inner.set_logit_bias(convert::bias_map(bias)?).py()
     }
 
+    /// Remove every static bias set by `set_logit_bias`.
     fn clear_logit_bias(&self) -> PyResult<()> {
         self.inner.set_logit_bias(Vec::new()).py()
     }
@@ -382,35 +450,63 @@ impl PyBranch {
         self.inner.steer(convert::bias_map(bias)?).py()
     }
 
+    /// Remove every dynamic bias set by `steer`.
     fn clear_steer(&self) -> PyResult<()> {
         self.inner.steer(Vec::new()).py()
     }
 
     // ---- metrics ----
 
+    /// exp(mean surprisal) of the accepted tokens under the raw logits (model level);
+    /// prefilled tokens do not count. inf before any accepted token.
     #[getter]
     fn perplexity(&self) -> PyResult<f64> {
         self.inner.perplexity().py()
     }
 
+    /// Like `perplexity`, under the filtered distribution the sampler drew from (grammar,
+    /// biases and chain applied): inf before any accepted token, and once a token it had
+    /// filtered out was accepted.
     #[getter]
     fn sampling_perplexity(&self) -> PyResult<f64> {
         self.inner.sampling_perplexity().py()
     }
 
+    /// Entropy of the raw logits snapshot, in nats (or bits with `base="bits"`). Raises
+    /// KvforkError before the first prefill or commit, ValueError for another `base`.
     #[pyo3(signature = (base="nats"))]
     fn entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
         let base = log_base(base)?;
         py.detach(|| self.inner.entropy(base)).py()
     }
 
+    /// -log p(`token`) under the raw logits snapshot, in nats (or bits with `base="bits"`);
+    /// inf for a masked token. Raises KvforkError before the first prefill or commit,
+    /// ValueError for a token id out of range or another `base`.
     #[pyo3(signature = (token, base="nats"))]
     fn surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
         let (token, base) = (token_id(token)?, log_base(base)?);
         py.detach(|| self.inner.surprisal(token, base)).py()
     }
 
-    /// A copy of the logits snapshot, float32 of shape (vocab_size,).
+    /// Natural-log probability of `token` under the raw snapshot: log-softmax of the logits,
+    /// computed in Rust (no copy of the row). -inf for a masked token. Raises KvforkError
+    /// before the first prefill or commit (no snapshot yet).
+    fn logprob(&self, py: Python<'_>, token: i64) -> PyResult<f64> {
+        let token = token_id(token)?;
+        py.detach(|| self.inner.logprob(token)).py()
+    }
+
+    /// The `k` most likely tokens of the raw snapshot as `[(token, logprob), ...]`, best
+    /// first, natural log. One pass over the row in Rust; fewer pairs when fewer logits are
+    /// finite. Raises KvforkError before the first prefill or commit.
+    fn top_logprobs(&self, py: Python<'_>, k: Int) -> PyResult<Vec<(i32, f64)>> {
+        let k = k.within("k", 0, i64::from(i32::MAX))? as usize;
+        py.detach(|| self.inner.top_logprobs(k)).py()
+    }
+
+    /// A copy of the raw logits snapshot, float32 of shape (vocab_size,). Raises KvforkError
+    /// before the first prefill or commit.
     fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         // The snapshot is shared out first: no Python runs under the branch lock.
         match self.inner.logits_shared().py()? {

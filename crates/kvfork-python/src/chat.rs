@@ -9,8 +9,12 @@ use serde_json::Value as Json;
 /// that end an assistant turn besides end-of-generation tokens.
 #[pyclass(frozen, module = "kvfork", name = "FormattedChat")]
 pub struct PyFormattedChat {
+    /// The rendered text; tokenize it with `parse_special=True` so the template's markup
+    /// becomes special tokens.
     #[pyo3(get)]
     prompt: String,
+    /// The template's turn-end strings (a list, possibly empty): cut the reply at the first
+    /// one. End-of-generation tokens stop generation anyway.
     #[pyo3(get)]
     stop: Vec<String>,
 }

@@ -55,6 +55,7 @@ fn options(
     n_batch: Int,
     n_seq_max: Int,
     n_threads: Option<Int>,
+    n_threads_batch: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
@@ -73,6 +74,9 @@ fn options(
         n_batch: n_batch.u32("n_batch", 1)?,
         n_seq_max: n_seq_max.u32("n_seq_max", 1)?,
         n_threads: n_threads.map(|t| t.i32("n_threads", 1)).transpose()?,
+        n_threads_batch: n_threads_batch
+            .map(|t| t.i32("n_threads_batch", 1))
+            .transpose()?,
         type_k: kvfork::CacheType::from_name(type_k).py()?,
         type_v: kvfork::CacheType::from_name(type_v).py()?,
         embeddings,
@@ -110,7 +114,7 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
 /// freed as soon as it is built.
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, type_k="f16", type_v="f16",
+                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
                     embeddings=false, pooling=None, n_gpu_layers=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context<'py>(
@@ -120,6 +124,7 @@ pub fn create_context<'py>(
     n_batch: Int,
     n_seq_max: Int,
     n_threads: Option<Int>,
+    n_threads_batch: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
@@ -132,6 +137,7 @@ pub fn create_context<'py>(
         n_batch,
         n_seq_max,
         n_threads,
+        n_threads_batch,
         type_k,
         type_v,
         embeddings,
@@ -148,7 +154,7 @@ pub fn create_context<'py>(
 /// Create a context (blocking twin of `create_context`).
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, type_k="f16", type_v="f16",
+                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
                     embeddings=false, pooling=None, n_gpu_layers=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context_sync(
@@ -158,6 +164,7 @@ pub fn create_context_sync(
     n_batch: Int,
     n_seq_max: Int,
     n_threads: Option<Int>,
+    n_threads_batch: Option<Int>,
     type_k: &str,
     type_v: &str,
     embeddings: bool,
@@ -170,6 +177,7 @@ pub fn create_context_sync(
         n_batch,
         n_seq_max,
         n_threads,
+        n_threads_batch,
         type_k,
         type_v,
         embeddings,
@@ -205,6 +213,7 @@ impl PyContext {
         ))
     }
 
+    /// The Model this context runs (possibly shared with other contexts).
     #[getter]
     fn model(&self) -> PyModel {
         PyModel {
@@ -212,32 +221,42 @@ impl PyContext {
         }
     }
 
+    /// Size of the unified KV cache in cells, shared by all branches (a shared prefix counts
+    /// once); also the furthest position a branch can reach.
     #[getter]
     fn n_ctx(&self) -> u32 {
         self.inner.n_ctx()
     }
 
+    /// Most tokens one llama_decode takes; longer prefills and wider commits are split into
+    /// ceil(total / n_batch) decodes.
     #[getter]
     fn n_batch(&self) -> u32 {
         self.inner.n_batch()
     }
 
+    /// Number of KV sequences (leases): how many branches can be live at once.
     #[getter]
     fn n_seq_max(&self) -> u32 {
         self.inner.n_seq_max()
     }
 
+    /// Number of tokens in the model's vocabulary (the length of a logits row).
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
 
+    /// True once the context is closed (by `close`, leaving a `with` block, or an internal
+    /// error); most calls then raise KvforkError.
     #[getter]
     fn closed(&self) -> bool {
         self.inner.is_closed()
     }
 
-    /// Tokenize with llama.cpp's tokenizer.
+    /// Token ids of `text`, exactly as llama.cpp tokenizes it. `add_special` adds BOS etc. as
+    /// the model asks; `parse_special` reads special-token text (e.g. "<|im_start|>") as those
+    /// tokens. Raises KvforkError when the context is closed.
     #[pyo3(signature = (text, add_special=true, parse_special=false))]
     fn tokenize(
         &self,
@@ -251,6 +270,9 @@ impl PyContext {
             .py()
     }
 
+    /// The text of `tokens`, as llama.cpp detokenizes it. `remove_special` drops the BOS/EOS the
+    /// model adds; `unparse_special` renders special tokens as their text. Raises
+    /// KvforkError when the context is closed, ValueError for a token id out of range.
     #[pyo3(signature = (tokens, *, remove_special=false, unparse_special=false))]
     fn detokenize(
         &self,
@@ -265,19 +287,26 @@ impl PyContext {
             .py()
     }
 
+    /// The text piece of one token (special tokens rendered, invalid UTF-8 replaced). Raises
+    /// KvforkError when the context is closed, ValueError for a token id out of range.
     fn token_to_text(&self, token: i64) -> PyResult<String> {
         self.open()?.token_to_text(token_id(token)?).py()
     }
 
+    /// True when `token` ends generation in this vocabulary (EOS, end-of-turn and the other
+    /// end-of-generation tokens). ValueError for a token id out of range.
     fn is_stop_token(&self, token: i64) -> PyResult<bool> {
         self.inner.is_stop_token(token_id(token)?).py()
     }
 
+    /// The model's end-of-sequence token id, or None if the vocabulary has none. Other tokens
+    /// may also end generation (e.g. end-of-turn): test with `is_stop_token`.
     #[getter]
     fn eog_token(&self) -> Option<i32> {
         self.inner.model().eos()
     }
 
+    /// The model's beginning-of-sequence token id, or None if the vocabulary has none.
     #[getter]
     fn bos_token(&self) -> Option<i32> {
         self.inner.model().bos()
@@ -335,6 +364,8 @@ impl PyContext {
         awaitable_none(py, self.open()?.save_state(path))
     }
 
+    /// Blocking twin of `save_state`: returns None once the file is written. Waits without the
+    /// GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
     fn save_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         wait(py, self.open()?.save_state(path))
     }
@@ -346,6 +377,9 @@ impl PyContext {
         awaitable(py, self.open()?.load_state(path), |bs| Ok(wrap_all(bs)))
     }
 
+    /// Blocking twin of `load_state`: returns the restored branches, each after its parent;
+    /// StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C
+    /// cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
     fn load_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<PyBranch>> {
         Ok(wrap_all(wait(py, self.open()?.load_state(path))?))
     }
@@ -378,6 +412,9 @@ impl PyContext {
         Bound::new(py, op).map(Bound::into_any)
     }
 
+    /// Blocking twin of `embed`: returns the float32 array. KvforkError on a context without
+    /// `embeddings=True`. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await
+    /// would, and raises KeyboardInterrupt.
     #[pyo3(signature = (text_or_tokens, *, normalize=true))]
     fn embed_sync<'py>(
         &self,
@@ -417,6 +454,9 @@ impl PyContext {
         Bound::new(py, op).map(Bound::into_any)
     }
 
+    /// Blocking twin of `embed_batch`: returns a float32 array of shape
+    /// `(len(texts), embedding_dim)`. Waits without the GIL; Ctrl-C cancels it all-or-nothing,
+    /// as an await would, and raises KeyboardInterrupt.
     #[pyo3(signature = (texts, *, normalize=true))]
     fn embed_batch_sync<'py>(
         &self,
@@ -476,10 +516,19 @@ impl PyContext {
         wait(py, self.open()?.debug_panic())
     }
 
-    /// Threads llama.cpp decodes with.
+    /// Threads single-token decodes use now. Unless `create_context` fixed `n_threads`, the
+    /// count adapts to the machine's load: it drops while other processes take the cores
+    /// (busy-waiting threads would only slow each other down) and comes back when they leave.
     #[getter]
     fn n_threads(&self) -> i32 {
         self.inner.n_threads()
+    }
+
+    /// Threads multi-token decodes (prefills, batched steps) use now; adapts like
+    /// `n_threads` unless `create_context` fixed `n_threads_batch`.
+    #[getter]
+    fn n_threads_batch(&self) -> i32 {
+        self.inner.n_threads_batch()
     }
 
     /// Counters since creation: decode_calls, decoded_tokens, decode_seconds, commit_requests.

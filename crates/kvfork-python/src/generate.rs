@@ -2,7 +2,7 @@
 //! unless it is a stop token — so many tasks iterating their own branches share decodes, and
 //! sampling never runs on the event loop's thread.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration};
@@ -13,13 +13,27 @@ use crate::awaitable::{OnCancel, Operation};
 use crate::convert::wait;
 use crate::token::PyToken;
 
+/// Why an iteration ended (`stop_reason`); `RUNNING` until it has.
+const RUNNING: u8 = 0;
+const STOP_TOKEN: u8 = 1;
+const MAX_TOKENS: u8 = 2;
+const CONTEXT_FULL: u8 = 3;
+
+fn reason_name(code: u8) -> Option<&'static str> {
+    match code {
+        STOP_TOKEN => Some("stop_token"),
+        MAX_TOKENS => Some("max_tokens"),
+        CONTEXT_FULL => Some("context_full"),
+        _ => None,
+    }
+}
+
 /// The state shared by the steps of one iteration.
 struct Stepper {
     branch: kvfork::Branch,
     max_tokens: Option<usize>,
     produced: AtomicUsize,
-    /// A stop token was seen (it stays uncommitted; iteration is over).
-    finished: AtomicBool,
+    stop: AtomicU8,
 }
 
 impl Stepper {
@@ -28,16 +42,32 @@ impl Stepper {
             branch,
             max_tokens,
             produced: AtomicUsize::new(0),
-            finished: AtomicBool::new(false),
+            stop: AtomicU8::new(RUNNING),
         })
     }
 
-    /// Queue the next step, or `None` when the iteration is over.
+    fn finish(&self, reason: u8) {
+        let _ = self
+            .stop
+            .compare_exchange(RUNNING, reason, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// Queue the next step, or `None` when the iteration is over: at a stop token, after
+    /// `max_tokens`, or when the branch's position reached `n_ctx` (no room for a token).
     fn next(&self) -> Option<kvfork::Pending<kvfork::Produced>> {
-        let limit = self
+        if self.stop.load(Ordering::Relaxed) != RUNNING {
+            return None;
+        }
+        if self
             .max_tokens
-            .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m);
-        if limit || self.finished.load(Ordering::Relaxed) {
+            .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m)
+        {
+            self.finish(MAX_TOKENS);
+            return None;
+        }
+        let n_ctx = self.branch.context().n_ctx();
+        if self.branch.position().is_ok_and(|p| p as u32 >= n_ctx) {
+            self.finish(CONTEXT_FULL);
             return None;
         }
         Some(self.branch.step())
@@ -46,11 +76,15 @@ impl Stepper {
     /// The token to yield, or `None` at a stop token.
     fn record(&self, p: kvfork::Produced) -> Option<PyToken> {
         if p.is_stop {
-            self.finished.store(true, Ordering::Relaxed);
+            self.finish(STOP_TOKEN);
             return None;
         }
         self.produced.fetch_add(1, Ordering::Relaxed);
         Some(p.into())
+    }
+
+    fn stop_reason(&self) -> Option<&'static str> {
+        reason_name(self.stop.load(Ordering::Relaxed))
     }
 }
 
@@ -71,6 +105,14 @@ impl PyGenerator {
 
 #[pymethods]
 impl PyGenerator {
+    /// Why the stream ended: "stop_token" (an end-of-generation token, not committed),
+    /// "max_tokens", or "context_full" (the branch reached n_ctx: `reseed_context` makes
+    /// room); None while it runs.
+    #[getter]
+    fn stop_reason(&self) -> Option<&'static str> {
+        self.stepper.stop_reason()
+    }
+
     fn __aiter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
@@ -110,6 +152,12 @@ impl PyGeneratorSync {
 
 #[pymethods]
 impl PyGeneratorSync {
+    /// Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs.
+    #[getter]
+    fn stop_reason(&self) -> Option<&'static str> {
+        self.stepper.stop_reason()
+    }
+
     fn __iter__(slf: Py<Self>) -> Py<Self> {
         slf
     }

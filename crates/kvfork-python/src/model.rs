@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 
 use crate::errors::IntoPyResult;
 
+/// Loaded GGUF weights and vocabulary, shareable by several contexts (loaded once).
+/// Load with `Model.load(path)`, or pass a path straight to `create_context`.
 #[pyclass(frozen, module = "kvfork", name = "Model")]
 pub struct PyModel {
     pub inner: Arc<kvfork::Model>,
@@ -28,7 +30,9 @@ pub fn load(
 
 #[pymethods]
 impl PyModel {
-    /// Load a GGUF model (blocking; weights are memory-mapped by default).
+    /// Load a GGUF model (blocking; weights are memory-mapped by default). `n_gpu_layers`:
+    /// layers to offload to the GPU (None: all on a GPU build, else 0). Raises ModelLoadError
+    /// for a file that cannot be loaded.
     #[staticmethod]
     #[pyo3(signature = (path, *, n_gpu_layers=None, use_mmap=true))]
     fn load(
@@ -42,36 +46,43 @@ impl PyModel {
         })
     }
 
+    /// Number of tokens in the vocabulary (the length of a logits row).
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
 
+    /// The context length the model was trained with (GGUF metadata), in tokens.
     #[getter]
     fn n_ctx_train(&self) -> u32 {
         self.inner.n_ctx_train()
     }
 
+    /// Width of the model's hidden state (the embedding size).
     #[getter]
     fn n_embd(&self) -> usize {
         self.inner.n_embd()
     }
 
+    /// The GGUF `general.name`, or the file name without its extension when that is missing.
     #[getter]
     fn name(&self) -> String {
         self.inner.name()
     }
 
+    /// The path the model was loaded from.
     #[getter]
     fn path(&self) -> PathBuf {
         self.inner.path().to_path_buf()
     }
 
+    /// Every GGUF metadata key with its value as a string (llama.cpp summarises arrays).
     #[getter]
     fn metadata(&self) -> BTreeMap<String, String> {
         self.inner.metadata()
     }
 
+    /// The GGUF's Jinja chat template (`tokenizer.chat_template`), or None when it has none.
     #[getter]
     fn chat_template(&self) -> Option<String> {
         self.inner.chat_template()

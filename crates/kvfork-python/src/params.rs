@@ -8,10 +8,12 @@ use crate::errors::IntoPyResult;
 
 /// Generates the class from one field list so names, defaults and kwargs never drift apart.
 macro_rules! sampling_params {
-    ($($field:ident : $ty:ty),* $(,)?) => {
+    ($($(#[$doc:meta])* $field:ident : $ty:ty),* $(,)?) => {
         /// Parameters of a branch's sampler chain. `temperature <= 0` means greedy; `seed=None`
         /// draws a fresh random seed. Order: penalties → DRY → top-n-sigma → top-k → typical →
         /// top-p → min-p → XTC → temperature → draw (Mirostat replaces the truncations).
+        /// Immutable: `replace(**changes)` makes a copy; a bad value raises TypeError or
+        /// ValueError naming the field.
         #[pyclass(frozen, module = "kvfork", name = "SamplingParams")]
         #[derive(Clone)]
         pub struct PySamplingParams {
@@ -48,7 +50,7 @@ macro_rules! sampling_params {
 
         #[pymethods]
         impl PySamplingParams {
-            $(#[getter] fn $field(&self) -> $ty { self.inner.$field.clone() })*
+            $($(#[$doc])* #[getter] fn $field(&self) -> $ty { self.inner.$field.clone() })*
 
             #[new]
             #[pyo3(signature = (**kwargs))]
@@ -91,11 +93,61 @@ macro_rules! sampling_params {
 }
 
 sampling_params! {
-    temperature: f32, top_k: i32, top_p: f32, min_p: f32, typical_p: f32, top_n_sigma: f32,
-    seed: Option<u32>, repeat_penalty: f32, frequency_penalty: f32, presence_penalty: f32,
-    penalty_last_n: i32, mirostat: i32, mirostat_tau: f32, mirostat_eta: f32,
-    dry_multiplier: f32, dry_base: f32, dry_allowed_length: i32, dry_penalty_last_n: i32,
-    xtc_probability: f32, xtc_threshold: f32,
+    /// Divides the logits before the draw: higher is more random. `<= 0` is greedy (argmax),
+    /// unless Mirostat is on. Default 0.8.
+    temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables. Default 40.
+    top_k: i32,
+    /// Nucleus sampling: keep the most likely tokens until their probabilities sum to
+    /// `top_p`; 1.0 disables. Default 0.95.
+    top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
+    /// Default 0.05.
+    min_p: f32,
+    /// Locally typical sampling: keep the tokens whose surprisal is closest to the entropy,
+    /// up to this total probability; 1.0 disables (the default).
+    typical_p: f32,
+    /// Keep tokens whose logit is within `top_n_sigma` standard deviations of the best;
+    /// `<= 0` disables (default -1.0).
+    top_n_sigma: f32,
+    /// Seed of the branch's RNG (XTC, the draw, Mirostat), an int in [0, 2**32); None (the
+    /// default) draws a fresh random seed.
+    seed: Option<u32>,
+    /// Divides positive logits (multiplies negative ones) of tokens in the penalty window;
+    /// 1.0 disables (the default).
+    repeat_penalty: f32,
+    /// Subtracted from a token's logit once per occurrence in the penalty window; 0 disables
+    /// (the default).
+    frequency_penalty: f32,
+    /// Subtracted from the logit of every token present in the penalty window; 0 disables
+    /// (the default).
+    presence_penalty: f32,
+    /// The penalty window: how many recently accepted tokens the repeat, frequency and
+    /// presence penalties look at; -1 = the whole context, 0 disables them. Default 64.
+    penalty_last_n: i32,
+    /// Mirostat: 0 off (the default), 1 Mirostat, 2 Mirostat 2.0. When on it replaces the
+    /// truncation filters (top-k, typical, top-p, min-p) and XTC, and aims at a steady surprise.
+    mirostat: i32,
+    /// Mirostat's target surprise, in bits; its threshold `mu` starts at 2 * tau. Default 5.0.
+    mirostat_tau: f32,
+    /// Mirostat's learning rate: how fast `mu` moves towards the target. Default 0.1.
+    mirostat_eta: f32,
+    /// Strength of the DRY penalty on tokens that would extend a repeated sequence; 0 disables
+    /// (the default).
+    dry_multiplier: f32,
+    /// DRY's penalty grows as `dry_base` to the power of the repeat's length past
+    /// `dry_allowed_length`; must be >= 1. Default 1.75.
+    dry_base: f32,
+    /// Repeats up to this many tokens long go unpenalised by DRY. Default 2.
+    dry_allowed_length: i32,
+    /// How many recent tokens DRY scans for repeats; -1 = the whole context (the default),
+    /// 0 disables DRY.
+    dry_penalty_last_n: i32,
+    /// XTC: the chance, per draw, that it removes the top choices; 0 disables (the default).
+    xtc_probability: f32,
+    /// XTC removes every token at least this likely except the least likely of them; above
+    /// 0.5 it never fires. Default 0.1.
+    xtc_threshold: f32,
 }
 
 /// A TypeError (wrong type) or ValueError (an int out of range) naming the field.

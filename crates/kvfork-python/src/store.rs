@@ -8,6 +8,9 @@ use crate::context::PyContext;
 use crate::convert::{self, awaitable, awaitable_none, wait};
 use crate::token::PyToken;
 
+/// Batched operations over many branches of one context: `commit`, `prefill` and `step`
+/// advance N branches in one llama_decode (ceil(N / n_batch) over more than n_batch), and
+/// `retain_only` keeps one branch's KV. `BranchStore(ctx)` is cheap and holds no lease.
 #[pyclass(frozen, module = "kvfork", name = "BranchStore")]
 pub struct PyBranchStore {
     inner: kvfork::BranchStore,
@@ -80,6 +83,9 @@ impl PyBranchStore {
         awaitable_none(py, self.inner.commit(&commit_entries(entries)?))
     }
 
+    /// Blocking twin of `commit`: returns None once every token is accepted and decoded (a
+    /// failed decode rolls all of them back and raises). Waits without the GIL; on Ctrl-C a
+    /// started commit completes, then KeyboardInterrupt is raised.
     fn commit_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
         wait(py, self.inner.commit(&commit_entries(entries)?))
     }
@@ -94,6 +100,8 @@ impl PyBranchStore {
         awaitable_none(py, self.inner.prefill(prefill_entries(entries)?))
     }
 
+    /// Blocking twin of `prefill`: returns None once every run is decoded. Waits without the
+    /// GIL; Ctrl-C aborts and rolls the whole prefill back, then raises KeyboardInterrupt.
     fn prefill_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
         wait(py, self.inner.prefill(prefill_entries(entries)?))
     }
@@ -108,6 +116,8 @@ impl PyBranchStore {
         awaitable_none(py, self.inner.retain_only(&branch(winner)?))
     }
 
+    /// Blocking twin of `retain_only`: returns None once every other branch is disposed and
+    /// its lease freed. Always completes, even on Ctrl-C.
     fn retain_only_sync(&self, py: Python<'_>, winner: &Bound<'_, PyAny>) -> PyResult<()> {
         wait(py, self.inner.retain_only(&branch(winner)?))
     }
@@ -123,6 +133,9 @@ impl PyBranchStore {
         awaitable(py, self.inner.step(&branch_list(branches)?), tokens)
     }
 
+    /// Blocking twin of `step`: returns one Token per branch, in order (stop tokens are not
+    /// committed). Waits without the GIL; on Ctrl-C a started step completes, then
+    /// KeyboardInterrupt is raised.
     fn step_sync(&self, py: Python<'_>, branches: &Bound<'_, PyAny>) -> PyResult<Vec<PyToken>> {
         tokens(wait(py, self.inner.step(&branch_list(branches)?))?)
     }

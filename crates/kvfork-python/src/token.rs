@@ -4,13 +4,20 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+/// A sampled token: immutable `(token, text, is_stop)` that unpacks and indexes like a tuple
+/// (`tok, text, stop = t`). Returned by `produce`, `generate` and `BranchStore.step`, and
+/// accepted wherever a token id is.
 #[pyclass(frozen, eq, hash, module = "kvfork", name = "Token")]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyToken {
+    /// The token id.
     #[pyo3(get)]
     pub token: i32,
+    /// The token's text piece (special tokens rendered; invalid UTF-8 replaced).
     #[pyo3(get)]
     text: String,
+    /// True for an end-of-generation token (as `Context.is_stop_token`); generation stops
+    /// there without committing it.
     #[pyo3(get)]
     is_stop: bool,
 }

@@ -151,11 +151,15 @@ impl Branch {
 
     /// Record a token as accepted (penalty window, grammar, perplexity) without decoding it.
     /// All or nothing: a refused token leaves the branch as it was.
+    /// A later `commit` of the same token only decodes it (nothing is counted twice); a
+    /// commit of another token is refused while this one is pending.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
         self.state(|s| {
             let before = s.snapshot();
-            s.accept(&model, token).inspect_err(|_| s.restore(before))
+            s.accept(&model, token).inspect_err(|_| s.restore(before))?;
+            s.accepted_undecoded = Some(token);
+            Ok(())
         })
     }
 
@@ -271,6 +275,26 @@ impl Branch {
         // `disposed` is already visible: the rest always happens, even if cancelled.
         self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
             let pruned = w.shared.registry().prune(handle)?;
+            w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
+            Ok(())
+        })
+    }
+
+    /// Dispose this branch but not its children: its lease is freed at once, the children
+    /// keep every KV cell they share with it (cells carry their own sequence ids) and move to
+    /// this branch's parent (or become roots). For beam search, where a dropped beam's
+    /// forks survive it.
+    pub fn prune_keep_children(&self) -> Pending<()> {
+        if self.cell.is_disposed() {
+            return Pending::ready(Ok(()));
+        }
+        if let Err(e) = self.ctx.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        self.cell.mark_disposed();
+        let handle = self.handle;
+        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
+            let pruned = w.shared.registry().prune_keep_children(handle)?;
             w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
             Ok(())
         })
@@ -447,6 +471,19 @@ impl Branch {
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
         self.state(|s| Ok(base.convert(s.surprisal(token)?)))
+    }
+
+    /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
+    /// token whose logit is -inf.
+    pub fn logprob(&self, token: Token) -> Result<f64> {
+        self.ctx.model().check_token(token)?;
+        self.state(|s| Ok(-s.surprisal(token)?))
+    }
+
+    /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
+    /// best first.
+    pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
+        self.state(|s| s.top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).

@@ -44,6 +44,9 @@ pub(crate) struct BranchState {
     pub ppl_sampling: Perplexity,
     /// Every accepted token, in order (penalty replay, persistence).
     pub accepted: Vec<Token>,
+    /// A token `Branch::accept` recorded that no commit has decoded yet: a `commit` of the
+    /// same token absorbs it (so it is not counted twice), any other token is refused.
+    pub accepted_undecoded: Option<Token>,
     /// Bytes of an incomplete UTF-8 character carried to the next token's text.
     utf8_carry: Vec<u8>,
     candidates: Vec<sys::llama_token_data>,
@@ -58,6 +61,7 @@ pub(crate) struct Snapshot {
     ppl_model: Perplexity,
     ppl_sampling: Perplexity,
     accepted_len: usize,
+    accepted_undecoded: Option<Token>,
     utf8_carry: Vec<u8>,
     sampler_epoch: u64,
 }
@@ -82,6 +86,7 @@ impl BranchState {
             ppl_model: Perplexity::default(),
             ppl_sampling: Perplexity::default(),
             accepted: Vec::new(),
+            accepted_undecoded: None,
             utf8_carry: Vec::new(),
             candidates: Vec::new(),
             scratch: Vec::new(),
@@ -106,6 +111,7 @@ impl BranchState {
             ppl_model: self.ppl_model,
             ppl_sampling: self.ppl_sampling,
             accepted: self.accepted.clone(),
+            accepted_undecoded: self.accepted_undecoded,
             utf8_carry: self.utf8_carry.clone(),
             candidates: Vec::new(),
             scratch: Vec::new(),
@@ -120,6 +126,7 @@ impl BranchState {
             ppl_model: self.ppl_model,
             ppl_sampling: self.ppl_sampling,
             accepted_len: self.accepted.len(),
+            accepted_undecoded: self.accepted_undecoded,
             utf8_carry: self.utf8_carry.clone(),
             sampler_epoch: self.sampler_epoch,
         }
@@ -131,6 +138,7 @@ impl BranchState {
         self.ppl_model = s.ppl_model;
         self.ppl_sampling = s.ppl_sampling;
         self.accepted.truncate(s.accepted_len);
+        self.accepted_undecoded = s.accepted_undecoded;
         self.utf8_carry = s.utf8_carry;
         // A new epoch: the cache may describe the accepted (now undone) state.
         self.sampler_epoch = s.sampler_epoch.max(self.sampler_epoch) + 1;
@@ -175,6 +183,21 @@ impl BranchState {
         } else {
             self.summary.log_sum_exp - logit
         })
+    }
+
+    /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
+    /// best first (ties: lower token id first). Fewer when fewer logits are finite.
+    pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
+        let logits = self.require_logits()?;
+        let mut idx = Vec::new();
+        metrics::top_k_indices(logits, k.min(logits.len()), &mut idx);
+        let lse = self.summary.log_sum_exp;
+        let mut out: Vec<(Token, f64)> = idx
+            .into_iter()
+            .map(|i| (i as Token, f64::from(logits[i as usize]) - lse))
+            .collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        Ok(out)
     }
 
     /// Entropy of the raw snapshot in nats.
@@ -380,6 +403,23 @@ impl BranchState {
             None => Ok(f64::INFINITY),
             Some(_) if finite == 1 => Ok(0.0),
             Some(c) => Ok(self.cache.lse - c.logit as f64),
+        }
+    }
+
+    /// The accept half of a commit: `accept`, unless `Branch::accept` already took this
+    /// very token (then it is only decoded). Refuses a different token while one is pending.
+    pub fn accept_for_commit(&mut self, model: &Model, token: Token) -> Result<()> {
+        match self.accepted_undecoded.take() {
+            None => self.accept(model, token),
+            Some(t) if t == token => Ok(()),
+            Some(t) => {
+                self.accepted_undecoded = Some(t);
+                Err(Error::Other(format!(
+                    "token {t} was accept()ed but never decoded, and now {token} is being \
+                     committed: commit({t}) decodes it without counting it twice (or use \
+                     commit alone, which accepts and decodes)"
+                )))
+            }
         }
     }
 

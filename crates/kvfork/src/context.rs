@@ -65,9 +65,20 @@ impl Context {
         self.shared().n_seq_max
     }
 
-    /// Threads llama.cpp uses for single-token and for batch decodes.
+    /// Threads single-token decodes use now (they adapt to the machine's load unless the
+    /// context was created with a fixed `n_threads`).
     pub fn n_threads(&self) -> i32 {
-        self.shared().params.threads()
+        self.shared().threads.get().0
+    }
+
+    /// Threads multi-token decodes (prefills, batched steps) use now.
+    pub fn n_threads_batch(&self) -> i32 {
+        self.shared().threads.get().1
+    }
+
+    /// Whether the thread counts adapt to the machine's load.
+    pub fn adapts_threads(&self) -> bool {
+        self.shared().params.adapts_threads()
     }
 
     pub fn vocab_size(&self) -> usize {

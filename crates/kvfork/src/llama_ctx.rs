@@ -53,8 +53,11 @@ pub struct ContextParams {
     pub n_ctx: u32,
     pub n_batch: u32,
     pub n_seq_max: u32,
-    /// `None`: the number of cores, at most 8.
+    /// Threads of single-token decodes. `None`: adapt (see `kvfork_core::threads`), between
+    /// 1 and the number of cores (at most 8).
     pub n_threads: Option<i32>,
+    /// Threads of multi-token decodes (prefill, batched steps). `None`: adapt, likewise.
+    pub n_threads_batch: Option<i32>,
     pub type_k: CacheType,
     pub type_v: CacheType,
     pub embeddings: bool,
@@ -69,6 +72,7 @@ impl Default for ContextParams {
             n_batch: 512,
             n_seq_max: 8,
             n_threads: None,
+            n_threads_batch: None,
             type_k: CacheType::F16,
             type_v: CacheType::F16,
             embeddings: false,
@@ -101,12 +105,14 @@ impl ContextParams {
                 format!("{} is not in [1, 65536]", self.n_batch),
             ));
         }
-        if let Some(t) = self.n_threads {
-            if !(1..=512).contains(&t) {
-                return Err(Error::invalid(
-                    "n_threads",
-                    format!("{t} is not in [1, 512]"),
-                ));
+        for (name, value) in [
+            ("n_threads", self.n_threads),
+            ("n_threads_batch", self.n_threads_batch),
+        ] {
+            if let Some(t) = value {
+                if !(1..=512).contains(&t) {
+                    return Err(Error::invalid(name, format!("{t} is not in [1, 512]")));
+                }
             }
         }
         if let Some(p) = self.pooling {
@@ -120,12 +126,24 @@ impl ContextParams {
         Ok(())
     }
 
-    pub fn threads(&self) -> i32 {
-        self.n_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get().min(8) as i32)
-                .unwrap_or(4)
-        })
+    /// The most threads an adapting decode uses: the number of cores, at most 8.
+    pub fn max_threads() -> i32 {
+        std::thread::available_parallelism()
+            .map(|n| n.get().min(8) as i32)
+            .unwrap_or(4)
+    }
+
+    /// Whether either thread count adapts to the machine's load.
+    pub fn adapts_threads(&self) -> bool {
+        self.n_threads.is_none() || self.n_threads_batch.is_none()
+    }
+
+    /// (single-token, batch) thread counts when the adaptive choice is `adaptive`.
+    pub fn threads_with(&self, adaptive: i32) -> (i32, i32) {
+        (
+            self.n_threads.unwrap_or(adaptive),
+            self.n_threads_batch.unwrap_or(adaptive),
+        )
     }
 }
 
@@ -165,8 +183,9 @@ impl LlamaCtx {
         // this fits n_outputs_max (default n_batch): n_seq_max > n_batch would abort.
         cp.n_outputs_max = p.n_batch.max(p.n_seq_max);
         cp.n_seq_max = p.n_seq_max;
-        cp.n_threads = p.threads();
-        cp.n_threads_batch = p.threads();
+        let (threads, threads_batch) = p.threads_with(ContextParams::max_threads());
+        cp.n_threads = threads;
+        cp.n_threads_batch = threads_batch;
         cp.type_k = p.type_k.ggml();
         cp.type_v = p.type_v.ggml();
         cp.embeddings = p.embeddings;
@@ -244,6 +263,11 @@ impl LlamaCtx {
 
     fn check_seq(&self, seq: i32) -> Result<()> {
         check_seq(seq, self.n_seq_max)
+    }
+
+    /// Threads of single-token and of multi-token decodes from now on.
+    pub fn set_threads(&mut self, threads: i32, threads_batch: i32) {
+        unsafe { sys::llama_set_n_threads(self.ptr.as_ptr(), threads, threads_batch) }
     }
 
     /// The pooling llama.cpp applies to embeddings (`LLAMA_POOLING_TYPE_*`).

@@ -161,9 +161,8 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Start the thread; it creates the llama context itself and reports success or failure.
-    pub fn start(model: Arc<Model>, mut params: ContextParams) -> Result<Engine> {
+    pub fn start(model: Arc<Model>, params: ContextParams) -> Result<Engine> {
         params.validate()?;
-        params.n_threads = Some(params.threads());
         crate::backend::ensure_backend()?;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let (tx, rx) = mpsc::channel::<Job>();
@@ -192,9 +191,12 @@ impl Engine {
                     n_batch: ctx.n_batch,
                     n_seq_max: ctx.n_seq_max,
                     pooling: ctx.pooling(),
+                    threads: Default::default(),
                     params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });
+                let (single, batch) = params.threads_with(ContextParams::max_threads());
+                shared.threads.set(single, batch);
                 ctx.set_abort_signal(shared.abort.clone());
                 let _ = ready_tx.send(Ok(shared.clone()));
                 Worker::new(ctx, shared).run(rx);

@@ -58,6 +58,27 @@ impl Stats {
     }
 }
 
+/// The thread counts decodes use now, readable from any thread.
+#[derive(Default)]
+pub(crate) struct ThreadsInUse {
+    pub single: std::sync::atomic::AtomicI32,
+    pub batch: std::sync::atomic::AtomicI32,
+}
+
+impl ThreadsInUse {
+    pub fn set(&self, single: i32, batch: i32) {
+        self.single.store(single, Ordering::Relaxed);
+        self.batch.store(batch, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> (i32, i32) {
+        (
+            self.single.load(Ordering::Relaxed),
+            self.batch.load(Ordering::Relaxed),
+        )
+    }
+}
+
 pub(crate) struct Shared {
     pub model: Arc<Model>,
     pub registry: Mutex<Registry<Arc<BranchCell>>>,
@@ -71,7 +92,9 @@ pub(crate) struct Shared {
     pub n_seq_max: u32,
     /// llama.cpp's pooling type for embeddings (resolved from the model when not given).
     pub pooling: i32,
-    /// The options the context was created with (threads resolved).
+    /// (single-token, batch) threads in use now; they change as the tuner adapts.
+    pub threads: ThreadsInUse,
+    /// The options the context was created with.
     pub params: ContextParams,
     /// Distinguishes contexts, so a branch of one is refused by another.
     pub id: u64,

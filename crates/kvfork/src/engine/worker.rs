@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfork_core::packer::{logits_index, plan_prefill};
+use kvfork_core::threads::ThreadTuner;
 
 use super::shared::{BranchCell, Shared, Stats};
 use super::{panic_message, CommitItem, CommitReply, CommitRequest, Job};
 use crate::branch::Produced;
 use crate::branch_state::Snapshot;
 use crate::error::{Error, Result};
-use crate::llama_ctx::{Batch, LlamaCtx};
+use crate::llama_ctx::{Batch, ContextParams, LlamaCtx};
 use crate::model::Token;
 
 /// Upper bound of the wait for the rest of a coalescing group.
@@ -27,12 +28,20 @@ pub(crate) struct Worker {
     /// Branches in the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
+    /// Adapts the thread counts to the machine's load (None when both are fixed).
+    tuner: Option<ThreadTuner>,
 }
 
 impl Worker {
     pub fn new(ctx: LlamaCtx, shared: Arc<Shared>) -> Self {
         let batch = Batch::new(ctx.n_batch as usize);
+        let max = ContextParams::max_threads();
+        let tuner = shared
+            .params
+            .adapts_threads()
+            .then(|| ThreadTuner::new(max as u32));
         Worker {
+            tuner,
             ctx,
             batch,
             shared,
@@ -250,7 +259,7 @@ impl Worker {
                     )));
                 }
                 let snap = st.snapshot();
-                if let Err(e) = st.accept(&model, *token) {
+                if let Err(e) = st.accept_for_commit(&model, *token) {
                     st.restore(snap);
                     return Err(e);
                 }
@@ -324,6 +333,7 @@ impl Worker {
         {
             r = Err(Error::Closed);
         }
+        self.tune_threads();
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
         Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
@@ -331,6 +341,23 @@ impl Worker {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
         }
         r
+    }
+
+    /// Feed the decode just timed to the tuner; apply the count it wants next.
+    fn tune_threads(&mut self) {
+        let Some(tuner) = self.tuner.as_mut() else {
+            return;
+        };
+        let before = tuner.threads();
+        tuner.observe(self.batch.len(), self.last_decode.as_nanos() as f64);
+        let next = tuner.threads();
+        if next != before {
+            let (single, batch) = self.shared.params.threads_with(next as i32);
+            self.ctx.set_threads(single, batch);
+            // Readers see the settled choice, not a probe's.
+            let (single, batch) = self.shared.params.threads_with(tuner.current() as i32);
+            self.shared.threads.set(single, batch);
+        }
     }
 
     /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.

@@ -52,6 +52,21 @@ fn word_pattern(word: &str) -> String {
     format!("({escaped})")
 }
 
+/// Why llama.cpp refused a grammar, as well as it can be told: its parser prints the reason
+/// to stderr, so undefined rules are found here and the log's error lines are added.
+fn refused(gbnf: &str, log: &[String]) -> Error {
+    let undefined = kvfork_core::gbnf::undefined_rules(gbnf);
+    let mut reason = if undefined.is_empty() {
+        "a syntax error or a bad trigger pattern".to_string()
+    } else {
+        format!("undefined rule(s): {}", undefined.join(", "))
+    };
+    if let Some(line) = log.iter().find(|l| !l.is_empty()) {
+        reason.push_str(&format!(" (llama.cpp: {line})"));
+    }
+    Error::Grammar(format!("the grammar failed to parse: {reason}"))
+}
+
 impl Grammar {
     pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
         let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = &spec;
@@ -59,53 +74,54 @@ impl Grammar {
             // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
             return Err(Error::Grammar("the grammar is empty".into()));
         }
-        let raw = match &spec {
-            GrammarSpec::Eager { gbnf } => {
-                let g = c_string(gbnf, "grammar")?;
-                unsafe {
-                    sys::llama_rs_sampler_init_grammar(
-                        model.vocab_ptr(),
-                        g.as_ptr(),
-                        c"root".as_ptr(),
-                    )
+        let (raw, errors) = crate::backend::capture_errors(|| -> Result<_> {
+            Ok(match &spec {
+                GrammarSpec::Eager { gbnf } => {
+                    let g = c_string(gbnf, "grammar")?;
+                    unsafe {
+                        sys::llama_rs_sampler_init_grammar(
+                            model.vocab_ptr(),
+                            g.as_ptr(),
+                            c"root".as_ptr(),
+                        )
+                    }
                 }
-            }
-            GrammarSpec::Lazy {
-                gbnf,
-                words,
-                patterns,
-                tokens,
-            } => {
-                for &t in tokens {
-                    model.check_token(t)?;
+                GrammarSpec::Lazy {
+                    gbnf,
+                    words,
+                    patterns,
+                    tokens,
+                } => {
+                    for &t in tokens {
+                        model.check_token(t)?;
+                    }
+                    let g = c_string(gbnf, "grammar")?;
+                    let all: Vec<String> = words
+                        .iter()
+                        .map(|w| word_pattern(w))
+                        .chain(patterns.iter().cloned())
+                        .collect();
+                    let owned = all
+                        .iter()
+                        .map(|p| c_string(p, "trigger"))
+                        .collect::<Result<Vec<_>>>()?;
+                    let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
+                    unsafe {
+                        sys::llama_rs_sampler_init_grammar_lazy_patterns(
+                            model.vocab_ptr(),
+                            g.as_ptr(),
+                            c"root".as_ptr(),
+                            ptrs.as_mut_ptr(),
+                            ptrs.len(),
+                            tokens.as_ptr(),
+                            tokens.len(),
+                        )
+                    }
                 }
-                let g = c_string(gbnf, "grammar")?;
-                let all: Vec<String> = words
-                    .iter()
-                    .map(|w| word_pattern(w))
-                    .chain(patterns.iter().cloned())
-                    .collect();
-                let owned = all
-                    .iter()
-                    .map(|p| c_string(p, "trigger"))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
-                unsafe {
-                    sys::llama_rs_sampler_init_grammar_lazy_patterns(
-                        model.vocab_ptr(),
-                        g.as_ptr(),
-                        c"root".as_ptr(),
-                        ptrs.as_mut_ptr(),
-                        ptrs.len(),
-                        tokens.as_ptr(),
-                        tokens.len(),
-                    )
-                }
-            }
-        };
-        let sampler = RawSampler::from_raw(raw).ok_or_else(|| {
-            Error::Grammar("the grammar failed to parse (undefined rule, syntax error or bad trigger pattern; see the kvfork log)".into())
-        })?;
+            })
+        });
+        let raw = raw?;
+        let sampler = RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf, &errors))?;
         Ok(Grammar {
             sampler,
             spec,

@@ -111,9 +111,18 @@ pub(crate) fn xtc(c: Window<'_>, probability: f32, threshold: f32, rng: &mut Rng
     last_above.saturating_sub(1).min(c.len() - 1)
 }
 
+/// Divide the logits by `t`; `t <= 0` keeps only the best candidate (ties: the first), as
+/// llama.cpp does (reachable with Mirostat, which is never plain greedy).
 pub(crate) fn temperature(c: Window<'_>, t: f32) {
-    for x in c.iter_mut() {
-        x.logit /= t;
+    if t > 0.0 {
+        c.iter_mut().for_each(|x| x.logit /= t);
+        return;
+    }
+    let best = (0..c.len()).fold(0, |b, i| if c[i].logit > c[b].logit { i } else { b });
+    for (i, x) in c.iter_mut().enumerate() {
+        if i != best {
+            x.logit = f32::NEG_INFINITY;
+        }
     }
 }
 
@@ -268,6 +277,18 @@ mod tests {
             let mean = surprise / n as f32;
             assert!((mean - tau).abs() < 0.5, "v2={v2} mean surprise {mean}");
         }
+    }
+
+    #[test]
+    fn zero_temperature_keeps_the_best_candidate_only() {
+        let mut c = cands(&[1.0, 3.0, 2.0]);
+        temperature(&mut c, 0.0);
+        assert_eq!(c.iter().filter(|x| x.logit.is_finite()).count(), 1);
+        assert_eq!(c[1].logit, 3.0);
+        let mut rng = Rng::from_seed(1);
+        let mut mu = 10.0;
+        let i = mirostat_v2(&mut c, 5.0, 0.1, &mut mu, &mut rng);
+        assert_eq!(c[i].id, 1);
     }
 
     #[test]
