@@ -531,7 +531,14 @@ impl PyContext {
         self.inner.n_threads_batch()
     }
 
-    /// Counters since creation: decode_calls, decoded_tokens, decode_seconds, commit_requests.
+    /// Counters since the context was created:
+    /// - `decode_calls`: `llama_decode` invocations (one per BranchStore step or coalesced
+    ///   group of commits, ceil(tokens / n_batch) per prefill, one per embed group);
+    /// - `decoded_tokens`: tokens those decodes wrote (failed decodes not counted);
+    /// - `decode_seconds`: wall time spent inside `llama_decode`;
+    /// - `commit_requests`: commit requests served — each `commit` or generation step, and
+    ///   each `store.commit` / `store.step` (one request for all its branches); concurrent
+    ///   requests coalesced into one decode each count.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = self.inner.stats();
         let mut d: BTreeMap<&str, Py<PyAny>> = BTreeMap::new();
