@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import kvfork
+from _peer import run_peer
 
 PROMPT = "The history of the printing press begins with"
 SPIN = "while True: pass"
@@ -101,14 +102,7 @@ def peer(args: argparse.Namespace) -> float | None:
         "repeats": args.repeats,
         "warmup": args.warmup,
     }
-    out = subprocess.run(
-        [args.peer_python, "-c", PEER_CODE],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return statistics.median(json.loads(out))
+    return statistics.median(run_peer(args.peer_python, PEER_CODE, job))
 
 
 def main() -> None:

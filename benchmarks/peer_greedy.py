@@ -12,12 +12,11 @@ The peer: llama-cpp-python 0.3.36 in its own venv (BENCHMARKS.md, "peer").
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 
 import kvfork
 import numpy as np
+from _peer import run_peer
 
 # Runs under the peer's Python: greedy argmax over llama-cpp-python's logits.
 PEER_CODE = r"""
@@ -115,15 +114,7 @@ def main() -> None:
             }
             stops = [t for t in range(ctx.vocab_size) if ctx.is_stop_token(t)]
             job = {"model": str(path), "cases": job_cases, "n": args.tokens, "stops": stops}
-            peer = json.loads(
-                subprocess.run(
-                    [args.peer_python, "-c", PEER_CODE],
-                    input=json.dumps(job),
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-            )
+            peer = run_peer(args.peer_python, PEER_CODE, job)
             for name, case in job_cases.items():
                 ours, margins, first = kvfork_greedy(ctx, case["tokens"], args.tokens)
                 theirs = peer[name]["first"]

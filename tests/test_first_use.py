@@ -95,3 +95,16 @@ def test_thread_counts_adapt_unless_fixed(model: kvfork.Model) -> None:
             assert 1 <= c.n_threads <= 8 and 1 <= c.n_threads_batch <= 8
     with pytest.raises(ValueError, match="n_threads_batch"):
         kvfork.create_context_sync(model, n_threads_batch=0)
+
+
+def test_accept_then_prefill_is_a_manual_commit(ctx: kvfork.Context) -> None:
+    manual, plain = root(ctx), root(ctx)
+    t = manual.produce_sync().token
+    manual.accept(t)
+    manual.prefill_sync([t])  # decodes the accepted token itself
+    plain.commit_sync(t)
+    u = manual.produce_sync().token
+    manual.commit_sync(u)  # not refused: nothing is waiting any more
+    plain.commit_sync(u)
+    assert manual.position == plain.position
+    assert manual.perplexity == pytest.approx(plain.perplexity, rel=1e-6)

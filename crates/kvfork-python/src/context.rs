@@ -402,14 +402,7 @@ impl PyContext {
         text_or_tokens: &Bound<'py, PyAny>,
         normalize: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ctx = self.open()?;
-        let input = vec![embed::input(ctx, text_or_tokens)?];
-        let (dim, pooled) = (ctx.embedding_dim(), ctx.embeddings_pooled());
-        let pending = ctx.embed(input, normalize);
-        let op = Operation::new(pending, OnCancel::Settle, move |py, mut rows| {
-            embed::text_array(py, rows.pop().unwrap_or_default(), pooled, dim).map(Bound::unbind)
-        });
-        Bound::new(py, op).map(Bound::into_any)
+        embed::Request::one(self.open()?, text_or_tokens, normalize)?.awaitable(py)
     }
 
     /// Blocking twin of `embed`: returns the float32 array. KvforkError on a context without
@@ -422,15 +415,7 @@ impl PyContext {
         text_or_tokens: &Bound<'py, PyAny>,
         normalize: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ctx = self.open()?;
-        let input = vec![embed::input(ctx, text_or_tokens)?];
-        let mut rows = wait(py, ctx.embed(input, normalize))?;
-        embed::text_array(
-            py,
-            rows.pop().unwrap_or_default(),
-            ctx.embeddings_pooled(),
-            ctx.embedding_dim(),
-        )
+        embed::Request::one(self.open()?, text_or_tokens, normalize)?.wait(py)
     }
 
     /// Embeddings of many texts (str or token lists), shape `(len(texts), embedding_dim)`,
@@ -442,16 +427,7 @@ impl PyContext {
         texts: &Bound<'py, PyAny>,
         normalize: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ctx = self.open()?;
-        embed::check_pooled(ctx)?;
-        let inputs = embed::inputs(ctx, texts)?;
-        let dim = ctx.embedding_dim();
-        let op = Operation::new(
-            ctx.embed(inputs, normalize),
-            OnCancel::Settle,
-            move |py, rows| embed::batch_array(py, rows, dim).map(Bound::unbind),
-        );
-        Bound::new(py, op).map(Bound::into_any)
+        embed::Request::many(self.open()?, texts, normalize)?.awaitable(py)
     }
 
     /// Blocking twin of `embed_batch`: returns a float32 array of shape
@@ -464,11 +440,7 @@ impl PyContext {
         texts: &Bound<'py, PyAny>,
         normalize: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let ctx = self.open()?;
-        embed::check_pooled(ctx)?;
-        let inputs = embed::inputs(ctx, texts)?;
-        let rows = wait(py, ctx.embed(inputs, normalize))?;
-        embed::batch_array(py, rows, ctx.embedding_dim())
+        embed::Request::many(self.open()?, texts, normalize)?.wait(py)
     }
 
     /// Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /

@@ -146,9 +146,17 @@ where
     T: Send + 'static,
     R: for<'a> IntoPyObject<'a>,
 {
-    let op = Operation::new(pending, OnCancel::Settle, move |py, v| {
-        f(v)?.into_py_any(py)
-    });
+    awaitable_py(py, pending, move |py, v| f(v)?.into_py_any(py))
+}
+
+/// An awaitable resolving to the engine's reply, converted by `f` with the GIL held (for
+/// results that are built from Python objects, e.g. numpy arrays).
+pub fn awaitable_py<'py, T: Send + 'static>(
+    py: Python<'py>,
+    pending: Pending<T>,
+    f: impl FnOnce(Python<'_>, T) -> PyResult<Py<PyAny>> + Send + 'static,
+) -> PyResult<Bound<'py, PyAny>> {
+    let op = Operation::new(pending, OnCancel::Settle, f);
     Bound::new(py, op).map(Bound::into_any)
 }
 

@@ -2,8 +2,8 @@
 //! unless it is a stop token — so many tasks iterating their own branches share decodes, and
 //! sampling never runs on the event loop's thread.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration};
 use pyo3::prelude::*;
@@ -13,27 +13,13 @@ use crate::awaitable::{OnCancel, Operation};
 use crate::convert::wait;
 use crate::token::PyToken;
 
-/// Why an iteration ended (`stop_reason`); `RUNNING` until it has.
-const RUNNING: u8 = 0;
-const STOP_TOKEN: u8 = 1;
-const MAX_TOKENS: u8 = 2;
-const CONTEXT_FULL: u8 = 3;
-
-fn reason_name(code: u8) -> Option<&'static str> {
-    match code {
-        STOP_TOKEN => Some("stop_token"),
-        MAX_TOKENS => Some("max_tokens"),
-        CONTEXT_FULL => Some("context_full"),
-        _ => None,
-    }
-}
-
 /// The state shared by the steps of one iteration.
 struct Stepper {
     branch: kvfork::Branch,
     max_tokens: Option<usize>,
     produced: AtomicUsize,
-    stop: AtomicU8,
+    /// Why the iteration ended (`stop_reason`): the first reason set wins.
+    stop: OnceLock<&'static str>,
 }
 
 impl Stepper {
@@ -42,32 +28,30 @@ impl Stepper {
             branch,
             max_tokens,
             produced: AtomicUsize::new(0),
-            stop: AtomicU8::new(RUNNING),
+            stop: OnceLock::new(),
         })
     }
 
-    fn finish(&self, reason: u8) {
-        let _ = self
-            .stop
-            .compare_exchange(RUNNING, reason, Ordering::Relaxed, Ordering::Relaxed);
+    fn finish(&self, reason: &'static str) {
+        let _ = self.stop.set(reason);
     }
 
     /// Queue the next step, or `None` when the iteration is over: at a stop token, after
     /// `max_tokens`, or when the branch's position reached `n_ctx` (no room for a token).
     fn next(&self) -> Option<kvfork::Pending<kvfork::Produced>> {
-        if self.stop.load(Ordering::Relaxed) != RUNNING {
+        if self.stop.get().is_some() {
             return None;
         }
         if self
             .max_tokens
             .is_some_and(|m| self.produced.load(Ordering::Relaxed) >= m)
         {
-            self.finish(MAX_TOKENS);
+            self.finish("max_tokens");
             return None;
         }
         let n_ctx = self.branch.context().n_ctx();
         if self.branch.position().is_ok_and(|p| p as u32 >= n_ctx) {
-            self.finish(CONTEXT_FULL);
+            self.finish("context_full");
             return None;
         }
         Some(self.branch.step())
@@ -76,7 +60,7 @@ impl Stepper {
     /// The token to yield, or `None` at a stop token.
     fn record(&self, p: kvfork::Produced) -> Option<PyToken> {
         if p.is_stop {
-            self.finish(STOP_TOKEN);
+            self.finish("stop_token");
             return None;
         }
         self.produced.fetch_add(1, Ordering::Relaxed);
@@ -84,7 +68,7 @@ impl Stepper {
     }
 
     fn stop_reason(&self) -> Option<&'static str> {
-        reason_name(self.stop.load(Ordering::Relaxed))
+        self.stop.get().copied()
     }
 }
 

@@ -28,20 +28,6 @@ static LOG_MIN_LEVEL: AtomicI32 = AtomicI32::new(LogLevel::Warn as i32);
 /// llama.cpp sends lines in pieces (CONT); they are joined here until the newline.
 static LOG_PENDING: Mutex<(i32, String)> = Mutex::new((0, String::new()));
 
-thread_local! {
-    /// Error lines llama.cpp logs on this thread while `capture_errors` runs.
-    static CAPTURED: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Run `f` and return the error lines llama.cpp logged on this thread meanwhile (llama.cpp
-/// reports why a grammar failed to parse only in its log).
-pub(crate) fn capture_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
-    CAPTURED.with(|c| *c.borrow_mut() = Some(Vec::new()));
-    let out = f();
-    let lines = CAPTURED.with(|c| c.borrow_mut().take()).unwrap_or_default();
-    (out, lines)
-}
-
 /// Route llama.cpp's log to `sink` (replacing any previous sink).
 pub fn set_log_sink(sink: impl Fn(LogLevel, &str) + Send + Sync + 'static) {
     *LOG_SINK.write().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(sink));
@@ -73,13 +59,6 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         _ => LogLevel::Error,
     };
     drop(pending);
-    if level == LogLevel::Error {
-        CAPTURED.with(|c| {
-            if let Some(lines) = c.borrow_mut().as_mut() {
-                lines.push(line.trim().to_string());
-            }
-        });
-    }
     if (level as i32) < LOG_MIN_LEVEL.load(Ordering::Relaxed) {
         return;
     }

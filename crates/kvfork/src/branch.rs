@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
-use kvfork_core::Handle;
+use kvfork_core::{Handle, Registry};
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
@@ -247,14 +247,40 @@ impl Branch {
         })
     }
 
+    /// Ready when a prune has nothing to do (already pruned) or cannot run (closed context).
+    fn prune_settled(&self) -> Option<Pending<()>> {
+        if self.cell.is_disposed() {
+            return Some(Pending::ready(Ok(())));
+        }
+        self.ctx
+            .shared()
+            .check_open()
+            .err()
+            .map(|e| Pending::ready(Err(e)))
+    }
+
+    /// The engine half of every prune: `remove` takes branches out of the tree and names
+    /// their sequences, which are then emptied (shared cells stay for their other owners).
+    /// `disposed` is already visible, so this always happens, even if the caller cancels.
+    fn release(
+        &self,
+        remove: impl FnOnce(&mut Registry<Arc<BranchCell>>, Handle) -> Result<Vec<u32>> + Send + 'static,
+    ) -> Pending<()> {
+        let handle = self.handle;
+        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
+            let seqs = remove(&mut w.shared.registry(), handle)?;
+            for seq in seqs {
+                w.ctx.seq_rm(seq as i32, 0, -1)?;
+            }
+            Ok(())
+        })
+    }
+
     /// Dispose (RESTRICT: fails while live children exist). Frees the lease and the branch's
     /// own KV cells; shared prefix cells stay for their other owners. A second call is a no-op.
     pub fn prune(&self) -> Pending<()> {
-        if self.cell.is_disposed() {
-            return Pending::ready(Ok(()));
-        }
-        if let Err(e) = self.ctx.shared().check_open() {
-            return Pending::ready(Err(e));
+        if let Some(settled) = self.prune_settled() {
+            return settled;
         }
         {
             let reg = self.ctx.shared().registry();
@@ -271,13 +297,7 @@ impl Branch {
             }
             self.cell.mark_disposed();
         }
-        let handle = self.handle;
-        // `disposed` is already visible: the rest always happens, even if cancelled.
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let pruned = w.shared.registry().prune(handle)?;
-            w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
-            Ok(())
-        })
+        self.release(|reg, h| Ok(vec![reg.prune(h)?.seq]))
     }
 
     /// Dispose this branch but not its children: its lease is freed at once, the children
@@ -285,28 +305,17 @@ impl Branch {
     /// this branch's parent (or become roots). For beam search, where a dropped beam's
     /// forks survive it.
     pub fn prune_keep_children(&self) -> Pending<()> {
-        if self.cell.is_disposed() {
-            return Pending::ready(Ok(()));
-        }
-        if let Err(e) = self.ctx.shared().check_open() {
-            return Pending::ready(Err(e));
+        if let Some(settled) = self.prune_settled() {
+            return settled;
         }
         self.cell.mark_disposed();
-        let handle = self.handle;
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let pruned = w.shared.registry().prune_keep_children(handle)?;
-            w.ctx.seq_rm(pruned.seq as i32, 0, -1)?;
-            Ok(())
-        })
+        self.release(|reg, h| Ok(vec![reg.prune_keep_children(h)?.seq]))
     }
 
     /// Dispose this branch and all its descendants (children first).
     pub fn prune_subtree(&self) -> Pending<()> {
-        if self.cell.is_disposed() {
-            return Pending::ready(Ok(()));
-        }
-        if let Err(e) = self.ctx.shared().check_open() {
-            return Pending::ready(Err(e));
+        if let Some(settled) = self.prune_settled() {
+            return settled;
         }
         {
             let reg = self.ctx.shared().registry();
@@ -318,14 +327,7 @@ impl Branch {
                 }
             }
         }
-        let handle = self.handle;
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let pruned = w.shared.registry().prune_subtree(handle)?;
-            for p in pruned {
-                w.ctx.seq_rm(p.seq as i32, 0, -1)?;
-            }
-            Ok(())
-        })
+        self.release(|reg, h| Ok(reg.prune_subtree(h)?.into_iter().map(|p| p.seq).collect()))
     }
 
     fn wrap(&self, handle: Handle) -> Option<Branch> {
@@ -418,8 +420,7 @@ impl Branch {
             .map(|g| Grammar::new(self.ctx.model(), g))
             .transpose()?;
         self.state(|s| {
-            s.grammar = grammar;
-            s.touch_sampler();
+            s.set_grammar(grammar);
             Ok(())
         })
     }

@@ -38,6 +38,9 @@ pub(crate) struct BranchState {
     summary: RowSummary,
     pub sampler: SamplerChain,
     pub grammar: Option<Grammar>,
+    /// `accepted[grammar_since..]` are the tokens the grammar has accepted (persistence
+    /// replays them to rebuild its parse state).
+    grammar_since: usize,
     logit_bias: Vec<(Token, f32)>,
     steer: Vec<(Token, f32)>,
     pub ppl_model: Perplexity,
@@ -81,6 +84,7 @@ impl BranchState {
             },
             sampler,
             grammar,
+            grammar_since: 0,
             logit_bias: Vec::new(),
             steer: Vec::new(),
             ppl_model: Perplexity::default(),
@@ -106,6 +110,7 @@ impl BranchState {
             summary: self.summary,
             sampler: self.sampler.clone(),
             grammar: self.grammar.clone(),
+            grammar_since: self.grammar_since,
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
             ppl_model: self.ppl_model,
@@ -203,6 +208,23 @@ impl BranchState {
     /// Entropy of the raw snapshot in nats.
     pub fn entropy(&self) -> Result<f64> {
         Ok(metrics::entropy(self.require_logits()?))
+    }
+
+    /// After `n` external tokens were decoded into the branch (`row`: the last one's logits).
+    /// A token `accept`ed before is no longer waiting for its decode: the prefill was it.
+    pub fn prefilled(&mut self, n: usize, row: Option<&[f32]>) {
+        if let Some(row) = row {
+            self.set_logits(row);
+        }
+        self.position += n as i32;
+        self.accepted_undecoded = None;
+    }
+
+    /// Replace (or remove) the grammar; it starts from the tokens accepted from now on.
+    pub fn set_grammar(&mut self, grammar: Option<Grammar>) {
+        self.grammar = grammar;
+        self.grammar_since = self.accepted.len();
+        self.touch_sampler();
     }
 
     // ---- biases ----

@@ -76,11 +76,6 @@ impl Context {
         self.shared().threads.get().1
     }
 
-    /// Whether the thread counts adapt to the machine's load.
-    pub fn adapts_threads(&self) -> bool {
-        self.shared().params.adapts_threads()
-    }
-
     pub fn vocab_size(&self) -> usize {
         self.model().vocab_size()
     }

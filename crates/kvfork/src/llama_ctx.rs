@@ -155,6 +155,8 @@ pub(crate) struct LlamaCtx {
     pub n_batch: u32,
     pub n_seq_max: u32,
     pub n_vocab: usize,
+    /// The most threads an adapting decode uses (resolved once, when created).
+    pub max_threads: i32,
     /// Read by llama.cpp's abort callback; dropped after the context (field order).
     abort_signal: Option<Arc<AbortSignal>>,
     // Keeps the weights alive for as long as the context.
@@ -183,7 +185,8 @@ impl LlamaCtx {
         // this fits n_outputs_max (default n_batch): n_seq_max > n_batch would abort.
         cp.n_outputs_max = p.n_batch.max(p.n_seq_max);
         cp.n_seq_max = p.n_seq_max;
-        let (threads, threads_batch) = p.threads_with(ContextParams::max_threads());
+        let max_threads = ContextParams::max_threads();
+        let (threads, threads_batch) = p.threads_with(max_threads);
         cp.n_threads = threads;
         cp.n_threads_batch = threads_batch;
         cp.type_k = p.type_k.ggml();
@@ -211,6 +214,7 @@ impl LlamaCtx {
             n_batch: unsafe { sys::llama_n_batch(ptr.as_ptr()) },
             n_seq_max: unsafe { sys::llama_n_seq_max(ptr.as_ptr()) },
             n_vocab: model.vocab_size(),
+            max_threads,
             abort_signal: None,
             _model: model,
         })

@@ -36,7 +36,7 @@ impl BranchState {
             }
             Some(g) => {
                 write_grammar(w, g.spec());
-                w.i32s(g.history());
+                w.u64(self.grammar_since as u64);
             }
         }
         write_pairs(w, &self.logit_bias);
@@ -88,18 +88,21 @@ impl BranchState {
 
         let sampler =
             SamplerChain::restore(&params, DrawState { seed, rng, mu }, model, &accepted)?;
-        let grammar = match grammar {
-            None => None,
-            Some((spec, history)) => {
-                for &t in &history {
-                    model
-                        .check_token(t)
-                        .map_err(|_| malformed("bad grammar token"))?;
-                }
-                Some(Grammar::replay(model, spec, &history)?)
+        let (grammar, grammar_since) = match grammar {
+            None => (None, 0),
+            Some((spec, since)) => {
+                let since = usize::try_from(since)
+                    .ok()
+                    .filter(|&s| s <= accepted.len())
+                    .ok_or_else(|| malformed("the grammar starts after the last token"))?;
+                (
+                    Some(Grammar::replay(model, spec, &accepted[since..])?),
+                    since,
+                )
             }
         };
         let mut st = BranchState::new(seq, position, sampler, grammar);
+        st.grammar_since = grammar_since;
         if has_logits {
             st.set_logits(&logits);
         }
@@ -178,7 +181,8 @@ fn write_grammar(w: &mut Writer, spec: &GrammarSpec) {
     }
 }
 
-type SavedGrammar = (GrammarSpec, Vec<Token>);
+/// A grammar's spec and the index of the first accepted token it saw.
+type SavedGrammar = (GrammarSpec, u64);
 
 fn read_grammar(r: &mut Reader<'_>) -> Result<Option<SavedGrammar>> {
     let spec = match r.u8().map_err(state_error)? {
@@ -205,7 +209,7 @@ fn read_grammar(r: &mut Reader<'_>) -> Result<Option<SavedGrammar>> {
         }
         _ => return Err(malformed("unknown grammar kind")),
     };
-    Ok(Some((spec, r.i32s().map_err(state_error)?)))
+    Ok(Some((spec, r.u64().map_err(state_error)?)))
 }
 
 fn write_params(w: &mut Writer, p: &SamplingParams) {

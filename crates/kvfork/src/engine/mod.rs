@@ -195,7 +195,7 @@ impl Engine {
                     params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });
-                let (single, batch) = params.threads_with(ContextParams::max_threads());
+                let (single, batch) = params.threads_with(ctx.max_threads);
                 shared.threads.set(single, batch);
                 ctx.set_abort_signal(shared.abort.clone());
                 let _ = ready_tx.send(Ok(shared.clone()));

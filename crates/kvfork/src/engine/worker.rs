@@ -13,7 +13,7 @@ use super::{panic_message, CommitItem, CommitReply, CommitRequest, Job};
 use crate::branch::Produced;
 use crate::branch_state::Snapshot;
 use crate::error::{Error, Result};
-use crate::llama_ctx::{Batch, ContextParams, LlamaCtx};
+use crate::llama_ctx::{Batch, LlamaCtx};
 use crate::model::Token;
 
 /// Upper bound of the wait for the rest of a coalescing group.
@@ -35,7 +35,7 @@ pub(crate) struct Worker {
 impl Worker {
     pub fn new(ctx: LlamaCtx, shared: Arc<Shared>) -> Self {
         let batch = Batch::new(ctx.n_batch as usize);
-        let max = ContextParams::max_threads();
+        let max = ctx.max_threads;
         let tuner = shared
             .params
             .adapts_threads()
@@ -406,11 +406,7 @@ impl Worker {
             }
         }
         for (i, (cell, tokens)) in items.iter().enumerate() {
-            let mut st = cell.lock();
-            if let Some(row) = &rows[i] {
-                st.set_logits(row);
-            }
-            st.position += tokens.len() as i32;
+            cell.lock().prefilled(tokens.len(), rows[i].as_deref());
         }
         Ok(())
     }

@@ -184,15 +184,7 @@ impl SamplerChain {
         let p = &self.params;
         let c = window(cur);
         let i = match p.mirostat {
-            _ if p.is_greedy() => {
-                let mut best = 0;
-                for (i, x) in c.iter().enumerate() {
-                    if x.logit > c[best].logit {
-                        best = i;
-                    }
-                }
-                best
-            }
+            _ if p.is_greedy() => stochastic::argmax(c),
             0 => stochastic::dist(c, &mut self.rng),
             1 => stochastic::mirostat_v1(
                 c,

@@ -28,9 +28,6 @@ pub enum GrammarSpec {
 pub(crate) struct Grammar {
     sampler: RawSampler,
     spec: GrammarSpec,
-    /// Tokens accepted since the grammar was set: replaying them rebuilds its parse state
-    /// (llama.cpp's grammar state cannot be read out), which is how a saved branch restores it.
-    history: Vec<Token>,
 }
 
 fn c_string(s: &str, what: &'static str) -> Result<CString> {
@@ -53,17 +50,14 @@ fn word_pattern(word: &str) -> String {
 }
 
 /// Why llama.cpp refused a grammar, as well as it can be told: its parser prints the reason
-/// to stderr, so undefined rules are found here and the log's error lines are added.
-fn refused(gbnf: &str, log: &[String]) -> Error {
+/// to stderr, out of reach, so undefined rules (the usual mistake) are found here.
+fn refused(gbnf: &str) -> Error {
     let undefined = kvfork_core::gbnf::undefined_rules(gbnf);
-    let mut reason = if undefined.is_empty() {
+    let reason = if undefined.is_empty() {
         "a syntax error or a bad trigger pattern".to_string()
     } else {
         format!("undefined rule(s): {}", undefined.join(", "))
     };
-    if let Some(line) = log.iter().find(|l| !l.is_empty()) {
-        reason.push_str(&format!(" (llama.cpp: {line})"));
-    }
     Error::Grammar(format!("the grammar failed to parse: {reason}"))
 }
 
@@ -74,76 +68,64 @@ impl Grammar {
             // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
             return Err(Error::Grammar("the grammar is empty".into()));
         }
-        let (raw, errors) = crate::backend::capture_errors(|| -> Result<_> {
-            Ok(match &spec {
-                GrammarSpec::Eager { gbnf } => {
-                    let g = c_string(gbnf, "grammar")?;
-                    unsafe {
-                        sys::llama_rs_sampler_init_grammar(
-                            model.vocab_ptr(),
-                            g.as_ptr(),
-                            c"root".as_ptr(),
-                        )
-                    }
+        let raw = match &spec {
+            GrammarSpec::Eager { gbnf } => {
+                let g = c_string(gbnf, "grammar")?;
+                unsafe {
+                    sys::llama_rs_sampler_init_grammar(
+                        model.vocab_ptr(),
+                        g.as_ptr(),
+                        c"root".as_ptr(),
+                    )
                 }
-                GrammarSpec::Lazy {
-                    gbnf,
-                    words,
-                    patterns,
-                    tokens,
-                } => {
-                    for &t in tokens {
-                        model.check_token(t)?;
-                    }
-                    let g = c_string(gbnf, "grammar")?;
-                    let all: Vec<String> = words
-                        .iter()
-                        .map(|w| word_pattern(w))
-                        .chain(patterns.iter().cloned())
-                        .collect();
-                    let owned = all
-                        .iter()
-                        .map(|p| c_string(p, "trigger"))
-                        .collect::<Result<Vec<_>>>()?;
-                    let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
-                    unsafe {
-                        sys::llama_rs_sampler_init_grammar_lazy_patterns(
-                            model.vocab_ptr(),
-                            g.as_ptr(),
-                            c"root".as_ptr(),
-                            ptrs.as_mut_ptr(),
-                            ptrs.len(),
-                            tokens.as_ptr(),
-                            tokens.len(),
-                        )
-                    }
+            }
+            GrammarSpec::Lazy {
+                gbnf,
+                words,
+                patterns,
+                tokens,
+            } => {
+                for &t in tokens {
+                    model.check_token(t)?;
                 }
-            })
-        });
-        let raw = raw?;
-        let sampler = RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf, &errors))?;
-        Ok(Grammar {
-            sampler,
-            spec,
-            history: Vec::new(),
-        })
+                let g = c_string(gbnf, "grammar")?;
+                let all: Vec<String> = words
+                    .iter()
+                    .map(|w| word_pattern(w))
+                    .chain(patterns.iter().cloned())
+                    .collect();
+                let owned = all
+                    .iter()
+                    .map(|p| c_string(p, "trigger"))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
+                unsafe {
+                    sys::llama_rs_sampler_init_grammar_lazy_patterns(
+                        model.vocab_ptr(),
+                        g.as_ptr(),
+                        c"root".as_ptr(),
+                        ptrs.as_mut_ptr(),
+                        ptrs.len(),
+                        tokens.as_ptr(),
+                        tokens.len(),
+                    )
+                }
+            }
+        };
+        let sampler = RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf))?;
+        Ok(Grammar { sampler, spec })
     }
 
     pub fn spec(&self) -> &GrammarSpec {
         &self.spec
     }
 
-    pub fn history(&self) -> &[Token] {
-        &self.history
-    }
-
-    /// The grammar `spec` after accepting `history` (restoring a saved branch).
+    /// The grammar `spec` after accepting `history` (restoring a saved branch: llama.cpp's
+    /// parse state cannot be read out, so it is rebuilt from the tokens it accepted).
+    /// `history` holds vocabulary tokens (the caller checked them).
     pub fn replay(model: &Model, spec: GrammarSpec, history: &[Token]) -> Result<Self> {
         let mut g = Grammar::new(model, spec)?;
-        for &t in history {
-            model.check_token(t)?;
-            g.accept(t)?;
-        }
+        history.iter().try_for_each(|&t| g.accept(t))?;
         Ok(g)
     }
 
@@ -183,7 +165,6 @@ impl Grammar {
         }
         let status = unsafe { sys::llama_rs_sampler_accept(self.sampler.as_ptr(), token) };
         if status == sys::LLAMA_RS_STATUS_OK {
-            self.history.push(token);
             Ok(())
         } else {
             Err(Error::Grammar(format!(

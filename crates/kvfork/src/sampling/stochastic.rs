@@ -60,29 +60,36 @@ impl Rng {
 /// Mirostat cut the front or the back).
 pub(crate) type Window<'a> = &'a mut [Candidate];
 
-/// Softmax into `p` (sorted best first when `sort`); -inf logits get p = 0.
-fn softmax(c: &mut [Candidate], sort: bool) {
-    if sort {
-        c.sort_by(|a, b| b.logit.total_cmp(&a.logit));
-    }
+/// Unnormalised softmax weights into `p` (-inf logits get 0); returns their sum.
+fn weigh(c: &mut [Candidate]) -> f64 {
     let max = c.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for x in c.iter_mut() {
-        x.p = (x.logit - max).exp();
-        sum += x.p;
-    }
-    for x in c.iter_mut() {
-        x.p /= sum;
-    }
+    c.iter_mut()
+        .map(|x| {
+            x.p = (x.logit - max).exp();
+            f64::from(x.p)
+        })
+        .sum()
 }
 
-/// Index drawn in proportion to `p` (one uniform draw, also when there is one candidate).
-fn draw(c: &[Candidate], rng: &mut Rng) -> usize {
+/// Sort best first and put the softmax into `p`.
+fn sorted_softmax(c: &mut [Candidate]) {
+    c.sort_by(|a, b| b.logit.total_cmp(&a.logit));
+    let sum = weigh(c) as f32;
+    c.iter_mut().for_each(|x| x.p /= sum);
+}
+
+/// Index of the largest logit (ties: the first).
+pub(crate) fn argmax(c: &[Candidate]) -> usize {
+    (0..c.len()).fold(0, |b, i| if c[i].logit > c[b].logit { i } else { b })
+}
+
+/// Index drawn in proportion to the weights `p`, which sum to `total` (one uniform draw,
+/// also when there is one candidate).
+fn draw(c: &[Candidate], total: f64, rng: &mut Rng) -> usize {
     let r = rng.uniform();
     if c.len() == 1 {
         return 0;
     }
-    let total: f64 = c.iter().map(|c| f64::from(c.p)).sum();
     let target = total * r;
     let mut run = 0.0;
     for (i, x) in c.iter().enumerate() {
@@ -95,6 +102,25 @@ fn draw(c: &[Candidate], rng: &mut Rng) -> usize {
     c.iter().rposition(|x| x.p > 0.0).unwrap_or(0)
 }
 
+/// Keep the first `keep` of the sorted candidates, draw among them, then move Mirostat's
+/// `mu` towards the target surprise `tau` by `eta` times the observed error (in bits).
+fn draw_and_adapt(
+    c: &mut [Candidate],
+    keep: usize,
+    tau: f32,
+    eta: f32,
+    mu: &mut f32,
+    rng: &mut Rng,
+) -> usize {
+    let kept = &mut c[..keep];
+    let total = weigh(kept);
+    let i = draw(kept, total, rng);
+    kept.iter_mut()
+        .for_each(|x| x.p = (f64::from(x.p) / total) as f32);
+    *mu -= eta * (-kept[i].p.log2() - tau);
+    i
+}
+
 /// XTC ("exclude top choices"): with `probability`, drop every candidate at or above
 /// `threshold` except the least likely of them. Returns how many were dropped from the front
 /// (the window is sorted best first when that happens).
@@ -105,7 +131,7 @@ pub(crate) fn xtc(c: Window<'_>, probability: f32, threshold: f32, rng: &mut Rng
     if rng.uniform() as f32 > probability {
         return 0;
     }
-    softmax(c, true);
+    sorted_softmax(c);
     let last_above = c.iter().take_while(|x| x.p >= threshold).count();
     // Keep the last candidate above the threshold; at least one candidate stays.
     last_above.saturating_sub(1).min(c.len() - 1)
@@ -118,7 +144,7 @@ pub(crate) fn temperature(c: Window<'_>, t: f32) {
         c.iter_mut().for_each(|x| x.logit /= t);
         return;
     }
-    let best = (0..c.len()).fold(0, |b, i| if c[i].logit > c[b].logit { i } else { b });
+    let best = argmax(c);
     for (i, x) in c.iter_mut().enumerate() {
         if i != best {
             x.logit = f32::NEG_INFINITY;
@@ -128,8 +154,8 @@ pub(crate) fn temperature(c: Window<'_>, t: f32) {
 
 /// Draw from the softmax of the window.
 pub(crate) fn dist(c: Window<'_>, rng: &mut Rng) -> usize {
-    softmax(c, false);
-    draw(c, rng)
+    let total = weigh(c);
+    draw(c, total, rng)
 }
 
 /// Mirostat 2.0: keep the candidates whose surprise (bits) is at most `mu`, draw, then move
@@ -138,13 +164,9 @@ pub(crate) fn dist(c: Window<'_>, rng: &mut Rng) -> usize {
 pub(crate) fn mirostat_v2(c: Window<'_>, tau: f32, eta: f32, mu: &mut f32, rng: &mut Rng) -> usize {
     let n = finite_prefix(c);
     let c = &mut c[..n];
-    softmax(c, true);
+    sorted_softmax(c);
     let keep = c.iter().take_while(|x| -x.p.log2() <= *mu).count().max(1);
-    let kept = &mut c[..keep];
-    softmax(kept, false);
-    let i = draw(kept, rng);
-    *mu -= eta * (-kept[i].p.log2() - tau);
-    i
+    draw_and_adapt(c, keep, tau, eta, mu, rng)
 }
 
 /// Mirostat 1: estimate the Zipf exponent from the `m` most likely candidates, keep the top
@@ -160,7 +182,7 @@ pub(crate) fn mirostat_v1(
     const M: usize = 100;
     let n = finite_prefix(c);
     let c = &mut c[..n];
-    softmax(c, true);
+    sorted_softmax(c);
     let (mut sum_tb, mut sum_tt) = (0.0f32, 0.0f32);
     for i in 0..(M - 1).min(c.len() - 1) {
         let t = ((i + 2) as f32 / (i + 1) as f32).ln();
@@ -177,11 +199,7 @@ pub(crate) fn mirostat_v1(
     } else {
         (k as usize).clamp(1, c.len())
     };
-    let kept = &mut c[..k];
-    softmax(kept, false);
-    let i = draw(kept, rng);
-    *mu -= eta * (-kept[i].p.log2() - tau);
-    i
+    draw_and_adapt(c, k, tau, eta, mu, rng)
 }
 
 /// Move the finite candidates to the front (order kept); how many there are (at least 1:
