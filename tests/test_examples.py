@@ -36,3 +36,12 @@ def test_embed_and_save(tmp_path: Path) -> None:
 
 def test_best_of_n() -> None:
     asyncio.run(example("best_of_n").main(3, 8))
+
+
+def test_concurrent_requests() -> None:
+    import kvfork
+
+    replies, per_token = asyncio.run(example("concurrent_requests").serve(4, 8))
+    assert all(isinstance(r, str) and r for r in replies[:4])
+    assert isinstance(replies[4], kvfork.KvCacheFullError)
+    assert per_token < 1.6  # one packed prefill + one decode per step: (1 + 8) / 8

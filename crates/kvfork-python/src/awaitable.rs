@@ -1,31 +1,149 @@
 //! Awaitables over engine replies.
 //!
-//! `Operation` is awaited by asyncio without a trip through `asyncio.Future` wrappers: it
-//! yields a loop future that a tokio task resolves when the engine replies. It keeps the
-//! spec's cancellation rule — when a cancelled `await` hands control back, the operation has
-//! fully happened or not at all: a job still queued is dropped (nothing happened); a running
-//! prefill is aborted and rolled back; any other running job is waited for (everything
-//! happened) before `CancelledError` is raised.
+//! `Operation` is awaited by asyncio without a trip through `asyncio.Future` wrappers or a
+//! helper thread: it yields a loop future, and the engine's reply reaches the loop through
+//! its `Delivery` (see `delivery.rs`), which resolves the future on the loop thread. It keeps
+//! the spec's cancellation rule — when a cancelled `await` hands control back, the operation
+//! has fully happened or not at all: a job still queued is dropped (nothing happened); a
+//! running prefill is aborted and rolled back; any other running job is waited for
+//! (everything happened) before `CancelledError` is raised.
 //!
 //! `Ready` is an awaitable that is already done (no trip through the event loop).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
 
 use pyo3::exceptions::{PyRuntimeError, PyStopIteration};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyCFunction, PyTuple};
 
+use crate::delivery::{Deliver, Delivery, DeliveryWaker};
 use crate::errors::to_py;
 use kvfork::{Cancel, Canceller, Pending};
 
-/// The converted reply and the loop future the awaiting task sleeps on.
+/// An engine reply and how to turn it into a Python value (type-erased).
+trait Reply: Send {
+    fn is_ready(&self) -> bool;
+    /// Ask for `waker` to be woken when the reply comes; true if it is already there.
+    fn register(&mut self, waker: &Waker) -> bool;
+    /// The converted reply; call only once `is_ready`.
+    fn convert(self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>>;
+}
+
+struct Typed<T, F> {
+    pending: Pending<T>,
+    /// The value, once a poll has taken it out of `pending`.
+    value: Option<kvfork::Result<T>>,
+    convert: F,
+}
+
+impl<T, F> Reply for Typed<T, F>
+where
+    T: Send + 'static,
+    F: FnOnce(Python<'_>, T) -> PyResult<Py<PyAny>> + Send + 'static,
+{
+    fn is_ready(&self) -> bool {
+        self.value.is_some() || self.pending.is_ready()
+    }
+
+    fn register(&mut self, waker: &Waker) -> bool {
+        if self.is_ready() {
+            return true;
+        }
+        let mut cx = std::task::Context::from_waker(waker);
+        match Pin::new(&mut self.pending).poll(&mut cx) {
+            // It came in between: keep it (the Pending gives it out once).
+            Poll::Ready(v) => {
+                self.value = Some(v);
+                true
+            }
+            Poll::Pending => false,
+        }
+    }
+
+    fn convert(self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Typed {
+            pending,
+            value,
+            convert,
+        } = *self;
+        // Ready: the wait does not block.
+        let value = value.unwrap_or_else(|| pending.wait()).map_err(to_py)?;
+        convert(py, value)
+    }
+}
+
+/// The reply (until converted), the converted result and the loop future the awaiting task
+/// sleeps on.
 #[derive(Default)]
-struct Slot {
+struct State {
+    reply: Option<Box<dyn Reply>>,
     result: Option<PyResult<Py<PyAny>>>,
     waiter: Option<Py<PyAny>>,
     /// The result was handed out (a second await is an error).
     taken: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// Convert the reply if it is there (the lock is not held while Python runs).
+    fn settle(&self, py: Python<'_>) {
+        let reply = {
+            let mut st = lock(&self.state);
+            match st.reply.take() {
+                Some(r) if st.result.is_none() && r.is_ready() => Some(r),
+                other => {
+                    st.reply = other;
+                    None
+                }
+            }
+        };
+        if let Some(r) = reply {
+            let value = r.convert(py);
+            lock(&self.state).result = Some(value);
+        }
+    }
+}
+
+impl Deliver for Shared {
+    /// On the loop thread: convert the reply and wake the awaiting task.
+    fn deliver(&self, py: Python<'_>) {
+        self.settle(py);
+        let waiter = {
+            let mut st = lock(&self.state);
+            if st.result.is_some() {
+                st.waiter.take()
+            } else {
+                None
+            }
+        };
+        if let Some(fut) = waiter {
+            let fut = fut.bind(py);
+            if matches!(
+                fut.call_method0("done").and_then(|d| d.is_truthy()),
+                Ok(false)
+            ) {
+                let _ = fut.call_method1("set_result", (py.None(),));
+            }
+        }
+    }
+}
+
+#[pyclass(frozen, module = "kvfork", name = "Operation")]
+pub struct Operation {
+    shared: Arc<Shared>,
+    canceller: Canceller,
+    on_cancel: OnCancel,
+    /// The exception of a cancel that had to wait for the job, raised once it is done.
+    deferred: Mutex<Option<PyErr>>,
 }
 
 /// What a cancel does to the work behind an `Operation`.
@@ -38,40 +156,6 @@ pub enum OnCancel {
     Detach,
 }
 
-#[pyclass(frozen, module = "kvfork", name = "Operation")]
-pub struct Operation {
-    slot: Arc<Mutex<Slot>>,
-    canceller: Canceller,
-    on_cancel: OnCancel,
-    /// The exception of a cancel that had to wait for the job, raised once it is done.
-    deferred: Mutex<Option<PyErr>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `loop.call_soon_threadsafe(_wake, fut)`: resolves the future unless it was cancelled.
-fn wake(py: Python<'_>, fut: Py<PyAny>) {
-    static WAKE: PyOnceLock<Py<PyCFunction>> = PyOnceLock::new();
-    let wake = WAKE.get_or_try_init(py, || {
-        PyCFunction::new_closure(py, None, None, |args: &Bound<'_, PyTuple>, _| {
-            let fut = args.get_item(0)?;
-            if !fut.call_method0("done")?.is_truthy()? {
-                fut.call_method1("set_result", (args.py().None(),))?;
-            }
-            Ok::<_, PyErr>(())
-        })
-        .map(Bound::unbind)
-    });
-    let Ok(wake) = wake else { return };
-    let fut = fut.bind(py);
-    // A closed loop raises here; nobody is waiting then.
-    if let Ok(event_loop) = fut.call_method0("get_loop") {
-        let _ = event_loop.call_method1("call_soon_threadsafe", (wake.bind(py), fut));
-    }
-}
-
 impl Operation {
     /// Await `pending` and convert its value with `convert` (with the GIL) when it arrives.
     pub fn new<T: Send + 'static>(
@@ -79,26 +163,19 @@ impl Operation {
         on_cancel: OnCancel,
         convert: impl FnOnce(Python<'_>, T) -> PyResult<Py<PyAny>> + Send + 'static,
     ) -> Self {
-        let slot = Arc::new(Mutex::new(Slot::default()));
         let canceller = pending.canceller();
-        let delivered = slot.clone();
-        pyo3_async_runtimes::tokio::get_runtime().spawn(async move {
-            let reply = pending.await;
-            // At interpreter shutdown nobody can receive it; the reply is dropped.
-            let _ = Python::try_attach(|py| {
-                let value = reply.map_err(to_py).and_then(|v| convert(py, v));
-                let waiter = {
-                    let mut s = lock(&delivered);
-                    s.result = Some(value);
-                    s.waiter.take()
-                };
-                if let Some(fut) = waiter {
-                    wake(py, fut);
-                }
-            });
-        });
+        let state = State {
+            reply: Some(Box::new(Typed {
+                pending,
+                value: None,
+                convert,
+            })),
+            ..State::default()
+        };
         Operation {
-            slot,
+            shared: Arc::new(Shared {
+                state: Mutex::new(state),
+            }),
             canceller,
             on_cancel,
             deferred: Mutex::new(None),
@@ -108,37 +185,44 @@ impl Operation {
     /// One step of the await: the result (as StopIteration or the error), or a loop future
     /// to sleep on until it comes.
     fn step(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        // No Python runs while the slot is locked: it could release the GIL to the tokio
-        // thread that delivers the reply (which takes the GIL, then the slot).
-        let ready = { lock(&self.slot).result.is_some() };
-        let fut = if ready {
-            None
-        } else {
-            let fut = py
-                .import("asyncio")?
-                .call_method0("get_running_loop")?
-                .call_method0("create_future")?;
-            // asyncio's Task accepts a yielded future only with this flag set (as `await` does).
-            fut.setattr("_asyncio_future_blocking", true)?;
-            Some(fut.unbind())
-        };
-        let mut slot = lock(&self.slot);
-        if slot.taken {
-            return Err(PyRuntimeError::new_err(
-                "this kvfork operation was already awaited",
-            ));
-        }
-        if let Some(result) = slot.result.take() {
-            slot.taken = true;
-            drop(slot);
-            if let Some(err) = lock(&self.deferred).take() {
-                return Err(err);
+        self.shared.settle(py);
+        {
+            let mut st = lock(&self.shared.state);
+            if st.taken {
+                return Err(PyRuntimeError::new_err(
+                    "this kvfork operation was already awaited",
+                ));
             }
-            let value = result?;
-            return Err(PyStopIteration::new_err((value,)));
+            if let Some(result) = st.result.take() {
+                st.taken = true;
+                drop(st);
+                if let Some(err) = lock(&self.deferred).take() {
+                    return Err(err);
+                }
+                let value = result?;
+                return Err(PyStopIteration::new_err((value,)));
+            }
         }
-        let fut = fut.expect("created above: the result was not there");
-        slot.waiter = Some(fut.clone_ref(py));
+        let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
+        let delivery = Delivery::for_loop(py, &event_loop)?;
+        let fut = event_loop.call_method0("create_future")?;
+        // asyncio's Task accepts a yielded future only with this flag set (as `await` does).
+        fut.setattr("_asyncio_future_blocking", true)?;
+        let fut = fut.unbind();
+        let op: Arc<dyn Deliver> = self.shared.clone();
+        let waker = Waker::from(Arc::new(DeliveryWaker {
+            delivery: delivery.clone(),
+            op: Arc::downgrade(&op),
+        }));
+        let arrived = {
+            let mut st = lock(&self.shared.state);
+            st.waiter = Some(fut.clone_ref(py));
+            st.reply.as_mut().is_some_and(|r| r.register(&waker))
+        };
+        if arrived {
+            // It came between the check above and the registration: deliver it as usual.
+            delivery.push(op);
+        }
         Ok(fut)
     }
 }
@@ -183,17 +267,18 @@ impl Operation {
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let err = exception(typ, val)?;
+        self.shared.settle(py);
         {
-            let mut slot = lock(&self.slot);
-            if slot.result.is_some() || slot.taken {
+            let mut st = lock(&self.shared.state);
+            if st.result.is_some() || st.taken {
                 // Done already: it fully happened.
-                slot.taken = true;
+                st.taken = true;
                 return Err(err);
             }
         }
         let cancel = self.canceller.cancel();
         if cancel == Cancel::Prevented || self.on_cancel == OnCancel::Detach {
-            lock(&self.slot).taken = true;
+            lock(&self.shared.state).taken = true;
             return Err(err);
         }
         // Running: wait for it (aborted and rolled back, or completed), then raise.
@@ -208,8 +293,8 @@ impl Operation {
 
     /// Whether the reply has arrived.
     fn done(&self) -> bool {
-        let slot = lock(&self.slot);
-        slot.result.is_some() || slot.taken
+        let st = lock(&self.shared.state);
+        st.result.is_some() || st.taken || st.reply.as_ref().is_some_and(|r| r.is_ready())
     }
 }
 

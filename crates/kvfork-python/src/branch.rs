@@ -102,6 +102,7 @@ impl PyBranch {
     // ---- decoding ----
 
     /// Decode external tokens at the branch's position (no accept); captures the last logits.
+    /// Prefills of other tasks issued at the same time are packed into the same decodes.
     /// Cancelled, it either never ran or was aborted and rolled back: nothing happened.
     fn prefill<'py>(
         &self,

@@ -9,6 +9,7 @@ mod branch;
 mod chat;
 mod context;
 mod convert;
+mod delivery;
 mod embed;
 mod errors;
 mod generate;
@@ -81,10 +82,6 @@ fn forward_log(level: kvfork::LogLevel, message: &str) {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // One tokio worker is plenty: it only awaits engine replies and resolves asyncio futures.
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    rt.worker_threads(1).enable_all();
-    pyo3_async_runtimes::tokio::init(rt);
     kvfork::set_log_sink(forward_log);
 
     errors::register(m)?;

@@ -65,10 +65,7 @@ impl Branch {
         let cell = BranchCell::new(BranchState::new(-1, position, sampler, grammar));
         let (handle, seq) = ctx.shared().registry().create_root(cell.clone())?;
         cell.lock().seq = seq as i32;
-        // Nothing waits for this; a failure (only a closed context) shows on the next call.
-        let _queued = ctx
-            .engine()
-            .run_with(CancelPolicy::Never, move |w| w.ctx.clear_seq(seq as i32));
+        ctx.engine().clear_seq(seq as i32);
         Ok(Branch {
             ctx: ctx.clone(),
             handle,
@@ -117,12 +114,7 @@ impl Branch {
         {
             return Pending::ready(Err(e));
         }
-        let cell = self.cell.clone();
-        self.ctx
-            .engine()
-            .run_with(CancelPolicy::DropOrAbort, move |w| {
-                w.prefill(&[(cell, tokens)])
-            })
+        self.ctx.engine().prefill(vec![(self.cell.clone(), tokens)])
     }
 
     /// Sample from the snapshot: grammar → logit bias → steer → chain. Runs on the calling
@@ -210,7 +202,7 @@ impl Branch {
             }
             w.ctx.seq_rm(seq, -1, -1)?;
             cell.lock().position = 0;
-            w.prefill(&[(cell, tokens)])
+            w.prefill(&[&(cell, tokens)])
         })
     }
 

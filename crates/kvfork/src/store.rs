@@ -89,10 +89,7 @@ impl BranchStore {
             });
         match prepared {
             Ok(items) if items.is_empty() => Pending::ready(Ok(())),
-            Ok(items) => self
-                .ctx
-                .engine()
-                .run_with(CancelPolicy::DropOrAbort, move |w| w.prefill(&items)),
+            Ok(items) => self.ctx.engine().prefill(items),
             Err(e) => Pending::ready(Err(e)),
         }
     }

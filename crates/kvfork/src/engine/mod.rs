@@ -1,16 +1,20 @@
 //! The engine: one thread per context owns the `llama_context` and runs every decode and
 //! KV operation in the order requested. Callers hold handles and get [`Pending`] replies.
 //!
-//! Concurrent single-token commits on different branches are coalesced: while a commit
-//! request waits, the thread gathers the commits queued behind it (and, when the previous
-//! step was a group, lingers briefly for its members) into ONE `llama_decode`.
+//! Requests of independent callers on different branches share decodes: while a commit (or
+//! a prefill) waits, the thread gathers the compatible requests queued behind it into ONE
+//! `llama_decode` (see `gather.rs`); a failure in a shared decode is narrowed down to the
+//! request that caused it, and the others still succeed.
 //!
 //! Every job carries a [`Ticket`] (cancellation, see `pending.rs`). A panic inside a job is
 //! caught: its caller gets `Error::Internal` and the context closes (its state may be torn).
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
 
+mod commit;
+mod gather;
 mod parallel;
 mod pending;
+mod prefill;
 pub(crate) mod shared;
 mod worker;
 
@@ -20,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub(crate) use parallel::map_parallel;
-pub(crate) use pending::{AbortSignal, CancelPolicy, Reply, Ticket};
+pub(crate) use pending::{next_run_id, AbortSignal, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use worker::Worker;
@@ -56,6 +60,23 @@ pub(crate) enum CommitReply {
     },
 }
 
+impl CommitRequest {
+    /// A `produce`: sample only, nothing to decode.
+    fn is_sample_only(&self) -> bool {
+        matches!(self.reply, CommitReply::Sampled { commit: false, .. })
+    }
+}
+
+/// Tokens to decode into one branch, part of a prefill.
+pub(crate) type PrefillItem = (Arc<BranchCell>, Vec<Token>);
+
+/// Decode external tokens into branches (packed); mergeable with neighbouring prefills.
+pub(crate) struct PrefillRequest {
+    pub items: Vec<PrefillItem>,
+    pub reply: Reply<()>,
+    pub ticket: Arc<Ticket>,
+}
+
 impl CommitReply {
     fn send(self, result: Result<Option<Produced>>) {
         match self {
@@ -69,15 +90,21 @@ impl CommitReply {
 
 pub(crate) enum Job {
     Commit(CommitRequest),
+    Prefill(PrefillRequest),
+    /// Empty the sequence of a fresh lease (`Branch::create`). It touches no other sequence,
+    /// so a gathering runs it in passing instead of stopping at it. Nobody waits for it.
+    Clear(i32),
     /// Any other work, run in order.
     Run(Box<dyn RunJob>),
 }
 
 impl Job {
-    fn ticket(&self) -> &Ticket {
+    fn ticket(&self) -> Option<&Ticket> {
         match self {
-            Job::Commit(c) => &c.ticket,
-            Job::Run(r) => r.ticket(),
+            Job::Commit(c) => Some(&c.ticket),
+            Job::Prefill(p) => Some(&p.ticket),
+            Job::Clear(_) => None,
+            Job::Run(r) => Some(r.ticket()),
         }
     }
 
@@ -85,6 +112,8 @@ impl Job {
     fn fail(self, err: Error) {
         match self {
             Job::Commit(c) => c.reply.send(Err(err)),
+            Job::Prefill(p) => p.reply.send(Err(err)),
+            Job::Clear(_) => {}
             Job::Run(r) => r.fail(err),
         }
     }
@@ -241,6 +270,27 @@ impl Engine {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }
+    }
+
+    /// Queue a prefill that may be packed with the prefills queued behind it. Cancelled while
+    /// it runs, it is aborted and rolled back.
+    pub fn prefill(&self, items: Vec<PrefillItem>) -> Pending<()> {
+        let ticket = Ticket::new(CancelPolicy::DropOrAbort, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        match self.send(Job::Prefill(PrefillRequest {
+            items,
+            reply,
+            ticket,
+        })) {
+            Ok(()) => pending,
+            Err(e) => Pending::ready(Err(e)),
+        }
+    }
+
+    /// Queue the emptying of a fresh lease's sequence (a failure can only be a closed
+    /// context, which the next call reports).
+    pub fn clear_seq(&self, seq: i32) {
+        let _ = self.send(Job::Clear(seq));
     }
 
     /// Queue a coalescable commit.

@@ -113,21 +113,44 @@ pub(crate) struct Ticket {
     state: AtomicU8,
     policy: CancelPolicy,
     signal: Arc<AbortSignal>,
+    /// The run this job takes part in (its own id, or that of a gathered group it joined):
+    /// the id an abort must name.
+    run: AtomicU64,
+    /// A cancel asked for this job to be aborted while it ran.
+    abort_requested: AtomicBool,
+}
+
+/// A fresh id for a job or for one run of a gathered group.
+pub(crate) fn next_run_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Ticket {
     pub fn new(policy: CancelPolicy, signal: Arc<AbortSignal>) -> Arc<Ticket> {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = next_run_id();
         Arc::new(Ticket {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            id,
             state: AtomicU8::new(QUEUED),
             policy,
             signal,
+            run: AtomicU64::new(id),
+            abort_requested: AtomicBool::new(false),
         })
     }
 
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// From now on this job runs as part of `run` (a group): an abort targets that run.
+    pub fn join_run(&self, run: u64) {
+        self.run.store(run, Ordering::Release);
+    }
+
+    /// Whether a cancel asked for this running job to be aborted.
+    pub fn abort_requested(&self) -> bool {
+        self.abort_requested.load(Ordering::Acquire)
     }
 
     /// The engine takes the job; false when it was cancelled first (then it must not run).
@@ -153,7 +176,9 @@ impl Ticket {
         match self.state.load(Ordering::Acquire) {
             CANCELLED => Cancel::Prevented,
             RUNNING if self.policy == CancelPolicy::DropOrAbort => {
-                self.signal.target.store(self.id, Ordering::Relaxed);
+                self.abort_requested.store(true, Ordering::Release);
+                let run = self.run.load(Ordering::Acquire);
+                self.signal.target.store(run, Ordering::Relaxed);
                 Cancel::Aborting
             }
             _ => Cancel::Completing,

@@ -1,0 +1,227 @@
+//! Commits: accept first, then decode one token per branch; a failed decode is rolled back.
+//! A gathered group shares its decode, and a failure is narrowed down to the request at
+//! fault by halving the group, so one caller's bad branch never fails its neighbours.
+
+use std::sync::Arc;
+
+use super::shared::{BranchCell, Stats};
+use super::{CommitItem, CommitReply, CommitRequest, Worker};
+use crate::branch::Produced;
+use crate::branch_state::Snapshot;
+use crate::error::{Error, Result};
+
+/// Whether a failure of a shared decode may be the fault of one request in it (then the
+/// others are tried again without it). A closed context, an abort or a bug concern all.
+pub(super) fn may_be_one_request(e: &Error) -> bool {
+    !matches!(e, Error::Closed | Error::Cancelled(_) | Error::Internal(_))
+}
+
+impl Worker {
+    /// A `produce`: sample now and reply (nothing to decode).
+    pub(super) fn answer_sample(&mut self, req: CommitRequest) {
+        let cell = req.items[0].0.clone();
+        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0).map(Some)]);
+        req.ticket.finish();
+        req.reply.send(result.remove(0));
+    }
+
+    /// One decode for every request of the group (more when a failure must be narrowed
+    /// down); each request succeeds or fails as a whole.
+    pub(super) fn run_commits(&mut self, mut group: Vec<CommitRequest>) {
+        let results = self.guarded(group.len(), |w| w.commit_group(&mut group));
+        for (req, result) in group.into_iter().zip(results) {
+            req.ticket.finish();
+            req.reply.send(result);
+        }
+    }
+
+    /// Sample the tokens of generation steps, accept every request (a failing one alone is
+    /// refused), then decode all that remain.
+    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
+        let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
+        let steps: Vec<usize> = (0..group.len())
+            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled { .. }))
+            .collect();
+        if !steps.is_empty() {
+            let cells: Vec<Arc<BranchCell>> =
+                steps.iter().map(|&i| group[i].items[0].0.clone()).collect();
+            for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
+                match produced {
+                    Ok(p) => {
+                        if p.is_stop || group[i].is_sample_only() {
+                            group[i].items.clear(); // reported, not committed
+                        } else {
+                            group[i].items[0].1 = p.token;
+                        }
+                        results[i] = Ok(Some(p));
+                    }
+                    Err(e) => {
+                        group[i].items.clear();
+                        results[i] = Err(e);
+                    }
+                }
+            }
+        }
+        let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
+        for (i, req) in group.iter().enumerate() {
+            if req.items.is_empty() {
+                continue;
+            }
+            Stats::add(&self.shared.stats.commit_requests, 1);
+            match self.accept_all(&req.items) {
+                Ok(snaps) => accepted.push((i, snaps)),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let members: Vec<usize> = accepted.iter().map(|(i, _)| *i).collect();
+        let mut failed = Vec::new();
+        self.decode_requests(group, &members, &mut failed);
+        for (i, snaps) in accepted {
+            if let Some((_, e)) = failed.iter().find(|(f, _)| *f == i) {
+                restore(&group[i].items, snaps);
+                results[i] = Err(e.clone());
+            }
+        }
+        results
+    }
+
+    /// Decode the items of `members` (indices into `group`) together; when that fails and
+    /// the failure may be one request's, each half again. Records `(index, error)` of those
+    /// that still fail.
+    fn decode_requests(
+        &mut self,
+        group: &[CommitRequest],
+        members: &[usize],
+        failed: &mut Vec<(usize, Error)>,
+    ) {
+        let items: Vec<&CommitItem> = members.iter().flat_map(|&i| &group[i].items).collect();
+        match self.decode_items(&items) {
+            Ok(()) => {}
+            Err(e) if members.len() > 1 && may_be_one_request(&e) => {
+                let (a, b) = members.split_at(members.len() / 2);
+                self.decode_requests(group, a, failed);
+                self.decode_requests(group, b, failed);
+            }
+            Err(e) => failed.extend(members.iter().map(|&i| (i, e.clone()))),
+        }
+    }
+
+    /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
+    /// pay); nothing is accepted.
+    pub(crate) fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+        let model = self.shared.model.clone();
+        let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
+            if cell.is_disposed() {
+                return Err(Error::BranchDisposed("in step".into()));
+            }
+            crate::branch::produce(&mut cell.lock(), &model)
+        };
+        let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
+        if heavy {
+            super::map_parallel(cells, sample)
+        } else {
+            cells.iter().map(sample).collect()
+        }
+    }
+
+    /// Commit one group synchronously (BranchStore::commit, step).
+    pub fn commit_now(&mut self, items: &[CommitItem]) -> Result<()> {
+        if !items.is_empty() {
+            Stats::add(&self.shared.stats.commit_requests, 1);
+        }
+        let snaps = self.accept_all(items)?;
+        let refs: Vec<&CommitItem> = items.iter().collect();
+        let result = self.decode_items(&refs);
+        if result.is_err() {
+            restore(items, snaps);
+        }
+        result
+    }
+
+    /// Accept every token (snapshotting first); on any failure undo this request's accepts.
+    fn accept_all(&mut self, items: &[CommitItem]) -> Result<Vec<Snapshot>> {
+        let mut snaps = Vec::with_capacity(items.len());
+        let model = self.shared.model.clone();
+        for (i, (cell, token)) in items.iter().enumerate() {
+            let outcome = (|| {
+                if cell.is_disposed() {
+                    return Err(Error::BranchDisposed("in commit".into()));
+                }
+                let mut st = cell.lock();
+                if st.position as u32 >= self.shared.n_ctx {
+                    return Err(Error::KvCacheFull(format!(
+                        "position {} reached n_ctx = {}",
+                        st.position, self.shared.n_ctx
+                    )));
+                }
+                let snap = st.snapshot();
+                if let Err(e) = st.accept_for_commit(&model, *token) {
+                    st.restore(snap);
+                    return Err(e);
+                }
+                Ok(snap)
+            })();
+            match outcome {
+                Ok(s) => snaps.push(s),
+                Err(e) => {
+                    restore(&items[..i], snaps);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(snaps)
+    }
+
+    /// Decode one token per item, in ceil(N / n_batch) decodes that form one rollback unit;
+    /// on success store logits and advance positions.
+    fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let places: Vec<(i32, i32)> = items
+            .iter()
+            .map(|(cell, _)| {
+                let st = cell.lock();
+                (st.seq, st.position)
+            })
+            .collect();
+        let n_batch = self.ctx.n_batch as usize;
+        // Rows of earlier decodes are kept aside: the next decode overwrites the output buffer.
+        let mut kept: Vec<Vec<f32>> = Vec::new();
+        for start in (0..items.len()).step_by(n_batch) {
+            let end = (start + n_batch).min(items.len());
+            self.batch.clear();
+            for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
+                self.batch.push(*token, pos, seq, true);
+            }
+            if let Err(e) = self.decode() {
+                // llama.cpp removed this decode's cells; remove those of the earlier ones.
+                for &(seq, pos) in &places[..start] {
+                    let _ = self.ctx.seq_rm(seq, pos, -1);
+                }
+                return Err(e);
+            }
+            if end < items.len() || start > 0 {
+                for k in 0..end - start {
+                    kept.push(self.ctx.logits_ith(k)?.to_vec());
+                }
+            }
+        }
+        for (i, (cell, _)) in items.iter().enumerate() {
+            let mut st = cell.lock();
+            if kept.is_empty() {
+                st.set_logits(self.ctx.logits_ith(i)?);
+            } else {
+                st.set_logits(&kept[i]);
+            }
+            st.position += 1;
+        }
+        Ok(())
+    }
+}
+
+fn restore(items: &[CommitItem], snaps: Vec<Snapshot>) {
+    for ((cell, _), snap) in items.iter().zip(snaps) {
+        cell.lock().restore(snap);
+    }
+}

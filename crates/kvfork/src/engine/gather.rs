@@ -1,0 +1,230 @@
+//! Gathering: while one request waits, the engine pulls the compatible requests queued behind
+//! it, so independent callers (one asyncio task per request, say) share one `llama_decode`.
+//!
+//! The window adapts to the traffic. It stays open while the group is smaller than the last
+//! one (commits) and requests keep arriving less than [`GAP`] apart, never longer than a
+//! quarter of the last decode nor [`MAX_LINGER`] (one gap before the first decode); time
+//! spent handling an arrival does not count against the gap. A caller alone waits at most
+//! one gap. Branches just prefilled together count as the last group (their tasks are about
+//! to step together). `produce` requests met on the way are answered at once (they decode
+//! nothing), so their callers' commits can still join.
+
+use std::collections::HashSet;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::shared::BranchCell;
+use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
+
+/// The longest pause between two arrivals for which a gathering keeps waiting.
+const GAP: Duration = Duration::from_millis(1);
+/// The longest a gathering waits in all, whatever the decode time.
+const MAX_LINGER: Duration = Duration::from_millis(20);
+
+/// How long a gathering may still wait.
+pub(super) struct Window {
+    opened: Instant,
+    last_arrival: Instant,
+    cap: Duration,
+}
+
+impl Window {
+    pub fn new(last_decode: Duration) -> Self {
+        let now = Instant::now();
+        // Before the first decode there is no measure: one gap (the burst of a start-up).
+        let cap = if last_decode.is_zero() {
+            GAP
+        } else {
+            (last_decode / 4).min(MAX_LINGER)
+        };
+        Window {
+            opened: now,
+            last_arrival: now,
+            cap,
+        }
+    }
+
+    fn remaining(&self) -> Duration {
+        let end = (self.opened + self.cap).min(self.last_arrival + GAP);
+        end.saturating_duration_since(Instant::now())
+    }
+
+    fn arrived(&mut self) {
+        self.last_arrival = Instant::now();
+    }
+}
+
+/// A group being gathered.
+pub(super) trait Gathering {
+    /// Whether waiting for more requests is worth it.
+    fn wants_more(&self) -> bool;
+    /// Whether `job` may join (it must touch no branch of the group).
+    fn accepts(&self, job: &Job) -> bool;
+    /// Take an accepted job in (admitting it first: it may have been cancelled).
+    fn add(&mut self, job: Job, w: &mut Worker);
+    /// Whether a member decodes into KV sequence `seq`.
+    fn uses_seq(&self, seq: i32) -> bool;
+}
+
+impl Worker {
+    /// Pull jobs into `group` until the window closes or a job cannot join (it runs next).
+    pub(super) fn gather(
+        &mut self,
+        rx: &Receiver<Job>,
+        group: &mut impl Gathering,
+        mut window: Window,
+    ) {
+        loop {
+            let remaining = window.remaining();
+            let next = if group.wants_more() && !remaining.is_zero() {
+                rx.recv_timeout(remaining)
+                    .map_err(|e| e == RecvTimeoutError::Timeout)
+            } else {
+                rx.try_recv().map_err(|e| e == TryRecvError::Empty)
+            };
+            let Ok(job) = next else { return };
+            match job {
+                Job::Clear(seq) if !group.uses_seq(seq) => self.clear_seq(seq),
+                job if group.accepts(&job) => group.add(job, self),
+                job => {
+                    self.stash = Some(job);
+                    return;
+                }
+            }
+            window.arrived();
+        }
+    }
+}
+
+/// The branches a group touches (by cell identity).
+#[derive(Default)]
+struct Members(HashSet<*const BranchCell>);
+
+impl Members {
+    fn touches<'a>(&self, mut cells: impl Iterator<Item = &'a Arc<BranchCell>>) -> bool {
+        cells.any(|c| self.0.contains(&Arc::as_ptr(c)))
+    }
+
+    fn add<'a>(&mut self, cells: impl Iterator<Item = &'a Arc<BranchCell>>) {
+        self.0.extend(cells.map(Arc::as_ptr));
+    }
+}
+
+/// Whether a live member decodes into `seq`.
+fn seq_in<'a>(mut cells: impl Iterator<Item = &'a Arc<BranchCell>>, seq: i32) -> bool {
+    cells.any(|c| !c.is_disposed() && c.lock().seq == seq)
+}
+
+/// Commits and generation steps for one decode.
+pub(super) struct CommitGathering {
+    pub requests: Vec<CommitRequest>,
+    members: Members,
+    /// Tokens to decode so far.
+    pub n_items: usize,
+    /// How many the last group decoded: worth waiting for.
+    expected: usize,
+    n_batch: usize,
+}
+
+impl CommitGathering {
+    pub fn new(first: CommitRequest, expected: usize, n_batch: usize) -> Self {
+        let mut members = Members::default();
+        members.add(first.items.iter().map(|(c, _)| c));
+        CommitGathering {
+            n_items: first.items.len(),
+            requests: vec![first],
+            members,
+            expected,
+            n_batch,
+        }
+    }
+}
+
+impl Gathering for CommitGathering {
+    fn wants_more(&self) -> bool {
+        self.n_items < self.expected
+    }
+
+    fn accepts(&self, job: &Job) -> bool {
+        let Job::Commit(req) = job else { return false };
+        let fits = req.is_sample_only() || self.n_items + req.items.len() <= self.n_batch;
+        fits && !self.members.touches(req.items.iter().map(|(c, _)| c))
+    }
+
+    fn add(&mut self, job: Job, w: &mut Worker) {
+        let Some(Job::Commit(req)) = w.admit(job) else {
+            return;
+        };
+        if req.is_sample_only() {
+            w.answer_sample(req);
+        } else {
+            self.n_items += req.items.len();
+            self.members.add(req.items.iter().map(|(c, _)| c));
+            self.requests.push(req);
+        }
+    }
+
+    fn uses_seq(&self, seq: i32) -> bool {
+        seq_in(
+            self.requests
+                .iter()
+                .flat_map(|r| r.items.iter().map(|(c, _)| c)),
+            seq,
+        )
+    }
+}
+
+/// Prefills packed into one plan. Members run as one abortable run: cancelling any of them
+/// aborts the decode, and the others run again.
+pub(super) struct PrefillGathering {
+    pub requests: Vec<PrefillRequest>,
+    members: Members,
+}
+
+impl PrefillGathering {
+    pub fn new(first: PrefillRequest) -> Self {
+        let mut members = Members::default();
+        members.add(first.items.iter().map(|(c, _)| c));
+        PrefillGathering {
+            requests: vec![first],
+            members,
+        }
+    }
+}
+
+impl Gathering for PrefillGathering {
+    fn wants_more(&self) -> bool {
+        true
+    }
+
+    fn accepts(&self, job: &Job) -> bool {
+        let Job::Prefill(req) = job else { return false };
+        !self.members.touches(req.items.iter().map(|(c, _)| c))
+    }
+
+    fn add(&mut self, job: Job, w: &mut Worker) {
+        if let Some(Job::Prefill(req)) = w.admit(job) {
+            self.members.add(req.items.iter().map(|(c, _)| c));
+            self.requests.push(req);
+        }
+    }
+
+    fn uses_seq(&self, seq: i32) -> bool {
+        seq_in(
+            self.requests
+                .iter()
+                .flat_map(|r| r.items.iter().map(|(c, _)| c)),
+            seq,
+        )
+    }
+}
+
+/// A fresh id for one run of a group; each member's abort targets it from now on.
+pub(super) fn start_run<'a>(tickets: impl Iterator<Item = &'a super::Ticket>) -> u64 {
+    let run = next_run_id();
+    for t in tickets {
+        t.join_run(run);
+    }
+    run
+}

@@ -1,0 +1,144 @@
+//! Prefills: external tokens decoded into branches, packed into ceil(total / n_batch)
+//! decodes. A gathered group of prefill requests is packed as one plan; a failure is
+//! narrowed down (a cancelled member leaves, the rest run again; otherwise halves are tried)
+//! so that only the request at fault fails.
+
+use std::sync::atomic::Ordering;
+
+use kvfork_core::packer::{logits_index, plan_prefill};
+
+use super::commit::may_be_one_request;
+use super::gather::start_run;
+use super::{PrefillItem, PrefillRequest, Worker};
+use crate::error::{Error, Result};
+
+impl Worker {
+    /// Run a gathered group and reply to each member.
+    pub(super) fn run_prefills(&mut self, group: Vec<PrefillRequest>) {
+        let results = self.guarded(group.len(), |w| {
+            let mut results = vec![None; group.len()];
+            // A request that cannot fit fails alone, before anything is decoded.
+            let mut members = Vec::with_capacity(group.len());
+            for (i, req) in group.iter().enumerate() {
+                match req
+                    .items
+                    .iter()
+                    .try_for_each(|it| w.prefill_place(it).map(drop))
+                {
+                    Ok(()) => members.push(i),
+                    Err(e) => results[i] = Some(Err(e)),
+                }
+            }
+            w.prefill_requests(&group, &members, &mut results);
+            results
+                .into_iter()
+                .map(|r| {
+                    r.unwrap_or_else(|| Err(Error::Internal("a prefill got no result".into())))
+                })
+                .collect()
+        });
+        for (req, result) in group.into_iter().zip(results) {
+            req.ticket.finish();
+            req.reply.send(result);
+        }
+    }
+
+    /// Prefill `members` (indices into `group`) as one packed run; narrow a failure down.
+    fn prefill_requests(
+        &mut self,
+        group: &[PrefillRequest],
+        members: &[usize],
+        results: &mut [Option<Result<()>>],
+    ) {
+        // Members whose caller asked for an abort before this run leave at once.
+        let (gone, members): (Vec<usize>, Vec<usize>) = members
+            .iter()
+            .partition(|&&i| group[i].ticket.abort_requested());
+        for i in gone {
+            results[i] = Some(Err(Error::Cancelled("aborted and rolled back".into())));
+        }
+        if members.is_empty() {
+            return;
+        }
+        let run = start_run(members.iter().map(|&i| &*group[i].ticket));
+        self.shared.abort.current.store(run, Ordering::Relaxed);
+        let items: Vec<&PrefillItem> = members.iter().flat_map(|&i| &group[i].items).collect();
+        let outcome = self.prefill(&items);
+        self.shared.abort.current.store(0, Ordering::Relaxed);
+        match outcome {
+            Ok(()) => members.iter().for_each(|&i| results[i] = Some(Ok(()))),
+            Err(e) if members.len() == 1 => results[members[0]] = Some(Err(e)),
+            Err(Error::Cancelled(_))
+                if members.iter().any(|&i| group[i].ticket.abort_requested()) =>
+            {
+                // An abort asked for by some members: they leave, the others run again.
+                self.prefill_requests(group, &members, results)
+            }
+            Err(e) if may_be_one_request(&e) => {
+                let (a, b) = members.split_at(members.len() / 2);
+                self.prefill_requests(group, a, results);
+                self.prefill_requests(group, b, results);
+            }
+            Err(e) => members
+                .iter()
+                .for_each(|&i| results[i] = Some(Err(e.clone()))),
+        }
+    }
+
+    /// Where an item's tokens go, `(seq, first position)`, or why they cannot.
+    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(i32, i32)> {
+        if cell.is_disposed() {
+            return Err(Error::BranchDisposed("in prefill".into()));
+        }
+        let st = cell.lock();
+        if st.position as u64 + tokens.len() as u64 > self.shared.n_ctx as u64 {
+            return Err(Error::KvCacheFull(format!(
+                "prefill of {} tokens at position {} exceeds n_ctx = {}",
+                tokens.len(),
+                st.position,
+                self.shared.n_ctx
+            )));
+        }
+        Ok((st.seq, st.position))
+    }
+
+    /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.
+    /// All or nothing: on failure the KV written so far is removed and no state changes.
+    pub fn prefill(&mut self, items: &[&PrefillItem]) -> Result<()> {
+        let mut starts = Vec::with_capacity(items.len());
+        let mut seqs = Vec::with_capacity(items.len());
+        for &item in items {
+            let (seq, start) = self.prefill_place(item)?;
+            starts.push(start);
+            seqs.push(seq);
+        }
+        let lens: Vec<usize> = items.iter().map(|(_, t)| t.len()).collect();
+        let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
+        for chunk in plan_prefill(&lens, self.ctx.n_batch as usize) {
+            self.batch.clear();
+            for span in &chunk.spans {
+                let tokens = &items[span.item].1[span.start..span.start + span.len];
+                for (j, &t) in tokens.iter().enumerate() {
+                    let wants_logits = span.is_last && j + 1 == span.len;
+                    let pos = starts[span.item] + (span.start + j) as i32;
+                    self.batch.push(t, pos, seqs[span.item], wants_logits);
+                }
+            }
+            if let Err(e) = self.decode() {
+                for (i, &seq) in seqs.iter().enumerate() {
+                    let _ = self.ctx.seq_rm(seq, starts[i], -1);
+                }
+                return Err(e);
+            }
+            for (k, span) in chunk.spans.iter().enumerate() {
+                if span.is_last {
+                    rows[span.item] = Some(self.ctx.logits_ith(logits_index(&chunk, k))?.to_vec());
+                }
+            }
+        }
+        for (i, (cell, tokens)) in items.iter().copied().enumerate() {
+            cell.lock().prefilled(tokens.len(), rows[i].as_deref());
+        }
+        Ok(())
+    }
+}

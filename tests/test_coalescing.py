@@ -1,0 +1,175 @@
+"""Independent asyncio tasks share decodes: tokens as if alone, one decode per step, packed
+prefills, and a failure (or a cancel) in shared work stays with the task it belongs to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import kvfork
+import numpy as np
+import pytest
+
+from .conftest import GREEDY, assert_same_greedy, greedy_with_margins
+
+N_TASKS = 16
+STEPS = 16
+
+
+def counting(k: int) -> str:
+    """A prompt greedy continues with clear margins, different for each task."""
+    return ", ".join(str(i) for i in range(k, k + 10)) + ","
+
+
+async def produce_commit(b: kvfork.Branch, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        t = await b.produce()
+        await b.commit(t)
+        out.append(t.token)
+    return out
+
+
+@pytest.fixture
+def wide(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    ctx = kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=N_TASKS)
+    yield ctx
+    ctx.close()
+
+
+async def test_tasks_get_their_own_tokens_in_one_decode_per_step(wide: kvfork.Context) -> None:
+    alone = []
+    for k in range(N_TASKS):
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b.prefill_sync(wide.tokenize(counting(k)))
+        alone.append(greedy_with_margins(b, STEPS))
+        b.prune_sync()
+
+    async def task(k: int) -> list[int]:
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        await b.prefill(wide.tokenize(counting(k)))
+        tokens = await produce_commit(b, STEPS)
+        await b.prune()
+        return tokens
+
+    before = wide.stats()["decode_calls"]
+    got = await asyncio.gather(*(task(k) for k in range(N_TASKS)))
+    decodes = wide.stats()["decode_calls"] - before
+    for k, (tokens, margins) in enumerate(alone):
+        assert_same_greedy(got[k], tokens, margins)
+    # One packed prefill and one decode per step; a little slack for a starved CI machine
+    # (16 tasks alone would take 16 * 17 = 272).
+    assert decodes <= (STEPS + 1) * 1.25, decodes
+
+
+async def test_seeded_tasks_sample_as_they_would_alone(wide: kvfork.Context) -> None:
+    """The RNG stream of each task's sampler is its own: what it draws does not depend on
+    which other tasks shared its decodes (compared where sampling is clear-cut)."""
+    params = [kvfork.SamplingParams(temperature=0.8, top_k=3, seed=100 + k) for k in range(8)]
+
+    def alone(k: int) -> list[int]:
+        b = kvfork.Branch.create(wide, 0, params[k])
+        b.prefill_sync(wide.tokenize(counting(k)))
+        out = []
+        for _ in range(STEPS):
+            t = b.produce_sync().token
+            b.commit_sync(t)
+            out.append(t)
+        b.prune_sync()
+        return out
+
+    expected = [alone(k) for k in range(8)]
+
+    async def task(k: int) -> list[int]:
+        b = kvfork.Branch.create(wide, 0, params[k])
+        await b.prefill(wide.tokenize(counting(k)))
+        tokens = [t.token async for t in b.generate(max_tokens=STEPS)]
+        await b.prune()
+        return tokens
+
+    got = await asyncio.gather(*(task(k) for k in range(8)))
+    assert got == expected
+
+
+async def test_prefills_of_tasks_are_packed(wide: kvfork.Context) -> None:
+    prompts = [wide.tokenize(counting(k)) for k in range(N_TASKS)]
+    alone = []
+    for p in prompts:
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b.prefill_sync(p)
+        alone.append(b.logits())
+        b.prune_sync()
+    branches = [kvfork.Branch.create(wide, 0, GREEDY) for _ in prompts]
+    before = wide.stats()["decode_calls"]
+    await asyncio.gather(*(b.prefill(p) for b, p in zip(branches, prompts, strict=True)))
+    assert wide.stats()["decode_calls"] - before <= 2  # 1 unless the machine stalls
+    for b, p, ref in zip(branches, prompts, alone, strict=True):
+        assert b.position == len(p)
+        assert int(np.argmax(b.logits())) == int(np.argmax(ref))
+
+
+async def test_a_failed_commit_fails_only_its_task(wide: kvfork.Context) -> None:
+    """A branch whose KV was cut behind its back makes llama.cpp reject the whole shared
+    batch; the engine narrows it down: only that task fails (rolled back), the others get
+    their tokens."""
+    branches = []
+    for k in range(8):
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b.prefill_sync(wide.tokenize(counting(k)))
+        branches.append(b)
+    bad = branches[3]
+    wide.kv_seq_remove(bad.seq_id, bad.position - 3, -1)
+    position = bad.position
+
+    results = await asyncio.gather(
+        *(produce_commit(b, 4) for b in branches), return_exceptions=True
+    )
+    assert isinstance(results[3], kvfork.DecodeError), results[3]
+    assert bad.position == position
+    for k, r in enumerate(results):
+        if k != 3:
+            assert isinstance(r, list) and len(r) == 4
+            assert branches[k].position == len(wide.tokenize(counting(k))) + 4
+
+
+async def test_a_failed_prefill_fails_only_its_task(wide: kvfork.Context) -> None:
+    near_end = kvfork.Branch.create(wide, wide.n_ctx - 4, GREEDY)
+    others = [kvfork.Branch.create(wide, 0, GREEDY) for _ in range(4)]
+    prompts = [wide.tokenize(counting(k)) for k in range(5)]
+    results = await asyncio.gather(
+        near_end.prefill(prompts[0]),
+        *(b.prefill(p) for b, p in zip(others, prompts[1:], strict=True)),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], kvfork.KvCacheFullError)
+    assert near_end.position == wide.n_ctx - 4
+    assert results[1:] == [None] * 4
+    assert [b.position for b in others] == [len(p) for p in prompts[1:]]
+
+
+async def test_cancelling_one_prefill_of_a_packed_group(wide: kvfork.Context) -> None:
+    """Cancelled while its packed decode runs: the decode is aborted, the cancelled prefill
+    is rolled back, and the others run again and complete."""
+    long_prompt = wide.tokenize(" ".join(f"item {i}," for i in range(400)))[:1500]
+    prompts = [wide.tokenize(counting(k)) for k in range(3)]
+    alone = []
+    for p in prompts:
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b.prefill_sync(p)
+        alone.append(int(np.argmax(b.logits())))
+        b.prune_sync()
+    victim = kvfork.Branch.create(wide, 0, GREEDY)
+    others = [kvfork.Branch.create(wide, 0, GREEDY) for _ in range(3)]
+    victim_task = asyncio.ensure_future(victim.prefill(long_prompt))
+    other_tasks = [
+        asyncio.ensure_future(b.prefill(p)) for b, p in zip(others, prompts, strict=True)
+    ]
+    await asyncio.sleep(0.15)
+    victim_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await victim_task
+    await asyncio.gather(*other_tasks)
+    assert victim.position == 0
+    assert wide.kv_seq_pos_max_sync(victim.seq_id) == -1
+    assert [b.position for b in others] == [len(p) for p in prompts]
+    assert [int(np.argmax(b.logits())) for b in others] == alone
