@@ -17,6 +17,7 @@ use std::task::{Poll, Waker};
 
 use pyo3::exceptions::{PyRuntimeError, PyStopIteration};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use crate::delivery::{Deliver, Delivery, DeliveryWaker};
 use crate::errors::to_py;
@@ -203,7 +204,15 @@ impl Operation {
                 return Err(PyStopIteration::new_err((value,)));
             }
         }
-        let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
+        static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let event_loop = GET_RUNNING_LOOP
+            .get_or_try_init(py, || {
+                py.import("asyncio")?
+                    .getattr("get_running_loop")
+                    .map(Bound::unbind)
+            })?
+            .bind(py)
+            .call0()?;
         let delivery = Delivery::for_loop(py, &event_loop)?;
         let fut = event_loop.call_method0("create_future")?;
         // asyncio's Task accepts a yielded future only with this flag set (as `await` does).

@@ -11,7 +11,7 @@
 //! short-lived thread schedules the same callback with `call_soon_threadsafe`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::task::Wake;
 
 use pyo3::prelude::*;
@@ -42,7 +42,8 @@ pub struct Delivery {
     queue: Mutex<Vec<Arc<dyn Deliver>>>,
     /// A wake-up is on its way (set by the first reply of a batch, cleared by the drain).
     signalled: AtomicBool,
-    notify: Mutex<Option<Notify>>,
+    /// Set once, right after creation.
+    notify: OnceLock<Notify>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -57,7 +58,6 @@ impl Delivery {
     /// The delivery of `event_loop`, created on first use and kept as long as the loop lives.
     pub fn for_loop(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<Arc<Delivery>> {
         static BY_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-        let event_loop = event_loop.clone();
         let by_loop = BY_LOOP.get_or_try_init(py, || {
             py.import("weakref")?
                 .getattr("WeakKeyDictionary")?
@@ -65,7 +65,7 @@ impl Delivery {
                 .map(Bound::unbind)
         })?;
         let by_loop = by_loop.bind(py);
-        if let Ok(found) = by_loop.get_item(&event_loop) {
+        if let Ok(found) = by_loop.get_item(event_loop) {
             if let Ok(d) = found.cast::<LoopDelivery>() {
                 return Ok(d.get().0.clone());
             }
@@ -73,15 +73,15 @@ impl Delivery {
         let delivery = Arc::new(Delivery {
             queue: Mutex::new(Vec::new()),
             signalled: AtomicBool::new(false),
-            notify: Mutex::new(None),
+            notify: OnceLock::new(),
         });
         let drain = delivery.drain_callback(py)?;
         let weak_loop = py.import("weakref")?.getattr("ref")?.call1((&event_loop,));
         let notify = match weak_loop {
             // Cached per loop: a pipe when the loop can watch one.
             Ok(weak_loop) => {
-                by_loop.set_item(&event_loop, LoopDelivery(delivery.clone()))?;
-                match watch_pipe(py, &event_loop, &drain)? {
+                by_loop.set_item(event_loop, LoopDelivery(delivery.clone()))?;
+                match watch_pipe(py, event_loop, &drain)? {
                     Some(pipe) => pipe,
                     None => Notify::Threadsafe {
                         event_loop: weak_loop.unbind(),
@@ -91,11 +91,11 @@ impl Delivery {
             }
             // A loop without weak references: a delivery per operation, holding the loop.
             Err(_) => Notify::Threadsafe {
-                event_loop: event_loop.unbind(),
+                event_loop: event_loop.clone().unbind(),
                 drain: drain.into_any().unbind(),
             },
         };
-        *lock(&delivery.notify) = Some(notify);
+        let _ = delivery.notify.set(notify);
         Ok(delivery)
     }
 
@@ -119,7 +119,7 @@ impl Delivery {
     }
 
     fn wake_loop(self: &Arc<Self>) {
-        match &*lock(&self.notify) {
+        match self.notify.get() {
             #[cfg(unix)]
             Some(Notify::Pipe { write, .. }) => {
                 use std::io::Write;
@@ -137,7 +137,7 @@ impl Delivery {
     /// `loop.call_soon_threadsafe(drain)` (the loop may be held by a weak reference).
     fn schedule_drain(&self) {
         let _ = Python::try_attach(|py| {
-            let Some(Notify::Threadsafe { event_loop, drain }) = &*lock(&self.notify) else {
+            let Some(Notify::Threadsafe { event_loop, drain }) = self.notify.get() else {
                 return;
             };
             let mut target = event_loop.bind(py).clone();
@@ -157,7 +157,7 @@ impl Delivery {
         // Empty the pipe BEFORE clearing the flag: a wake-up written after this read then
         // stays in the pipe, so a later reply never finds the flag set with no byte coming.
         #[cfg(unix)]
-        if let Some(Notify::Pipe { read, .. }) = &*lock(&self.notify) {
+        if let Some(Notify::Pipe { read, .. }) = self.notify.get() {
             use std::io::Read;
             let mut buf = [0u8; 64];
             while matches!((&*read).read(&mut buf), Ok(n) if n == buf.len()) {}

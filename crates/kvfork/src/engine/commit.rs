@@ -36,7 +36,8 @@ impl Worker {
     }
 
     /// Sample the tokens of generation steps, accept every request (a failing one alone is
-    /// refused), then decode all that remain.
+    /// refused), then decode all that remain. (A `produce` never gets here: it is answered
+    /// on arrival.)
     fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
         let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
         let steps: Vec<usize> = (0..group.len())
@@ -48,7 +49,7 @@ impl Worker {
             for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
                 match produced {
                     Ok(p) => {
-                        if p.is_stop || group[i].is_sample_only() {
+                        if p.is_stop {
                             group[i].items.clear(); // reported, not committed
                         } else {
                             group[i].items[0].1 = p.token;

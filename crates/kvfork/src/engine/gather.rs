@@ -63,8 +63,8 @@ pub(super) trait Gathering {
     fn accepts(&self, job: &Job) -> bool;
     /// Take an accepted job in (admitting it first: it may have been cancelled).
     fn add(&mut self, job: Job, w: &mut Worker);
-    /// Whether a member decodes into KV sequence `seq`.
-    fn uses_seq(&self, seq: i32) -> bool;
+    /// The branches (and sequences) of the group so far.
+    fn members(&self) -> &Members;
 }
 
 impl Worker {
@@ -85,7 +85,7 @@ impl Worker {
             };
             let Ok(job) = next else { return };
             match job {
-                Job::Clear(seq) if !group.uses_seq(seq) => self.clear_seq(seq),
+                Job::Clear(seq) if !group.members().seqs.contains(&seq) => self.clear_seq(seq),
                 job if group.accepts(&job) => group.add(job, self),
                 job => {
                     self.stash = Some(job);
@@ -97,23 +97,24 @@ impl Worker {
     }
 }
 
-/// The branches a group touches (by cell identity).
+/// The branches a group touches (by cell identity) and their KV sequences.
 #[derive(Default)]
-struct Members(HashSet<*const BranchCell>);
+pub(super) struct Members {
+    cells: HashSet<*const BranchCell>,
+    seqs: HashSet<i32>,
+}
 
 impl Members {
     fn touches<'a>(&self, mut cells: impl Iterator<Item = &'a Arc<BranchCell>>) -> bool {
-        cells.any(|c| self.0.contains(&Arc::as_ptr(c)))
+        cells.any(|c| self.cells.contains(&Arc::as_ptr(c)))
     }
 
     fn add<'a>(&mut self, cells: impl Iterator<Item = &'a Arc<BranchCell>>) {
-        self.0.extend(cells.map(Arc::as_ptr));
+        for c in cells {
+            self.cells.insert(Arc::as_ptr(c));
+            self.seqs.insert(c.lock().seq);
+        }
     }
-}
-
-/// Whether a live member decodes into `seq`.
-fn seq_in<'a>(mut cells: impl Iterator<Item = &'a Arc<BranchCell>>, seq: i32) -> bool {
-    cells.any(|c| !c.is_disposed() && c.lock().seq == seq)
 }
 
 /// Commits and generation steps for one decode.
@@ -165,13 +166,8 @@ impl Gathering for CommitGathering {
         }
     }
 
-    fn uses_seq(&self, seq: i32) -> bool {
-        seq_in(
-            self.requests
-                .iter()
-                .flat_map(|r| r.items.iter().map(|(c, _)| c)),
-            seq,
-        )
+    fn members(&self) -> &Members {
+        &self.members
     }
 }
 
@@ -210,13 +206,8 @@ impl Gathering for PrefillGathering {
         }
     }
 
-    fn uses_seq(&self, seq: i32) -> bool {
-        seq_in(
-            self.requests
-                .iter()
-                .flat_map(|r| r.items.iter().map(|(c, _)| c)),
-            seq,
-        )
+    fn members(&self) -> &Members {
+        &self.members
     }
 }
 

@@ -22,8 +22,8 @@ pub(crate) struct Worker {
     /// A job pulled while gathering a group that could not join it: it runs next.
     pub(super) stash: Option<Job>,
     /// Tokens decoded by the last commit group (how many to wait for next time).
-    pub(super) last_group: usize,
-    pub(super) last_decode: Duration,
+    last_group: usize,
+    last_decode: Duration,
     /// Adapts the thread counts to the machine's load (None when both are fixed).
     tuner: Option<ThreadTuner>,
 }
