@@ -2,7 +2,7 @@
 SHELL := bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rust test-python soak asan lint fmt bench
+.PHONY: setup demo test test-rust test-python soak asan lint fmt bench peer
 
 setup:
 	scripts/setup.sh
@@ -41,7 +41,11 @@ fmt:
 	cargo fmt --all
 	$(PY) -m ruff format python tests benchmarks examples
 
-# Benchmarks (not tests): tables recorded in BENCHMARKS.md. The peer needs /tmp/peer (see there).
-bench: setup
+# Benchmarks (not tests): tables recorded in BENCHMARKS.md. `make bench PEER=1` first installs
+# the peer (llama-cpp-python, `make peer`) so bench_store.py has its peer column.
+bench: setup $(if $(PEER),peer)
 	$(PY) benchmarks/bench_store.py
 	$(PY) benchmarks/bench_sampling.py
+
+peer:
+	scripts/peer_venv.sh

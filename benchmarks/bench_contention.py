@@ -5,7 +5,7 @@ One greedy branch of the default model generates TOKENS tokens after a warm-up (
 adapting context has met the load); tokens/s is the median of REPEATS runs. Situations:
 quiet; one busy neighbour (a process spinning on one core); two kvfork processes at once.
 
-usage: python benchmarks/bench_contention.py [--peer-python /tmp/peer/bin/python]
+usage: python benchmarks/bench_contention.py [--peer-python .venv-peer/bin/python]
                                              [--tokens 96] [--repeats 3]
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import kvfork
 from _peer import run_peer
+from peer_batched import DEFAULT_PEER_PYTHON
 
 PROMPT = "The history of the printing press begins with"
 SPIN = "while True: pass"
@@ -107,7 +108,7 @@ def peer(args: argparse.Namespace) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
+    ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=48)

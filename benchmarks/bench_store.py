@@ -4,14 +4,15 @@ Prints four tables (recorded in BENCHMARKS.md):
 
 1. aggregate generated tokens/s vs N for `store.step` (greedy and the default chain),
    for N sequential `Branch.commit`s, and for the peer's hand-written batched loop
-   (`../shared/bench/peer_batched.py`, run as a subprocess with its own Python), each N
+   (`peer_batched.py`, run as a subprocess with the peer's own Python), each N
    measured back to back in the same run, same model, same threads;
 2. the time inside the bare `llama_decode` of those batches and kvfork's overhead above it;
 3. `fork()` time vs prefix length;
 4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096.
 
 usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
-                                        [--peer-python /tmp/peer/bin/python] [--skip-peer]
+                                        [--peer-python .venv-peer/bin/python] [--skip-peer]
+The peer's venv: `make peer`; without it the peer column is skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -28,11 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kvfork
+from peer_batched import DEFAULT_PEER_PYTHON, peer_batched
 
 PROMPT = "The history of the printing press begins with"
 THREADS = 2
-HERE = Path(__file__).resolve().parent
-PEER_SCRIPT = HERE.parent.parent / "shared" / "bench" / "peer_batched.py"
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 DEFAULT_CHAIN = kvfork.SamplingParams(seed=1234)
 
@@ -95,18 +94,11 @@ def run_sequential(model: kvfork.Model, n: int, steps: int) -> tuple[float, floa
 
 def run_peer(python: str, model_path: str, n: int, steps: int) -> float | None:
     """The peer's batched loop for one N, in its own interpreter; tokens/s."""
-    out = subprocess.run(
-        [python, str(PEER_SCRIPT), model_path, str(steps), str(n)],
-        env={**os.environ, "PEER_ONLY_BATCH": "1"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    m = re.search(r"batch\s+([\d.]+) tok/s", out.stdout)
-    if m is None:
-        print(f"  peer failed for N={n}: {out.stderr.strip()[-300:]}", file=sys.stderr)
+    try:
+        return peer_batched(python, model_path, steps, [n])[n]
+    except subprocess.CalledProcessError as e:  # the peer's own failure: keep kvfork's columns
+        print(f"  peer failed for N={n}: {(e.stderr or '').strip()[-300:]}", file=sys.stderr)
         return None
-    return float(m.group(1))
 
 
 def throughput(args: argparse.Namespace, model: kvfork.Model) -> None:
@@ -228,15 +220,13 @@ def main() -> None:
         "--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32]
     )
     parser.add_argument("--repeat", type=int, default=2, help="runs per cell; the best is kept")
-    parser.add_argument(
-        "--peer-python", default=os.environ.get("PEER_PYTHON", "/tmp/peer/bin/python")
-    )
+    parser.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", DEFAULT_PEER_PYTHON))
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--only", default="throughput,fork,kv")
     args = parser.parse_args()
-    if not args.skip_peer and not (Path(args.peer_python).exists() and PEER_SCRIPT.exists()):
+    if not args.skip_peer and not Path(args.peer_python).exists():
         print(
-            f"peer not found ({args.peer_python}, {PEER_SCRIPT}): --skip-peer assumed",
+            f"peer not found ({args.peer_python}; `make peer` installs it): --skip-peer assumed",
             file=sys.stderr,
         )
         args.skip_peer = True

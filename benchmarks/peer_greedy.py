@@ -5,7 +5,7 @@ sequence: the prompt in one batch, then one token per step. Different builds of 
 round differently, so tokens are compared up to the first near-tie of kvfork's logits (the
 best two within 1.0): beyond that point either choice is correct.
 
-usage: python benchmarks/peer_greedy.py --peer-python /tmp/peer/bin/python [--tokens 48]
+usage: python benchmarks/peer_greedy.py --peer-python .venv-peer/bin/python [--tokens 48]
 The peer: llama-cpp-python 0.3.36 in its own venv (BENCHMARKS.md, "peer").
 """
 
@@ -17,6 +17,7 @@ import sys
 import kvfork
 import numpy as np
 from _peer import run_peer
+from peer_batched import DEFAULT_PEER_PYTHON
 
 # Runs under the peer's Python: greedy argmax over llama-cpp-python's logits.
 PEER_CODE = r"""
@@ -92,7 +93,7 @@ def cases(ctx: kvfork.Context) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
+    ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     models = {

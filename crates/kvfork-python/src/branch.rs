@@ -405,6 +405,32 @@ impl PyBranch {
             .py()
     }
 
+    /// Constrain the output to a JSON schema (a dict, or its JSON text), through llguidance:
+    /// the same slot as `set_grammar` (one constraint at a time), cloned on fork. The first
+    /// use on a model indexes its vocabulary (a fraction of a second, once).
+    fn set_json_schema(&self, py: Python<'_>, schema: &Bound<'_, PyAny>) -> PyResult<()> {
+        let schema = match schema.extract::<String>() {
+            Ok(text) => text,
+            Err(_) => py
+                .import("json")?
+                .call_method1("dumps", (schema,))?
+                .extract::<String>()?,
+        };
+        self.set_constraint(py, kvfork::GrammarSpec::JsonSchema { schema })
+    }
+
+    /// Constrain the whole output to match a regular expression (Rust `regex` syntax), through
+    /// llguidance; the same slot as `set_grammar`.
+    fn set_regex(&self, py: Python<'_>, pattern: String) -> PyResult<()> {
+        self.set_constraint(py, kvfork::GrammarSpec::Regex { pattern })
+    }
+
+    /// Constrain the output to a grammar in llguidance's Lark syntax (`start` is the root
+    /// rule; `%json {...}` embeds a JSON schema); the same slot as `set_grammar`.
+    fn set_lark(&self, py: Python<'_>, grammar: String) -> PyResult<()> {
+        self.set_constraint(py, kvfork::GrammarSpec::Lark { grammar })
+    }
+
     /// Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
     /// words, ints are token ids; `patterns`: regexes matched from the start of the output.
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
@@ -539,5 +565,11 @@ impl PyBranch {
             Ok(p) => format!("Branch(handle={}, position={p})", self.inner.handle()),
             Err(_) => format!("Branch(handle={}, disposed)", self.inner.handle()),
         }
+    }
+}
+
+impl PyBranch {
+    fn set_constraint(&self, py: Python<'_>, spec: kvfork::GrammarSpec) -> PyResult<()> {
+        py.detach(|| self.inner.set_grammar(Some(spec))).py()
     }
 }

@@ -13,7 +13,7 @@ use kvfork_core::metrics::{self, Perplexity, RowSummary};
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 use crate::sampling::chain::SamplerChain;
-use crate::sampling::grammar::Grammar;
+use crate::sampling::grammar::{Grammar, GrammarUndo};
 
 /// The filtered candidates of the last `sample`, reused by the `accept` that follows so the
 /// chain runs once per token. Valid while the snapshot and the sampler state are unchanged.
@@ -60,7 +60,7 @@ pub(crate) struct BranchState {
 /// What `commit` restores when the decode fails.
 pub(crate) struct Snapshot {
     sampler: SamplerChain,
-    grammar: Option<Grammar>,
+    grammar: Option<GrammarUndo>,
     ppl_model: Perplexity,
     ppl_sampling: Perplexity,
     accepted_len: usize,
@@ -127,7 +127,7 @@ impl BranchState {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             sampler: self.sampler.clone(),
-            grammar: self.grammar.clone(),
+            grammar: self.grammar.as_ref().map(Grammar::undo_point),
             ppl_model: self.ppl_model,
             ppl_sampling: self.ppl_sampling,
             accepted_len: self.accepted.len(),
@@ -139,7 +139,9 @@ impl BranchState {
 
     pub fn restore(&mut self, s: Snapshot) {
         self.sampler = s.sampler;
-        self.grammar = s.grammar;
+        if let Some(undo) = s.grammar {
+            Grammar::undo(&mut self.grammar, undo);
+        }
         self.ppl_model = s.ppl_model;
         self.ppl_sampling = s.ppl_sampling;
         self.accepted.truncate(s.accepted_len);
@@ -305,7 +307,7 @@ impl BranchState {
     /// stay finite.
     fn apply_grammar(&mut self, lead: usize) -> usize {
         if let Some(g) = self.grammar.as_mut() {
-            g.apply(&mut token_array(&mut self.candidates));
+            g.apply(&mut self.candidates);
         }
         self.candidates[..lead.min(self.candidates.len())]
             .iter()
@@ -331,13 +333,78 @@ impl BranchState {
         true
     }
 
+    /// The k best tokens a llguidance constraint allows, plus the biased ones it allows: the
+    /// best raw logits are tried one by one (microseconds each) until k are legal. Where the
+    /// constraint allows few tokens (JSON punctuation, digits) more than `k / 4 + 4` refusals
+    /// send it to the mask's allowed set instead. Exact: every token left out scores lower.
+    fn gather_guided(&mut self, k: usize) {
+        let budget = k / 4 + 4;
+        let window = k + budget + 1;
+        if window < self.logits.len() / 4 {
+            let kept = self.gather_top(window);
+            let g = self
+                .grammar
+                .as_mut()
+                .and_then(Grammar::guided)
+                .expect("guided");
+            let head = &mut self.candidates[..kept];
+            head.sort_unstable_by(|a, b| b.logit.total_cmp(&a.logit));
+            let (mut legal, mut refused) = (0, 0);
+            for read in 0..kept {
+                if legal == k || refused > budget {
+                    break;
+                }
+                let c = self.candidates[read];
+                if g.allows(c.id) {
+                    self.candidates[legal] = c;
+                    legal += 1;
+                } else {
+                    refused += 1;
+                }
+            }
+            if legal == k {
+                let biased: Vec<_> = self.candidates[kept..]
+                    .iter()
+                    .copied()
+                    .filter(|c| g.allows(c.id))
+                    .collect();
+                self.candidates.truncate(legal);
+                self.candidates.extend(biased);
+                return;
+            }
+        }
+        self.gather_allowed();
+    }
+
+    /// Every token a llguidance constraint allows (its mask's set, usually small).
+    fn gather_allowed(&mut self) {
+        let g = self
+            .grammar
+            .as_mut()
+            .and_then(Grammar::guided)
+            .expect("guided");
+        let logits = &self.logits;
+        let candidates = &mut self.candidates;
+        candidates.clear();
+        g.allowed(|t| candidates.push(token_data(t, logits[t as usize])));
+    }
+
     /// Fill `self.candidates` with grammar → bias → steer → filter chain applied.
     fn filter_candidates(&mut self) -> Result<()> {
         self.require_logits()?;
         let n_vocab = self.logits.len();
         let unbiased = self.logit_bias.is_empty() && self.steer.is_empty();
         // Whether the candidates are the whole vocabulary in token order.
+        let guided = self.grammar.as_mut().is_some_and(|g| g.guided().is_some());
         let whole = match (self.sampler.prefilter_k(), self.grammar.is_some()) {
+            (Some(k), true) if guided && k < n_vocab => {
+                self.gather_guided(k);
+                false
+            }
+            (_, true) if guided => {
+                self.gather_allowed();
+                false
+            }
             // Greedy: the argmax was found while the snapshot was copied.
             (Some(1), false) if unbiased => {
                 let i = self.summary.argmax;

@@ -5,12 +5,13 @@ use std::ffi::{c_char, CString};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use llama_cpp_sys_2 as sys;
 
 use crate::backend::ensure_backend;
 use crate::error::{Error, Result};
+use crate::sampling::guidance::GuidanceVocab;
 
 /// A token id.
 pub type Token = i32;
@@ -38,6 +39,8 @@ pub struct Model {
     vocab: NonNull<sys::llama_vocab>,
     n_vocab: i32,
     path: PathBuf,
+    /// The vocabulary indexed for llguidance, built on first use (JSON schema, regex, Lark).
+    guidance: OnceLock<std::result::Result<Arc<GuidanceVocab>, String>>,
 }
 
 // SAFETY: a llama_model is immutable after load; llama.cpp reads it from any thread.
@@ -118,6 +121,7 @@ impl Model {
             vocab,
             n_vocab,
             path: path.to_path_buf(),
+            guidance: OnceLock::new(),
         }))
     }
 
@@ -127,6 +131,18 @@ impl Model {
 
     pub(crate) fn vocab_ptr(&self) -> *const sys::llama_vocab {
         self.vocab.as_ptr()
+    }
+
+    /// The vocabulary as llguidance reads it: indexed once per model, on first use.
+    pub(crate) fn guidance(&self) -> Result<Arc<GuidanceVocab>> {
+        self.guidance
+            .get_or_init(|| {
+                GuidanceVocab::build(self)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(Error::Grammar)
     }
 
     pub fn path(&self) -> &Path {

@@ -178,6 +178,15 @@ fn write_grammar(w: &mut Writer, spec: &GrammarSpec) {
             }
             w.i32s(tokens);
         }
+        GrammarSpec::JsonSchema { schema } => {
+            w.u8(3).str(schema);
+        }
+        GrammarSpec::Regex { pattern } => {
+            w.u8(4).str(pattern);
+        }
+        GrammarSpec::Lark { grammar } => {
+            w.u8(5).str(grammar);
+        }
     }
 }
 
@@ -207,6 +216,15 @@ fn read_grammar(r: &mut Reader<'_>) -> Result<Option<SavedGrammar>> {
                 tokens: r.i32s().map_err(state_error)?,
             }
         }
+        3 => GrammarSpec::JsonSchema {
+            schema: r.str().map_err(state_error)?,
+        },
+        4 => GrammarSpec::Regex {
+            pattern: r.str().map_err(state_error)?,
+        },
+        5 => GrammarSpec::Lark {
+            grammar: r.str().map_err(state_error)?,
+        },
         _ => return Err(malformed("unknown grammar kind")),
     };
     Ok(Some((spec, r.u64().map_err(state_error)?)))

@@ -218,9 +218,11 @@ impl SamplerChain {
         self.rng = Rng::from_seed(seed);
     }
 
-    /// Rebuild for new params, replaying `history` into the penalty/DRY filters. The RNG
-    /// stream and Mirostat's mu carry on, unless the params name a new seed (a fresh stream)
-    /// or switch Mirostat on (mu starts at 2·tau).
+    /// Take new params. The RNG stream and Mirostat's mu carry on, unless the params name a
+    /// new seed (a fresh stream) or switch Mirostat on (mu starts at 2·tau). Only what changed
+    /// is rebuilt: params that llama.cpp's filters do not read (temperature, XTC, Mirostat's
+    /// tau and eta, seed) keep the filters as they are, penalty and DRY state included; other
+    /// changes rebuild the filters and replay `history` into them.
     pub fn rebuild(
         &mut self,
         params: &SamplingParams,
@@ -229,6 +231,13 @@ impl SamplerChain {
     ) -> Result<()> {
         params.validate()?;
         let new_seed = params.seed.filter(|_| params.seed != self.params.seed);
+        if filter_key(params) == filter_key(&self.params) {
+            self.params = params.clone();
+            if let Some(seed) = new_seed {
+                self.reseed(seed);
+            }
+            return Ok(());
+        }
         let mut next = Self::build(params, new_seed.unwrap_or(self.seed), model);
         if new_seed.is_none() {
             next.rng = self.rng;
@@ -281,6 +290,20 @@ impl SamplerChain {
                 f.accept(t);
             }
         }
+    }
+}
+
+/// `p` reduced to what `SamplerChain::build` reads for llama.cpp's filters: equal keys build
+/// equal filters. (Temperature matters only as greedy or not.)
+fn filter_key(p: &SamplingParams) -> SamplingParams {
+    SamplingParams {
+        temperature: if p.is_greedy() { 0.0 } else { 1.0 },
+        seed: None,
+        mirostat_tau: 0.0,
+        mirostat_eta: 0.0,
+        xtc_probability: 0.0,
+        xtc_threshold: 0.0,
+        ..p.clone()
     }
 }
 

@@ -1,15 +1,17 @@
-//! GBNF grammars (eager and lazy) as llama.cpp grammar samplers, built through
-//! llama-cpp-sys-2's exception-catching wrappers so a bad grammar never aborts.
+//! A branch's constraint: GBNF grammars (eager and lazy) as llama.cpp grammar samplers, built
+//! through llama-cpp-sys-2's exception-catching wrappers so a bad grammar never aborts; JSON
+//! schemas, regexes and Lark grammars through llguidance (`guidance.rs`).
 
 use std::ffi::{c_char, CString};
 
 use llama_cpp_sys_2 as sys;
 
+use super::guidance::{GuidanceKind, Guided};
 use super::raw::RawSampler;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
-/// How a grammar was declared (kept so it can be described, saved and rebuilt).
+/// How a constraint was declared (kept so it can be described, saved and rebuilt).
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
     Eager {
@@ -22,12 +24,70 @@ pub enum GrammarSpec {
         patterns: Vec<String>,
         tokens: Vec<Token>,
     },
+    /// A JSON schema (text), compiled by llguidance.
+    JsonSchema {
+        schema: String,
+    },
+    /// A regular expression the whole output must match (llguidance).
+    Regex {
+        pattern: String,
+    },
+    /// A grammar in llguidance's Lark syntax.
+    Lark {
+        grammar: String,
+    },
 }
 
-#[derive(Clone)]
+impl GrammarSpec {
+    /// The llguidance front end and source text, for the constraints it reads.
+    fn guidance(&self) -> Option<(GuidanceKind, &str)> {
+        match self {
+            GrammarSpec::JsonSchema { schema } => Some((GuidanceKind::JsonSchema, schema)),
+            GrammarSpec::Regex { pattern } => Some((GuidanceKind::Regex, pattern)),
+            GrammarSpec::Lark { grammar } => Some((GuidanceKind::Lark, grammar)),
+            GrammarSpec::Eager { .. } | GrammarSpec::Lazy { .. } => None,
+        }
+    }
+}
+
+enum Engine {
+    Llama(RawSampler),
+    Guidance(Box<Guided>),
+}
+
 pub(crate) struct Grammar {
-    sampler: RawSampler,
+    engine: Engine,
     spec: GrammarSpec,
+    /// Tells this grammar from one set later on the same branch (see `GrammarUndo`).
+    id: u64,
+}
+
+impl Clone for Grammar {
+    /// An independent copy (fork, or the undo point of a llama.cpp grammar).
+    fn clone(&self) -> Self {
+        let engine = match &self.engine {
+            Engine::Llama(s) => Engine::Llama(s.clone()),
+            Engine::Guidance(g) => Engine::Guidance(Box::new(g.deep_clone())),
+        };
+        Grammar {
+            engine,
+            spec: self.spec.clone(),
+            id: self.id,
+        }
+    }
+}
+
+/// How a failed commit puts a grammar back: llama.cpp's parse state can only be copied whole,
+/// llguidance's rolls back by a token count.
+pub(crate) enum GrammarUndo {
+    Replace(Box<Grammar>),
+    Rollback { id: u64, consumed: usize },
+}
+
+fn next_grammar_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 fn c_string(s: &str, what: &'static str) -> Result<CString> {
@@ -61,59 +121,70 @@ fn refused(gbnf: &str) -> Error {
     Error::Grammar(format!("the grammar failed to parse: {reason}"))
 }
 
+/// A llama.cpp grammar sampler for a GBNF spec (eager or lazy).
+fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
+    let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = spec else {
+        unreachable!("llguidance reads the other kinds");
+    };
+    if gbnf.trim().is_empty() {
+        // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
+        return Err(Error::Grammar("the grammar is empty".into()));
+    }
+    let raw = match spec {
+        GrammarSpec::Eager { gbnf } => {
+            let g = c_string(gbnf, "grammar")?;
+            unsafe {
+                sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr())
+            }
+        }
+        GrammarSpec::Lazy {
+            gbnf,
+            words,
+            patterns,
+            tokens,
+        } => {
+            for &t in tokens {
+                model.check_token(t)?;
+            }
+            let g = c_string(gbnf, "grammar")?;
+            let all: Vec<String> = words
+                .iter()
+                .map(|w| word_pattern(w))
+                .chain(patterns.iter().cloned())
+                .collect();
+            let owned = all
+                .iter()
+                .map(|p| c_string(p, "trigger"))
+                .collect::<Result<Vec<_>>>()?;
+            let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
+            unsafe {
+                sys::llama_rs_sampler_init_grammar_lazy_patterns(
+                    model.vocab_ptr(),
+                    g.as_ptr(),
+                    c"root".as_ptr(),
+                    ptrs.as_mut_ptr(),
+                    ptrs.len(),
+                    tokens.as_ptr(),
+                    tokens.len(),
+                )
+            }
+        }
+        _ => unreachable!("llguidance reads the other kinds"),
+    };
+    RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf))
+}
+
 impl Grammar {
     pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
-        let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = &spec;
-        if gbnf.trim().is_empty() {
-            // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
-            return Err(Error::Grammar("the grammar is empty".into()));
-        }
-        let raw = match &spec {
-            GrammarSpec::Eager { gbnf } => {
-                let g = c_string(gbnf, "grammar")?;
-                unsafe {
-                    sys::llama_rs_sampler_init_grammar(
-                        model.vocab_ptr(),
-                        g.as_ptr(),
-                        c"root".as_ptr(),
-                    )
-                }
-            }
-            GrammarSpec::Lazy {
-                gbnf,
-                words,
-                patterns,
-                tokens,
-            } => {
-                for &t in tokens {
-                    model.check_token(t)?;
-                }
-                let g = c_string(gbnf, "grammar")?;
-                let all: Vec<String> = words
-                    .iter()
-                    .map(|w| word_pattern(w))
-                    .chain(patterns.iter().cloned())
-                    .collect();
-                let owned = all
-                    .iter()
-                    .map(|p| c_string(p, "trigger"))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
-                unsafe {
-                    sys::llama_rs_sampler_init_grammar_lazy_patterns(
-                        model.vocab_ptr(),
-                        g.as_ptr(),
-                        c"root".as_ptr(),
-                        ptrs.as_mut_ptr(),
-                        ptrs.len(),
-                        tokens.as_ptr(),
-                        tokens.len(),
-                    )
-                }
-            }
+        let engine = match spec.guidance() {
+            Some((kind, source)) => Engine::Guidance(Box::new(Guided::new(model, kind, source)?)),
+            None => Engine::Llama(llama_grammar(model, &spec)?),
         };
-        let sampler = RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf))?;
-        Ok(Grammar { sampler, spec })
+        Ok(Grammar {
+            engine,
+            spec,
+            id: next_grammar_id(),
+        })
     }
 
     pub fn spec(&self) -> &GrammarSpec {
@@ -130,24 +201,41 @@ impl Grammar {
     }
 
     /// Mask candidates the grammar forbids (logit = -inf).
-    pub fn apply(&mut self, cur: &mut sys::llama_token_data_array) {
-        self.sampler.apply(cur);
+    pub fn apply(&mut self, candidates: &mut [sys::llama_token_data]) {
+        match &mut self.engine {
+            Engine::Llama(sampler) => {
+                let mut cur = sys::llama_token_data_array {
+                    data: candidates.as_mut_ptr(),
+                    size: candidates.len(),
+                    selected: -1,
+                    sorted: false,
+                };
+                sampler.apply(&mut cur);
+            }
+            Engine::Guidance(g) => g.apply(candidates),
+        }
+    }
+
+    /// The llguidance parser, when llguidance reads this constraint (the sampler then walks
+    /// candidates best first or the mask's allowed set, never the whole vocabulary).
+    pub fn guided(&mut self) -> Option<&mut Guided> {
+        match &mut self.engine {
+            Engine::Guidance(g) => Some(g),
+            Engine::Llama(_) => None,
+        }
     }
 
     /// Whether the grammar allows `token` now (always, for a lazy grammar not yet triggered).
     pub fn allows(&mut self, token: Token) -> bool {
+        if let Engine::Guidance(g) = &mut self.engine {
+            return g.allows(token);
+        }
         let mut one = [sys::llama_token_data {
             id: token,
             logit: 0.0,
             p: 0.0,
         }];
-        let mut cur = sys::llama_token_data_array {
-            data: one.as_mut_ptr(),
-            size: 1,
-            selected: -1,
-            sorted: false,
-        };
-        self.sampler.apply(&mut cur);
+        self.apply(&mut one);
         one[0].logit.is_finite()
     }
 
@@ -156,20 +244,60 @@ impl Grammar {
     /// The token is checked first: llama.cpp aborts the process when an end-of-generation
     /// token reaches an incomplete grammar, and a rejected token leaves the grammar broken
     /// (its next use aborts). A lazy grammar can still fail when its trigger fires on text the
-    /// grammar rejects: callers restore a clone then.
+    /// grammar rejects: callers restore an undo point then.
     pub fn accept(&mut self, token: Token) -> Result<()> {
-        if !self.allows(token) {
-            return Err(Error::Grammar(format!(
-                "token {token} is not allowed by the grammar here"
-            )));
+        if let Engine::Guidance(g) = &mut self.engine {
+            return g.accept(token);
         }
-        let status = unsafe { sys::llama_rs_sampler_accept(self.sampler.as_ptr(), token) };
+        let refused =
+            || Error::Grammar(format!("token {token} is not allowed by the grammar here"));
+        if !self.allows(token) {
+            return Err(refused());
+        }
+        let Engine::Llama(sampler) = &self.engine else {
+            unreachable!("handled above");
+        };
+        let status = unsafe { sys::llama_rs_sampler_accept(sampler.as_ptr(), token) };
         if status == sys::LLAMA_RS_STATUS_OK {
             Ok(())
         } else {
-            Err(Error::Grammar(format!(
-                "token {token} is not allowed by the grammar here"
-            )))
+            Err(refused())
+        }
+    }
+
+    /// What puts this grammar back where it is now, should a commit fail.
+    pub fn undo_point(&self) -> GrammarUndo {
+        match &self.engine {
+            Engine::Llama(_) => GrammarUndo::Replace(Box::new(self.clone())),
+            Engine::Guidance(g) => GrammarUndo::Rollback {
+                id: self.id,
+                consumed: g.consumed(),
+            },
+        }
+    }
+
+    /// Go back to `undo`, taken from the grammar in `slot`. A grammar set since the undo point
+    /// is left alone. A llguidance parser that cannot roll back is left in its error state:
+    /// the next sample or accept reports it.
+    pub fn undo(slot: &mut Option<Grammar>, undo: GrammarUndo) {
+        match undo {
+            GrammarUndo::Replace(g) => {
+                if slot.as_ref().is_some_and(|now| now.id == g.id) {
+                    *slot = Some(*g);
+                }
+            }
+            GrammarUndo::Rollback { id, consumed } => {
+                if let Some(Grammar {
+                    engine: Engine::Guidance(g),
+                    id: now,
+                    ..
+                }) = slot
+                {
+                    if *now == id {
+                        g.rollback_to(consumed);
+                    }
+                }
+            }
         }
     }
 }

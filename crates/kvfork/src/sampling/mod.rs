@@ -2,6 +2,7 @@
 
 pub(crate) mod chain;
 pub(crate) mod grammar;
+pub(crate) mod guidance;
 pub mod params;
 pub(crate) mod raw;
 pub(crate) mod stochastic;
