@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 
 pub mod arena;
+pub mod bias;
 pub mod error;
 pub mod gbnf;
 pub mod handle;
@@ -12,13 +13,16 @@ pub mod lease;
 pub mod metrics;
 pub mod packer;
 pub mod persist;
+pub mod text;
 pub mod threads;
 pub mod tree;
 
 pub use arena::Arena;
+pub use bias::Biases;
 pub use error::TenancyError;
 pub use handle::Handle;
 pub use lease::LeaseAllocator;
 pub use metrics::{LogBase, Perplexity};
 pub use packer::{logits_index, plan_prefill, Chunk, Span};
+pub use text::Utf8Carry;
 pub use tree::{Node, Pruned, Registry};

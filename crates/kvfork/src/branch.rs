@@ -7,7 +7,7 @@ use kvfork_core::{Handle, Registry};
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
-use crate::engine::{BranchCell, CancelPolicy, Pending};
+use crate::engine::{BranchCell, CancelPolicy, Pending, Worker};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::sampling::chain::SamplerChain;
@@ -178,32 +178,7 @@ impl Branch {
             return Pending::ready(Err(e));
         }
         let cell = self.cell.clone();
-        self.ctx.run(move |w| {
-            let (seq, tokens) = {
-                let st = cell.lock();
-                let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
-                (st.seq, [&sinks[..], kept].concat())
-            };
-            if tokens.is_empty() {
-                return Err(Error::invalid(
-                    "sinks/tail",
-                    "nothing to re-prefill: give sink tokens or a tail > 0",
-                ));
-            }
-            if tokens.len() >= w.shared.n_ctx as usize {
-                return Err(Error::invalid(
-                    "sinks/tail",
-                    format!(
-                        "{} sink + tail tokens leave no room in n_ctx = {}",
-                        tokens.len(),
-                        w.shared.n_ctx
-                    ),
-                ));
-            }
-            w.ctx.seq_rm(seq, -1, -1)?;
-            cell.lock().position = 0;
-            w.prefill(&[&(cell, tokens)])
-        })
+        self.ctx.run(move |w| w.reseed_context(&cell, &sinks, tail))
     }
 
     // ---- tree ----
@@ -217,24 +192,7 @@ impl Branch {
         }
         let (ctx, parent, parent_cell) = (self.ctx.clone(), self.handle, self.cell.clone());
         self.ctx.run(move |w| {
-            if parent_cell.is_disposed() {
-                return Err(Error::BranchDisposed(parent.to_string()));
-            }
-            let (mut child_state, parent_seq, fork_head) = {
-                let p = parent_cell.lock();
-                (p.fork_copy(-1), p.seq, p.position)
-            };
-            if let Some(seed) = seed {
-                child_state.reseed(seed);
-            }
-            let cell = BranchCell::new(child_state);
-            let (handle, seq) = w
-                .shared
-                .registry()
-                .fork(parent, fork_head as u32, cell.clone())?;
-            cell.lock().seq = seq as i32;
-            w.ctx.clear_seq(seq as i32)?;
-            w.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
+            let (handle, cell) = w.fork(parent, &parent_cell, seed)?;
             Ok(Branch { ctx, handle, cell })
         })
     }
@@ -261,10 +219,7 @@ impl Branch {
         let handle = self.handle;
         self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
             let seqs = remove(&mut w.shared.registry(), handle)?;
-            for seq in seqs {
-                w.ctx.seq_rm(seq as i32, 0, -1)?;
-            }
-            Ok(())
+            w.empty_seqs(&seqs)
         })
     }
 
@@ -458,35 +413,35 @@ impl Branch {
     }
 
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
-        self.state(|s| Ok(base.convert(s.entropy()?)))
+        self.state(|s| Ok(base.convert(s.logits.entropy()?)))
     }
 
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.state(|s| Ok(base.convert(s.surprisal(token)?)))
+        self.state(|s| Ok(base.convert(s.logits.surprisal(token)?)))
     }
 
     /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
     /// token whose logit is -inf.
     pub fn logprob(&self, token: Token) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.state(|s| Ok(-s.surprisal(token)?))
+        self.state(|s| Ok(-s.logits.surprisal(token)?))
     }
 
     /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
     /// best first.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
-        self.state(|s| s.top_logprobs(k))
+        self.state(|s| s.logits.top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.state(|s| Ok(s.logits().map(<[f32]>::to_vec)))
+        self.state(|s| Ok(s.logits.row().map(<[f32]>::to_vec)))
     }
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.state(|s| Ok(s.logits_shared()))
+        self.state(|s| Ok(s.logits.shared()))
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -502,7 +457,7 @@ impl Branch {
             return Err(Error::invalid("logits", "contains NaN or +inf"));
         }
         self.state(|s| {
-            s.set_logits(logits);
+            s.logits.set(logits);
             Ok(())
         })
     }
@@ -539,4 +494,77 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The engine-thread halves of the branch operations above.
+impl Worker {
+    /// `Branch::reseed_context`: empty the sequence, then prefill the sinks and the tail of the
+    /// accepted tokens from position 0.
+    fn reseed_context(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        sinks: &[Token],
+        tail: usize,
+    ) -> Result<()> {
+        let (seq, tokens) = {
+            let st = cell.lock();
+            let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
+            (st.seq, [sinks, kept].concat())
+        };
+        if tokens.is_empty() {
+            return Err(Error::invalid(
+                "sinks/tail",
+                "nothing to re-prefill: give sink tokens or a tail > 0",
+            ));
+        }
+        if tokens.len() >= self.shared.n_ctx as usize {
+            return Err(Error::invalid(
+                "sinks/tail",
+                format!(
+                    "{} sink + tail tokens leave no room in n_ctx = {}",
+                    tokens.len(),
+                    self.shared.n_ctx
+                ),
+            ));
+        }
+        self.ctx.seq_rm(seq, -1, -1)?;
+        cell.lock().position = 0;
+        self.prefill(&[&(cell.clone(), tokens)])
+    }
+
+    /// `Branch::fork`: a child on a fresh lease whose sequence shares the parent's cells.
+    fn fork(
+        &mut self,
+        parent: Handle,
+        parent_cell: &Arc<BranchCell>,
+        seed: Option<u32>,
+    ) -> Result<(Handle, Arc<BranchCell>)> {
+        if parent_cell.is_disposed() {
+            return Err(Error::BranchDisposed(parent.to_string()));
+        }
+        let (mut child_state, parent_seq, fork_head) = {
+            let p = parent_cell.lock();
+            (p.fork_copy(-1), p.seq, p.position)
+        };
+        if let Some(seed) = seed {
+            child_state.reseed(seed);
+        }
+        let cell = BranchCell::new(child_state);
+        let (handle, seq) = self
+            .shared
+            .registry()
+            .fork(parent, fork_head as u32, cell.clone())?;
+        cell.lock().seq = seq as i32;
+        self.ctx.clear_seq(seq as i32)?;
+        self.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
+        Ok((handle, cell))
+    }
+
+    /// Empty the sequences of pruned branches (cells shared with others stay for them).
+    fn empty_seqs(&mut self, seqs: &[u32]) -> Result<()> {
+        for &seq in seqs {
+            self.ctx.seq_rm(seq as i32, 0, -1)?;
+        }
+        Ok(())
+    }
 }

@@ -29,13 +29,7 @@ impl Context {
         if let Err(e) = self.check_embed_args(&texts) {
             return Pending::ready(Err(e));
         }
-        self.run(move |w| {
-            let mut out = Vec::with_capacity(texts.len());
-            for group in pack(&texts, w.ctx.n_batch as usize, w.ctx.n_seq_max as usize) {
-                out.extend(embed_group(w, &group, normalize)?);
-            }
-            Ok(out)
-        })
+        self.run(move |w| w.embed(&texts, normalize))
     }
 
     fn check_embed_args(&self, texts: &[Vec<Token>]) -> Result<()> {
@@ -87,40 +81,55 @@ fn pack(texts: &[Vec<Token>], n_batch: usize, n_seq: usize) -> Vec<Vec<&[Token]>
 }
 
 /// One decode for `group` (text i on sequence i), then clear those sequences.
-fn embed_group(w: &mut Worker, group: &[&[Token]], normalize: bool) -> Result<Vec<Embedding>> {
-    let n_embd = w.shared.model.n_embd();
-    w.batch.clear();
-    for (seq, text) in group.iter().enumerate() {
-        for (pos, &t) in text.iter().enumerate() {
-            w.batch.push(t, pos as i32, seq as i32, true);
+/// The engine-thread half of embedding.
+impl Worker {
+    fn embed(&mut self, texts: &[Vec<Token>], normalize: bool) -> Result<Vec<Embedding>> {
+        let mut out = Vec::with_capacity(texts.len());
+        for group in pack(
+            texts,
+            self.ctx.n_batch as usize,
+            self.ctx.n_seq_max as usize,
+        ) {
+            out.extend(self.embed_group(&group, normalize)?);
         }
+        Ok(out)
     }
-    let decoded = w.decode();
-    let pooled = w.shared.pooling != POOLING_NONE;
-    let mut rows = Vec::with_capacity(group.len());
-    let mut first = 0;
-    let result = decoded.and_then(|_| {
+
+    fn embed_group(&mut self, group: &[&[Token]], normalize: bool) -> Result<Vec<Embedding>> {
+        let n_embd = self.shared.model.n_embd();
+        self.batch.clear();
         for (seq, text) in group.iter().enumerate() {
-            let vectors = if pooled {
-                vec![w.ctx.embeddings_seq(seq as i32, n_embd)?.to_vec()]
-            } else {
-                (first..first + text.len())
-                    .map(|i| w.ctx.embeddings_ith(i, n_embd).map(<[f32]>::to_vec))
-                    .collect::<Result<_>>()?
-            };
-            first += text.len();
-            rows.push(vectors);
+            for (pos, &t) in text.iter().enumerate() {
+                self.batch.push(t, pos as i32, seq as i32, true);
+            }
         }
-        Ok(())
-    });
-    for seq in 0..group.len() {
-        w.ctx.seq_rm(seq as i32, -1, -1)?;
+        let decoded = self.decode();
+        let pooled = self.shared.pooling != POOLING_NONE;
+        let mut rows = Vec::with_capacity(group.len());
+        let mut first = 0;
+        let result = decoded.and_then(|_| {
+            for (seq, text) in group.iter().enumerate() {
+                let vectors = if pooled {
+                    vec![self.ctx.embeddings_seq(seq as i32, n_embd)?.to_vec()]
+                } else {
+                    (first..first + text.len())
+                        .map(|i| self.ctx.embeddings_ith(i, n_embd).map(<[f32]>::to_vec))
+                        .collect::<Result<_>>()?
+                };
+                first += text.len();
+                rows.push(vectors);
+            }
+            Ok(())
+        });
+        for seq in 0..group.len() {
+            self.ctx.seq_rm(seq as i32, -1, -1)?;
+        }
+        result?;
+        if normalize {
+            rows.iter_mut().flatten().for_each(|v| unit_length(v));
+        }
+        Ok(rows)
     }
-    result?;
-    if normalize {
-        rows.iter_mut().flatten().for_each(|v| unit_length(v));
-    }
-    Ok(rows)
 }
 
 fn unit_length(v: &mut [f32]) {

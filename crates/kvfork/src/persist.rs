@@ -52,20 +52,7 @@ impl Branch {
             return Pending::ready(Err(e));
         }
         let (cell, path) = (self.cell().clone(), path.into());
-        self.context().run(move |w| {
-            let mut out = Writer::new();
-            let seq = {
-                let st = cell.lock();
-                st.write(&mut out);
-                st.seq
-            };
-            out.bytes(&w.ctx.kv_state(seq)?);
-            let model_id = w.shared.model.identity();
-            write_atomically(
-                &path,
-                &persist::seal(Kind::Branch, model_id, &out.into_bytes()),
-            )
-        })
+        self.context().run(move |w| w.save_branch(&cell, &path))
     }
 
     /// A new root branch on a fresh lease of `ctx`, restored from a file `save` wrote (with
@@ -76,27 +63,7 @@ impl Branch {
         }
         let (ctx2, path) = (ctx.clone(), path.into());
         ctx.run(move |w| {
-            let file = read_file(&path)?;
-            let model = w.shared.model.clone();
-            let payload =
-                persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
-            let mut r = Reader::new(payload);
-            let state = BranchState::read(&mut r, &model, -1)?;
-            let kv = r.bytes().map_err(state_error)?;
-            r.finish().map_err(state_error)?;
-            check_position(state.position, w.ctx.n_ctx)?;
-            let cell = BranchCell::new(state);
-            let (handle, seq) = w.shared.registry().create_root(cell.clone())?;
-            cell.lock().seq = seq as i32;
-            let restored = w
-                .ctx
-                .clear_seq(seq as i32)
-                .and_then(|_| w.ctx.set_kv_state(seq as i32, kv));
-            if let Err(e) = restored {
-                w.shared.registry().prune(handle)?;
-                cell.mark_disposed();
-                return Err(e);
-            }
+            let (handle, cell) = w.load_branch(&path)?;
             Ok(Branch::from_parts(ctx2, handle, cell))
         })
     }
@@ -142,23 +109,7 @@ impl Context {
             return Pending::ready(Err(e));
         }
         let path = path.into();
-        self.run(move |w| {
-            let branches = tree_order(w);
-            let index = |h: Handle| branches.iter().position(|b| b.handle == h);
-            let mut out = Writer::new();
-            out.u64(branches.len() as u64);
-            for b in &branches {
-                let parent = b.parent.and_then(index).map_or(-1, |i| i as i32);
-                out.i32(parent).u32(b.fork_head).u32(b.seq);
-                b.cell.lock().write(&mut out);
-            }
-            out.bytes(&w.ctx.kv_state(-1)?);
-            let model_id = w.shared.model.identity();
-            write_atomically(
-                &path,
-                &persist::seal(Kind::Context, model_id, &out.into_bytes()),
-            )
-        })
+        self.run(move |w| w.save_context(&path))
     }
 
     /// Restore a file `save_state` wrote into this context, which must have no live branch.
@@ -169,50 +120,117 @@ impl Context {
         }
         let (ctx, path) = (self.clone(), path.into());
         self.run(move |w| {
-            if !w.shared.registry().is_empty() {
-                return Err(Error::Other(
-                    "load_state needs a context without live branches: prune them first".into(),
-                ));
-            }
-            let file = read_file(&path)?;
-            let model = w.shared.model.clone();
-            let payload =
-                persist::open(&file, Kind::Context, model.identity()).map_err(state_error)?;
-            let mut r = Reader::new(payload);
-            let n = r.u64().map_err(state_error)?;
-            let mut saved = Vec::new();
-            let mut seqs = std::collections::HashSet::new();
-            for i in 0..n {
-                let parent = r.i32().map_err(state_error)?;
-                let fork_head = r.u32().map_err(state_error)?;
-                let seq = r.u32().map_err(state_error)?;
-                if parent >= i as i32 || parent < -1 {
-                    return Err(Error::State("a branch's parent comes after it".into()));
-                }
-                if seq >= w.ctx.n_seq_max || !seqs.insert(seq) {
-                    return Err(Error::State(format!(
-                        "the file needs sequence {seq}: this context has n_seq_max = {}",
-                        w.ctx.n_seq_max
-                    )));
-                }
-                let state = BranchState::read(&mut r, &model, seq as i32)?;
-                check_position(state.position, w.ctx.n_ctx)?;
-                saved.push((parent, fork_head, seq, state));
-            }
-            let kv = r.bytes().map_err(state_error)?;
-            r.finish().map_err(state_error)?;
-            w.ctx.set_kv_state(-1, kv)?;
-            let mut handles: Vec<Handle> = Vec::with_capacity(saved.len());
-            let mut branches = Vec::with_capacity(saved.len());
-            let mut reg = w.shared.registry();
-            for (parent, fork_head, seq, state) in saved {
-                let parent = usize::try_from(parent).ok().map(|i| handles[i]);
-                let cell = BranchCell::new(state);
-                let h = reg.restore(parent, fork_head, seq, cell.clone())?;
-                handles.push(h);
-                branches.push(Branch::from_parts(ctx.clone(), h, cell));
-            }
-            Ok(branches)
+            let restored = w.load_context(&path)?;
+            Ok(restored
+                .into_iter()
+                .map(|(h, cell)| Branch::from_parts(ctx.clone(), h, cell))
+                .collect())
         })
+    }
+}
+
+/// The engine-thread halves of saving and loading.
+impl Worker {
+    fn save_branch(&mut self, cell: &Arc<BranchCell>, path: &Path) -> Result<()> {
+        let mut out = Writer::new();
+        let seq = {
+            let st = cell.lock();
+            st.write(&mut out);
+            st.seq
+        };
+        out.bytes(&self.ctx.kv_state(seq)?);
+        let model_id = self.shared.model.identity();
+        write_atomically(
+            path,
+            &persist::seal(Kind::Branch, model_id, &out.into_bytes()),
+        )
+    }
+
+    /// A saved branch as a new root on a fresh lease.
+    fn load_branch(&mut self, path: &Path) -> Result<(Handle, Arc<BranchCell>)> {
+        let file = read_file(path)?;
+        let model = self.shared.model.clone();
+        let payload = persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
+        let mut r = Reader::new(payload);
+        let state = BranchState::read(&mut r, &model, -1)?;
+        let kv = r.bytes().map_err(state_error)?;
+        r.finish().map_err(state_error)?;
+        check_position(state.position, self.ctx.n_ctx)?;
+        let cell = BranchCell::new(state);
+        let (handle, seq) = self.shared.registry().create_root(cell.clone())?;
+        cell.lock().seq = seq as i32;
+        let restored = self
+            .ctx
+            .clear_seq(seq as i32)
+            .and_then(|_| self.ctx.set_kv_state(seq as i32, kv));
+        if let Err(e) = restored {
+            self.shared.registry().prune(handle)?;
+            cell.mark_disposed();
+            return Err(e);
+        }
+        Ok((handle, cell))
+    }
+
+    fn save_context(&mut self, path: &Path) -> Result<()> {
+        let branches = tree_order(self);
+        let index = |h: Handle| branches.iter().position(|b| b.handle == h);
+        let mut out = Writer::new();
+        out.u64(branches.len() as u64);
+        for b in &branches {
+            let parent = b.parent.and_then(index).map_or(-1, |i| i as i32);
+            out.i32(parent).u32(b.fork_head).u32(b.seq);
+            b.cell.lock().write(&mut out);
+        }
+        out.bytes(&self.ctx.kv_state(-1)?);
+        let model_id = self.shared.model.identity();
+        write_atomically(
+            path,
+            &persist::seal(Kind::Context, model_id, &out.into_bytes()),
+        )
+    }
+
+    /// The branches of a context file, each after its parent, on the sequences they had.
+    fn load_context(&mut self, path: &Path) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
+        if !self.shared.registry().is_empty() {
+            return Err(Error::Other(
+                "load_state needs a context without live branches: prune them first".into(),
+            ));
+        }
+        let file = read_file(path)?;
+        let model = self.shared.model.clone();
+        let payload = persist::open(&file, Kind::Context, model.identity()).map_err(state_error)?;
+        let mut r = Reader::new(payload);
+        let n = r.u64().map_err(state_error)?;
+        let mut saved = Vec::new();
+        let mut seqs = std::collections::HashSet::new();
+        for i in 0..n {
+            let parent = r.i32().map_err(state_error)?;
+            let fork_head = r.u32().map_err(state_error)?;
+            let seq = r.u32().map_err(state_error)?;
+            if parent >= i as i32 || parent < -1 {
+                return Err(Error::State("a branch's parent comes after it".into()));
+            }
+            if seq >= self.ctx.n_seq_max || !seqs.insert(seq) {
+                return Err(Error::State(format!(
+                    "the file needs sequence {seq}: this context has n_seq_max = {}",
+                    self.ctx.n_seq_max
+                )));
+            }
+            let state = BranchState::read(&mut r, &model, seq as i32)?;
+            check_position(state.position, self.ctx.n_ctx)?;
+            saved.push((parent, fork_head, seq, state));
+        }
+        let kv = r.bytes().map_err(state_error)?;
+        r.finish().map_err(state_error)?;
+        self.ctx.set_kv_state(-1, kv)?;
+        let mut restored: Vec<(Handle, Arc<BranchCell>)> = Vec::with_capacity(saved.len());
+        let mut reg = self.shared.registry();
+        for (parent, fork_head, seq, state) in saved {
+            let parent = usize::try_from(parent).ok().map(|i| restored[i].0);
+            let cell = BranchCell::new(state);
+            let h = reg.restore(parent, fork_head, seq, cell.clone())?;
+            restored.push((h, cell));
+        }
+        Ok(restored)
     }
 }

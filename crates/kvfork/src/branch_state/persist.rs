@@ -1,7 +1,7 @@
 //! A branch's state (everything but its KV cells) as a record of a kvfork state file.
 
 use kvfork_core::persist::{Reader, StateError, Writer};
-use kvfork_core::Perplexity;
+use kvfork_core::{Biases, Perplexity, Utf8Carry};
 
 use super::BranchState;
 use crate::error::{Error, Result};
@@ -22,8 +22,9 @@ impl BranchState {
     /// Append this branch's record to `w`.
     pub fn write(&self, w: &mut Writer) {
         w.i32(self.position);
-        w.bool(self.has_logits);
-        w.f32s(if self.has_logits { &self.logits } else { &[] });
+        let row = self.logits.row();
+        w.bool(row.is_some());
+        w.f32s(row.unwrap_or(&[]));
         write_params(w, self.sampler.params());
         let draw = self.sampler.draw_state();
         w.u32(draw.seed).f32(draw.mu);
@@ -39,14 +40,14 @@ impl BranchState {
                 w.u64(self.grammar_since as u64);
             }
         }
-        write_pairs(w, &self.logit_bias);
-        write_pairs(w, &self.steer);
+        write_pairs(w, self.logit_bias.pairs());
+        write_pairs(w, self.steer.pairs());
         for ppl in [self.ppl_model, self.ppl_sampling] {
             let (sum, count) = ppl.parts();
             w.f64(sum).u64(count);
         }
         w.i32s(&self.accepted);
-        w.bytes(&self.utf8_carry);
+        w.bytes(self.utf8.pending());
     }
 
     /// Read a record written by `write`, for a branch on `seq`. Every value is checked
@@ -104,14 +105,14 @@ impl BranchState {
         let mut st = BranchState::new(seq, position, sampler, grammar);
         st.grammar_since = grammar_since;
         if has_logits {
-            st.set_logits(&logits);
+            st.logits.set(&logits);
         }
-        st.logit_bias = logit_bias;
-        st.steer = steer;
+        st.logit_bias = Biases::new(logit_bias);
+        st.steer = Biases::new(steer);
         st.ppl_model = ppl[0];
         st.ppl_sampling = ppl[1];
         st.accepted = accepted;
-        st.utf8_carry = utf8_carry;
+        st.utf8 = Utf8Carry::from_pending(utf8_carry);
         Ok(st)
     }
 }
@@ -141,7 +142,7 @@ fn read_pairs(r: &mut Reader<'_>, model: &Model) -> Result<Vec<(Token, f32)>> {
         }
         pairs.push((c[0], bias));
     }
-    // `normalize_bias` order (sorted by token) is what lookups rely on.
+    // `Biases` order (sorted by token, one per token) is what lookups rely on.
     if pairs.windows(2).any(|w| w[0].0 >= w[1].0) {
         return Err(malformed("bias list out of order"));
     }

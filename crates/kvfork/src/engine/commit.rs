@@ -211,9 +211,9 @@ impl Worker {
         for (i, (cell, _)) in items.iter().enumerate() {
             let mut st = cell.lock();
             if kept.is_empty() {
-                st.set_logits(self.ctx.logits_ith(i)?);
+                st.logits.set(self.ctx.logits_ith(i)?);
             } else {
-                st.set_logits(&kept[i]);
+                st.logits.set(&kept[i]);
             }
             st.position += 1;
         }

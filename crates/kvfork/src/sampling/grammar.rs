@@ -216,6 +216,11 @@ impl Grammar {
         }
     }
 
+    /// Whether llguidance reads this constraint.
+    pub fn is_guided(&self) -> bool {
+        matches!(self.engine, Engine::Guidance(_))
+    }
+
     /// The llguidance parser, when llguidance reads this constraint (the sampler then walks
     /// candidates best first or the mask's allowed set, never the whole vocabulary).
     pub fn guided(&mut self) -> Option<&mut Guided> {
