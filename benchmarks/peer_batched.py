@@ -83,9 +83,9 @@ json.dump({str(n): tokens_per_second(n) for n in job["ns"]}, sys.stdout)
 """
 
 
-def peer_batched(python: str, model: str, steps: int, ns: list[int]) -> dict[int, float]:
+def peer_batched(python: str, model: str | Path, steps: int, ns: list[int]) -> dict[int, float]:
     """tokens/s of the peer's batched loop for each N (greedy, `steps` tokens per sequence)."""
-    job: dict[str, Any] = {"model": model, "prompt": PROMPT, "steps": steps, "ns": ns}
+    job: dict[str, Any] = {"model": str(model), "prompt": PROMPT, "steps": steps, "ns": ns}
     return {int(n): rate for n, rate in run_peer(python, PEER_CODE, job).items()}
 
 
