@@ -72,6 +72,20 @@ def test_walk_of_the_best_tokens_equals_the_whole_allowed_set(ctx: kvfork.Contex
     assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-4)
 
 
+def test_json_whitespace_is_bounded_unless_the_schema_says(ctx: kvfork.Context) -> None:
+    for seed in (1, 2):
+        b = root(ctx, "A person as JSON:", {"temperature": 1.2, "seed": seed})
+        b.set_json_schema(SCHEMA)
+        text = run(b, 120)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert not re.search(r"\n\n\n| {21}", text)  # a space, or 1-2 newlines and an indent
+    compact = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}
+    b = root(ctx, "A person as JSON:", {"temperature": 1.0, "seed": 3})
+    b.set_json_schema(compact)
+    text = run(b, 120)
+    assert text == json.dumps(json.loads(text), separators=(",", ":"))
+
+
 def test_regex_and_lark(ctx: kvfork.Context) -> None:
     b = root(ctx, "A phone number:", {"temperature": 0.8, "seed": 5})
     b.set_regex(r" [0-9]{3}-[0-9]{4}")

@@ -45,3 +45,17 @@ def test_concurrent_requests() -> None:
     assert all(isinstance(r, str) and r for r in replies[:4])
     assert isinstance(replies[4], kvfork.KvCacheFullError)
     assert per_token < 1.6  # one packed prefill + one decode per step: (1 + 8) / 8
+
+
+def test_beam_search() -> None:
+    plain, diverse, decodes = asyncio.run(example("beam_search").search(width=3, max_tokens=6))
+    assert len(plain) == 3 and decodes == 6  # one decode per step for all beams
+    assert [b.score for b in plain] == sorted((b.score for b in plain), reverse=True)
+    assert len({b.tokens[0] for b in diverse}) == 3  # the groups start differently
+
+
+def test_structured_output() -> None:
+    people = asyncio.run(example("structured_output").people(3))
+    assert len(people) == 3
+    for person in people:
+        assert set(person) == {"name", "age", "pet"} and 0 <= person["age"] <= 120

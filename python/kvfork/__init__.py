@@ -14,7 +14,7 @@ import json
 import logging
 from typing import Any
 
-from . import _native
+from . import _native, patterns
 from ._chat import Chat
 from ._models import default_chat_model_path, default_model_path
 from ._native import (
@@ -92,6 +92,7 @@ __all__ = [
     "default_chat_model_path",
     "default_model_path",
     "json_schema_to_grammar",
+    "patterns",
     "set_log_level",
     "system_info",
 ]

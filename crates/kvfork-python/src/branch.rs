@@ -352,6 +352,15 @@ impl PyBranch {
         self.inner.fork_head().py()
     }
 
+    /// The context the branch lives in (a handle to the same context as the one it was made
+    /// with).
+    #[getter]
+    fn context(&self) -> PyContext {
+        PyContext {
+            inner: self.inner.context().clone(),
+        }
+    }
+
     /// Tokens in the branch's KV sequence: the position its next token is decoded at (the
     /// `position` it was created at, before any prefill). Raises BranchDisposedError once pruned.
     #[getter]

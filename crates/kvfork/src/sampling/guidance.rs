@@ -11,6 +11,9 @@ use llguidance::{Matcher, ParserFactory};
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
+/// Whitespace allowed between JSON tokens unless a schema's `x-guidance` says otherwise.
+const JSON_SPACE: &str = r"(\x20|\x0A{1,2}[\x20\x09]{0,20})";
+
 /// Marks a control token in llguidance's vocabulary: grammar text never matches it.
 const SPECIAL: u8 = TokTrie::SPECIAL_TOKEN_MARKER;
 
@@ -83,9 +86,17 @@ impl Guided {
         let vocab = model.guidance()?;
         let grammar = match kind {
             GuidanceKind::JsonSchema => {
-                let value: serde_json::Value = serde_json::from_str(source).map_err(|e| {
+                let mut value: serde_json::Value = serde_json::from_str(source).map_err(|e| {
                     Error::Grammar(format!("the JSON schema is not valid JSON: {e}"))
                 })?;
+                if let Some(schema) = value.as_object_mut() {
+                    // llguidance allows any whitespace between JSON tokens, and small models
+                    // then fill objects with newlines. Bound it as llama.cpp's GBNF does (a
+                    // space, or one or two newlines and an indent) unless the schema says.
+                    schema
+                        .entry("x-guidance")
+                        .or_insert_with(|| serde_json::json!({ "whitespace_pattern": JSON_SPACE }));
+                }
                 TopLevelGrammar::from_json_schema(value)
             }
             GuidanceKind::Regex => TopLevelGrammar::from_regex(source),

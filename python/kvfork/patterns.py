@@ -1,0 +1,192 @@
+"""Search patterns built on branches: beam search and diverse beam search.
+
+Every step of a search advances all of its live beams with ONE decode (`BranchStore.commit`):
+a beam kept twice is forked (no tensor copy), a dropped beam is pruned with
+`keep_children=True` so its lease comes back while forks of it live on. A search of width W
+holds at most W + 1 leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+from ._native import Branch, BranchStore
+
+__all__ = ["Beam", "beam_search", "beam_search_sync"]
+
+
+@dataclass(frozen=True)
+class Beam:
+    """One finished or surviving hypothesis of a beam search."""
+
+    tokens: list[int]
+    """The generated tokens (an end-of-generation token included when it ended the beam)."""
+    text: str
+    """The tokens' text (end-of-generation tokens render as nothing)."""
+    logprob: float
+    """Sum of the natural-log probabilities of the tokens under the raw logits."""
+    score: float
+    """`logprob / len(tokens) ** length_penalty`: what the search ranked beams by."""
+    finished: bool
+    """Whether the beam ended with an end-of-generation token."""
+
+
+@dataclass
+class _Live:
+    branch: Branch
+    tokens: list[int] = field(default_factory=list)
+    logprob: float = 0.0
+    group: int = 0
+
+
+def _score(logprob: float, length: int, length_penalty: float) -> float:
+    return logprob / math.pow(max(length, 1), length_penalty)
+
+
+def _check(width: int, max_tokens: int, groups: int, diversity: float) -> None:
+    if width < 1:
+        raise ValueError(f"width must be at least 1, not {width}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    if groups < 1 or width % groups != 0:
+        raise ValueError(f"groups must divide width ({width}), not {groups}")
+    if diversity < 0 or not math.isfinite(diversity):
+        raise ValueError(f"diversity must be finite and >= 0, not {diversity}")
+
+
+async def beam_search(
+    branch: Branch,
+    width: int,
+    max_tokens: int,
+    *,
+    length_penalty: float = 0.0,
+    groups: int = 1,
+    diversity: float = 0.0,
+) -> list[Beam]:
+    """The `width` best continuations of `branch` by cumulative log-probability, best first.
+
+    `branch` itself is left as it was: the search runs on forks of it and prunes them all
+    before returning. Each step expands every live beam by its `width` most likely tokens
+    (raw logits; the branch's sampler, biases and constraint are not applied) and keeps the
+    best `width` expansions, all advanced with one decode. A beam that draws an
+    end-of-generation token is finished. `length_penalty` ranks by
+    `logprob / len ** length_penalty` (0: plain sum; 1: mean per token).
+
+    Diverse beam search (Vijayakumar et al., 2016): `groups` splits the width into groups
+    chosen one after the other at each step; a token already chosen by an earlier group
+    from the same step costs `diversity` nats per choice, so the groups spread out.
+    Needs `width + 1` free leases.
+    """
+    _check(width, max_tokens, groups, diversity)
+    store = BranchStore(branch.context)
+    per_group = width // groups
+    root = await branch.fork()
+    live = [_Live(root, group=g) for g in range(groups)]
+    # Groups share the root until their first step forks it.
+    finished: list[Beam] = []
+    try:
+        for _ in range(max_tokens):
+            if not live:
+                break
+            chosen: list[tuple[float, _Live, int, float]] = []  # (logprob, parent, token, lp)
+            picked: dict[int, int] = {}  # token -> times chosen by earlier groups this step
+            for g in range(groups):
+                members = [b for b in live if b.group == g]
+                seen: set[int] = set()
+                expansions = []
+                for beam in members:
+                    if id(beam.branch) in seen:
+                        continue  # groups that still share the root expand it once each
+                    seen.add(id(beam.branch))
+                    # Enough tokens that penalised ones can be passed over.
+                    for token, lp in beam.branch.top_logprobs(per_group + len(picked)):
+                        total = beam.logprob + lp
+                        rank = _score(total, len(beam.tokens) + 1, length_penalty)
+                        rank -= diversity * picked.get(token, 0)
+                        expansions.append((rank, total, beam, token, lp))
+                expansions.sort(key=lambda e: -e[0])
+                for _, total, beam, token, lp in expansions[:per_group]:
+                    chosen.append((total, beam, token, lp))
+                    picked[token] = picked.get(token, 0) + 1
+            live = await _advance(store, live, chosen, finished, length_penalty)
+        for beam in live:
+            finished.append(_result(beam, False, length_penalty))
+    finally:
+        for beam in live:
+            if not beam.branch.disposed:
+                await beam.branch.prune(keep_children=True)
+        if not root.disposed:
+            await root.prune(keep_children=True)
+    finished.sort(key=lambda b: -b.score)
+    return finished[:width]
+
+
+async def _advance(
+    store: BranchStore,
+    live: list[_Live],
+    chosen: list[tuple[float, _Live, int, float]],
+    finished: list[Beam],
+    length_penalty: float,
+) -> list[_Live]:
+    """Fork, prune and commit so the chosen expansions become the live beams (one decode).
+    Forks made here are pruned again if anything fails."""
+    if not chosen:
+        return []
+    ctx = chosen[0][1].branch.context
+    keep = {id(parent.branch) for _, parent, token, _ in chosen if not ctx.is_stop_token(token)}
+    for beam in live:
+        if id(beam.branch) not in keep and not beam.branch.disposed:
+            await beam.branch.prune(keep_children=True)  # forks of it may still be beams
+    used: set[int] = set()
+    moves: list[_Live] = []
+    commits: list[tuple[Branch, int]] = []
+    try:
+        for total, parent, token, _ in chosen:
+            tokens = [*parent.tokens, token]
+            if ctx.is_stop_token(token):
+                text = ctx.detokenize(tokens)
+                score = _score(total, len(tokens), length_penalty)
+                finished.append(Beam(tokens, text, total, score, True))
+                continue
+            fresh = id(parent.branch) not in used
+            target = parent.branch if fresh else await parent.branch.fork()
+            used.add(id(parent.branch))
+            moves.append(_Live(target, tokens, total, parent.group))
+            commits.append((target, token))
+        if commits:
+            await store.commit(commits)
+    except BaseException:
+        for move in moves:
+            await move.branch.prune(keep_children=True)
+        raise
+    return moves
+
+
+def _result(beam: _Live, finished: bool, length_penalty: float) -> Beam:
+    text = beam.branch.context.detokenize(beam.tokens)
+    score = _score(beam.logprob, len(beam.tokens), length_penalty)
+    return Beam(list(beam.tokens), text, beam.logprob, score, finished)
+
+
+def beam_search_sync(
+    branch: Branch,
+    width: int,
+    max_tokens: int,
+    *,
+    length_penalty: float = 0.0,
+    groups: int = 1,
+    diversity: float = 0.0,
+) -> list[Beam]:
+    """`beam_search` for code without an event loop (runs one)."""
+    return asyncio.run(
+        beam_search(
+            branch,
+            width,
+            max_tokens,
+            length_penalty=length_penalty,
+            groups=groups,
+            diversity=diversity,
+        )
+    )

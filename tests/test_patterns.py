@@ -1,0 +1,73 @@
+"""kvfork.patterns: beam search against greedy and a brute-force search, diverse groups,
+leases given back, bad arguments."""
+
+from __future__ import annotations
+
+import kvfork
+import pytest
+from kvfork.patterns import beam_search, beam_search_sync
+
+from .conftest import COUNTING, GREEDY, greedy_tokens, root
+
+
+def test_width_1_is_greedy(ctx: kvfork.Context) -> None:
+    expected = greedy_tokens(root(ctx, COUNTING), 8)
+    (beam,) = beam_search_sync(root(ctx, COUNTING), 1, 8)
+    assert beam.tokens == expected and not beam.finished
+    assert beam.text == ctx.detokenize(expected)
+
+
+def test_two_steps_match_a_brute_force_search(ctx: kvfork.Context) -> None:
+    """Width 3 over 2 tokens must return the best pairs among the top-3 first tokens, each
+    followed by its top-3 second tokens: scored here one fork at a time."""
+    width = 3
+    start = root(ctx)
+    pairs: list[tuple[float, list[int]]] = []
+    for t1, lp1 in start.top_logprobs(width):
+        one = start.fork_sync()
+        one.commit_sync(t1)
+        pairs += [(lp1 + lp2, [t1, t2]) for t2, lp2 in one.top_logprobs(width)]
+        one.prune_sync()
+    pairs.sort(key=lambda p: -p[0])
+    store = kvfork.BranchStore(ctx)
+    free, position = store.available, start.position
+    beams = beam_search_sync(start, width, 2)
+    assert len(beams) == width
+    # One decode for all beams rounds a little differently from one fork at a time.
+    for beam, (logprob, tokens) in zip(beams, pairs):
+        assert beam.logprob == pytest.approx(logprob, abs=0.05)
+        near = [t for lp, t in pairs if abs(lp - beam.logprob) < 0.05]
+        assert beam.tokens in near
+    assert store.available == free and start.position == position  # nothing left behind
+
+
+async def test_diverse_groups_spread_and_plain_groups_do_not(ctx: kvfork.Context) -> None:
+    start = root(ctx)
+    plain = await beam_search(start, 2, 3, groups=2)
+    assert plain[0].tokens == plain[1].tokens  # two groups, no penalty: the same beam
+    diverse = await beam_search(start, 2, 3, groups=2, diversity=50.0)
+    assert diverse[0].tokens[0] != diverse[1].tokens[0]
+    assert max(b.logprob for b in diverse) == pytest.approx(plain[0].logprob, abs=0.05)
+
+
+def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(chat_ctx, 0, GREEDY)
+    prompt = "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"
+    b.prefill_sync(chat_ctx.tokenize(prompt, parse_special=True))
+    beams = beam_search_sync(b, 3, 12, length_penalty=1.0)
+    assert any(beam.finished for beam in beams)
+    for beam in beams:
+        assert beam.score == pytest.approx(beam.logprob / len(beam.tokens))
+        assert beam.finished == chat_ctx.is_stop_token(beam.tokens[-1])
+    assert [beam.score for beam in beams] == sorted((b.score for b in beams), reverse=True)
+
+
+def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
+    b = root(ctx)
+    for kwargs in ({"width": 0}, {"max_tokens": 0}, {"groups": 3}, {"diversity": -1.0}):
+        args = {"width": 2, "max_tokens": 2, **kwargs}
+        with pytest.raises(ValueError):
+            beam_search_sync(b, args.pop("width"), args.pop("max_tokens"), **args)
+    with pytest.raises(kvfork.KvforkError, match="no logits"):
+        beam_search_sync(kvfork.Branch.create(ctx), 2, 2)
+    assert kvfork.BranchStore(ctx).available == ctx.n_seq_max - 2  # the searches gave back
