@@ -59,3 +59,11 @@ def test_structured_output() -> None:
     assert len(people) == 3
     for person in people:
         assert set(person) == {"name", "age", "pet"} and 0 <= person["age"] <= 120
+
+
+def test_entropy_temperature() -> None:
+    tour = example("entropy_temperature")
+    text, temps = asyncio.run(tour.generate(seed=7, max_tokens=24))
+    again = asyncio.run(tour.generate(seed=7, max_tokens=24))
+    assert text.strip() and (text, temps) == again  # one random stream, however T moves
+    assert max(temps) - min(temps) > 0.2  # the temperature followed the entropy
