@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,6 +16,7 @@ def example(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -67,3 +69,12 @@ def test_entropy_temperature() -> None:
     again = asyncio.run(tour.generate(seed=7, max_tokens=24))
     assert text.strip() and (text, temps) == again  # one random stream, however T moves
     assert max(temps) - min(temps) > 0.2  # the temperature followed the entropy
+
+
+def test_tree_search() -> None:
+    stats = asyncio.run(
+        example("tree_search").search(turns=2, iterations=3, width=2, segment=4, n_seq_max=5)
+    )
+    assert stats.iterations == 6 and len(stats.turns) == 2 and all(stats.turns)
+    assert stats.decodes == 6 * 4  # every expansion: one decode per token for all children
+    assert stats.pruned_subtrees >= 1  # 5 leases cannot hold 3 expansions of 2
