@@ -196,7 +196,10 @@ impl BranchState {
         let whole = match (self.sampler.prefilter_k(), self.grammar.as_mut()) {
             (k, Some(g)) if g.is_guided() => {
                 let g = g.guided().expect("checked");
+                let best = self.logits.argmax();
                 match k {
+                    // Greedy whose best raw token is legal: no pass over the row at all.
+                    Some(1) if unbiased && g.allows(best as Token) => c.argmax(logits, best),
                     Some(k) if k < n_vocab => c.top_guided(logits, k, &lists, g),
                     _ => c.allowed(logits, g),
                 }
