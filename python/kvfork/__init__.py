@@ -41,6 +41,10 @@ from ._native import (
 )
 from ._open import ContextOpening, create_context
 
+# `Drafter` is a typing Protocol (what `generate(draft=...)` takes), re-exported for annotations.
+from ._speculative import Drafter as Drafter
+from ._speculative import PromptLookup, SpeculativeStream, SpeculativeStreamSync
+
 __version__: str = _native.__version__
 
 logging.getLogger("kvfork").addHandler(logging.NullHandler())
@@ -81,7 +85,10 @@ __all__ = [
     "LeaseExhaustedError",
     "Model",
     "ModelLoadError",
+    "PromptLookup",
     "SamplingParams",
+    "SpeculativeStream",
+    "SpeculativeStreamSync",
     "StateFileError",
     "Token",
     "TokenStream",

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
+use pyo3::IntoPyObjectExt;
 
 use crate::context::{token_id, PyContext};
 use crate::convert::{self, awaitable, awaitable_none, wait, Int};
@@ -161,25 +162,75 @@ impl PyBranch {
         py.detach(|| self.inner.accept(token)).py()
     }
 
+    /// One round of exact speculative decoding (low level; `generate(draft=...)` drives it).
+    /// `pending`: the token the sampler drew last (from `produce`, not committed); `draft`:
+    /// guessed tokens after it. Decodes both in one llama_decode, then samples the branch's
+    /// chain position by position, accepting while it agrees with the draft. Returns
+    /// `(accepted, next)`: the draft Tokens drawn (committed, with `pending`) and the Token
+    /// drawn after them (sampled, not committed).
+    fn speculate<'py>(
+        &self,
+        py: Python<'py>,
+        pending: &Bound<'py, PyAny>,
+        draft: Vec<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let draft = draft_tokens(draft)?;
+        awaitable(py, self.inner.speculate(token_arg(pending)?, draft), speculated)
+    }
+
+    /// Blocking twin of `speculate`.
+    fn speculate_sync(
+        &self,
+        py: Python<'_>,
+        pending: &Bound<'_, PyAny>,
+        draft: Vec<i64>,
+    ) -> PyResult<(Vec<PyToken>, PyToken)> {
+        let draft = draft_tokens(draft)?;
+        speculated(wait(py, self.inner.speculate(token_arg(pending)?, draft))?)
+    }
+
+    /// The tokens decoded into the branch's sequence since it was created (or reseeded):
+    /// prefills and commits in order, a fork's starting with its parent's. Not saved by `save`.
+    #[getter]
+    fn history(&self) -> PyResult<Vec<i32>> {
+        self.inner.history().py()
+    }
+
     // ---- generation ----
 
     /// Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
     /// Each step samples and commits on the engine thread (steps of concurrent tasks share
     /// decodes). A cancelled step either never ran or completed (committed, not yielded).
-    #[pyo3(signature = (max_tokens=None))]
-    fn generate(&self, max_tokens: Option<Int>) -> PyResult<PyGenerator> {
-        Ok(PyGenerator::new(self.inner.clone(), max_count(max_tokens)?))
+    /// With `draft` (e.g. `kvfork.PromptLookup()`, or any object with
+    /// `propose(tokens) -> list[int]`): exact speculative decoding, the same tokens drawn more
+    /// decodes at a time (see `kvfork.SpeculativeStream`).
+    #[pyo3(signature = (max_tokens=None, *, draft=None))]
+    fn generate(
+        slf: &Bound<'_, Self>,
+        max_tokens: Option<Int>,
+        draft: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let limit = max_count(max_tokens)?;
+        match draft {
+            Some(draft) => speculative_stream(slf, "SpeculativeStream", limit, draft),
+            None => PyGenerator::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
+        }
     }
 
     /// Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
     /// Each step waits without the GIL; on Ctrl-C a started step completes (its token is
     /// committed, not yielded), then KeyboardInterrupt is raised.
-    #[pyo3(signature = (max_tokens=None))]
-    fn generate_sync(&self, max_tokens: Option<Int>) -> PyResult<PyGeneratorSync> {
-        Ok(PyGeneratorSync::new(
-            self.inner.clone(),
-            max_count(max_tokens)?,
-        ))
+    #[pyo3(signature = (max_tokens=None, *, draft=None))]
+    fn generate_sync(
+        slf: &Bound<'_, Self>,
+        max_tokens: Option<Int>,
+        draft: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let limit = max_count(max_tokens)?;
+        match draft {
+            Some(draft) => speculative_stream(slf, "SpeculativeStreamSync", limit, draft),
+            None => PyGeneratorSync::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
+        }
     }
 
     fn __aiter__(&self) -> PyGenerator {
@@ -581,4 +632,36 @@ impl PyBranch {
     fn set_constraint(&self, py: Python<'_>, spec: kvfork::GrammarSpec) -> PyResult<()> {
         py.detach(|| self.inner.set_grammar(Some(spec))).py()
     }
+}
+
+/// `kvfork.<class>(branch, max_tokens, draft)`: the speculative streams live in Python.
+fn speculative_stream(
+    branch: &Bound<'_, PyBranch>,
+    class: &str,
+    max_tokens: Option<usize>,
+    draft: Bound<'_, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let py = branch.py();
+    Ok(py
+        .import("kvfork._speculative")?
+        .getattr(class)?
+        .call1((branch, max_tokens, draft))?
+        .unbind())
+}
+
+fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
+    draft
+        .into_iter()
+        .map(|t| {
+            kvfork::Token::try_from(t)
+                .map_err(|_| PyValueError::new_err(format!("draft token {t} is out of range")))
+        })
+        .collect()
+}
+
+fn speculated(s: kvfork::Speculated) -> PyResult<(Vec<PyToken>, PyToken)> {
+    Ok((
+        s.accepted.into_iter().map(PyToken::from).collect(),
+        s.next.into(),
+    ))
 }

@@ -372,6 +372,12 @@ impl Branch {
         })
     }
 
+    /// The tokens decoded into the branch's sequence since it was created (or reseeded):
+    /// prefills and commits in order, a fork's starting with its parent's. Not saved.
+    pub fn history(&self) -> Result<Vec<Token>> {
+        self.state(|s| Ok(s.history.clone()))
+    }
+
     pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
         self.state(|s| Ok(s.grammar.as_ref().map(|g| g.spec().clone())))
     }
@@ -528,7 +534,11 @@ impl Worker {
             ));
         }
         self.ctx.seq_rm(seq, -1, -1)?;
-        cell.lock().position = 0;
+        {
+            let mut st = cell.lock();
+            st.position = 0;
+            st.history.clear();
+        }
         self.prefill(&[&(cell.clone(), tokens)])
     }
 

@@ -43,6 +43,10 @@ pub(crate) struct BranchState {
     pub ppl_sampling: Perplexity,
     /// Every accepted token, in order (penalty replay, persistence).
     pub accepted: Vec<Token>,
+    /// Every token decoded into the branch's sequence since it was created or reseeded
+    /// (prefills and commits, in order; a fork starts with its parent's). Draft sources read
+    /// it; it is not saved.
+    pub history: Vec<Token>,
     /// A token `Branch::accept` recorded that no commit has decoded yet: a `commit` of the
     /// same token absorbs it (so it is not counted twice), any other token is refused.
     pub accepted_undecoded: Option<Token>,
@@ -79,6 +83,7 @@ impl BranchState {
             ppl_model: Perplexity::default(),
             ppl_sampling: Perplexity::default(),
             accepted: Vec::new(),
+            history: Vec::new(),
             accepted_undecoded: None,
             utf8: Utf8Carry::default(),
             candidates: Candidates::default(),
@@ -101,6 +106,7 @@ impl BranchState {
             ppl_model: self.ppl_model,
             ppl_sampling: self.ppl_sampling,
             accepted: self.accepted.clone(),
+            history: self.history.clone(),
             accepted_undecoded: self.accepted_undecoded,
             utf8: self.utf8.clone(),
             candidates: Candidates::default(),
@@ -135,13 +141,14 @@ impl BranchState {
         self.sampler_epoch = s.sampler_epoch.max(self.sampler_epoch) + 1;
     }
 
-    /// After `n` external tokens were decoded into the branch (`row`: the last one's logits).
-    /// A token `accept`ed before is no longer waiting for its decode: the prefill was it.
-    pub fn prefilled(&mut self, n: usize, row: Option<&[f32]>) {
+    /// After `tokens` were decoded into the branch (`row`: the last one's logits). A token
+    /// `accept`ed before is no longer waiting for its decode: the prefill was it.
+    pub fn prefilled(&mut self, tokens: &[Token], row: Option<&[f32]>) {
         if let Some(row) = row {
             self.logits.set(row);
         }
-        self.position += n as i32;
+        self.position += tokens.len() as i32;
+        self.history.extend_from_slice(tokens);
         self.accepted_undecoded = None;
     }
 

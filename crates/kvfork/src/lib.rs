@@ -18,6 +18,7 @@ mod llama_ctx;
 pub mod model;
 mod persist;
 pub mod sampling;
+mod speculate;
 mod store;
 
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
@@ -32,6 +33,7 @@ pub use kvfork_core::Handle;
 pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
 pub use model::{Model, ModelParams, Token};
 pub use sampling::{GrammarSpec, SamplingParams};
+pub use speculate::Speculated;
 pub use store::BranchStore;
 
 /// Deepest JSON nesting accepted by [`json_schema_to_grammar`]: llama.cpp's converter recurses

@@ -208,7 +208,7 @@ impl Worker {
                 }
             }
         }
-        for (i, (cell, _)) in items.iter().enumerate() {
+        for (i, (cell, token)) in items.iter().enumerate() {
             let mut st = cell.lock();
             if kept.is_empty() {
                 st.logits.set(self.ctx.logits_ith(i)?);
@@ -216,6 +216,7 @@ impl Worker {
                 st.logits.set(&kept[i]);
             }
             st.position += 1;
+            st.history.push(*token);
         }
         Ok(())
     }

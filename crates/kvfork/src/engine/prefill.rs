@@ -137,7 +137,7 @@ impl Worker {
             }
         }
         for (i, (cell, tokens)) in items.iter().copied().enumerate() {
-            cell.lock().prefilled(tokens.len(), rows[i].as_deref());
+            cell.lock().prefilled(tokens, rows[i].as_deref());
         }
         Ok(())
     }

@@ -1,0 +1,174 @@
+"""Exact speculative decoding: `branch.generate(max_tokens, draft=...)`.
+
+Each round decodes the token the sampler drew last plus a guess of the next tokens in ONE
+`llama_decode` (`Branch.speculate`), then the branch's own chain samples position by position
+and keeps the guess while it agrees. The tokens are those plain generation draws (same chain,
+same order of random draws, penalties, grammar and perplexity fed the same way), up to the
+rounding of a batched decode; good guesses just need fewer decodes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+from ._native import Branch, Token
+
+__all__ = ["Drafter", "PromptLookup", "SpeculativeStream", "SpeculativeStreamSync"]
+
+
+class Drafter(Protocol):
+    """Anything that guesses the tokens after `tokens` (the branch's history, ending with the
+    token about to be decoded). An empty list means no guess this round."""
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Guessed tokens to follow `tokens` (any length; the stream cuts what does not fit)."""
+        ...
+
+
+class PromptLookup:
+    """Guesses by n-gram lookup in the branch's own history (prompt included): the tokens
+    that followed the latest earlier occurrence of the history's last `ngram` tokens, falling
+    back to shorter n-grams down to `min_ngram` (no guess below it: on a CPU a rejected
+    guess costs about as much as a token). No second model; strong when the output repeats
+    its input (copying, editing, extraction, code)."""
+
+    def __init__(
+        self, ngram: int = 3, max_draft: int = 16, *, min_ngram: int = 2, window: int = 4096
+    ) -> None:
+        """Match `ngram` down to `min_ngram` tokens, guess up to `max_draft`, search the
+        last `window` tokens of the history."""
+        if not 1 <= min_ngram <= ngram or max_draft < 1 or window < 2:
+            raise ValueError("need 1 <= min_ngram <= ngram, max_draft >= 1 and window >= 2")
+        self.ngram = ngram
+        self.min_ngram = min_ngram
+        self.max_draft = max_draft
+        self.window = window
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Up to `max_draft` tokens that followed the last match of the history's tail."""
+        seq = list(tokens[-self.window :])
+        for n in range(min(self.ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            # Latest earlier occurrence: scan right to left, not overlapping the tail itself.
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start] == tail[0] and seq[start : start + n] == tail:
+                    follow = seq[start + n : start + n + self.max_draft]
+                    if follow:
+                        return follow
+        return []
+
+    def __repr__(self) -> str:
+        return f"PromptLookup(ngram={self.ngram}, max_draft={self.max_draft})"
+
+
+class _Rounds:
+    """What the two streams share: the queue of tokens to yield and the accounting."""
+
+    def __init__(self, branch: Branch, max_tokens: int | None, draft: Drafter) -> None:
+        if not callable(getattr(draft, "propose", None)):
+            raise TypeError("draft must have a propose(tokens) -> list[int] method")
+        self.branch = branch
+        self.max_tokens = max_tokens
+        self.draft = draft
+        self.queue: deque[Token] = deque()
+        self.pending: Token | None = None
+        self.yielded = 0
+        self.stop_reason: str | None = None
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+        # How many guessed tokens to decode next round: halved down to 1 after a rejection,
+        # doubled after a round that kept them all (a rejected guess costs compute).
+        self.limit = 8
+
+    def pop(self) -> Token:
+        self.yielded += 1
+        return self.queue.popleft()
+
+    def ended(self) -> bool:
+        """Whether to stop before the next round (setting `stop_reason`)."""
+        done = self.max_tokens is not None and self.yielded >= self.max_tokens
+        if self.stop_reason is None and done:
+            self.stop_reason = "max_tokens"
+        return self.stop_reason is not None
+
+    def guess(self, pending: Token) -> list[int] | None:
+        """The draft for this round, or None when the stream ends at `pending`."""
+        if pending.is_stop:
+            self.stop_reason = "stop_token"
+            return None
+        room = self.branch.context.n_ctx - self.branch.position
+        if room < 1:
+            self.stop_reason = "context_full"
+            return None
+        budget = room
+        if self.max_tokens is not None:
+            budget = min(budget, self.max_tokens - self.yielded)
+        if budget <= 1:
+            return []
+        guess = self.draft.propose([*self.branch.history, pending.token])
+        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
+
+    def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
+        if draft:
+            kept_all = len(accepted) == len(draft)
+            self.limit = min(self.limit * 2, 64) if kept_all else max(1, self.limit // 2)
+        self.rounds += 1
+        self.drafted += len(draft)
+        self.accepted += len(accepted)
+        self.queue.append(pending)
+        self.queue.extend(accepted)
+        self.pending = nxt
+
+    @property
+    def acceptance(self) -> float:
+        """Share of drafted tokens the chain drew too (0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class SpeculativeStream(_Rounds):
+    """`async for tok in branch.generate(max_tokens, draft=...)`: commit-before-yield like
+    plain generation, ending at a stop token (not committed), `max_tokens` or a full context
+    (`stop_reason`). `rounds`, `drafted`, `accepted` and `acceptance` tell how the draft
+    did. At the end the sampler has drawn the one token after the last yielded (not
+    committed) — one random draw past plain generation."""
+
+    def __aiter__(self) -> SpeculativeStream:
+        return self
+
+    async def __anext__(self) -> Token:
+        if self.queue:
+            return self.pop()
+        if self.ended():
+            raise StopAsyncIteration
+        if self.pending is None:
+            self.pending = await self.branch.produce()
+        draft = self.guess(self.pending)
+        if draft is None:
+            raise StopAsyncIteration
+        accepted, nxt = await self.branch.speculate(self.pending, draft)
+        self.took(self.pending, draft, accepted, nxt)
+        return self.pop()
+
+
+class SpeculativeStreamSync(_Rounds):
+    """Blocking twin of `SpeculativeStream`: `for tok in branch.generate_sync(n, draft=...)`."""
+
+    def __iter__(self) -> SpeculativeStreamSync:
+        return self
+
+    def __next__(self) -> Token:
+        if self.queue:
+            return self.pop()
+        if self.ended():
+            raise StopIteration
+        if self.pending is None:
+            self.pending = self.branch.produce_sync()
+        draft = self.guess(self.pending)
+        if draft is None:
+            raise StopIteration
+        accepted, nxt = self.branch.speculate_sync(self.pending, draft)
+        self.took(self.pending, draft, accepted, nxt)
+        return self.pop()

@@ -1,0 +1,84 @@
+"""Exact speculative decoding: `generate(draft=...)` yields the tokens plain generation
+draws, greedy and seeded, with good drafts, bad drafts and a grammar; the KV keeps only
+what was accepted."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import kvfork
+import pytest
+
+from .conftest import GREEDY, root
+
+COPY = (
+    "Copy the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, "
+    "honeydew, kiwi, lemon, mango, nectarine, orange, papaya\nCopy: apple, banana,"
+)
+SEEDED = {"temperature": 0.8, "seed": 5}
+
+
+class Wrong:
+    """A drafter that is always wrong: every guess is rejected."""
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        return [7, 7, 7]
+
+
+def pair(ctx: kvfork.Context, params: object) -> tuple[kvfork.Branch, kvfork.Branch]:
+    a = root(ctx, COPY, params)
+    return a, a.fork_sync()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prompt_lookup_draws_what_plain_generation_draws(
+    ctx: kvfork.Context, params: object
+) -> None:
+    plain, spec = pair(ctx, params)
+    expected = [t.token for t in plain.generate_sync(40)]
+    before = ctx.stats()["decode_calls"]
+    stream = spec.generate_sync(40, draft=kvfork.PromptLookup())
+    got = [t.token for t in stream]
+    assert got == expected and stream.stop_reason == "max_tokens"
+    assert stream.acceptance > 0.5 and stream.rounds < 20  # the list is copied
+    assert ctx.stats()["decode_calls"] - before == stream.rounds
+    # Same state after: position, history, perplexity, and what comes next.
+    assert spec.position == plain.position and spec.history == plain.history
+    # A batched decode rounds logits a little differently: perplexity agrees to ~0.5 %.
+    assert spec.perplexity == pytest.approx(plain.perplexity, rel=1e-2)
+    if params is GREEDY:
+        assert [t.token for t in spec.generate_sync(8)] == [t.token for t in plain.generate_sync(8)]
+
+
+async def test_rejected_drafts_leave_no_trace(ctx: kvfork.Context) -> None:
+    plain, spec = pair(ctx, SEEDED)
+    expected = [t.token async for t in plain.generate(24)]
+    stream = spec.generate(24, draft=Wrong())
+    assert [t.token async for t in stream] == expected
+    assert stream.accepted == 0 and stream.drafted > 0
+    assert spec.position == plain.position
+    assert ctx.kv_seq_pos_max_sync(spec.seq_id) == spec.position - 1  # the guesses are gone
+
+
+def test_a_grammar_constrains_the_drafts(ctx: kvfork.Context) -> None:
+    plain, spec = pair(ctx, SEEDED)
+    for b in (plain, spec):
+        b.set_regex(" [0-9]{6}")
+    expected = "".join(t.text for t in plain.generate_sync(12))
+    got = "".join(t.text for t in spec.generate_sync(12, draft=Wrong()))
+    assert got == expected and re.fullmatch(" [0-9]{6}", got)
+
+
+def test_bad_drafts_raise(ctx: kvfork.Context) -> None:
+    b = root(ctx, COPY)
+    with pytest.raises(TypeError, match="propose"):
+        b.generate_sync(4, draft=object())  # type: ignore[call-overload]
+    pending = b.produce_sync()
+    with pytest.raises(ValueError, match="out of range"):
+        b.speculate_sync(pending, [ctx.vocab_size])
+    with pytest.raises(ValueError, match="out of range"):
+        b.speculate_sync(pending, [2**40])
+    position = b.position
+    accepted, nxt = b.speculate_sync(pending, [])  # no guess: a plain step
+    assert accepted == [] and b.position == position + 1 and not nxt.is_stop
