@@ -175,7 +175,11 @@ impl PyBranch {
         draft: Vec<i64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let draft = draft_tokens(draft)?;
-        awaitable(py, self.inner.speculate(token_arg(pending)?, draft), speculated)
+        awaitable(
+            py,
+            self.inner.speculate(token_arg(pending)?, draft),
+            speculated,
+        )
     }
 
     /// Blocking twin of `speculate`.
