@@ -78,3 +78,9 @@ def test_tree_search() -> None:
     assert stats.iterations == 6 and len(stats.turns) == 2 and all(stats.turns)
     assert stats.decodes == 6 * 4  # every expansion: one decode per token for all children
     assert stats.pruned_subtrees >= 1  # 5 leases cannot hold 3 expansions of 2
+
+
+def test_speculative() -> None:
+    results = asyncio.run(example("speculative").main(24))
+    for same, plain, spec, acceptance, _ in results.values():
+        assert same and spec < plain / 2 and acceptance > 0.8

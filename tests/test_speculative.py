@@ -82,3 +82,20 @@ def test_bad_drafts_raise(ctx: kvfork.Context) -> None:
     position = b.position
     accepted, nxt = b.speculate_sync(pending, [])  # no guess: a plain step
     assert accepted == [] and b.position == position + 1 and not nxt.is_stop
+
+
+def test_a_draft_model_in_its_own_context(
+    model: kvfork.Model, ctx: kvfork.Context, chat_ctx: kvfork.Context
+) -> None:
+    plain, spec = pair(ctx, GREEDY)
+    expected = [t.token for t in plain.generate_sync(24)]
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=2) as draft_ctx:
+        drafter = kvfork.DraftModel(draft_ctx, max_draft=4)
+        stream = spec.generate_sync(24, draft=drafter)
+        assert [t.token for t in stream] == expected
+        assert stream.acceptance > 0.8  # the same model agrees with itself
+        drafter.close()
+        assert kvfork.BranchStore(draft_ctx).available == 2
+    small = kvfork.DraftModel(chat_ctx)  # SmolLM2: a smaller vocabulary than Gemma's
+    with pytest.raises(ValueError, match="vocabulary"):
+        list(root(ctx, COPY).generate_sync(4, draft=small))

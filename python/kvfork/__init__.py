@@ -43,7 +43,7 @@ from ._open import ContextOpening, create_context
 
 # `Drafter` is a typing Protocol (what `generate(draft=...)` takes), re-exported for annotations.
 from ._speculative import Drafter as Drafter
-from ._speculative import PromptLookup, SpeculativeStream, SpeculativeStreamSync
+from ._speculative import DraftModel, PromptLookup, SpeculativeStream, SpeculativeStreamSync
 
 __version__: str = _native.__version__
 
@@ -78,6 +78,7 @@ __all__ = [
     "Context",
     "ContextOpening",
     "DecodeError",
+    "DraftModel",
     "FormattedChat",
     "GrammarError",
     "KvCacheFullError",

@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from ._native import Branch, Token
+from ._native import Branch, Context, Token
 
-__all__ = ["Drafter", "PromptLookup", "SpeculativeStream", "SpeculativeStreamSync"]
+__all__ = ["DraftModel", "Drafter", "PromptLookup", "SpeculativeStream", "SpeculativeStreamSync"]
 
 
 class Drafter(Protocol):
@@ -63,6 +63,77 @@ class PromptLookup:
         return f"PromptLookup(ngram={self.ngram}, max_draft={self.max_draft})"
 
 
+class DraftModel:
+    """Guesses with a second model (smaller, same vocabulary) in a context of its own: a
+    branch there follows the main branch's history (only new tokens are prefilled), and
+    each round a fork of it writes up to `max_draft` greedy tokens, then is pruned. Needs 2
+    sequences of `ctx`. In `async for`, the guesses are awaited (`apropose`), so the event
+    loop never waits on the draft model."""
+
+    def __init__(self, ctx: Context, max_draft: int = 8) -> None:
+        """Guess with `ctx`'s model, up to `max_draft` tokens a round."""
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be at least 1, not {max_draft}")
+        self.ctx = ctx
+        self.max_draft = max_draft
+        self._follower: Branch | None = None
+
+    def _behind(self, tokens: Sequence[int]) -> list[int] | None:
+        """The tokens the follower still lacks, or None when it must start over."""
+        if self._follower is None:
+            return None
+        seen = self._follower.history
+        if len(seen) > len(tokens) or list(tokens[: len(seen)]) != seen:
+            return None
+        return list(tokens[len(seen) :])
+
+    def _restart(self) -> None:
+        if self._follower is not None:
+            self._follower.prune_subtree_sync()
+        self._follower = Branch.create(self.ctx, 0, {"temperature": 0.0})
+
+    def _catch_up(self, tokens: Sequence[int]) -> list[int]:
+        """The tokens the follower lacks (all of them after a restart, when the history is
+        not an extension of what it saw)."""
+        if any(t >= self.ctx.vocab_size for t in tokens):
+            raise ValueError("the draft model's vocabulary is smaller than the main model's")
+        new = self._behind(tokens)
+        if new is None:
+            self._restart()
+            new = list(tokens)
+        return new
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Greedy guesses of the draft model after `tokens`."""
+        new = self._catch_up(tokens)
+        assert self._follower is not None
+        if new:
+            self._follower.prefill_sync(new)
+        guesser = self._follower.fork_sync()
+        try:
+            return [t.token for t in guesser.generate_sync(self.max_draft)]
+        finally:
+            guesser.prune_sync()
+
+    async def apropose(self, tokens: Sequence[int]) -> list[int]:
+        """`propose` without blocking the event loop."""
+        new = self._catch_up(tokens)
+        assert self._follower is not None
+        if new:
+            await self._follower.prefill(new)
+        guesser = await self._follower.fork()
+        try:
+            return [t.token async for t in guesser.generate(self.max_draft)]
+        finally:
+            await guesser.prune()
+
+    def close(self) -> None:
+        """Give the follower's lease back (the context stays open)."""
+        if self._follower is not None:
+            self._follower.prune_subtree_sync()
+            self._follower = None
+
+
 class _Rounds:
     """What the two streams share: the queue of tokens to yield and the accounting."""
 
@@ -96,6 +167,25 @@ class _Rounds:
 
     def guess(self, pending: Token) -> list[int] | None:
         """The draft for this round, or None when the stream ends at `pending`."""
+        budget = self.budget(pending)
+        if budget is None or budget <= 1:
+            return None if budget is None else []
+        guess = self.draft.propose([*self.branch.history, pending.token])
+        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
+
+    async def guess_async(self, pending: Token) -> list[int] | None:
+        """`guess`, awaiting the drafter's `apropose` where it has one."""
+        apropose = getattr(self.draft, "apropose", None)
+        if apropose is None:
+            return self.guess(pending)
+        budget = self.budget(pending)
+        if budget is None or budget <= 1:
+            return None if budget is None else []
+        guess = await apropose([*self.branch.history, pending.token])
+        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
+
+    def budget(self, pending: Token) -> int | None:
+        """How many tokens this round may yield, or None when the stream ends at `pending`."""
         if pending.is_stop:
             self.stop_reason = "stop_token"
             return None
@@ -106,10 +196,7 @@ class _Rounds:
         budget = room
         if self.max_tokens is not None:
             budget = min(budget, self.max_tokens - self.yielded)
-        if budget <= 1:
-            return []
-        guess = self.draft.propose([*self.branch.history, pending.token])
-        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
+        return budget
 
     def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
         if draft:
@@ -145,7 +232,7 @@ class SpeculativeStream(_Rounds):
             raise StopAsyncIteration
         if self.pending is None:
             self.pending = await self.branch.produce()
-        draft = self.guess(self.pending)
+        draft = await self.guess_async(self.pending)
         if draft is None:
             raise StopAsyncIteration
         accepted, nxt = await self.branch.speculate(self.pending, draft)
