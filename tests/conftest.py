@@ -38,6 +38,18 @@ def chat_ctx(chat_model: kvfork.Model) -> Iterator[kvfork.Context]:
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 
+# A small object schema the constraint tests share (GBNF and llguidance alike).
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+
 
 def root(ctx: kvfork.Context, text: str = PROMPT, params: object = GREEDY) -> kvfork.Branch:
     """A branch with `text` prefilled."""

@@ -12,17 +12,7 @@ import kvfork
 import pytest
 
 from .conftest import GREEDY, PROMPT, root
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
+from .conftest import PERSON_SCHEMA as SCHEMA
 
 
 def run(b: kvfork.Branch, max_tokens: int = 80) -> str:

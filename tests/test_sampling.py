@@ -11,7 +11,7 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import PROMPT, root
+from .conftest import PERSON_SCHEMA, PROMPT, root
 
 
 def run(b: kvfork.Branch, n: int) -> list[int]:
@@ -113,16 +113,7 @@ def test_gbnf_grammar(ctx: kvfork.Context) -> None:
 
 
 def test_json_schema_forks_validate(ctx: kvfork.Context) -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "color": {"enum": ["red", "green", "blue"]},
-        },
-        "required": ["name", "age", "color"],
-        "additionalProperties": False,
-    }
+    schema = PERSON_SCHEMA
     gbnf = kvfork.json_schema_to_grammar(schema)
     base = kvfork.Branch.create(ctx, 0, {"temperature": 0.9, "seed": 1}, grammar=gbnf)
     base.prefill_sync(ctx.tokenize("A person as JSON:"))

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import kvfork
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .conftest import GREEDY, root
 
@@ -99,3 +101,25 @@ def test_a_draft_model_in_its_own_context(
     small = kvfork.DraftModel(chat_ctx)  # SmolLM2: a smaller vocabulary than Gemma's
     with pytest.raises(ValueError, match="vocabulary"):
         list(root(ctx, COPY).generate_sync(4, draft=small))
+
+
+def _lookup_reference(tokens: list[int], ngram: int, min_ngram: int, max_draft: int) -> list[int]:
+    """PromptLookup's contract, written the slow way."""
+    for n in range(min(ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + max_draft]
+    return []
+
+
+@given(
+    tokens=st.lists(st.sampled_from([1, 2, 3, 256, 257, 65536, 65793]), max_size=40),
+    ngram=st.integers(1, 4),
+    max_draft=st.integers(1, 6),
+)
+def test_prompt_lookup_finds_the_latest_earlier_match(
+    tokens: list[int], ngram: int, max_draft: int
+) -> None:
+    # Multi-byte token values make byte matches that straddle tokens: they must not count.
+    lookup = kvfork.PromptLookup(ngram=ngram, max_draft=max_draft, min_ngram=1)
+    assert lookup.propose(tokens) == _lookup_reference(tokens, ngram, 1, max_draft)

@@ -9,6 +9,7 @@ rounding of a batched decode; good guesses just need fewer decodes.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -48,15 +49,20 @@ class PromptLookup:
 
     def propose(self, tokens: Sequence[int]) -> list[int]:
         """Up to `max_draft` tokens that followed the last match of the history's tail."""
-        seq = list(tokens[-self.window :])
+        seq = array("i", tokens[-self.window :])
+        data = seq.tobytes()  # bytes.rfind searches in C: a round costs microseconds
+        width = seq.itemsize
         for n in range(min(self.ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            # Latest earlier occurrence: scan right to left, not overlapping the tail itself.
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start] == tail[0] and seq[start : start + n] == tail:
-                    follow = seq[start + n : start + n + self.max_draft]
-                    if follow:
-                        return follow
+            needle = seq[-n:].tobytes()
+            # The latest earlier occurrence, ending before the last token (not the tail itself)
+            # and starting on a token boundary.
+            end = len(data) - width
+            at = data.rfind(needle, 0, end)
+            while at > 0 and at % width:
+                at = data.rfind(needle, 0, at + len(needle) - 1)
+            if at >= 0:
+                start = at // width + n
+                return seq[start : start + self.max_draft].tolist()
         return []
 
     def __repr__(self) -> str:

@@ -77,6 +77,9 @@ pub(crate) struct Guided {
     vocab: Arc<GuidanceVocab>,
     matcher: Matcher,
     mask: Option<SimpleVob>,
+    /// The last token the parser found legal in the current state (the sampled token is
+    /// checked while sampling and again by `accept`: the second check is free).
+    legal: Option<u32>,
     /// Tokens consumed so far (a commit that fails rolls back to a mark).
     consumed: usize,
 }
@@ -114,6 +117,7 @@ impl Guided {
             vocab,
             matcher: Matcher::new(Ok(parser)),
             mask: None,
+            legal: None,
             consumed: 0,
         })
     }
@@ -124,6 +128,7 @@ impl Guided {
             vocab: self.vocab.clone(),
             matcher: self.matcher.deep_clone(),
             mask: self.mask.clone(),
+            legal: self.legal,
             consumed: self.consumed,
         }
     }
@@ -152,10 +157,24 @@ impl Guided {
             return false;
         }
         let t = token as u32;
-        if self.vocab.eog.binary_search(&t).is_ok() {
-            return self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false);
+        if self.legal == Some(t) {
+            return true;
         }
-        !self.matcher.is_stopped() && self.matcher.validate_tokens(&[t]).unwrap_or(0) == 1
+        let legal = if self.vocab.eog.binary_search(&t).is_ok() {
+            self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+        } else {
+            !self.matcher.is_stopped() && self.matcher.validate_tokens(&[t]).unwrap_or(0) == 1
+        };
+        if legal {
+            self.legal = Some(t);
+        }
+        legal
+    }
+
+    /// The parser moved: what was known of its state is stale.
+    fn moved(&mut self) {
+        self.mask = None;
+        self.legal = None;
     }
 
     /// Every token the constraint allows now, in token order.
@@ -186,7 +205,7 @@ impl Guided {
             .consume_token(token as u32)
             .map_err(|e| not_allowed(token, Some(e.to_string())))?;
         self.consumed += 1;
-        self.mask = None;
+        self.moved();
         Ok(())
     }
 
@@ -201,7 +220,7 @@ impl Guided {
         if mark < self.consumed {
             let _ = self.matcher.rollback(self.consumed - mark);
             self.consumed = mark;
-            self.mask = None;
+            self.moved();
         }
     }
 }
