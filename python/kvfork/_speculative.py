@@ -36,7 +36,7 @@ class PromptLookup:
     its input (copying, editing, extraction, code)."""
 
     def __init__(
-        self, ngram: int = 3, max_draft: int = 16, *, min_ngram: int = 2, window: int = 4096
+        self, ngram: int = 3, max_draft: int = 8, *, min_ngram: int = 2, window: int = 4096
     ) -> None:
         """Match `ngram` down to `min_ngram` tokens, guess up to `max_draft`, search the
         last `window` tokens of the history."""
