@@ -8,7 +8,7 @@ setup:
 	scripts/setup.sh
 
 demo: setup
-	$(PY) -m kvfork "The history of the printing press begins with"
+	$(PY) -m kvfork demo
 
 # Everything: set-up (idempotent), Rust tests (no Python), Python tests on the real model.
 test: setup

@@ -97,3 +97,28 @@ def test_async_embed(emb: kvfork.Context) -> None:
 
     one, many = asyncio.run(main())
     assert float(one @ many[0]) > 0.999
+
+
+@pytest.mark.parametrize(("n_seq_max", "pooling"), [(3, "mean"), (5, "cls"), (6, "last")])
+def test_any_sequence_count_embeds_without_aborting(
+    model: kvfork.Model, n_seq_max: int, pooling: str
+) -> None:
+    # llama.cpp's pooled graph aborted (GGML_ASSERT) unless n_batch was a multiple of
+    # n_seq_max; kvfork rounds n_batch up for embedding contexts.
+    with kvfork.create_context_sync(
+        model, embeddings=True, pooling=pooling, n_seq_max=n_seq_max
+    ) as ctx:
+        assert ctx.n_batch % n_seq_max == 0 and ctx.n_batch >= 512
+        vectors = ctx.embed_batch_sync(["A cat.", "Stock markets fell.", "x y z"])
+        assert vectors.shape == (3, ctx.embedding_dim)
+
+
+def test_a_small_context_that_would_abort_is_refused(model: kvfork.Model) -> None:
+    with pytest.raises(ValueError, match="n_ctx.*multiple of n_seq_max"):
+        kvfork.create_context_sync(
+            model, embeddings=True, pooling="mean", n_seq_max=6, n_ctx=256
+        )
+    with kvfork.create_context_sync(
+        model, embeddings=True, pooling="mean", n_seq_max=3, n_ctx=300
+    ) as ctx:
+        assert ctx.embed_batch_sync(["A cat."]).shape == (1, ctx.embedding_dim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ._native import Branch, Context, SamplingParams
@@ -84,6 +85,42 @@ class Chat:
                 break
         return self._end(reply)
 
+    async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
+        """Like ``send``, yielding the reply's text as it is generated. Text that could be
+        the start of a stop string is held back until it is not; the whole reply is
+        appended to ``messages`` when the stream ends (also when it is closed early)."""
+        reply, tokens = self._begin(content)
+        assert self.branch is not None
+        try:
+            await self.branch.prefill(tokens)
+            async for tok in self.branch.generate(max_tokens=max_tokens):
+                stopped = reply.add(tok.text)
+                if piece := reply.take():
+                    yield piece
+                if stopped:
+                    break
+            if piece := reply.take(final=True):
+                yield piece
+        finally:
+            self._end(reply)
+
+    def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
+        """Blocking twin of ``stream``."""
+        reply, tokens = self._begin(content)
+        assert self.branch is not None
+        try:
+            self.branch.prefill_sync(tokens)
+            for tok in self.branch.generate_sync(max_tokens=max_tokens):
+                stopped = reply.add(tok.text)
+                if piece := reply.take():
+                    yield piece
+                if stopped:
+                    break
+            if piece := reply.take(final=True):
+                yield piece
+        finally:
+            self._end(reply)
+
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
         reply, tokens = self._begin(content)
@@ -103,6 +140,8 @@ class _Reply:
         self.longest = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.content = ""
+        self.given = 0  # characters of content handed out by take()
+        self.stopped = False
 
     def add(self, piece: str) -> bool:
         """Append a token's text; True once a stop string has appeared."""
@@ -110,4 +149,25 @@ class _Reply:
         self.text += piece
         cuts = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
         self.content = self.text[: min(cuts)] if cuts else self.text
+        self.stopped = self.stopped or bool(cuts)
         return bool(cuts)
+
+    def take(self, *, final: bool = False) -> str:
+        """The content not handed out yet, less a tail that may still become a stop string
+        (unless ``final`` or a stop string has been found)."""
+        end = len(self.content)
+        if not (final or self.stopped):
+            end -= self._pending_stop_prefix()
+        piece = self.content[self.given : end]
+        self.given = max(self.given, end)
+        return piece
+
+    def _pending_stop_prefix(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

@@ -178,12 +178,31 @@ impl LlamaCtx {
         p.validate()?;
         let mut cp = unsafe { sys::llama_context_default_params() };
         cp.n_ctx = p.n_ctx;
-        cp.n_batch = p.n_batch;
+        // With embeddings, llama.cpp reserves its pooling graph for n_ubatch tokens rounded up
+        // to a multiple of n_seq_max, but for only n_ubatch outputs: unless n_ubatch is such a
+        // multiple, the mean-pooling matmul's shapes disagree and GGML_ASSERT aborts the
+        // process (n_seq_max = 3, 5, 6, ... with n_batch = 512). Round n_batch up instead.
+        let n_batch = if p.embeddings {
+            p.n_batch.div_ceil(p.n_seq_max) * p.n_seq_max
+        } else {
+            p.n_batch
+        };
+        if p.embeddings && p.n_ctx < n_batch && p.n_ctx % p.n_seq_max != 0 {
+            return Err(Error::invalid(
+                "n_ctx",
+                format!(
+                    "{} is below n_batch ({n_batch}): with embeddings it must then be a \
+                     multiple of n_seq_max ({})",
+                    p.n_ctx, p.n_seq_max
+                ),
+            ));
+        }
+        cp.n_batch = n_batch;
         // One physical batch per logical batch: one llama_decode == one graph run.
-        cp.n_ubatch = p.n_batch;
+        cp.n_ubatch = n_batch;
         // llama.cpp reserves outputs for max(batch outputs, n_seq_max) rows and asserts that
         // this fits n_outputs_max (default n_batch): n_seq_max > n_batch would abort.
-        cp.n_outputs_max = p.n_batch.max(p.n_seq_max);
+        cp.n_outputs_max = n_batch.max(p.n_seq_max);
         cp.n_seq_max = p.n_seq_max;
         let max_threads = ContextParams::max_threads();
         let (threads, threads_batch) = p.threads_with(max_threads);

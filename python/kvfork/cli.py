@@ -1,0 +1,388 @@
+"""The `kvfork` command (also `python -m kvfork`).
+
+    kvfork demo                         forks of one prompt, one decode per step, live
+    kvfork generate MODEL PROMPT        generate (best-of-N with --n, constrained, speculative)
+    kvfork chat [MODEL]                 interactive multi-turn chat (or one turn per stdin line)
+    kvfork embed MODEL [TEXT ...]       embeddings as JSON lines, or --rank QUERY
+    kvfork bench [MODEL]                a quick throughput check: one sequence against N forks
+    kvfork info MODEL                   metadata, chat template, system info
+
+MODEL is a GGUF file, or `default` (Gemma 3 270M, base) or `chat` (SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _demo
+from ._chat import Chat
+from ._models import cache_dir, default_chat_model_path, default_model_path
+from ._native import (
+    Branch,
+    BranchStore,
+    Context,
+    KvforkError,
+    Model,
+    SamplingParams,
+    Token,
+    system_info,
+)
+from ._open import create_context
+from ._progress import Progress
+from ._speculative import PromptLookup
+
+MODEL_ALIASES = {"default": default_model_path, "chat": default_chat_model_path}
+
+
+class CliError(Exception):
+    """A usage problem reported as ``kvfork: error: ...`` with exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        result: int = asyncio.run(args.run(args))
+        return result
+    except CliError as exc:
+        parser.exit(2, f"kvfork: error: {exc}\n")
+    except (KvforkError, ValueError, OSError) as exc:
+        parser.exit(1, f"kvfork: {type(exc).__name__}: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+def resolve_model(name: str | None, fallback: str = "default") -> Path:
+    """A GGUF path for a MODEL argument: a file, or the alias ``default`` / ``chat``."""
+    name = name or fallback
+    if name in MODEL_ALIASES:
+        target = cache_dir()
+        fresh = not any(target.glob("*.gguf"))  # the first use assembles it (seconds)
+        with Progress(f"preparing the {name} model", enabled=None if fresh else False):
+            return MODEL_ALIASES[name]()
+    path = Path(name)
+    if not path.is_file():
+        raise CliError(f"no such model file: {name} (a GGUF path, or 'default' or 'chat')")
+    return path
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the shared sampling options."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+
+
+async def prefill(branch: Branch, tokens: list[int], n_batch: int) -> None:
+    """Prefill ``tokens``, n_batch at a time, with a progress line when it is long."""
+    with Progress("prefill", total=len(tokens)) as progress:
+        for start in range(0, len(tokens), n_batch):
+            await branch.prefill(tokens[start : start + n_batch])
+            progress.update(min(start + n_batch, len(tokens)))
+
+
+async def open_context(path: Path, **options: Any) -> Context:
+    """A context on ``path``, with a progress line while the model loads."""
+    with Progress(f"loading {path.name}"):
+        return await create_context(path, **options)
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    """Forks of one prompt advanced in one decode per step, against sequential generation."""
+    model = resolve_model(args.model)
+    await _demo.run(model, n=args.n, max_tokens=args.max_tokens, prompt=args.prompt)
+    return 0
+
+
+async def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate from PROMPT: streamed with --n 1, best-of-N by perplexity otherwise."""
+    if args.n < 1:
+        raise CliError("--n must be at least 1")
+    if args.draft and args.n > 1:
+        raise CliError("--draft works with --n 1 (speculation follows one sequence)")
+    model = resolve_model(args.model)
+    ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=args.n + 1)
+    with ctx:
+        root = Branch.create(ctx, 0, sampling_params(args))
+        _constrain(root, args)
+        await prefill(root, ctx.tokenize(args.prompt), ctx.n_batch)
+        if args.n == 1:
+            await _stream(root, args)
+        else:
+            await _best_of_n(ctx, root, args)
+    return 0
+
+
+def _constrain(branch: Branch, args: argparse.Namespace) -> None:
+    if args.json_schema is not None:
+        branch.set_json_schema(_read(args.json_schema))
+    elif args.grammar is not None:
+        branch.set_grammar(_read(args.grammar))
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+async def _stream(branch: Branch, args: argparse.Namespace) -> None:
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    start, count = time.perf_counter(), 0
+    if args.draft == "prompt-lookup":
+        stream: AsyncIterator[Token] = branch.generate(args.max_tokens, draft=PromptLookup())
+    else:
+        stream = branch.generate(args.max_tokens)
+    async for token in stream:
+        out.write(token.text)
+        out.flush()
+        count += 1
+    elapsed = time.perf_counter() - start
+    sys.stderr.write(
+        f"\n[{count} tokens in {elapsed:.2f}s, {count / max(elapsed, 1e-9):.1f} tok/s, "
+        f"perplexity {branch.perplexity:.2f}]\n"
+    )
+
+
+async def _best_of_n(ctx: Context, root: Branch, args: argparse.Namespace) -> None:
+    forks = [await root.fork(seed=args.seed * 1000 + i) for i in range(args.n)]
+    store = BranchStore(ctx)
+    texts = [""] * len(forks)
+    running = list(range(len(forks)))
+    with Progress(f"generating {args.n} candidates", total=args.max_tokens) as progress:
+        for step in range(args.max_tokens):
+            if not running:
+                break
+            drawn = await store.step([forks[i] for i in running])
+            for i, token in zip(list(running), drawn):
+                if token.is_stop:
+                    running.remove(i)
+                else:
+                    texts[i] += token.text
+            progress.update(step + 1)
+    order = sorted(range(len(forks)), key=lambda i: forks[i].perplexity)
+    for rank, i in enumerate(order):
+        mark = "best" if rank == 0 else f"#{rank + 1}"
+        print(f"--- candidate {i} ({mark}, perplexity {forks[i].perplexity:.2f})")
+        print(args.prompt + texts[i])
+
+
+async def cmd_chat(args: argparse.Namespace) -> int:
+    """A warm multi-turn conversation: each turn prefills only what it adds."""
+    model = resolve_model(args.model, fallback="chat")
+    ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=1)
+    interactive = sys.stdin.isatty()
+    with ctx:
+        chat = Chat(ctx, params=sampling_params(args), system=args.system)
+        if interactive:
+            print(f"chatting with {model.name}; /exit or Ctrl-D ends.", file=sys.stderr)
+        while True:
+            if interactive:
+                sys.stdout.write("you> ")
+                sys.stdout.flush()
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line:
+                break
+            content = line.strip()
+            if content in ("/exit", "/quit"):
+                break
+            if not content:
+                continue
+            if interactive:
+                sys.stdout.write("assistant> ")
+            before = chat.prefilled_tokens
+            async for piece in chat.stream(content, max_tokens=args.max_tokens):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if args.verbose:
+                added = chat.prefilled_tokens - before
+                print(f"[prefilled {added} new tokens this turn]", file=sys.stderr)
+    return 0
+
+
+async def cmd_embed(args: argparse.Namespace) -> int:
+    """Embeddings of TEXT arguments (or stdin lines) as JSON lines, or ranked by --rank."""
+    texts = list(args.text) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise CliError("nothing to embed: give TEXT arguments or lines on stdin")
+    model = resolve_model(args.model)
+    queries = [args.rank] if args.rank is not None else []
+    ctx = await open_context(
+        model, embeddings=True, pooling=args.pooling, n_seq_max=min(len(texts) + 1, 64)
+    )
+    with ctx:
+        vectors = await ctx.embed_batch(queries + texts, normalize=True)
+    if args.rank is not None:
+        scores = vectors[1:] @ vectors[0]
+        for i in sorted(range(len(texts)), key=lambda i: -scores[i]):
+            print(f"{scores[i]:+.4f}  {texts[i]}")
+    else:
+        for text, vector in zip(texts, vectors):
+            print(json.dumps({"text": text, "embedding": [round(float(x), 6) for x in vector]}))
+    return 0
+
+
+async def cmd_bench(args: argparse.Namespace) -> int:
+    """Tokens per second for one sequence and for N forks in one decode per step, and how
+    close the stepping loop runs to the bare `llama_decode` time."""
+    model = resolve_model(args.model)
+    widths = [1, *args.n] if 1 not in args.n else list(args.n)
+    ctx = await open_context(model, n_ctx=2048, n_seq_max=max(widths) + 1)
+    with ctx:
+        root = Branch.create(ctx, 0, SamplingParams(temperature=0.0))
+        prompt = ctx.tokenize("The history of the printing press begins with " * 16)
+        start = time.perf_counter()
+        await prefill(root, prompt, ctx.n_batch)
+        print(f"prefill: {len(prompt)} tokens, {len(prompt) / (time.perf_counter() - start):.0f} tok/s")
+        print(f"{'forks':>6} {'tok/s':>8} {'ms/step':>8} {'decode share':>13}")
+        store = BranchStore(ctx)
+        for n in widths:
+            forks = [await root.fork() for _ in range(n)]
+            await store.step(forks)  # warm-up
+            stats = ctx.stats()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                await store.step(forks)
+            elapsed = time.perf_counter() - start
+            decode = ctx.stats()["decode_seconds"] - stats["decode_seconds"]
+            rate = n * args.steps / elapsed
+            print(f"{n:6d} {rate:8.0f} {1000 * elapsed / args.steps:8.1f} {decode / elapsed:12.1%}")
+            for fork in forks:
+                await fork.prune()
+    return 0
+
+
+async def cmd_info(args: argparse.Namespace) -> int:
+    """The model's metadata and chat template, and what this build of llama.cpp runs on."""
+    path = resolve_model(args.model)
+    with Progress(f"loading {path.name}"):
+        model = await asyncio.to_thread(Model.load, path)
+    info: dict[str, Any] = {
+        "name": model.name,
+        "path": str(path),
+        "size_bytes": path.stat().st_size,
+        "vocab_size": model.vocab_size,
+        "n_ctx_train": model.n_ctx_train,
+        "n_embd": model.n_embd,
+        "chat_template": model.chat_template,
+        "metadata": model.metadata,
+        "system": system_info(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key in ("name", "path", "size_bytes", "vocab_size", "n_ctx_train", "n_embd"):
+        print(f"{key:12} {info[key]}")
+    print("\nmetadata:")
+    for key, value in sorted(model.metadata.items()):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        print(f"  {key}: {shown}")
+    template = model.chat_template
+    print("\nchat template:", "none" if template is None else f"{len(template)} characters")
+    if template is not None:
+        print("  " + template.replace("\n", "\n  "))
+    print("\nsystem:")
+    for key, value in system_info().items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+# --- the parser -----------------------------------------------------------------------------
+
+
+def _sampling_options(parser: argparse.ArgumentParser, temperature: float) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=temperature)
+    group.add_argument("--top-k", type=int, default=40)
+    group.add_argument("--top-p", type=float, default=0.95)
+    group.add_argument("--min-p", type=float, default=0.05)
+    group.add_argument("--repeat-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfork",
+        description="Forkable, batched llama.cpp inference. MODEL: a GGUF file, "
+        "or 'default' (Gemma 3 270M) or 'chat' (SmolLM2-135M-Instruct).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="N forks of one prompt, one decode per step, live")
+    demo.add_argument("--model", default=None, help="GGUF file or alias (default: default)")
+    demo.add_argument("--n", type=int, default=4, help="number of forks (default 4)")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--prompt", default=_demo.DEFAULT_PROMPT)
+    demo.set_defaults(run=cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    gen.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    gen.add_argument("prompt")
+    gen.add_argument("--n", type=int, default=1, help="candidates; >1 ranks them by perplexity")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--n-ctx", type=int, default=4096)
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="output follows this schema")
+    constraint.add_argument("--grammar", metavar="FILE", help="output follows this GBNF grammar")
+    gen.add_argument(
+        "--draft", choices=["prompt-lookup"], help="exact speculative decoding from this source"
+    )
+    _sampling_options(gen, temperature=0.8)
+    gen.set_defaults(run=cmd_generate)
+
+    chat = sub.add_parser("chat", help="multi-turn chat (stdin lines are turns when piped)")
+    chat.add_argument("model", nargs="?", default=None, help="GGUF file (default: chat)")
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--n-ctx", type=int, default=4096)
+    chat.add_argument("--verbose", action="store_true", help="tokens prefilled per turn")
+    _sampling_options(chat, temperature=0.0)
+    chat.set_defaults(run=cmd_chat)
+
+    embed = sub.add_parser("embed", help="embeddings of TEXT arguments or stdin lines")
+    embed.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    embed.add_argument("text", nargs="*")
+    embed.add_argument("--rank", metavar="QUERY", help="print the texts ranked by similarity")
+    embed.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"])
+    embed.set_defaults(run=cmd_embed)
+
+    bench = sub.add_parser("bench", help="tokens/s: one sequence against N forks")
+    bench.add_argument("model", nargs="?", default=None, help="GGUF file (default: default)")
+    bench.add_argument(
+        "--n", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8], help="e.g. 4,8,16"
+    )
+    bench.add_argument("--steps", type=int, default=16)
+    bench.set_defaults(run=cmd_bench)
+
+    info = sub.add_parser("info", help="model metadata, chat template, system info")
+    info.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(run=cmd_info)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

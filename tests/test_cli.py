@@ -1,0 +1,222 @@
+"""The `kvfork` command and its demo, on the real models."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvfork
+from kvfork import _demo, cli
+from kvfork._progress import Progress
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run `kvfork ARGV` in this process; (exit status, stdout, stderr)."""
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as exc:  # argparse and parser.exit
+        status = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_demo_steps_all_forks_in_one_decode_and_compares_with_sequential() -> None:
+    out = io.StringIO()
+    demo = asyncio.run(
+        _demo.run(kvfork.default_model_path(), n=3, max_tokens=8, out=out, live=False)
+    )
+    steps = max(len(demo.texts), 1)
+    assert demo.batched_decodes <= 8  # one decode per step, whatever the number of forks
+    assert demo.batched_tokens > demo.batched_decodes  # several tokens in each decode
+    assert demo.sequential_decodes == demo.sequential_tokens  # one decode per token
+    assert demo.winner == min(range(steps), key=lambda i: demo.perplexities[i])
+    text = out.getvalue()
+    assert text.count(" fork ") >= 3 and "winner (lowest perplexity): fork" in text
+    assert "decodes" in text and "× the speed" in text
+
+
+def test_demo_redraws_lanes_in_place_on_a_terminal() -> None:
+    out = io.StringIO()
+    asyncio.run(_demo.run(kvfork.default_model_path(), n=2, max_tokens=4, out=out, live=True))
+    text = out.getvalue()
+    assert text.count("\x1b[3F") >= 3  # back up over 2 lanes and the status line each step
+    assert "step 4/4" in text or "step 3/4" in text  # a lane may end early at a stop token
+
+
+def test_help_lists_every_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfork", "--help"], capture_output=True, text=True, check=True
+    )
+    for command in ("demo", "generate", "chat", "embed", "bench", "info"):
+        assert command in done.stdout
+    bare = subprocess.run([sys.executable, "-m", "kvfork"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "generate" in bare.stdout
+
+
+def test_generate_streams_greedy_text(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = "The capital of France is"
+    status, out, err = run_cli(
+        capsys, "generate", "default", prompt, "--max-tokens", "8", "--temperature", "0"
+    )
+    assert status == 0 and out.startswith(prompt) and len(out) > len(prompt)
+    assert "tokens in" in err and "perplexity" in err
+
+
+def test_generate_best_of_n_ranks_candidates_by_perplexity(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run_cli(
+        capsys, "generate", "default", "Once upon a time", "--n", "3", "--max-tokens", "8"
+    )
+    assert status == 0
+    headers = [line for line in out.splitlines() if line.startswith("--- candidate")]
+    assert len(headers) == 3 and "best" in headers[0]
+    ppl = [float(h.rsplit("perplexity ", 1)[1].rstrip(")")) for h in headers]
+    assert ppl == sorted(ppl)
+
+
+def test_generate_follows_a_json_schema_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompt = "Is the sky blue? Answer in JSON: "
+    status, out, _ = run_cli(
+        capsys, "generate", "default", prompt, "--json-schema", str(path), "--max-tokens", "40"
+    )
+    assert status == 0
+    assert json.loads(out[len(prompt) :])["answer"] in ("yes", "no")
+
+
+def test_generate_follows_a_gbnf_grammar_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "answer.gbnf"
+    path.write_text('root ::= "yes" | "no"\n')
+    prompt = "Is water wet? "
+    status, out, _ = run_cli(
+        capsys, "generate", "default", prompt, "--grammar", str(path), "--max-tokens", "8"
+    )
+    assert status == 0 and out[len(prompt) :] in ("yes", "no")
+
+
+def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    prompt = "one two three four five one two three four five one two three"
+    args = ("generate", "default", prompt, "--max-tokens", "12", "--temperature", "0")
+    status, plain, _ = run_cli(capsys, *args)
+    assert status == 0
+    status, drafted, err = run_cli(capsys, *args, "--draft", "prompt-lookup")
+    assert status == 0 and "tokens in" in err
+    # Same tokens up to the rounding of a batched decode: compare a solid prefix.
+    assert drafted[: len(prompt) + 12] == plain[: len(prompt) + 12]
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["generate", "default", "x", "--n", "2", "--draft", "prompt-lookup"], 2, "--draft"),
+        (["generate", "default", "x", "--n", "0"], 2, "--n must be"),
+        (["generate", "/no/such/model.gguf", "x"], 2, "no such model file"),
+        (["generate", "default", "x", "--json-schema", "/no/such.json"], 2, "cannot read"),
+        (["embed", "default"], 2, "nothing to embed"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    status: int,
+    message: str,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    got, _, err = run_cli(capsys, *argv)
+    assert got == status and message in err
+
+
+def test_a_bad_schema_is_reported_not_raised(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{"type": "object", "properties": ')
+    status, _, err = run_cli(capsys, "generate", "default", "x", "--json-schema", str(path))
+    assert status == 1 and "GrammarError" in err
+
+
+def test_chat_reads_turns_from_piped_stdin_and_keeps_the_conversation_warm(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    turns = "What is the capital of France?\n\nAnd of Italy?\n/exit\nnever read\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(turns))
+    status, out, err = run_cli(capsys, "chat", "--max-tokens", "24", "--verbose")
+    assert status == 0
+    replies = out.strip("\n").split("\n")
+    assert len(replies) >= 2 and all(replies)
+    prefilled = [int(line.split()[1]) for line in err.splitlines() if "prefilled" in line]
+    assert len(prefilled) == 2  # the blank line is skipped, /exit ends before the last line
+    assert prefilled[1] < prefilled[0]  # the second turn prefills only what it adds
+
+
+def test_chat_stream_holds_back_a_partial_stop_string() -> None:
+    ctx = kvfork.create_context_sync(kvfork.default_chat_model_path(), n_ctx=1024, n_seq_max=1)
+    with ctx:
+        chat = kvfork.Chat(ctx, params=kvfork.SamplingParams(temperature=0.0))
+        pieces = list(chat.stream_sync("Say hello.", max_tokens=32))
+        reply = chat.messages[-1]["content"]
+        assert "".join(pieces) == reply and reply
+        for stop in ctx.format_chat(chat.messages).stop:
+            assert not stop or stop not in "".join(pieces)
+
+
+def test_embed_ranks_texts_and_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    texts = ["A cat was sitting on a mat.", "Stock markets fell sharply today."]
+    status, out, _ = run_cli(capsys, "embed", "default", *texts, "--rank", "A kitten on a rug.")
+    assert status == 0 and out.splitlines()[0].endswith(texts[0])
+    status, out, _ = run_cli(capsys, "embed", "default", *texts)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in rows] == texts
+    norm = sum(x * x for x in rows[0]["embedding"])
+    assert len(rows[0]["embedding"]) == 640 and abs(norm - 1) < 1e-3
+
+
+def test_bench_prints_one_row_per_width(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "bench", "--n", "2", "--steps", "2")
+    assert status == 0 and "prefill:" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2"]
+
+
+def test_info_describes_the_model_and_the_build(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "info", "chat", "--json")
+    info = json.loads(out)
+    assert status == 0 and info["vocab_size"] > 1000 and "<|im_start|>" in info["chat_template"]
+    assert info["system"]["backend"] == kvfork.system_info()["backend"]
+    status, out, _ = run_cli(capsys, "info", "default")
+    assert status == 0 and "metadata:" in out and "general.architecture: gemma3" in out
+
+
+def test_progress_shows_only_for_slow_work_and_erases_its_line() -> None:
+    quick = io.StringIO()
+    with Progress("quick", stream=quick, delay=0.5, enabled=True):
+        pass
+    assert quick.getvalue() == ""
+    slow = io.StringIO()
+    with Progress("slow", total=10, stream=slow, delay=0.05, enabled=True) as progress:
+        progress.update(4)
+        time.sleep(0.3)
+    text = slow.getvalue()
+    assert "slow … 4/10" in text and text.endswith("slow: done in 0.3s\n")
