@@ -84,3 +84,21 @@ def test_speculative() -> None:
     results = asyncio.run(example("speculative").main(24))
     for same, plain, spec, acceptance, _ in results.values():
         assert same and spec < plain / 2 and acceptance > 0.8
+
+
+def test_chat_prefills_only_what_each_turn_adds() -> None:
+    tour = example("chat")
+    turns = asyncio.run(tour.converse(max_tokens=24))
+    assert "Paris" in turns[0].reply
+    for earlier, later in zip(turns, turns[1:]):
+        assert later.prefilled < later.prompt_tokens - earlier.prompt_tokens + 8  # not history
+    italy, spain = asyncio.run(tour.fork_the_conversation(max_tokens=24))
+    assert "Rome" in italy and "Madrid" in spain  # two follow-ups on forks of one history
+
+
+def test_semantic_search_finds_the_sentence_on_topic() -> None:
+    tour = example("semantic_search")
+    results = tour.search(tour.QUERIES, top=1)
+    expected = ["bread", "striker", "tomato"]
+    for query, word in zip(tour.QUERIES, expected):
+        assert word in results[query][0][1]
