@@ -76,8 +76,8 @@ class Lanes:
 async def run(
     model: str | PathLike[str],
     *,
-    n: int = 4,
-    max_tokens: int = 48,
+    n: int = 8,
+    max_tokens: int = 32,
     prompt: str = DEFAULT_PROMPT,
     seed: int = 1,
     out: TextIO | None = None,

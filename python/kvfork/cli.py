@@ -333,8 +333,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="N forks of one prompt, one decode per step, live")
     demo.add_argument("--model", default=None, help="GGUF file or alias (default: default)")
-    demo.add_argument("--n", type=int, default=4, help="number of forks (default 4)")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--n", type=int, default=8, help="number of forks (default 8)")
+    demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--prompt", default=_demo.DEFAULT_PROMPT)
     demo.set_defaults(run=cmd_demo)
 
