@@ -4,11 +4,15 @@ no GGUF embedding model is packaged on PyPI)."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import kvfork
 import numpy as np
 import pytest
+
+from .gguf_patch import read_layout
 
 CAT = "The cat sat on the mat."
 CAT_AGAIN = "A cat was sitting on a mat."
@@ -115,10 +119,30 @@ def test_any_sequence_count_embeds_without_aborting(
 
 def test_a_small_context_that_would_abort_is_refused(model: kvfork.Model) -> None:
     with pytest.raises(ValueError, match="n_ctx.*multiple of n_seq_max"):
-        kvfork.create_context_sync(
-            model, embeddings=True, pooling="mean", n_seq_max=6, n_ctx=256
-        )
+        kvfork.create_context_sync(model, embeddings=True, pooling="mean", n_seq_max=6, n_ctx=256)
     with kvfork.create_context_sync(
         model, embeddings=True, pooling="mean", n_seq_max=3, n_ctx=300
     ) as ctx:
         assert ctx.embed_batch_sync(["A cat."]).shape == (1, ctx.embedding_dim)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "none"])
+def test_rows_are_as_wide_as_the_models_output(tmp_path: Path, pooling: str) -> None:
+    # A GGUF may give its embeddings a width other than the hidden size
+    # (`<arch>.embedding_length_out`); llama.cpp's rows then have that width, and reading
+    # n_embd floats per row ran past them. The file gains the key by renaming one of the
+    # same length (the EOS id, which embedding does not read), so no byte moves.
+    real = Path(kvfork.default_model_path()).read_bytes()
+    old, new = b"tokenizer.ggml.eos_token_id", b"gemma3.embedding_length_out"
+    assert len(old) == len(new) and real.count(old) == 1
+    value_at, _ = read_layout(real).values[old.decode()]
+    narrow = bytearray(real.replace(old, new))
+    struct.pack_into("<I", narrow, value_at, 64)
+    path = tmp_path / "narrow.gguf"
+    path.write_bytes(narrow)
+    with kvfork.create_context_sync(
+        str(path), n_ctx=256, n_seq_max=2, embeddings=True, pooling=pooling
+    ) as ctx:
+        assert ctx.embedding_dim == 64
+        rows = np.asarray(ctx.embed_sync(CAT))
+        assert rows.shape[-1] == 64 and np.isfinite(rows).all()

@@ -23,6 +23,7 @@ impl<T> Default for Arena<T> {
 }
 
 impl<T> Arena<T> {
+    /// An empty arena.
     pub fn new() -> Self {
         Arena {
             slots: Vec::new(),
@@ -54,10 +55,12 @@ impl<T> Arena<T> {
             .filter(|s| s.generation == h.generation())
     }
 
+    /// The value behind `h`, if `h` is still live.
     pub fn get(&self, h: Handle) -> Option<&T> {
         self.slot(h)?.value.as_ref()
     }
 
+    /// The value behind `h` for change, if `h` is still live.
     pub fn get_mut(&mut self, h: Handle) -> Option<&mut T> {
         self.slots
             .get_mut(h.index() as usize)
@@ -66,6 +69,7 @@ impl<T> Arena<T> {
             .as_mut()
     }
 
+    /// Whether `h` still names a live value.
     pub fn contains(&self, h: Handle) -> bool {
         self.get(h).is_some()
     }
@@ -92,6 +96,7 @@ impl<T> Arena<T> {
         self.len
     }
 
+    /// Whether no value is live.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -15,10 +15,12 @@ impl Biases {
         Biases(pairs)
     }
 
+    /// Whether no token has a bias.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
+    /// Number of biased tokens.
     pub fn len(&self) -> usize {
         self.0.len()
     }
@@ -36,6 +38,7 @@ impl Biases {
             .map(|i| self.0[i].1)
     }
 
+    /// Whether `token` has a bias.
     pub fn contains(&self, token: i32) -> bool {
         self.get(token).is_some()
     }

@@ -7,11 +7,19 @@ use crate::Handle;
 pub enum TenancyError {
     /// Every KV sequence id is held by a live branch.
     #[error("no free KV sequence: all {n_seq_max} leases are in use; prune a branch first")]
-    LeaseExhausted { n_seq_max: u32 },
+    LeaseExhausted {
+        /// The number of sequences of the context.
+        n_seq_max: u32,
+    },
 
     /// A specific sequence id was asked for (restoring state) but is taken or out of range.
     #[error("KV sequence {seq} is not available (leased, or not below n_seq_max = {n_seq_max})")]
-    SeqUnavailable { seq: u32, n_seq_max: u32 },
+    SeqUnavailable {
+        /// The sequence id asked for.
+        seq: u32,
+        /// The number of sequences of the context.
+        n_seq_max: u32,
+    },
 
     /// Releasing a sequence id that nobody holds (a double free).
     #[error("KV sequence {0} is not leased")]
@@ -23,7 +31,12 @@ pub enum TenancyError {
 
     /// Restrict-style prune of a branch that still has forks hanging off it.
     #[error("branch {handle} has {children} live child branch(es); prune them first or prune the subtree")]
-    HasChildren { handle: Handle, children: usize },
+    HasChildren {
+        /// The branch asked to be pruned.
+        handle: Handle,
+        /// How many live children it has.
+        children: usize,
+    },
 }
 
 #[cfg(test)]

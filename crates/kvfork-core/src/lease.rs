@@ -68,10 +68,12 @@ impl LeaseAllocator {
         self.free.len() as u32
     }
 
+    /// The number of sequence ids (`0..n_seq_max`) this allocator hands out.
     pub fn n_seq_max(&self) -> u32 {
         self.n_seq_max
     }
 
+    /// Whether `seq` is in range and held by someone.
     pub fn is_leased(&self, seq: u32) -> bool {
         seq < self.n_seq_max && !self.free.contains(&seq)
     }

@@ -118,7 +118,8 @@ fn masked_exp<const FMA: bool>(d: f32) -> (f32, f32) {
 fn exp_sums<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512_fma() {
-        // SAFETY: the CPU supports every feature the function is compiled for.
+        // SAFETY: `has_avx512_fma` just confirmed at run time that this CPU has avx512f and
+        // fma, the only features `exp_sums_avx512` is compiled with.
         return unsafe { exp_sums_avx512::<WEIGHTED>(logits, shift) };
     }
     exp_sums_lanes::<WEIGHTED, BASE_FMA>(logits, shift)
@@ -183,7 +184,8 @@ pub fn copy_and_summarize(src: &[f32], dst: &mut [f32]) -> RowSummary {
     #[cfg(target_arch = "x86_64")]
     if has_avx512_fma() {
         #[allow(unsafe_code)]
-        // SAFETY: the CPU supports every feature the function is compiled for.
+        // SAFETY: `has_avx512_fma` just confirmed at run time that this CPU has avx512f and
+        // fma, the only features `copy_and_summarize_avx512` is compiled with.
         return unsafe { copy_and_summarize_avx512(src, dst) };
     }
     copy_and_summarize_lanes::<BASE_FMA>(src, dst)
@@ -282,7 +284,9 @@ pub fn log_sum_exp_and_entropy(logits: &[f32]) -> (f64, f64) {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogBase {
     #[default]
+    /// Natural logarithm (the default).
     Nats,
+    /// Base-2 logarithm.
     Bits,
 }
 
@@ -315,6 +319,7 @@ pub struct Perplexity {
 }
 
 impl Perplexity {
+    /// No tokens yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -324,6 +329,7 @@ impl Perplexity {
         (self.sum, self.count)
     }
 
+    /// The accumulator `parts` returned (restoring a saved branch).
     pub fn from_parts(sum: f64, count: u64) -> Self {
         Perplexity { sum, count }
     }
@@ -334,6 +340,7 @@ impl Perplexity {
         self.count += 1;
     }
 
+    /// Tokens added so far.
     pub fn count(&self) -> u64 {
         self.count
     }

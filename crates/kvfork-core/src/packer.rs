@@ -4,8 +4,11 @@
 /// A run of `len` tokens of prompt `item`, starting at token `start` of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {
+    /// Index of the prompt in the planned list.
     pub item: usize,
+    /// First token of the prompt this span covers.
     pub start: usize,
+    /// Tokens in the span.
     pub len: usize,
     /// This span ends the item, so its last token is the one whose logits we need.
     pub is_last: bool,
@@ -14,6 +17,7 @@ pub struct Span {
 /// One batch worth of spans, in stream order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Chunk {
+    /// The spans, at most one batch of tokens in all.
     pub spans: Vec<Span>,
 }
 

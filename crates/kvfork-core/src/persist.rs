@@ -14,7 +14,9 @@ const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8 + 8;
 /// What a state file holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// One branch (`Branch.save`).
     Branch = 1,
+    /// A whole context: every live branch and the KV cache (`Context.save_state`).
     Context = 2,
 }
 
@@ -31,14 +33,22 @@ impl Kind {
 /// Why a state file was refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StateError {
+    /// The file does not start with kvfork's magic bytes.
     NotAStateFile,
+    /// Written by another version of the format (the version it names).
     Version(u32),
+    /// A state file of another kind (a branch where a context was expected, or the reverse).
     WrongKind {
+        /// The kind the caller asked for.
         expected: Kind,
+        /// The kind tag in the file.
         found: u32,
     },
+    /// Saved with another model (its identity differs).
     OtherModel,
+    /// Shorter than its header or a length inside it says.
     Truncated,
+    /// The payload does not match its checksum (corrupt).
     Checksum,
     /// The payload parsed but is inconsistent (a bad value at a named place).
     Malformed(String),
@@ -140,43 +150,52 @@ pub struct Writer {
 }
 
 impl Writer {
+    /// An empty payload.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// The bytes written.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf
     }
 
+    /// One byte.
     pub fn u8(&mut self, v: u8) -> &mut Self {
         self.buf.push(v);
         self
     }
 
+    /// A boolean as one byte, 0 or 1.
     pub fn bool(&mut self, v: bool) -> &mut Self {
         self.u8(v as u8)
     }
 
+    /// A `u32`, little-endian.
     pub fn u32(&mut self, v: u32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// An `i32`, little-endian.
     pub fn i32(&mut self, v: i32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// A `u64`, little-endian.
     pub fn u64(&mut self, v: u64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// An `f32`, little-endian (bit-exact).
     pub fn f32(&mut self, v: f32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// An `f64`, little-endian (bit-exact).
     pub fn f64(&mut self, v: f64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
@@ -189,10 +208,12 @@ impl Writer {
         self
     }
 
+    /// Length-prefixed UTF-8.
     pub fn str(&mut self, v: &str) -> &mut Self {
         self.bytes(v.as_bytes())
     }
 
+    /// A length-prefixed list of `i32`.
     pub fn i32s(&mut self, v: &[i32]) -> &mut Self {
         self.u64(v.len() as u64);
         v.iter().for_each(|&x| {
@@ -201,6 +222,7 @@ impl Writer {
         self
     }
 
+    /// A length-prefixed list of `f32`.
     pub fn f32s(&mut self, v: &[f32]) -> &mut Self {
         self.u64(v.len() as u64);
         v.iter().for_each(|&x| {
@@ -216,6 +238,7 @@ pub struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// A reader of `bytes` from the start.
     pub fn new(bytes: &'a [u8]) -> Self {
         Reader { rest: bytes }
     }
@@ -247,10 +270,12 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// One byte.
     pub fn u8(&mut self) -> Result<u8, StateError> {
         Ok(self.array::<1>()?[0])
     }
 
+    /// A boolean: a byte that must be 0 or 1.
     pub fn bool(&mut self) -> Result<bool, StateError> {
         match self.u8()? {
             0 => Ok(false),
@@ -259,22 +284,27 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A little-endian `u32`.
     pub fn u32(&mut self) -> Result<u32, StateError> {
         Ok(u32::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian `i32`.
     pub fn i32(&mut self) -> Result<i32, StateError> {
         Ok(i32::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian `u64`.
     pub fn u64(&mut self) -> Result<u64, StateError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian `f32`.
     pub fn f32(&mut self) -> Result<f32, StateError> {
         Ok(f32::from_le_bytes(self.array()?))
     }
 
+    /// A little-endian `f64`.
     pub fn f64(&mut self) -> Result<f64, StateError> {
         Ok(f64::from_le_bytes(self.array()?))
     }
@@ -288,21 +318,25 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Length-prefixed bytes, borrowed from the input.
     pub fn bytes(&mut self) -> Result<&'a [u8], StateError> {
         let n = self.len(1)?;
         self.take(n)
     }
 
+    /// Length-prefixed UTF-8.
     pub fn str(&mut self) -> Result<String, StateError> {
         let b = self.bytes()?;
         String::from_utf8(b.to_vec()).map_err(|_| StateError::Malformed("invalid UTF-8".into()))
     }
 
+    /// A length-prefixed list of `i32`.
     pub fn i32s(&mut self) -> Result<Vec<i32>, StateError> {
         let n = self.len(4)?;
         (0..n).map(|_| self.i32()).collect()
     }
 
+    /// A length-prefixed list of `f32`.
     pub fn f32s(&mut self) -> Result<Vec<f32>, StateError> {
         let n = self.len(4)?;
         (0..n).map(|_| self.f32()).collect()

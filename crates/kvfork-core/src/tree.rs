@@ -17,14 +17,18 @@ pub struct Node<T> {
     pub children: Vec<Handle>,
     /// Number of the parent's tokens shared at fork time (0 for roots).
     pub fork_head: u32,
+    /// What the caller keeps per branch.
     pub data: T,
 }
 
 /// What a prune gives back, so the caller can clear `seq` from the KV cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pruned<T> {
+    /// The pruned branch (stale from now on).
     pub handle: Handle,
+    /// The sequence id it held, now free again.
     pub seq: u32,
+    /// Its data, handed back.
     pub data: T,
 }
 
@@ -35,6 +39,7 @@ pub struct Registry<T> {
 }
 
 impl<T> Registry<T> {
+    /// An empty tree over sequence ids `0..n_seq_max`.
     pub fn new(n_seq_max: u32) -> Self {
         Registry {
             nodes: Arena::new(),
@@ -42,6 +47,7 @@ impl<T> Registry<T> {
         }
     }
 
+    /// The number of sequence ids.
     pub fn n_seq_max(&self) -> u32 {
         self.leases.n_seq_max()
     }
@@ -56,10 +62,12 @@ impl<T> Registry<T> {
         self.nodes.len()
     }
 
+    /// Whether no branch is live.
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }
 
+    /// The node of `h`; `None` if `h` is stale.
     pub fn get(&self, h: Handle) -> Option<&Node<T>> {
         self.nodes.get(h)
     }
@@ -69,6 +77,7 @@ impl<T> Registry<T> {
         self.nodes.get_mut(h)
     }
 
+    /// Whether `h` names a live branch.
     pub fn contains(&self, h: Handle) -> bool {
         self.nodes.contains(h)
     }
@@ -93,10 +102,12 @@ impl<T> Registry<T> {
         self.get(h).map(|n| n.seq)
     }
 
+    /// The data of `h`; `None` if `h` is stale.
     pub fn data(&self, h: Handle) -> Option<&T> {
         self.get(h).map(|n| &n.data)
     }
 
+    /// The data of `h` for change; `None` if `h` is stale.
     pub fn data_mut(&mut self, h: Handle) -> Option<&mut T> {
         self.get_mut(h).map(|n| &mut n.data)
     }

@@ -1,6 +1,7 @@
 //! Rough per-call timings for the per-token metrics on a 262,144-entry row.
 //! Ignored by default; run with
 //! `cargo test --release -p kvfork-core --test metrics_timing -- --ignored --nocapture`.
+#![allow(clippy::print_stdout, reason = "the timings are this test's output")]
 
 use std::hint::black_box;
 use std::time::Instant;

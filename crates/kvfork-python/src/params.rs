@@ -1,4 +1,10 @@
 //! `SamplingParams`: immutable, comparable, with `replace(**changes)`; a dict is accepted too.
+#![allow(
+    unsafe_op_in_unsafe_fn,
+    reason = "pyo3's richcmp trampoline for `__eq__` calls an `unsafe fn` without an inner \
+              block, and expanded from this module's `macro_rules!` it counts as our code; \
+              the module writes no unsafe code itself"
+)]
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

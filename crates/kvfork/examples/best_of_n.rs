@@ -2,6 +2,7 @@
 //! advance all N with one decode per step, keep the branch with the lowest perplexity.
 //!
 //! cargo run --release -p kvfork --example best_of_n -- MODEL.gguf [N] [TOKENS]
+#![allow(clippy::print_stdout, reason = "an example shows its results")]
 
 use kvfork::{Branch, BranchStore, Context, ContextParams, Model, ModelParams, SamplingParams};
 

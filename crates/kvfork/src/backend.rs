@@ -13,9 +13,13 @@ use crate::error::{Error, Result};
 /// Severity of a llama.cpp log line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
+    /// Verbose diagnostics.
     Debug = 1,
+    /// Progress and settings (model load, context creation).
     Info = 2,
+    /// Something odd that did not fail (the default minimum).
     Warn = 3,
+    /// A failure llama.cpp reports.
     Error = 4,
 }
 
@@ -38,13 +42,19 @@ pub fn set_log_min_level(level: LogLevel) {
     LOG_MIN_LEVEL.store(level as i32, Ordering::Relaxed);
 }
 
+/// llama.cpp's log callback.
+///
+/// # Safety
+/// `text` is NULL or a NUL-terminated string valid for the call (as llama.cpp passes it).
 unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
     if text.is_null() {
         return;
     }
+    // SAFETY: not NULL, so a NUL-terminated string llama.cpp keeps alive for the call; it is
+    // copied out before the callback returns.
     let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
     let mut pending = LOG_PENDING.lock().unwrap_or_else(|e| e.into_inner());
-    if level != sys::GGML_LOG_LEVEL_CONT as sys::ggml_log_level {
+    if level != sys::GGML_LOG_LEVEL_CONT {
         pending.0 = level as i32;
     }
     pending.1.push_str(&text);
@@ -79,6 +89,9 @@ pub fn ensure_backend() -> Result<()> {
                 missing.join(", ")
             ));
         }
+        // SAFETY: `log_callback` has ggml's log-callback signature, reads no user data (NULL)
+        // and only touches Rust statics that are locks or atomics, so any thread may call it.
+        // Set once (this `OnceLock`), before kvfork creates anything in llama.cpp that logs.
         unsafe { sys::llama_log_set(Some(log_callback), std::ptr::null_mut()) };
         LlamaBackend::init().map_err(|e| e.to_string())
     });
@@ -92,6 +105,8 @@ pub fn ensure_backend() -> Result<()> {
 #[cfg(target_arch = "x86_64")]
 fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
     use std::arch::is_x86_feature_detected as has;
+    // SAFETY: ggml's feature getters take no arguments and return constants compiled into
+    // the library; they read no state.
     unsafe {
         vec![
             ("AVX", sys::ggml_cpu_has_avx() != 0, has!("avx")),
@@ -159,15 +174,19 @@ pub fn backend_name() -> &'static str {
 /// A description of the build and the machine, for `kvfork.system_info()`.
 #[derive(Debug, Clone)]
 pub struct SystemInfo {
+    /// The compute backend built in: `cpu`, `cuda`, `metal` or `vulkan`.
     pub backend: &'static str,
     /// CPU instruction sets compiled into llama.cpp (what it uses).
     pub cpu_features: Vec<&'static str>,
     /// CPU instruction sets the host reports (of those llama.cpp could use).
     pub host_cpu_features: Vec<&'static str>,
+    /// The llama.cpp crates (and so the llama.cpp source) built in.
     pub llama_cpp: &'static str,
     /// llama.cpp's own `llama_print_system_info()` line.
     pub llama_system_info: String,
+    /// Whether layers can be offloaded to a GPU.
     pub gpu_offload: bool,
+    /// Whether model files can be memory-mapped.
     pub mmap: bool,
 }
 
@@ -175,15 +194,35 @@ pub struct SystemInfo {
 pub fn system_info() -> Result<SystemInfo> {
     ensure_backend()?;
     let features = compiled_x86_features();
-    let raw = unsafe { CStr::from_ptr(sys::llama_print_system_info()) };
+    // SAFETY: the backend is initialised; these getters read what was compiled in.
+    let (gpu_offload, mmap) = unsafe {
+        (
+            sys::llama_supports_gpu_offload(),
+            sys::llama_supports_mmap(),
+        )
+    };
     Ok(SystemInfo {
         backend: backend_name(),
         cpu_features: features.iter().filter(|f| f.1).map(|f| f.0).collect(),
         host_cpu_features: features.iter().filter(|f| f.2).map(|f| f.0).collect(),
         llama_cpp: LLAMA_CPP_CRATE,
-        llama_system_info: raw.to_string_lossy().trim().to_string(),
-        gpu_offload: unsafe { sys::llama_supports_gpu_offload() },
-        mmap: unsafe { sys::llama_supports_mmap() },
+        llama_system_info: llama_system_info().to_string(),
+        gpu_offload,
+        mmap,
+    })
+}
+
+/// llama.cpp's `llama_print_system_info()` line, read once per process: llama.cpp builds it
+/// in a function-local static `std::string` that every call clears and refills, so two
+/// threads calling it at once would race on it (and on the pointer it returns).
+fn llama_system_info() -> &'static str {
+    static INFO: OnceLock<String> = OnceLock::new();
+    INFO.get_or_init(|| {
+        // SAFETY: the backend is initialised (by every caller, through `ensure_backend`);
+        // `OnceLock` runs this once, so no other kvfork call refills llama.cpp's static string
+        // while it is read, and it is copied out at once.
+        let raw = unsafe { CStr::from_ptr(sys::llama_print_system_info()) };
+        raw.to_string_lossy().trim().to_string()
     })
 }
 

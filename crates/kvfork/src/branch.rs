@@ -17,9 +17,11 @@ use crate::sampling::SamplingParams;
 /// A sampled token with its text and whether it ends generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Produced {
+    /// The token id.
     pub token: Token,
     /// Complete UTF-8 text this token adds (an unfinished character waits for the next token).
     pub text: String,
+    /// Whether the token ends generation (end-of-generation per the vocabulary).
     pub is_stop: bool,
 }
 
@@ -81,10 +83,12 @@ impl Branch {
         &self.cell
     }
 
+    /// The context the branch lives on.
     pub fn context(&self) -> &Context {
         &self.ctx
     }
 
+    /// The branch's id in its context (generational: stale once pruned).
     pub fn handle(&self) -> Handle {
         self.handle
     }
@@ -282,11 +286,13 @@ impl Branch {
         Some(Branch::from_parts(self.ctx.clone(), handle, cell))
     }
 
+    /// The branch this one was forked from, if it is still live (`None` for a root).
     pub fn parent(&self) -> Option<Branch> {
         let parent = self.ctx.shared().registry().get(self.handle)?.parent?;
         self.wrap(parent)
     }
 
+    /// Live forks of this branch, in creation order.
     pub fn children(&self) -> Vec<Branch> {
         let children = match self.ctx.shared().registry().get(self.handle) {
             Some(node) => node.children.clone(),
@@ -295,6 +301,7 @@ impl Branch {
         children.into_iter().filter_map(|h| self.wrap(h)).collect()
     }
 
+    /// Whether no live fork hangs off this branch.
     pub fn is_leaf(&self) -> bool {
         self.ctx
             .shared()
@@ -308,6 +315,7 @@ impl Branch {
         !self.cell.is_disposed() && self.ctx.shared().registry().contains(self.handle)
     }
 
+    /// Whether the branch was pruned (true as soon as `prune` is called).
     pub fn disposed(&self) -> bool {
         self.cell.is_disposed()
     }
@@ -335,10 +343,12 @@ impl Branch {
 
     // ---- sampler control ----
 
+    /// The parameters of the branch's sampler chain.
     pub fn sampler_params(&self) -> Result<SamplingParams> {
         self.state(|s| Ok(s.sampler.params().clone()))
     }
 
+    /// Restart the chain's RNG from `seed`; penalty history and Mirostat state carry on.
     pub fn reseed_sampler(&self, seed: u32) -> Result<()> {
         self.state(|s| {
             s.reseed(seed);
@@ -378,10 +388,12 @@ impl Branch {
         self.state(|s| Ok(s.history.clone()))
     }
 
+    /// The constraint set on the branch, as declared.
     pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
         self.state(|s| Ok(s.grammar.as_ref().map(|g| g.spec().clone())))
     }
 
+    /// Replace the logit bias (added to the raw logits before the chain; inherited by forks).
     pub fn set_logit_bias(&self, bias: Vec<(Token, f32)>) -> Result<()> {
         check_bias(&self.ctx, &bias)?;
         self.state(|s| {
@@ -390,10 +402,12 @@ impl Branch {
         })
     }
 
+    /// The logit bias, sorted by token.
     pub fn logit_bias(&self) -> Result<Vec<(Token, f32)>> {
         self.state(|s| Ok(s.logit_bias().to_vec()))
     }
 
+    /// Replace the steer biases (added after the logit bias; not inherited by forks).
     pub fn steer(&self, bias: Vec<(Token, f32)>) -> Result<()> {
         check_bias(&self.ctx, &bias)?;
         self.state(|s| {
@@ -402,6 +416,7 @@ impl Branch {
         })
     }
 
+    /// The steer biases, sorted by token.
     pub fn steer_biases(&self) -> Result<Vec<(Token, f32)>> {
         self.state(|s| Ok(s.steer().to_vec()))
     }
@@ -418,10 +433,12 @@ impl Branch {
         self.state(|s| Ok(s.ppl_sampling.value()))
     }
 
+    /// Entropy of the raw snapshot's distribution (softmax of the logits), in `base`.
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
         self.state(|s| Ok(base.convert(s.logits.entropy()?)))
     }
 
+    /// Surprisal of `token` under the raw snapshot (minus its log-probability), in `base`.
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
         self.state(|s| Ok(base.convert(s.logits.surprisal(token)?)))

@@ -35,15 +35,18 @@ const KNOWN_TURN_ENDS: [&str; 7] = [
 
 /// llama.cpp's built-in template names (`chatml`, `llama3`, `gemma`, …).
 pub fn builtin_templates() -> Vec<String> {
-    // SAFETY: called first with no buffer to learn the count, then with room for all.
+    // SAFETY: with a length of 0 llama.cpp writes nothing and returns the count.
     let n = unsafe { sys::llama_chat_builtin_templates(std::ptr::null_mut(), 0) };
     let mut names: Vec<*const c_char> = vec![std::ptr::null(); n.max(0) as usize];
+    // SAFETY: `names` is writable for the `names.len()` pointers passed; llama.cpp writes at
+    // most that many and returns the total.
     let n = unsafe { sys::llama_chat_builtin_templates(names.as_mut_ptr(), names.len()) };
     names
         .iter()
         .take(n.max(0) as usize)
         .filter(|p| !p.is_null())
-        // SAFETY: static NUL-terminated names owned by llama.cpp.
+        // SAFETY: non-NULL entries point to the NUL-terminated keys of llama.cpp's static
+        // template table, alive for the whole process; they are copied out here.
         .map(|&p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
         .collect()
 }
@@ -338,15 +341,17 @@ fn render_builtin(name: &str, messages: &Json, add_generation_prompt: bool) -> R
     let name_c = CString::new(name).map_err(|_| Error::ChatTemplate("bad template name".into()))?;
     let mut buf = vec![0u8; 4096];
     loop {
-        // SAFETY: valid messages and a buffer of the length given; llama.cpp returns the
-        // length it needs (or -1 for an unknown template).
+        // SAFETY: `chat` holds `chat.len()` messages whose role and content point into
+        // `owned`, NUL-terminated and alive for the call, as is `name_c`; `buf` is writable for
+        // the length passed (clamped to i32::MAX) and llama.cpp copies at most that many
+        // bytes, returning the length it needs (or -1 for an unknown template).
         let n = unsafe {
             sys::llama_chat_apply_template(
                 name_c.as_ptr(),
                 chat.as_ptr(),
                 chat.len(),
                 add_generation_prompt,
-                buf.as_mut_ptr() as *mut c_char,
+                buf.as_mut_ptr().cast::<c_char>(),
                 buf.len().min(i32::MAX as usize) as i32,
             )
         };

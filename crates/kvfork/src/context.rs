@@ -49,18 +49,22 @@ impl Context {
         self.engine.run(f)
     }
 
+    /// The model the context runs.
     pub fn model(&self) -> &Arc<Model> {
         &self.shared().model
     }
 
+    /// KV cache size in tokens (shared by all sequences: the cache is unified).
     pub fn n_ctx(&self) -> u32 {
         self.shared().n_ctx
     }
 
+    /// Most tokens one `llama_decode` takes.
     pub fn n_batch(&self) -> u32 {
         self.shared().n_batch
     }
 
+    /// Number of KV sequences, so of live branches at once.
     pub fn n_seq_max(&self) -> u32 {
         self.shared().n_seq_max
     }
@@ -76,6 +80,7 @@ impl Context {
         self.shared().threads.get().1
     }
 
+    /// Tokens in the model's vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.model().vocab_size()
     }
@@ -85,6 +90,7 @@ impl Context {
         self.engine.close();
     }
 
+    /// Whether the context was closed (or closed itself after an internal failure).
     pub fn is_closed(&self) -> bool {
         self.shared().check_open().is_err()
     }
@@ -94,6 +100,7 @@ impl Context {
         self.shared().registry().available()
     }
 
+    /// Counters since the context was created.
     pub fn stats(&self) -> ContextStats {
         use crate::engine::shared::Stats;
         let s = &self.shared().stats;
@@ -105,6 +112,8 @@ impl Context {
         }
     }
 
+    /// Tokenize as llama.cpp does (`add_special`: BOS etc.; `parse_special`: control
+    /// tokens written as text are recognised).
     pub fn tokenize(
         &self,
         text: &str,
@@ -115,6 +124,7 @@ impl Context {
         self.model().tokenize(text, add_special, parse_special)
     }
 
+    /// Detokenize as llama.cpp does.
     pub fn detokenize(
         &self,
         tokens: &[Token],
@@ -126,11 +136,13 @@ impl Context {
             .detokenize(tokens, remove_special, unparse_special)
     }
 
+    /// One token's piece as text (special tokens rendered, invalid UTF-8 replaced).
     pub fn token_to_text(&self, token: Token) -> Result<String> {
         self.shared().check_open()?;
         self.model().token_to_text(token)
     }
 
+    /// Whether `token` ends generation (end-of-generation per the vocabulary).
     pub fn is_stop_token(&self, token: Token) -> Result<bool> {
         self.model().check_token(token)?;
         Ok(self.model().is_eog(token))
@@ -160,6 +172,7 @@ impl Context {
         }
     }
 
+    /// Tag the cells of `src` in `[p0, p1)` as also belonging to `dst` (-1: open end).
     pub fn kv_seq_copy(&self, src: i32, dst: i32, p0: i32, p1: i32) -> Pending<()> {
         let checked = self
             .check_seq(src)
@@ -168,6 +181,7 @@ impl Context {
         self.queue_kv(checked, move |w| w.ctx.seq_cp(src, dst, p0, p1))
     }
 
+    /// Remove every sequence but `seq` from the cache.
     pub fn kv_seq_keep(&self, seq: i32) -> Pending<()> {
         self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_keep(seq))
     }
@@ -179,15 +193,18 @@ impl Context {
         whole || !self.model().is_recurrent()
     }
 
+    /// Remove `seq`'s cells in `[p0, p1)` (-1: open end); false when the model cannot.
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
         let checked = self.check_seq(seq).and_then(|_| check_range(p0, p1));
         self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
     }
 
+    /// The largest position `seq` holds, -1 when it is empty.
     pub fn kv_seq_pos_max(&self, seq: i32) -> Pending<i32> {
         self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_pos_max(seq))
     }
 
+    /// Empty the whole KV cache.
     pub fn kv_clear(&self) -> Pending<()> {
         self.queue_kv(Ok(()), |w| {
             w.ctx.clear();

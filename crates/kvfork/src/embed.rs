@@ -8,14 +8,21 @@ use crate::model::Token;
 
 /// llama.cpp's `LLAMA_POOLING_TYPE_NONE`: one vector per token.
 const POOLING_NONE: i32 = 0;
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`: a reranker's scores per text.
+const POOLING_RANK: i32 = 4;
 
 /// Embeddings of one text: one row when pooled, one row per token without pooling.
 pub type Embedding = Vec<Vec<f32>>;
 
 impl Context {
-    /// Vector width of `embed`.
+    /// Vector width of `embed`: the model's output width (its hidden size unless the GGUF
+    /// says otherwise), or the number of scores of a reranker (rank pooling).
     pub fn embedding_dim(&self) -> usize {
-        self.model().n_embd()
+        if self.shared().pooling == POOLING_RANK {
+            self.model().n_cls_out()
+        } else {
+            self.model().n_embd_out()
+        }
     }
 
     /// Whether `embed` pools each text into one vector (pooling other than "none").
@@ -96,7 +103,6 @@ impl Worker {
     }
 
     fn embed_group(&mut self, group: &[&[Token]], normalize: bool) -> Result<Vec<Embedding>> {
-        let n_embd = self.shared.model.n_embd();
         self.batch.clear();
         for (seq, text) in group.iter().enumerate() {
             for (pos, &t) in text.iter().enumerate() {
@@ -110,10 +116,10 @@ impl Worker {
         let result = decoded.and_then(|_| {
             for (seq, text) in group.iter().enumerate() {
                 let vectors = if pooled {
-                    vec![self.ctx.embeddings_seq(seq as i32, n_embd)?.to_vec()]
+                    vec![self.ctx.embeddings_seq(seq as i32)?.to_vec()]
                 } else {
                     (first..first + text.len())
-                        .map(|i| self.ctx.embeddings_ith(i, n_embd).map(<[f32]>::to_vec))
+                        .map(|i| self.ctx.embeddings_ith(i).map(<[f32]>::to_vec))
                         .collect::<Result<_>>()?
                 };
                 first += text.len();

@@ -9,7 +9,12 @@ use kvfork_core::TenancyError;
 pub enum Error {
     /// The model file could not be loaded (missing, unreadable, not GGUF, rejected by llama.cpp).
     #[error("failed to load model {path}: {reason}")]
-    ModelLoad { path: PathBuf, reason: String },
+    ModelLoad {
+        /// The file asked for.
+        path: PathBuf,
+        /// Why it was refused.
+        reason: String,
+    },
     /// `llama_decode` (or context creation) failed for a reason other than a full KV cache.
     #[error("decode failed: {0}")]
     Decode(String),
@@ -20,7 +25,10 @@ pub enum Error {
     #[error(
         "no free KV sequence: all {n_seq_max} leases are in use; prune a branch or raise n_seq_max"
     )]
-    LeaseExhausted { n_seq_max: u32 },
+    LeaseExhausted {
+        /// The number of sequences of the context.
+        n_seq_max: u32,
+    },
     /// The branch was pruned (or its handle is stale).
     #[error("branch {0} is disposed")]
     BranchDisposed(String),
@@ -32,15 +40,23 @@ pub enum Error {
     ChatTemplate(String),
     /// A caller-supplied value is out of range; `name` is the argument's name.
     #[error("invalid {name}: {message}")]
-    InvalidArgument { name: &'static str, message: String },
+    InvalidArgument {
+        /// The argument's name, as the Python API spells it.
+        name: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
     /// A state file (`save`/`load`) is corrupt, truncated, foreign or from another model.
     #[error("cannot load the state file: {0}")]
     State(String),
     /// Reading or writing a file failed.
     #[error("{path}: {message}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The OS error's kind (mapped onto `FileNotFoundError`, `PermissionError`, ...).
         kind: std::io::ErrorKind,
+        /// The OS error's text.
         message: String,
     },
     /// The context was closed.

@@ -13,12 +13,13 @@ use llama_cpp_sys_2 as sys;
 /// llama.cpp's `LLAMA_MAX_LAYERS`.
 const MAX_LAYERS: u32 = 512;
 
-/// An open `gguf_context` (metadata only, no tensor data).
+/// An open `gguf_context` (metadata only, no tensor data). Invariant: the pointer is a live,
+/// non-NULL context from `gguf_init_from_file`, owned by this value (freed in `Drop`).
 struct Gguf(*mut sys::gguf_context);
 
 impl Drop for Gguf {
     fn drop(&mut self) {
-        // SAFETY: a context returned by gguf_init_from_file, freed once.
+        // SAFETY: the context `open` got from `gguf_init_from_file`; freed here only, once.
         unsafe { sys::gguf_free(self.0) }
     }
 }
@@ -30,7 +31,9 @@ impl Gguf {
             no_alloc: true,
             ctx: std::ptr::null_mut(),
         };
-        // SAFETY: a valid C string; llama.cpp returns NULL for anything it cannot parse.
+        // SAFETY: `c_path` is NUL-terminated and alive for the call; with `no_alloc` and no
+        // `ctx` out-pointer ggml reads metadata only, and returns NULL for a file it cannot
+        // parse (sizes and counts are checked against the file).
         let ctx = unsafe { sys::gguf_init_from_file(c_path.as_ptr(), params) };
         (!ctx.is_null()).then_some(Gguf(ctx))
     }
@@ -38,17 +41,19 @@ impl Gguf {
     /// The key's id and type (every typed getter asserts on the type: check it first).
     fn key(&self, name: &str) -> Option<(i64, sys::gguf_type)> {
         let name = CString::new(name).ok()?;
-        // SAFETY: live context, valid C string.
+        // SAFETY: a live context (type invariant); `name` is NUL-terminated, alive for the call.
         let id = unsafe { sys::gguf_find_key(self.0, name.as_ptr()) };
-        // SAFETY: `id` was just found.
+        // SAFETY: `id` >= 0 was returned by `gguf_find_key`, so it indexes a key (ggml asserts
+        // on ids outside [0, n_kv)).
         (id >= 0).then(|| (id, unsafe { sys::gguf_get_kv_type(self.0, id) }))
     }
 
     fn string(&self, name: &str) -> Option<String> {
         match self.key(name)? {
-            // SAFETY: the type is checked; the string lives as long as the context.
             (id, sys::GGUF_TYPE_STRING) => {
-                Some(c_str(unsafe { sys::gguf_get_val_str(self.0, id) }))
+                // SAFETY: `id` is a key of type string (matched: ggml asserts on a getter of
+                // another type); the string lives as long as the context; `c_str` copies it.
+                Some(unsafe { c_str(sys::gguf_get_val_str(self.0, id)) })
             }
             _ => None,
         }
@@ -56,7 +61,8 @@ impl Gguf {
 
     fn integer(&self, name: &str) -> Option<i64> {
         let (id, ty) = self.key(name)?;
-        // SAFETY: each getter is called for its own type only.
+        // SAFETY: `id` is a found key, and each getter runs only for the type `key` reported
+        // (ggml asserts on a mismatch).
         unsafe {
             Some(match ty {
                 sys::GGUF_TYPE_UINT32 => sys::gguf_get_val_u32(self.0, id) as i64,
@@ -72,7 +78,8 @@ impl Gguf {
 
     fn float(&self, name: &str) -> Option<f64> {
         let (id, ty) = self.key(name)?;
-        // SAFETY: each getter is called for its own type only.
+        // SAFETY: `id` is a found key, and each getter runs only for the type `key` reported
+        // (ggml asserts on a mismatch).
         unsafe {
             Some(match ty {
                 sys::GGUF_TYPE_FLOAT32 => sys::gguf_get_val_f32(self.0, id) as f64,
@@ -85,7 +92,10 @@ impl Gguf {
     /// The strings of an array-of-strings key.
     fn strings(&self, name: &str) -> Option<Vec<&[u8]>> {
         let (id, ty) = self.key(name)?;
-        // SAFETY: the key is an array of strings (checked); indices are below its length.
+        // SAFETY: `id` is a found key; the array getters run only once it is known to be an
+        // array of strings, and only for indices below its length (ggml asserts otherwise).
+        // Each string is NUL-terminated and owned by the context, which the returned slices
+        // borrow through `&self`, so they cannot outlive `gguf_free`.
         unsafe {
             if ty != sys::GGUF_TYPE_ARRAY
                 || sys::gguf_get_arr_type(self.0, id) != sys::GGUF_TYPE_STRING
@@ -102,8 +112,10 @@ impl Gguf {
     }
 
     fn tensors(&self) -> impl Iterator<Item = (String, sys::ggml_type)> + '_ {
-        // SAFETY: indices below the tensor count of a live context.
+        // SAFETY: a getter of the live context.
         let n = unsafe { sys::gguf_get_n_tensors(self.0) };
+        // SAFETY: `i` is below the tensor count of the live context (borrowed for as long as
+        // the iterator); `c_str` copies the name at once.
         (0..n).map(move |i| unsafe {
             (
                 c_str(sys::gguf_get_tensor_name(self.0, i)),
@@ -113,11 +125,15 @@ impl Gguf {
     }
 }
 
-fn c_str(p: *const c_char) -> String {
+/// A copy of a string a gguf getter returned.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string that stays alive for the call.
+unsafe fn c_str(p: *const c_char) -> String {
     if p.is_null() {
         return String::new();
     }
-    // SAFETY: a NUL-terminated string owned by the gguf context.
+    // SAFETY: not NULL, so a live NUL-terminated string (the caller's contract).
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 

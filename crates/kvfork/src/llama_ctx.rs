@@ -12,14 +12,20 @@ use crate::model::{Model, Token};
 /// KV cache element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheType {
+    /// 32-bit float.
     F32,
+    /// 16-bit float (the default).
     F16,
+    /// bfloat16.
     BF16,
+    /// 8-bit blocks (llama.cpp's `q8_0`).
     Q8_0,
+    /// 4-bit blocks (llama.cpp's `q4_0`).
     Q4_0,
 }
 
 impl CacheType {
+    /// By name: `f32`, `f16`, `bf16`, `q8_0` or `q4_0` (any case).
     pub fn from_name(name: &str) -> Result<Self> {
         Ok(match name.to_ascii_lowercase().as_str() {
             "f32" => CacheType::F32,
@@ -50,16 +56,22 @@ impl CacheType {
 /// Options of a context (see `create_context` in the Python API).
 #[derive(Debug, Clone)]
 pub struct ContextParams {
+    /// KV cache size in tokens, shared by all sequences.
     pub n_ctx: u32,
+    /// Most tokens one decode takes.
     pub n_batch: u32,
+    /// Number of KV sequences (live branches at once), at most [`MAX_SEQUENCES`].
     pub n_seq_max: u32,
     /// Threads of single-token decodes. `None`: adapt (see `kvfork_core::threads`), between
     /// 1 and the number of cores (at most 8).
     pub n_threads: Option<i32>,
     /// Threads of multi-token decodes (prefill, batched steps). `None`: adapt, likewise.
     pub n_threads_batch: Option<i32>,
+    /// Element type of the cached keys.
     pub type_k: CacheType,
+    /// Element type of the cached values.
     pub type_v: CacheType,
+    /// Compute embeddings, for `Context::embed`.
     pub embeddings: bool,
     /// llama.cpp pooling type for embeddings (`None`: the model's).
     pub pooling: Option<i32>,
@@ -147,7 +159,8 @@ impl ContextParams {
     }
 }
 
-/// An owned `llama_context`. `!Sync`; lives on the engine thread.
+/// An owned `llama_context`. Neither `Send` nor `Sync` (raw pointers): the engine thread
+/// creates it, uses it and frees it, and the compiler keeps it there.
 pub(crate) struct LlamaCtx {
     ptr: NonNull<sys::llama_context>,
     mem: sys::llama_memory_t,
@@ -155,6 +168,12 @@ pub(crate) struct LlamaCtx {
     pub n_batch: u32,
     pub n_seq_max: u32,
     pub n_vocab: usize,
+    /// Floats in one embedding row llama.cpp hands out: the model's output width, which a
+    /// GGUF may set apart from its hidden size (`embedding_length_out`).
+    n_embd_out: usize,
+    /// Floats in one pooled sequence embedding: `n_embd_out`, or the `n_cls_out` scores of
+    /// rank pooling (rerankers).
+    n_seq_embd: usize,
     /// The most threads an adapting decode uses (resolved once, when created).
     pub max_threads: i32,
     /// Read by llama.cpp's abort callback; dropped after the context (field order).
@@ -163,12 +182,11 @@ pub(crate) struct LlamaCtx {
     _model: Arc<Model>,
 }
 
-// SAFETY: the context is created, used and freed by the engine thread only; Send is
-// needed to move it into that thread.
-unsafe impl Send for LlamaCtx {}
-
 impl Drop for LlamaCtx {
     fn drop(&mut self) {
+        // SAFETY: `ptr` came from `llama_init_from_model` and is freed here only, once. The
+        // model it reads and the abort signal its callback reads are fields, which drop after
+        // this body.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
     }
 }
@@ -176,6 +194,7 @@ impl Drop for LlamaCtx {
 impl LlamaCtx {
     pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Self> {
         p.validate()?;
+        // SAFETY: returns a struct by value; reads no state.
         let mut cp = unsafe { sys::llama_context_default_params() };
         cp.n_ctx = p.n_ctx;
         // With embeddings, llama.cpp reserves its pooling graph for n_ubatch tokens rounded up
@@ -187,7 +206,7 @@ impl LlamaCtx {
         } else {
             p.n_batch
         };
-        if p.embeddings && p.n_ctx < n_batch && p.n_ctx % p.n_seq_max != 0 {
+        if p.embeddings && p.n_ctx < n_batch && !p.n_ctx.is_multiple_of(p.n_seq_max) {
             return Err(Error::invalid(
                 "n_ctx",
                 format!(
@@ -219,20 +238,45 @@ impl LlamaCtx {
         // Keep every position of sliding-window layers so partial seq_rm / forks stay exact.
         cp.swa_full = true;
         cp.no_perf = true;
+        // SAFETY: `model` is loaded and alive (the `Arc` held here, then `_model`, keeps it so
+        // for the context's whole life). `cp` is llama.cpp's defaults with values `validate`
+        // accepted and the adjustments above, which keep its asserts out of reach; any other
+        // failure comes back as NULL (llama.cpp catches its exceptions here).
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
             Error::Decode(
                 "llama.cpp could not create the context (out of memory? see the kvfork log)".into(),
             )
         })?;
-        let mem = unsafe { sys::llama_get_memory(ptr.as_ptr()) };
+        let ctx = ptr.as_ptr();
+        // SAFETY: getters of the context just created (live, used by this thread only) and
+        // of its loaded model. The memory handle is owned by the context and lives as long:
+        // it is used only through `self`, which frees the context last.
+        let (mem, n_ctx, n_batch, n_seq_max, pooling, n_embd_out, n_cls_out) = unsafe {
+            (
+                sys::llama_get_memory(ctx),
+                sys::llama_n_ctx(ctx),
+                sys::llama_n_batch(ctx),
+                sys::llama_n_seq_max(ctx),
+                sys::llama_pooling_type(ctx),
+                sys::llama_model_n_embd_out(model.as_ptr()),
+                sys::llama_model_n_cls_out(model.as_ptr()),
+            )
+        };
+        let n_embd_out = n_embd_out.max(0) as usize;
         Ok(LlamaCtx {
             ptr,
             mem,
-            n_ctx: unsafe { sys::llama_n_ctx(ptr.as_ptr()) },
-            n_batch: unsafe { sys::llama_n_batch(ptr.as_ptr()) },
-            n_seq_max: unsafe { sys::llama_n_seq_max(ptr.as_ptr()) },
+            n_ctx,
+            n_batch,
+            n_seq_max,
             n_vocab: model.vocab_size(),
+            n_embd_out,
+            n_seq_embd: if pooling == sys::LLAMA_POOLING_TYPE_RANK {
+                n_cls_out as usize
+            } else {
+                n_embd_out
+            },
             max_threads,
             abort_signal: None,
             _model: model,
@@ -244,6 +288,10 @@ impl LlamaCtx {
         if batch.len() == 0 {
             return Ok(());
         }
+        // SAFETY: the context is live and `&mut self` means no slice of the previous decode's
+        // logits or embeddings is still borrowed. `batch.raw` holds `batch.len()` entries, all
+        // written by `Batch::push` into buffers of its capacity; llama.cpp checks token ids,
+        // positions and sequence ids itself and returns -1 instead of reading out of range.
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw) };
         match code {
             0 => Ok(()),
@@ -264,23 +312,37 @@ impl LlamaCtx {
     /// removes the aborted batch's cells and returns 2). The signal outlives the context:
     /// the engine's `Shared` holds it for as long as the worker that owns this context.
     pub fn set_abort_signal(&mut self, signal: Arc<AbortSignal>) {
+        /// # Safety
+        /// `data` points to a live `AbortSignal` (llama.cpp passes back the pointer given to
+        /// `llama_set_abort_callback` below).
         unsafe extern "C" fn should_abort(data: *mut std::ffi::c_void) -> bool {
-            // SAFETY: `data` is the `AbortSignal` kept alive in `self.abort_signal`.
-            let signal = unsafe { &*(data as *const AbortSignal) };
+            // SAFETY: `data` is the `Arc`'d signal that `self.abort_signal` keeps alive until
+            // after `llama_free` (the `Drop` body runs before fields drop, and a later call
+            // installs its new pointer before the old `Arc` goes). `AbortSignal` holds only
+            // atomics, so a shared reference on whichever thread llama.cpp calls from is fine.
+            let signal = unsafe { &*data.cast_const().cast::<AbortSignal>() };
             signal.should_abort()
         }
-        let data = Arc::as_ptr(&signal) as *mut std::ffi::c_void;
-        // SAFETY: the context is live; the callback only reads atomics through `data`.
+        let data = Arc::as_ptr(&signal).cast_mut().cast::<std::ffi::c_void>();
+        // SAFETY: the context is live; `should_abort` has the `ggml_abort_callback` signature
+        // and `data` stays valid for as long as llama.cpp may call it (see above).
         unsafe { sys::llama_set_abort_callback(self.ptr.as_ptr(), Some(should_abort), data) };
         self.abort_signal = Some(signal);
     }
 
     /// Logits row of batch entry `i` (which must have been marked for output).
     pub fn logits_ith(&self, i: usize) -> Result<&[f32]> {
+        // SAFETY: the context is live; llama.cpp checks any index against the last decode's
+        // outputs and returns NULL for one that was not an output.
         let p = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32) };
         if p.is_null() {
             return Err(Error::Decode(format!("no logits at batch index {i}")));
         }
+        // SAFETY: a non-NULL row holds one float per vocabulary token (`n_vocab`, read from the
+        // same vocabulary). It stays put and unchanged while `&self` is borrowed: only a
+        // decode or a state load (`&mut self`) rewrites the outputs, and llama.cpp finishes
+        // its lazy row reordering and pending copies inside the first getter after a decode,
+        // before that returns, so no later getter moves a row already handed out.
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
     }
 
@@ -290,33 +352,45 @@ impl LlamaCtx {
 
     /// Threads of single-token and of multi-token decodes from now on.
     pub fn set_threads(&mut self, threads: i32, threads_batch: i32) {
+        // SAFETY: the context is live; the counts are plain values read at the next decode.
         unsafe { sys::llama_set_n_threads(self.ptr.as_ptr(), threads, threads_batch) }
     }
 
     /// The pooling llama.cpp applies to embeddings (`LLAMA_POOLING_TYPE_*`).
     pub fn pooling(&self) -> i32 {
+        // SAFETY: a getter of the live context.
         unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) }
     }
 
-    /// The pooled embedding of `seq` after the last decode (pooled contexts only).
-    pub fn embeddings_seq(&self, seq: i32, n_embd: usize) -> Result<&[f32]> {
+    /// The pooled embedding of `seq` after the last decode (pooled contexts only): the
+    /// model's output width, or the scores of a reranker (rank pooling).
+    pub fn embeddings_seq(&self, seq: i32) -> Result<&[f32]> {
         self.check_seq(seq)?;
+        // SAFETY: the context is live; llama.cpp looks `seq` up in its map of pooled results
+        // and returns NULL when the last decode pooled none for it.
         let p = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), seq) };
         if p.is_null() {
             return Err(Error::Decode(format!(
                 "no pooled embedding for sequence {seq}"
             )));
         }
-        Ok(unsafe { std::slice::from_raw_parts(p, n_embd) })
+        // SAFETY: a non-NULL result is the data of the vector llama.cpp sized for this
+        // sequence: `n_seq_embd` floats (n_cls_out with rank pooling, else n_embd_out). Only a
+        // decode (`&mut self`) replaces it.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.n_seq_embd) })
     }
 
-    /// The embedding of batch entry `i` (contexts without pooling).
-    pub fn embeddings_ith(&self, i: usize, n_embd: usize) -> Result<&[f32]> {
+    /// The embedding of batch entry `i` (contexts without pooling), `n_embd_out` wide.
+    pub fn embeddings_ith(&self, i: usize) -> Result<&[f32]> {
+        // SAFETY: the context is live; llama.cpp checks any index against the last decode's
+        // outputs and returns NULL for one that was not an output.
         let p = unsafe { sys::llama_get_embeddings_ith(self.ptr.as_ptr(), i as i32) };
         if p.is_null() {
             return Err(Error::Decode(format!("no embedding at batch index {i}")));
         }
-        Ok(unsafe { std::slice::from_raw_parts(p, n_embd) })
+        // SAFETY: a non-NULL row holds `n_embd_out` floats (llama.cpp's row stride for
+        // embeddings), stable while `&self` is borrowed, as in `logits_ith`.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.n_embd_out) })
     }
 
     pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
@@ -324,6 +398,8 @@ impl LlamaCtx {
         self.check_seq(dst)?;
         check_range(p0, p1)?;
         if src != dst {
+            // SAFETY: `mem` belongs to the live context; both ids are in [0, n_seq_max) and
+            // the positions >= -1 (checked above: llama.cpp asserts on anything else).
             unsafe { sys::llama_memory_seq_cp(self.mem, src, dst, p0, p1) };
         }
         Ok(())
@@ -332,6 +408,7 @@ impl LlamaCtx {
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
         self.check_seq(seq)?;
         check_range(p0, p1)?;
+        // SAFETY: `mem` belongs to the live context; the id and positions are checked above.
         Ok(unsafe { sys::llama_memory_seq_rm(self.mem, seq, p0, p1) })
     }
 
@@ -346,16 +423,19 @@ impl LlamaCtx {
 
     pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
         self.check_seq(seq)?;
+        // SAFETY: `mem` belongs to the live context; the id is checked above.
         unsafe { sys::llama_memory_seq_keep(self.mem, seq) };
         Ok(())
     }
 
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         self.check_seq(seq)?;
+        // SAFETY: `mem` belongs to the live context; the id is checked above.
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.mem, seq) })
     }
 
     pub fn clear(&mut self) {
+        // SAFETY: `mem` belongs to the live context.
         unsafe { sys::llama_memory_clear(self.mem, true) }
     }
 
@@ -366,8 +446,11 @@ impl LlamaCtx {
             self.check_seq(seq)?;
         }
         let ctx = self.ptr.as_ptr();
+        // SAFETY: the context is live; `seq` is a checked id or -1 (every sequence).
         let size = unsafe { sys::llama_state_seq_get_size(ctx, seq) };
         let mut buf = vec![0u8; size];
+        // SAFETY: `buf` has exactly `size` writable bytes, the length passed; llama.cpp writes
+        // at most that many (it returns 0 rather than overrun should the cells have grown).
         let written = unsafe { sys::llama_state_seq_get_data(ctx, buf.as_mut_ptr(), size, seq) };
         if written == 0 && size != 0 {
             return Err(Error::Other(
@@ -386,6 +469,9 @@ impl LlamaCtx {
             self.check_seq(seq)?;
         }
         let ctx = self.ptr.as_ptr();
+        // SAFETY: the context is live and `seq` checked (or -1); `data` is readable for the
+        // `data.len()` bytes passed, and llama.cpp bounds every read by that length (a short
+        // buffer fails the restore). Its contents passed kvfork's framing checks first.
         let read = unsafe { sys::llama_state_seq_set_data(ctx, data.as_ptr(), data.len(), seq) };
         if read == data.len() {
             return Ok(());
@@ -427,23 +513,37 @@ pub(crate) fn check_range(p0: i32, p1: i32) -> Result<()> {
 }
 
 /// A reusable `llama_batch` holding up to `capacity` tokens, one sequence id each.
+/// Invariant: `raw`'s token, pos, n_seq_id, seq_id and logits arrays have `capacity` entries,
+/// each `seq_id[i]` room for one id, and the first `raw.n_tokens` entries are written.
 pub(crate) struct Batch {
     raw: sys::llama_batch,
     capacity: usize,
 }
 
-// SAFETY: plain heap buffers owned by this value.
-unsafe impl Send for Batch {}
-
 impl Drop for Batch {
     fn drop(&mut self) {
+        // SAFETY: `raw` came from `llama_batch_init` and is freed here only, once;
+        // `llama_batch_free` frees what init allocated (`seq_id` up to its NULL terminator).
         unsafe { sys::llama_batch_free(self.raw) }
     }
 }
 
 impl Batch {
     pub fn new(capacity: usize) -> Self {
-        let raw = unsafe { sys::llama_batch_init(capacity as i32, 0, 1) };
+        let n = i32::try_from(capacity).expect("a batch capacity fits an i32");
+        // SAFETY: allocates `n` entries per array (tokens, as `embd` is 0) and one sequence id
+        // per `seq_id[i]`; reads nothing.
+        let raw = unsafe { sys::llama_batch_init(n, 0, 1) };
+        // llama.cpp does not check its mallocs; `push` relies on every array being there.
+        let allocated = capacity == 0
+            || (!raw.token.is_null()
+                && !raw.pos.is_null()
+                && !raw.n_seq_id.is_null()
+                && !raw.seq_id.is_null()
+                && !raw.logits.is_null()
+                // SAFETY: `seq_id` (not NULL) has `capacity` + 1 entries.
+                && (0..capacity).all(|i| !unsafe { *raw.seq_id.add(i) }.is_null()));
+        assert!(allocated, "out of memory allocating a llama_batch");
         Batch { raw, capacity }
     }
 
@@ -459,6 +559,8 @@ impl Batch {
     pub fn push(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
         let i = self.len();
         assert!(i < self.capacity, "batch overflow");
+        // SAFETY: `i < capacity` (asserted above) and, by the type's invariant, every array has
+        // `capacity` entries and `seq_id[i]` room for the one id written.
         unsafe {
             *self.raw.token.add(i) = token;
             *self.raw.pos.add(i) = pos;

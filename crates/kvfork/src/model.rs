@@ -21,6 +21,7 @@ pub type Token = i32;
 pub struct ModelParams {
     /// Layers to offload to the GPU (`None`: all when a GPU backend is built, else 0).
     pub n_gpu_layers: Option<i32>,
+    /// Map the file instead of reading it into memory.
     pub use_mmap: bool,
 }
 
@@ -43,12 +44,18 @@ pub struct Model {
     guidance: OnceLock<std::result::Result<Arc<GuidanceVocab>, String>>,
 }
 
-// SAFETY: a llama_model is immutable after load; llama.cpp reads it from any thread.
+// SAFETY: a loaded llama_model (vocabulary included) has no thread affinity and is only read
+// after `llama_model_load_from_file` returns: its getters, tokenizer and detokenizer keep
+// per-call state only (llama-server tokenizes from many threads), and contexts read it
+// concurrently by design. It is freed once, in `Drop`, when no `Arc` (contexts hold one) is left.
 unsafe impl Send for Model {}
+// SAFETY: as for `Send`: every `&self` method only reads the model.
 unsafe impl Sync for Model {}
 
 impl Drop for Model {
     fn drop(&mut self) {
+        // SAFETY: `ptr` came from `llama_model_load_from_file` and is freed here only, once;
+        // every context on the model holds an `Arc<Model>`, so none is left to read it.
         unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
     }
 }
@@ -97,6 +104,7 @@ impl Model {
         };
         let c_path = CString::new(path.to_string_lossy().as_bytes())
             .map_err(|_| fail("path contains a NUL byte"))?;
+        // SAFETY: returns a struct by value; reads no state.
         let mut mp = unsafe { sys::llama_model_default_params() };
         let default_layers = if crate::backend::backend_name() == "cpu" {
             0
@@ -109,12 +117,20 @@ impl Model {
         } else {
             sys::LLAMA_LOAD_MODE_NONE
         };
+        // SAFETY: `c_path` is a NUL-terminated string alive for the call; `mp` is llama.cpp's
+        // defaults with two plain fields set. The backend is initialised (`ensure_backend`)
+        // and the file passed the checks of the values llama.cpp would abort on (NULL on
+        // any other failure: it catches its own exceptions here).
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
         let ptr = NonNull::new(raw)
             .ok_or_else(|| fail("llama.cpp could not load it (see the kvfork log)"))?;
+        // SAFETY: a getter of the model just loaded; the vocabulary is owned by the model and
+        // lives exactly as long (`Model` keeps both pointers and frees only the model).
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
-        let vocab = NonNull::new(vocab as *mut sys::llama_vocab)
-            .ok_or_else(|| fail("model has no vocabulary"))?;
+        // Kept as `NonNull` (a `*mut`) for convenience only: kvfork never writes through it.
+        let vocab =
+            NonNull::new(vocab.cast_mut()).ok_or_else(|| fail("model has no vocabulary"))?;
+        // SAFETY: a getter of the vocabulary just obtained.
         let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
         Ok(Arc::new(Model {
             ptr,
@@ -145,20 +161,39 @@ impl Model {
             .map_err(Error::Grammar)
     }
 
+    /// The GGUF file the model was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// Tokens in the vocabulary (the width of a logits row).
     pub fn vocab_size(&self) -> usize {
         self.n_vocab as usize
     }
 
+    /// The context length the model was trained with.
     pub fn n_ctx_train(&self) -> u32 {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
     }
 
+    /// The hidden size (`embedding_length`).
     pub fn n_embd(&self) -> usize {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
         unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as usize
+    }
+
+    /// The width of the embeddings llama.cpp returns (`embedding_length_out`, else `n_embd`).
+    pub fn n_embd_out(&self) -> usize {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
+        unsafe { sys::llama_model_n_embd_out(self.as_ptr()) }.max(0) as usize
+    }
+
+    /// Scores per text of a reranker (rank pooling).
+    pub(crate) fn n_cls_out(&self) -> usize {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
+        let n = unsafe { sys::llama_model_n_cls_out(self.as_ptr()) };
+        n as usize
     }
 
     /// `general.name`, else the file stem.
@@ -174,6 +209,9 @@ impl Model {
     /// One metadata value as a string.
     pub fn meta(&self, key: &str) -> Option<String> {
         let key = CString::new(key).ok()?;
+        // SAFETY: the model is live, `key` a NUL-terminated string alive for the call, and
+        // `read_c_string` passes a buffer writable for `len` bytes; llama.cpp writes at most
+        // that many (snprintf) and returns the full length.
         read_c_string(|buf, len| unsafe {
             sys::llama_model_meta_val_str(self.as_ptr(), key.as_ptr(), buf, len)
         })
@@ -181,12 +219,16 @@ impl Model {
 
     /// All GGUF metadata as strings (arrays are summarised by llama.cpp).
     pub fn metadata(&self) -> BTreeMap<String, String> {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
         let n = unsafe { sys::llama_model_meta_count(self.as_ptr()) };
         (0..n)
             .filter_map(|i| {
+                // SAFETY: `i` is below the entry count (llama.cpp returns -1 otherwise) and
+                // `b` is writable for `l` bytes, llama.cpp's limit (see `meta`).
                 let key = read_c_string(|b, l| unsafe {
                     sys::llama_model_meta_key_by_index(self.as_ptr(), i, b, l)
                 })?;
+                // SAFETY: as for the key.
                 let val = read_c_string(|b, l| unsafe {
                     sys::llama_model_meta_val_str_by_index(self.as_ptr(), i, b, l)
                 })?;
@@ -202,21 +244,28 @@ impl Model {
         for (k, v) in self.metadata() {
             w.str(&k).str(&v);
         }
-        unsafe {
-            w.u64(sys::llama_model_n_params(self.as_ptr()))
-                .u64(sys::llama_model_size(self.as_ptr()));
-        }
+        // SAFETY: getters of the loaded model, which lives as long as `self`.
+        let (n_params, size) = unsafe {
+            (
+                sys::llama_model_n_params(self.as_ptr()),
+                sys::llama_model_size(self.as_ptr()),
+            )
+        };
+        w.u64(n_params).u64(size);
         w.u64(self.n_vocab as u64);
         kvfork_core::persist::checksum(&w.into_bytes())
     }
 
     /// The Jinja chat template of the GGUF (`tokenizer.chat_template`), if any.
     pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: the model is live; NULL asks for the default template.
         let raw = unsafe { sys::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };
         if raw.is_null() {
             return None;
         }
         Some(
+            // SAFETY: a non-NULL result is a NUL-terminated string in the model's metadata,
+            // alive as long as the model; it is copied out at once.
             unsafe { std::ffi::CStr::from_ptr(raw) }
                 .to_string_lossy()
                 .into_owned(),
@@ -225,6 +274,7 @@ impl Model {
 
     /// Whether the model keeps a recurrent state (Mamba, RWKV, hybrids) instead of a KV cache.
     pub fn is_recurrent(&self) -> bool {
+        // SAFETY: getters of the loaded model, which lives as long as `self`.
         unsafe {
             sys::llama_model_is_recurrent(self.as_ptr())
                 || sys::llama_model_is_hybrid(self.as_ptr())
@@ -253,10 +303,13 @@ impl Model {
             i32::try_from(text.len()).map_err(|_| Error::invalid("text", "longer than 2 GiB"))?;
         let mut out: Vec<Token> = vec![0; text.len() + 2];
         for _ in 0..2 {
+            // SAFETY: `text` is readable for `len` bytes and `out` writable for `out.len()`
+            // tokens, the limit passed; llama.cpp writes nothing when the tokens do not fit
+            // and returns minus their count (negative limits included, they never fit).
             let n = unsafe {
                 sys::llama_tokenize(
                     self.vocab_ptr(),
-                    text.as_ptr() as *const c_char,
+                    text.as_ptr().cast::<c_char>(),
                     len,
                     out.as_mut_ptr(),
                     out.len() as i32,
@@ -281,11 +334,14 @@ impl Model {
         self.check_token(token)?;
         let mut buf = vec![0u8; 32];
         loop {
+            // SAFETY: `token` is a vocabulary id (checked above: llama.cpp throws through the
+            // FFI on others) and `buf` is writable for the length passed; llama.cpp writes
+            // nothing when the piece does not fit and returns minus its length.
             let n = unsafe {
                 sys::llama_token_to_piece(
                     self.vocab_ptr(),
                     token,
-                    buf.as_mut_ptr() as *mut c_char,
+                    buf.as_mut_ptr().cast::<c_char>(),
                     buf.len() as i32,
                     0,
                     special,
@@ -326,12 +382,15 @@ impl Model {
                 .min(i32::MAX as usize)
         ];
         loop {
+            // SAFETY: every token is a vocabulary id (checked above), `tokens` readable for
+            // `n_tokens` ids and `buf` writable for its length, at most i32::MAX (a negative
+            // length aborts llama.cpp); it returns minus the length needed when short.
             let n = unsafe {
                 sys::llama_detokenize(
                     self.vocab_ptr(),
                     tokens.as_ptr(),
                     n_tokens,
-                    buf.as_mut_ptr() as *mut c_char,
+                    buf.as_mut_ptr().cast::<c_char>(),
                     buf.len() as i32,
                     remove_special,
                     unparse_special,
@@ -349,19 +408,25 @@ impl Model {
     pub fn is_eog(&self, token: Token) -> bool {
         token >= 0
             && token < self.n_vocab
+            // SAFETY: the vocabulary lives as long as `self`; the id is in range (above).
             && unsafe { sys::llama_vocab_is_eog(self.vocab_ptr(), token) }
     }
 
+    /// End-of-sequence token, if the vocabulary has one.
     pub fn eos(&self) -> Option<Token> {
+        // SAFETY: a getter of the vocabulary, which lives as long as `self`.
         Some(unsafe { sys::llama_vocab_eos(self.vocab_ptr()) }).filter(|&t| t >= 0)
     }
 
     /// End-of-turn token (chat models), if the vocabulary has one.
     pub fn eot(&self) -> Option<Token> {
+        // SAFETY: a getter of the vocabulary, which lives as long as `self`.
         Some(unsafe { sys::llama_vocab_eot(self.vocab_ptr()) }).filter(|&t| t >= 0)
     }
 
+    /// Beginning-of-sequence token, if the vocabulary has one.
     pub fn bos(&self) -> Option<Token> {
+        // SAFETY: a getter of the vocabulary, which lives as long as `self`.
         Some(unsafe { sys::llama_vocab_bos(self.vocab_ptr()) }).filter(|&t| t >= 0)
     }
 }
@@ -370,7 +435,7 @@ impl Model {
 fn read_c_string(mut f: impl FnMut(*mut c_char, usize) -> i32) -> Option<String> {
     let mut buf = vec![0u8; 256];
     loop {
-        let n = f(buf.as_mut_ptr() as *mut c_char, buf.len());
+        let n = f(buf.as_mut_ptr().cast::<c_char>(), buf.len());
         if n < 0 {
             return None;
         }

@@ -15,10 +15,12 @@ pub struct BranchStore {
 }
 
 impl BranchStore {
+    /// A store over the branches of `ctx`.
     pub fn new(ctx: &Context) -> Self {
         BranchStore { ctx: ctx.clone() }
     }
 
+    /// The context whose branches the store advances.
     pub fn context(&self) -> &Context {
         &self.ctx
     }

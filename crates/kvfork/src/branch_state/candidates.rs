@@ -177,9 +177,13 @@ impl Candidates {
     }
 
     /// Keep what a llama.cpp sampler left in `cur` (samplers may shrink the array, moving
-    /// its start within our buffer).
+    /// its start within our buffer). `cur` must come from `array()`, with `data` not resized
+    /// since.
     pub fn keep(&mut self, cur: &sys::llama_token_data_array) {
-        // SAFETY: `cur.data` points into `self.data` (samplers only move it forward).
+        // SAFETY: `cur` came from `array()` on this buffer, which has not been resized since
+        // (the caller filters in between, touching `self.data` only through `cur`); samplers
+        // only move `data` forward within it, so both pointers lie in one allocation, a whole
+        // number of entries apart, and `start + cur.size <= len`.
         let start = unsafe { cur.data.offset_from(self.data.as_ptr()) } as usize;
         self.data.truncate(start + cur.size);
         self.data.drain(..start);

@@ -299,6 +299,8 @@ impl<T> Pending<T> {
 pub struct Canceller(Option<Arc<Ticket>>);
 
 impl Canceller {
+    /// Cancel the job: it never starts if still queued, and a running decode is aborted
+    /// and rolled back where its policy allows (see [`Cancel`]).
     pub fn cancel(&self) -> Cancel {
         match &self.0 {
             Some(t) => t.cancel(),

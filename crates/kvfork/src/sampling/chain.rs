@@ -69,6 +69,10 @@ impl SamplerChain {
         // llama.cpp clamps a window of -1 to 0 (disabled); we mean "the whole context".
         let whole = model.n_ctx_train().max(1) as i32;
         let mut stages: Vec<*mut sys::llama_sampler> = Vec::new();
+        // SAFETY: each init takes plain values (`validate` checked them) and returns a new
+        // sampler that `stages` owns until the chain below takes it. DRY reads the live
+        // vocabulary and copies the breaker strings, NUL-terminated and alive for the call in
+        // `breakers`, with `ptrs` giving their count.
         unsafe {
             if !p.penalties_neutral() {
                 stages.push(sys::llama_sampler_init_penalties(
@@ -118,15 +122,19 @@ impl SamplerChain {
         let filters = if stages.is_empty() {
             None
         } else {
+            // SAFETY: returns default params by value, then a new empty chain we own.
             let chain = unsafe {
                 let mut cp = sys::llama_sampler_chain_default_params();
                 cp.no_perf = true;
                 sys::llama_sampler_chain_init(cp)
             };
             for s in stages {
+                // SAFETY: `chain` is the live chain just made; `s` a live sampler owned by no
+                // one else, whose ownership passes to the chain (it frees its members).
                 unsafe { sys::llama_sampler_chain_add(chain, s) };
             }
-            RawSampler::from_raw(chain)
+            // SAFETY: `chain` is live and owned by nothing else (its members belong to it).
+            unsafe { RawSampler::from_raw(chain) }
         };
         SamplerChain {
             params: p.clone(),
@@ -172,7 +180,8 @@ impl SamplerChain {
                 p.xtc_threshold,
                 &mut self.rng,
             );
-            // SAFETY: `cut < size`: the window moves forward within the same buffer.
+            // SAFETY: `xtc` returns 0 or less than the window's length, so `data + cut` stays
+            // inside the buffer `cur` describes and `size - cut` entries remain after it.
             cur.data = unsafe { cur.data.add(cut) };
             cur.size -= cut;
         }
@@ -307,9 +316,12 @@ fn filter_key(p: &SamplingParams) -> SamplingParams {
     }
 }
 
-/// The candidates of `cur` as a slice.
+/// The candidates of `cur` as a slice. `cur` describes `size` initialised entries of a buffer
+/// borrowed for at least as long as `cur` (as `RawSampler::apply` requires: kvfork builds every
+/// such array from a live slice right before sampling).
 fn window(cur: &mut sys::llama_token_data_array) -> &mut [sys::llama_token_data] {
-    // SAFETY: `cur` describes `size` initialised entries of the branch's candidate buffer,
-    // which outlives this borrow.
+    // SAFETY: by the contract above `data` is valid for `size` entries; llama.cpp's filters and
+    // `filter` only shrank `size` or moved `data` forward within the buffer. The slice borrows
+    // `cur` mutably, so no second slice of the same entries exists while it lives.
     unsafe { std::slice::from_raw_parts_mut(cur.data, cur.size) }
 }

@@ -14,26 +14,35 @@ use crate::model::{Model, Token};
 /// How a constraint was declared (kept so it can be described, saved and rebuilt).
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
+    /// A GBNF grammar (llama.cpp's sampler) that constrains from the next token on.
     Eager {
+        /// The grammar text; its start rule is `root`.
         gbnf: String,
     },
     /// Unconstrained until a trigger word, regex pattern or token fires.
     Lazy {
+        /// The grammar text; its start rule is `root`.
         gbnf: String,
+        /// Literal words whose appearance starts the grammar (at the word).
         words: Vec<String>,
+        /// Regexes over the output; the grammar starts at the first capture group.
         patterns: Vec<String>,
+        /// Tokens whose sampling starts the grammar.
         tokens: Vec<Token>,
     },
     /// A JSON schema (text), compiled by llguidance.
     JsonSchema {
+        /// The schema as JSON text.
         schema: String,
     },
     /// A regular expression the whole output must match (llguidance).
     Regex {
+        /// The regex.
         pattern: String,
     },
     /// A grammar in llguidance's Lark syntax.
     Lark {
+        /// The grammar text.
         grammar: String,
     },
 }
@@ -133,6 +142,10 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
     let raw = match spec {
         GrammarSpec::Eager { gbnf } => {
             let g = c_string(gbnf, "grammar")?;
+            // SAFETY: the vocabulary is live (the model outlives every use of the sampler:
+            // branches reach it only through their context, which holds the model); both
+            // strings are NUL-terminated and alive for the call. The wrapper catches llama.cpp's
+            // parse exceptions and returns NULL.
             unsafe {
                 sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr())
             }
@@ -157,6 +170,9 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
                 .map(|p| c_string(p, "trigger"))
                 .collect::<Result<Vec<_>>>()?;
             let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
+            // SAFETY: as for the eager grammar; `ptrs` holds `ptrs.len()` NUL-terminated
+            // patterns alive in `owned`, `tokens` `tokens.len()` vocabulary ids (checked
+            // above), both copied by llama.cpp during the call.
             unsafe {
                 sys::llama_rs_sampler_init_grammar_lazy_patterns(
                     model.vocab_ptr(),
@@ -171,7 +187,8 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
         }
         _ => unreachable!("llguidance reads the other kinds"),
     };
-    RawSampler::from_raw(raw).ok_or_else(|| refused(gbnf))
+    // SAFETY: `raw` is NULL or the new grammar sampler, owned by nothing else.
+    unsafe { RawSampler::from_raw(raw) }.ok_or_else(|| refused(gbnf))
 }
 
 impl Grammar {
@@ -262,6 +279,9 @@ impl Grammar {
         let Engine::Llama(sampler) = &self.engine else {
             unreachable!("handled above");
         };
+        // SAFETY: a live grammar sampler owned by `self`; the token was allowed just above,
+        // so llama.cpp's grammar cannot hit its abort on an end-of-generation token, and the
+        // wrapper turns any exception into a status.
         let status = unsafe { sys::llama_rs_sampler_accept(sampler.as_ptr(), token) };
         if status == sys::LLAMA_RS_STATUS_OK {
             Ok(())

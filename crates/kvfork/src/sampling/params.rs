@@ -5,27 +5,48 @@ use crate::error::{Error, Result};
 /// Parameters of a branch's sampler chain. `temperature <= 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
+    /// Divides the logits before the draw; `<= 0` is greedy unless Mirostat is on.
     pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
     pub top_k: i32,
+    /// Keep the most likely tokens until their probabilities sum to `top_p`; 1.0 disables.
     pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
     pub min_p: f32,
+    /// Locally typical sampling up to this total probability; 1.0 disables.
     pub typical_p: f32,
+    /// Keep tokens within `top_n_sigma` standard deviations of the best logit; `<= 0`
+    /// disables.
     pub top_n_sigma: f32,
-    /// `None`: a fresh random seed.
+    /// Seed of the branch's RNG (XTC, the draw, Mirostat). `None`: a fresh random seed.
     pub seed: Option<u32>,
+    /// Divides positive logits (multiplies negative ones) of tokens in the penalty window;
+    /// 1.0 disables.
     pub repeat_penalty: f32,
+    /// Subtracted once per occurrence in the penalty window; 0 disables.
     pub frequency_penalty: f32,
+    /// Subtracted from every token present in the penalty window; 0 disables.
     pub presence_penalty: f32,
+    /// Recent tokens the three penalties look at; -1 the whole context, 0 disables them.
     pub penalty_last_n: i32,
-    /// 0 off, 1 Mirostat, 2 Mirostat 2.0.
+    /// 0 off, 1 Mirostat, 2 Mirostat 2.0 (replaces the truncation filters and XTC).
     pub mirostat: i32,
+    /// Mirostat's target surprise in bits (`mu` starts at 2 * tau).
     pub mirostat_tau: f32,
+    /// Mirostat's learning rate.
     pub mirostat_eta: f32,
+    /// Strength of the DRY penalty on tokens that extend a repeat; 0 disables.
     pub dry_multiplier: f32,
+    /// DRY's penalty grows as `dry_base` to the power of the repeat's excess length (>= 1).
     pub dry_base: f32,
+    /// Repeats up to this many tokens go unpenalised by DRY.
     pub dry_allowed_length: i32,
+    /// Recent tokens DRY scans for repeats; -1 the whole context, 0 disables DRY.
     pub dry_penalty_last_n: i32,
+    /// XTC: the chance per draw that it removes the top choices; 0 disables.
     pub xtc_probability: f32,
+    /// XTC removes every token at least this likely but the least likely of them; above 0.5
+    /// it never fires.
     pub xtc_threshold: f32,
 }
 
@@ -76,6 +97,7 @@ impl SamplingParams {
         }
     }
 
+    /// Whether the chain takes the argmax (temperature `<= 0`, Mirostat off).
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 && self.mirostat == 0
     }
@@ -88,6 +110,7 @@ impl SamplingParams {
             || self.penalty_last_n == 0
     }
 
+    /// Whether the DRY penalty is on.
     pub fn dry_enabled(&self) -> bool {
         self.dry_multiplier > 0.0 && self.dry_penalty_last_n != 0
     }
