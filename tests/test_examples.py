@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_chat_prefills_only_what_each_turn_adds() -> None:
     tour = example("chat")
     turns = asyncio.run(tour.converse(max_tokens=24))
     assert "Paris" in turns[0].reply
-    for earlier, later in zip(turns, turns[1:]):
+    for earlier, later in itertools.pairwise(turns):
         assert later.prefilled < later.prompt_tokens - earlier.prompt_tokens + 8  # not history
     italy, spain = asyncio.run(tour.fork_the_conversation(max_tokens=24))
     assert "Rome" in italy and "Madrid" in spain  # two follow-ups on forks of one history

@@ -100,9 +100,7 @@ async def run(
         out.write(f"prompt ({len(tokens)} tokens, prefilled once): {prompt}\n\n")
         result = await _batched(ctx, root, n, max_tokens, seed, Lanes(out, n, live))
         with Progress(f"running the same {n} generations one after another"):
-            seq_tokens, seq_decodes, seq_seconds = await _sequential(
-                ctx, root, n, max_tokens, seed
-            )
+            seq_tokens, seq_decodes, seq_seconds = await _sequential(ctx, root, n, max_tokens, seed)
     texts, perplexities, batched_tokens, decodes, seconds = result
     winner = min(range(n), key=lambda i: perplexities[i])
     demo = DemoResult(
@@ -172,8 +170,7 @@ async def _sequential(
 def _report(out: TextIO, demo: DemoResult, live: bool, prompt: str) -> None:
     n = len(demo.texts)
     if not live:  # the lanes were not drawn: show every text once
-        for i, text in enumerate(demo.texts):
-            out.write(f" fork {i} │ {' '.join(text.split())}\n")
+        out.writelines(f" fork {i} │ {' '.join(t.split())}\n" for i, t in enumerate(demo.texts))
     out.write("\nperplexity: ")
     out.write("  ".join(f"fork {i} {p:.2f}" for i, p in enumerate(demo.perplexities)))
     out.write(f"\n\nwinner (lowest perplexity): fork {demo.winner}\n")

@@ -9,7 +9,10 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class Progress:
@@ -40,7 +43,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         self._start = time.perf_counter()
         if self.enabled:
             self._thread = threading.Thread(target=self._tick, name="kvfork-progress", daemon=True)

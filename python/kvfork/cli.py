@@ -256,7 +256,9 @@ async def cmd_bench(args: argparse.Namespace) -> int:
         prompt = ctx.tokenize("The history of the printing press begins with " * 16)
         start = time.perf_counter()
         await prefill(root, prompt, ctx.n_batch)
-        print(f"prefill: {len(prompt)} tokens, {len(prompt) / (time.perf_counter() - start):.0f} tok/s")
+        print(
+            f"prefill: {len(prompt)} tokens, {len(prompt) / (time.perf_counter() - start):.0f} tok/s"
+        )
         print(f"{'forks':>6} {'tok/s':>8} {'ms/step':>8} {'decode share':>13}")
         store = BranchStore(ctx)
         for n in widths:
