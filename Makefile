@@ -35,7 +35,8 @@ lint:
 	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benchmarks examples
 	$(PY) -m ruff format --check python tests benchmarks examples
-	$(PY) -m mypy --strict python/kvfork examples
+	$(PY) -m mypy --strict python/kvfork examples tests
+	$(PY) -m mypy.stubtest kvfork._native --allowlist stubtest-allowlist.txt
 
 fmt:
 	cargo fmt --all

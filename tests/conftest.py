@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import kvfork
 import numpy as np
@@ -51,7 +52,11 @@ PERSON_SCHEMA = {
 }
 
 
-def root(ctx: kvfork.Context, text: str = PROMPT, params: object = GREEDY) -> kvfork.Branch:
+def root(
+    ctx: kvfork.Context,
+    text: str = PROMPT,
+    params: kvfork.SamplingParams | dict[str, Any] | None = GREEDY,
+) -> kvfork.Branch:
     """A branch with `text` prefilled."""
     b = kvfork.Branch.create(ctx, 0, params)
     b.prefill_sync(ctx.tokenize(text))

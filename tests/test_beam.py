@@ -7,15 +7,17 @@ import math
 
 import kvfork
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from .conftest import PROMPT, root
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+def log_softmax(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    y = x.astype(np.float64)
+    m = y.max()
+    out: npt.NDArray[np.float64] = y - (m + np.log(np.exp(y - m).sum()))
+    return out
 
 
 def test_logprob_and_top_logprobs_match_a_log_softmax(ctx: kvfork.Context) -> None:

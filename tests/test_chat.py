@@ -103,7 +103,7 @@ def test_rich_template_renders_like_hugging_face(chat_ctx: kvfork.Context) -> No
             },
         }
     ]
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "  You are kind.  "},
         {"role": "user", "content": " What's new? "},
         {

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import kvfork
 import pytest
@@ -28,7 +29,7 @@ LONG = PROMPT * 80  # ~800 tokens: a prefill of about a second on 2 cores
 
 
 @pytest.fixture
-def big(model: kvfork.Model) -> kvfork.Context:
+def big(model: kvfork.Model) -> Iterator[kvfork.Context]:
     with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=8) as c:
         yield c
 
@@ -178,7 +179,7 @@ async def test_event_loop_never_waits_for_the_engine(big: kvfork.Context) -> Non
 
 
 @pytest.fixture
-def tiny(model: kvfork.Model) -> kvfork.Context:
+def tiny(model: kvfork.Model) -> Iterator[kvfork.Context]:
     with kvfork.create_context_sync(model, n_ctx=256, n_batch=256, n_seq_max=4) as c:
         yield c
 

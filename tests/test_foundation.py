@@ -218,7 +218,7 @@ def test_bad_tokens_and_positions(ctx: kvfork.Context) -> None:
     with pytest.raises(ValueError, match="seq"):
         ctx.kv_seq_copy(0, 999)
     with pytest.raises(TypeError):
-        b.prefill_sync("not tokens")
+        b.prefill_sync("not tokens")  # type: ignore[arg-type]  # the refusal under test
     # the branch still works after every refusal
     b.commit_sync(b.produce_sync().token)
 

@@ -3,6 +3,8 @@ leases given back, bad arguments."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import kvfork
 import pytest
 from kvfork.patterns import beam_search, beam_search_sync
@@ -65,7 +67,7 @@ def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
 def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
     b = root(ctx)
     for kwargs in ({"width": 0}, {"max_tokens": 0}, {"groups": 3}, {"diversity": -1.0}):
-        args = {"width": 2, "max_tokens": 2, **kwargs}
+        args: dict[str, Any] = {"width": 2, "max_tokens": 2, **kwargs}
         with pytest.raises(ValueError):
             beam_search_sync(b, args.pop("width"), args.pop("max_tokens"), **args)
     with pytest.raises(kvfork.KvforkError, match="no logits"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Any
 
 import jsonschema
 import kvfork
@@ -24,7 +25,12 @@ def test_params_are_immutable_comparable_and_validated() -> None:
     assert p.replace(top_k=5).top_k == 5 and p.top_k == 40
     with pytest.raises(AttributeError):
         p.top_k = 3  # type: ignore[misc]
-    for bad, field in [({"top_k": -1}, "top_k"), ({"top_p": 1.5}, "top_p"), ({"nope": 1}, "nope")]:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"nope": 1}, "nope"),
+    ]
+    for bad, field in cases:
         with pytest.raises(ValueError, match=field):
             kvfork.SamplingParams(**bad)
 
@@ -36,13 +42,13 @@ def test_seeded_chain_is_reproducible_and_seeds_diverge(ctx: kvfork.Context) -> 
 
 
 # A chain hot enough to wander off the greedy path, and one cold enough to stay on it.
-HOT = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
+HOT: dict[str, Any] = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
 COLD = {"temperature": 0.05, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
 REPETITIVE = "one two three four one two three four one two three four one two three"
 
 
 def generate(
-    ctx: kvfork.Context, params: dict[str, object], n: int = 16, prompt: str = PROMPT
+    ctx: kvfork.Context, params: dict[str, Any], n: int = 16, prompt: str = PROMPT
 ) -> list[int]:
     b = root(ctx, prompt, params=params)
     out = run(b, n)

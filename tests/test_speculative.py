@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import kvfork
 import pytest
@@ -28,14 +29,16 @@ class Wrong:
         return [7, 7, 7]
 
 
-def pair(ctx: kvfork.Context, params: object) -> tuple[kvfork.Branch, kvfork.Branch]:
+def pair(
+    ctx: kvfork.Context, params: kvfork.SamplingParams | dict[str, Any] | None
+) -> tuple[kvfork.Branch, kvfork.Branch]:
     a = root(ctx, COPY, params)
     return a, a.fork_sync()
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_prompt_lookup_draws_what_plain_generation_draws(
-    ctx: kvfork.Context, params: object
+    ctx: kvfork.Context, params: kvfork.SamplingParams | dict[str, Any] | None
 ) -> None:
     plain, spec = pair(ctx, params)
     expected = [t.token for t in plain.generate_sync(40)]

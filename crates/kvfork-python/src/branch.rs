@@ -83,7 +83,8 @@ impl PyBranch {
     /// for the engine (emptying the lease is queued ahead of the branch's own work).
     /// LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a bad argument.
     #[classmethod]
-    #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None))]
+    #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None),
+           text_signature = "($cls, ctx, position=0, params=None, *, grammar=None)")]
     fn create(
         _cls: &Bound<'_, PyType>,
         ctx: &Bound<'_, PyContext>,

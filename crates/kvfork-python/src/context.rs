@@ -115,7 +115,11 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
                     n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
-                    embeddings=false, pooling=None, n_gpu_layers=None))]
+                    embeddings=false, pooling=None, n_gpu_layers=None),
+       // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
+       text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
+                         n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
+                         pooling=None, n_gpu_layers=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context<'py>(
     py: Python<'py>,
@@ -155,7 +159,11 @@ pub fn create_context<'py>(
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
                     n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
-                    embeddings=false, pooling=None, n_gpu_layers=None))]
+                    embeddings=false, pooling=None, n_gpu_layers=None),
+       // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
+       text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
+                         n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
+                         pooling=None, n_gpu_layers=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context_sync(
     py: Python<'_>,
@@ -314,7 +322,8 @@ impl PyContext {
 
     /// Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
     /// Queued in order with all engine work; returns without waiting.
-    #[pyo3(signature = (src, dst, p0=Int(Some(0)), p1=Int(Some(-1))))]
+    #[pyo3(signature = (src, dst, p0=Int(Some(0)), p1=Int(Some(-1))),
+           text_signature = "($self, src, dst, p0=0, p1=-1)")]
     fn kv_seq_copy(&self, src: Int, dst: Int, p0: Int, p1: Int) -> PyResult<()> {
         let (src, dst) = (seq_arg(&src, "src")?, seq_arg(&dst, "dst")?);
         let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
@@ -328,7 +337,8 @@ impl PyContext {
 
     /// Remove the cells of `seq` in [p0, p1) (-1 = open). Returns False, removing nothing, when
     /// a partial removal is impossible (recurrent models). Returns without waiting.
-    #[pyo3(signature = (seq, p0=Int(Some(0)), p1=Int(Some(-1))))]
+    #[pyo3(signature = (seq, p0=Int(Some(0)), p1=Int(Some(-1))),
+           text_signature = "($self, seq, p0=0, p1=-1)")]
     fn kv_seq_remove(&self, seq: Int, p0: Int, p1: Int) -> PyResult<bool> {
         let seq = seq_arg(&seq, "seq")?;
         let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
