@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -103,3 +105,18 @@ def test_semantic_search_finds_the_sentence_on_topic() -> None:
     expected = ["bread", "striker", "tomato"]
     for query, word in zip(tour.QUERIES, expected):
         assert word in results[query][0][1]
+
+
+def test_ray_best_of_n() -> None:
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    module = example("ray_best_of_n")
+    cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
+    try:
+        answers, pool_rate, local_rate = asyncio.run(module.serve(4, 2, 2, 6))
+    finally:
+        ray.shutdown()
+        cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
+    assert len(answers) == 4 and all(isinstance(a, str) and a for a in answers)
+    assert pool_rate > 0 and local_rate > 0

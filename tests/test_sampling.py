@@ -199,3 +199,14 @@ def test_grammar_window_equals_full_vocabulary_grammar(ctx: kvfork.Context) -> N
         b.prune_sync()
     assert outs[0][0] == outs[1][0]
     assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-4)
+
+
+def test_params_and_tokens_pickle() -> None:
+    """Ray jobs take SamplingParams and return Tokens: both survive a pickle round trip."""
+    import pickle
+
+    params = kvfork.SamplingParams(temperature=0.3, top_p=0.9, seed=5, dry_multiplier=0.8)
+    again = pickle.loads(pickle.dumps(params))
+    assert again == params and again.seed == 5
+    token = kvfork.Token(7, "x", True)
+    assert pickle.loads(pickle.dumps(token)) == token

@@ -8,7 +8,7 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::IntoPyResult;
 
@@ -73,6 +73,14 @@ macro_rules! sampling_params {
             /// The fields as a dict.
             fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 self.fields(py)
+            }
+
+            /// Pickling (Ray job arguments): `SamplingParams(**fields)` again.
+            fn __getnewargs_ex__<'py>(
+                &self,
+                py: Python<'py>,
+            ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+                Ok((PyTuple::empty(py), self.fields(py)?))
             }
 
             fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {

@@ -47,6 +47,11 @@ impl PyToken {
         3
     }
 
+    /// Pickling (Ray jobs return tokens): `Token(token, text, is_stop)` again.
+    fn __getnewargs__(&self) -> (i32, String, bool) {
+        (self.token, self.text.clone(), self.is_stop)
+    }
+
     fn __getitem__(&self, py: Python<'_>, index: isize) -> PyResult<Py<PyAny>> {
         use pyo3::IntoPyObjectExt;
         match index {

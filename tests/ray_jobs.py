@@ -1,0 +1,109 @@
+"""Branch programs that the Ray tests run both in a pool and in-process (pickled by value)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import kvfork
+import kvfork.ray as kray
+
+GREEDY = kvfork.SamplingParams(temperature=0.0)
+PROMPT = "The history of the printing press begins with"
+
+
+async def best_of(
+    ctx: kvfork.Context, prompt: str, seeds: list[int], max_tokens: int
+) -> list[tuple[str, float]]:
+    """Best-of-N with one seed per fork: each fork's text and perplexity, best first."""
+    root = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0.9, top_k=40))
+    await root.prefill(ctx.tokenize(prompt))
+    kids = [await root.fork(seed=seed) for seed in seeds]
+    store = kvfork.BranchStore(ctx)
+    texts = {kid.handle: "" for kid in kids}
+    live = list(kids)
+    for _ in range(max_tokens):
+        if not live:
+            break
+        tokens = await store.step(live)
+        for kid, tok in zip(live, tokens):
+            texts[kid.handle] += tok.text
+        live = [kid for kid, tok in zip(live, tokens) if not tok.is_stop]
+    out = sorted(((texts[k.handle], k.perplexity) for k in kids), key=lambda r: r[1])
+    await root.prune_subtree()
+    return out
+
+
+async def chat_turn(ctx: kvfork.Context, question: str) -> str:
+    """One greedy chat turn (ChatML: the default model carries no template)."""
+    chat = kvfork.Chat(ctx, params=GREEDY, template="chatml")
+    reply = await chat.send(question, max_tokens=24)
+    if chat.branch is not None:
+        await chat.branch.prune()
+    return reply
+
+
+async def greedy(ctx: kvfork.Context, prompt: str, steps: int) -> list[int]:
+    """Greedy produce/commit for `steps` tokens: each commit is one request to the engine."""
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    await b.prefill(ctx.tokenize(prompt))
+    out = []
+    for _ in range(steps):
+        tok = await b.produce()
+        await b.commit(tok)
+        out.append(tok.token)
+    await b.prune()
+    return out
+
+
+async def fork_from_system(ctx: kvfork.Context, system: str, question: str) -> tuple[int, int]:
+    """Fork a reply off a warm branch holding `system` (one per actor and key): the actor's
+    pid and the warm branch's handle, which stays the same while jobs meet the same branch."""
+
+    async def warm() -> kvfork.Branch:
+        b = kvfork.Branch.create(ctx, 0, GREEDY)
+        await b.prefill(ctx.tokenize(system))
+        return b
+
+    root = await kray.shared(ctx, ("system", system), warm)
+    kid = await root.fork()
+    await kid.prefill(ctx.tokenize(question))
+    for _ in range(4):
+        tok = await kid.produce()
+        await kid.commit(tok)
+    await kid.prune()
+    return os.getpid(), root.handle
+
+
+async def pid(ctx: kvfork.Context) -> int:
+    return os.getpid()
+
+
+async def sleep_then(ctx: kvfork.Context, seconds: float) -> int:
+    await asyncio.sleep(seconds)
+    return os.getpid()
+
+
+async def raise_value_error(ctx: kvfork.Context, message: str) -> None:
+    raise ValueError(message)
+
+
+async def bad_grammar(ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    try:
+        b.set_grammar("root ::= this is not gbnf (")
+    finally:
+        b.prune_sync()
+
+
+async def unpicklable(ctx: kvfork.Context) -> object:
+    return kvfork.Branch.create(ctx, 0, GREEDY)  # a live branch cannot leave its actor
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+async def raise_unpicklable_error(ctx: kvfork.Context) -> None:
+    raise NeedsTwoArgs(1, 2)  # a pickle round trip calls NeedsTwoArgs("1/2") and fails
