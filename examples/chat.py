@@ -57,20 +57,10 @@ async def fork_the_conversation(max_tokens: int = 32) -> tuple[str, str]:
         assert chat.branch is not None
         answers = []
         for question in ("What is the capital of Italy?", "What is the capital of Spain?"):
-            branch = await chat.branch.fork()  # the whole history, no copy
-            messages = [*chat.messages, {"role": "user", "content": question}]
-            rendered = ctx.format_chat(messages, add_generation_prompt=True)
-            delta = rendered.prompt[len(ctx.format_chat(chat.messages).prompt) :]
-            await branch.prefill(ctx.tokenize(delta, add_special=False, parse_special=True))
-            text = ""
-            async for tok in branch.generate(max_tokens):
-                text += tok.text
-                if any(stop and stop in text for stop in rendered.stop):
-                    break
-            for stop in rendered.stop:
-                text = text.split(stop)[0] if stop else text
-            answers.append(text.strip())
-            await branch.prune()
+            side = await chat.fork()  # the whole history on a fork of its branch, no copy
+            answers.append(await side.send(question, max_tokens=max_tokens))
+            assert side.branch is not None
+            await side.branch.prune()
         return answers[0], answers[1]
 
 

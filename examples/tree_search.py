@@ -106,10 +106,11 @@ async def search(
         seed = 100
         for _ in range(turns):
             for _ in range(iterations):
+                # Make room first: the pruned subtree may hold the leaf UCT would pick.
+                await free_leases(store, root, width, stats)
                 leaf = root
                 while leaf.children:  # select by UCT
                     leaf = max(leaf.children, key=Node.uct)
-                await free_leases(store, root, width, stats)
                 await expand(ctx, leaf, width, segment, seed)
                 seed += width
                 stats.iterations += 1

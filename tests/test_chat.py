@@ -225,6 +225,22 @@ async def test_async_chat_equals_sync_chat(chat_ctx: kvfork.Context) -> None:
     assert a.messages == b.messages and a.messages[0]["role"] == "system"
 
 
+async def test_a_forked_chat_continues_like_the_original(chat_ctx: kvfork.Context) -> None:
+    chat = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
+    await chat.send(QUESTIONS[0], max_tokens=16)
+    side = await chat.fork()
+    assert side.branch is not None and side.branch.parent is not None
+    assert side.messages == chat.messages and side.messages is not chat.messages
+    forked = await side.send(QUESTIONS[1], max_tokens=16)
+    assert side.prefilled_tokens < 40  # only the new turn: the history is shared KV
+    assert len(chat.messages) == 3  # the original is untouched
+    straight = await chat.send(QUESTIONS[1], max_tokens=16)
+    assert forked == straight
+    await side.branch.prune()
+    unstarted = kvfork.Chat(chat_ctx, params=GREEDY).fork_sync()
+    assert unstarted.branch is None and unstarted.messages == []
+
+
 def test_warm_turn_is_faster_than_cold(chat_ctx: kvfork.Context) -> None:
     long_system = "You are a careful assistant. " * 60
     chat = kvfork.Chat(chat_ctx, params=GREEDY, system=long_system)

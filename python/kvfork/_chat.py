@@ -131,6 +131,23 @@ class Chat:
                 break
         return self._end(reply)
 
+    async def fork(self) -> Chat:
+        """A second conversation that shares this one's history, on a fork of its branch (no
+        KV is copied): ask different follow-ups on each. Prune ``branch`` of the fork when
+        done with it (``await side.branch.prune()``)."""
+        return self._forked(None if self.branch is None else await self.branch.fork())
+
+    def fork_sync(self) -> Chat:
+        """Blocking twin of ``fork``."""
+        return self._forked(None if self.branch is None else self.branch.fork_sync())
+
+    def _forked(self, branch: Branch | None) -> Chat:
+        other = Chat(self.ctx, params=self.params, template=self.template, **self.template_kwargs)
+        other.messages = [dict(m) for m in self.messages]
+        other.branch = branch
+        other._text = self._text if branch is not None else ""
+        return other
+
 
 class _Reply:
     """The text of one assistant turn, cut at the first stop string."""
