@@ -2,7 +2,7 @@
 SHELL := bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rust test-python soak asan lint fmt bench peer
+.PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer
 
 setup:
 	scripts/setup.sh
@@ -20,6 +20,14 @@ test-rust:
 
 test-python:
 	$(PY) -m pytest tests -q
+
+# The Python suite on the Vulkan backend with the shared models' layers offloaded (needs Vulkan
+# headers >= 1.3.275 and glslc; CI runs it on Mesa's CPU driver lavapipe with
+# GGML_VK_VISIBLE_DEVICES=0, since llama.cpp skips CPU-type devices otherwise).
+test-vulkan: setup
+	$(PY) -m pip install -q "maturin>=1.9.4,<2.0"
+	source scripts/cpu_flags.sh && VIRTUAL_ENV=$(CURDIR)/.venv $(PY) -m maturin develop --release --features vulkan
+	KVFORK_TEST_GPU_LAYERS=$${KVFORK_TEST_GPU_LAYERS:-99} $(PY) -m pytest tests -q
 
 # Long runs (not in `make test`): the full soak and a longer randomized state-machine fuzz.
 soak: setup
@@ -41,6 +49,11 @@ lint:
 fmt:
 	cargo fmt --all
 	$(PY) -m ruff format python tests benchmarks examples
+
+# The documentation site (mkdocs, after `make setup`): the API reference comes from the
+# docstrings of the installed package.
+docs:
+	$(PY) -m mkdocs build --strict -d site
 
 # Benchmarks (not tests): tables recorded in BENCHMARKS.md. `make bench PEER=1` first installs
 # the peer (llama-cpp-python, `make peer`) so bench_store.py has its peer column.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,9 +15,13 @@ PROMPT = "The history of the printing press begins with"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 
+# `make test-vulkan` (or a GPU build) offloads the shared models' layers: KVFORK_TEST_GPU_LAYERS.
+GPU_LAYERS = int(os.environ.get("KVFORK_TEST_GPU_LAYERS", "0")) or None
+
+
 @pytest.fixture(scope="session")
 def model() -> kvfork.Model:
-    return kvfork.Model.load(kvfork.default_model_path())
+    return kvfork.Model.load(kvfork.default_model_path(), n_gpu_layers=GPU_LAYERS)
 
 
 @pytest.fixture
@@ -28,7 +33,7 @@ def ctx(model: kvfork.Model) -> Iterator[kvfork.Context]:
 @pytest.fixture(scope="session")
 def chat_model() -> kvfork.Model:
     """The chat model (SmolLM2-135M-Instruct, ChatML template in its GGUF)."""
-    return kvfork.Model.load(kvfork.default_chat_model_path())
+    return kvfork.Model.load(kvfork.default_chat_model_path(), n_gpu_layers=GPU_LAYERS)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 //! Argument and result conversions shared by the classes.
 
+#[cfg(not(feature = "abi3"))]
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -44,14 +45,26 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
             .collect::<PyResult<Vec<_>>>()?;
         return narrow(v);
     }
-    if let Ok(buf) = PyBuffer::<i64>::get(obj) {
-        check_1d(buf.dimensions(), name)?;
-        return narrow(buf.to_vec(py)?);
+    #[cfg(not(feature = "abi3"))]
+    {
+        if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+            check_1d(buf.dimensions(), name)?;
+            return narrow(buf.to_vec(py)?);
+        }
+        if let Ok(buf) = PyBuffer::<i32>::get(obj) {
+            check_1d(buf.dimensions(), name)?;
+            return buf.to_vec(py);
+        }
     }
-    if let Ok(buf) = PyBuffer::<i32>::get(obj) {
-        check_1d(buf.dimensions(), name)?;
-        return buf.to_vec(py);
+    // The stable ABI of Python 3.10 has no buffer protocol: read an array through `tolist`.
+    #[cfg(feature = "abi3")]
+    if let Some(ndim) = array_ndim(obj) {
+        check_1d(ndim, name)?;
+        if let Ok(v) = obj.call_method0("tolist")?.extract::<Vec<i64>>() {
+            return narrow(v);
+        }
     }
+    let _ = py;
     let v = obj.extract::<Vec<i64>>().map_err(|_| {
         PyTypeError::new_err(format!(
             "{name} must be a sequence of ints or a 1-D integer array"
@@ -69,7 +82,38 @@ fn check_1d(ndim: usize, name: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// `ndim` of a numpy-like array; None for anything else.
+#[cfg(feature = "abi3")]
+fn array_ndim(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    obj.getattr("ndim").ok()?.extract::<usize>().ok()
+}
+
+/// A 1-D float32 numpy array copied into a Vec (stable ABI: through `tobytes`).
+#[cfg(feature = "abi3")]
+pub fn f32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f32>> {
+    let wrong = || PyValueError::new_err(format!("{name} must be a 1-D numpy.float32 array"));
+    let ndim = array_ndim(obj).ok_or_else(wrong)?;
+    let dtype: String = obj.getattr("dtype")?.getattr("str")?.extract()?;
+    let native = if cfg!(target_endian = "little") {
+        "<f4"
+    } else {
+        ">f4"
+    };
+    if dtype != native {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a native float32 array"
+        )));
+    }
+    check_1d(ndim, name)?;
+    let bytes: Vec<u8> = obj.call_method0("tobytes")?.extract()?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
 /// A 1-D native-endian float32 buffer (numpy array) copied into a Vec.
+#[cfg(not(feature = "abi3"))]
 pub fn f32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f32>> {
     let buf = PyBuffer::<f32>::get(obj)
         .map_err(|_| PyValueError::new_err(format!("{name} must be a 1-D numpy.float32 array")))?;
