@@ -50,7 +50,7 @@ async def main(n: int = 40) -> dict[str, tuple[bool, int, int, float, str]]:
             drafter = kvfork.DraftModel(draft_ctx, max_draft=6)
             results["DraftModel"] = await compare(ctx, drafter, n)
             drafter.close()
-    for name, (same, plain, spec, acceptance, text) in results.items():
+    for name, (same, plain, spec, acceptance, _text) in results.items():
         print(
             f"{name}: same tokens: {same}; decodes {plain} -> {spec}; acceptance {acceptance:.0%}"
         )

@@ -125,7 +125,7 @@ def test_failed_decode_rolls_the_parser_back(model: kvfork.Model) -> None:
 def test_save_and_load_mid_document(ctx: kvfork.Context, tmp_path: Path) -> None:
     b = root(ctx, "A person as JSON:", {"temperature": 0.9, "seed": 11})
     b.set_json_schema(SCHEMA)
-    for t in b.generate_sync(5):
+    for _ in b.generate_sync(5):
         pass
     b.save_sync(tmp_path / "j.kvfork")
     expected = [t.token for t in b.generate_sync(30)]

@@ -4,6 +4,7 @@ threads and event loops sharing one context. All on the real model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import subprocess
 import sys
@@ -66,10 +67,8 @@ async def test_cancel_at_any_moment_is_all_or_nothing(big: kvfork.Context) -> No
         t = asyncio.ensure_future(b.commit(tok))
         await asyncio.sleep(delay)
         t.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await t
-        except asyncio.CancelledError:
-            pass
         p1 = b.position
         assert p1 in (p0, p0 + 1)
         await asyncio.sleep(0.05)

@@ -244,7 +244,7 @@ class BranchTree(RuleBasedStateMachine):
     def steer(self, data: st.DataObject, on: bool) -> None:
         node = data.draw(st.sampled_from(self.live()))
         if on:
-            node.branch.steer({t: -5.0 for t in WORDS})
+            node.branch.steer(dict.fromkeys(WORDS, -5.0))
         else:
             node.branch.clear_steer()
         node.steered = on

@@ -36,7 +36,7 @@ def test_two_steps_match_a_brute_force_search(ctx: kvfork.Context) -> None:
     beams = beam_search_sync(start, width, 2)
     assert len(beams) == width
     # One decode for all beams rounds a little differently from one fork at a time.
-    for beam, (logprob, tokens) in zip(beams, pairs):
+    for beam, (logprob, _tokens) in zip(beams, pairs):
         assert beam.logprob == pytest.approx(logprob, abs=0.05)
         near = [t for lp, t in pairs if abs(lp - beam.logprob) < 0.05]
         assert beam.tokens in near

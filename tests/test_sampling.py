@@ -161,7 +161,7 @@ def test_lazy_grammar_is_free_before_the_trigger_and_constrained_after(ctx: kvfo
 def test_grammar_without_a_legal_token_raises_on_sample(ctx: kvfork.Context) -> None:
     b = root(ctx)
     b.set_grammar('root ::= "{" [a-z]* "}"')
-    b.steer({t: -math.inf for t in range(ctx.vocab_size)})
+    b.steer(dict.fromkeys(range(ctx.vocab_size), -math.inf))
     with pytest.raises(kvfork.GrammarError):
         b.sample()
     b.clear_steer()
