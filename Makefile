@@ -10,9 +10,10 @@ setup:
 demo: setup
 	$(PY) -m kvfork demo
 
-# Everything: set-up (idempotent), Rust tests (no Python), Python tests on the real model.
+# Everything: set-up (idempotent), Rust tests (no Python), Python tests on the real model,
+# and the documentation build (strict: a broken reference in a docstring fails it).
 test: setup
-	$(MAKE) test-rust test-python
+	$(MAKE) test-rust test-python docs
 
 test-rust:
 	source scripts/cpu_flags.sh && KVFORK_MODEL=$$($(PY) -c 'import kvfork; print(kvfork.default_model_path())') \

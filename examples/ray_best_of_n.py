@@ -27,8 +27,11 @@ PROMPTS = [
 ]
 
 
-async def best_of_n(ctx: kvfork.Context, prompt: str, n: int, max_tokens: int) -> str:
-    """One request: N seeded forks of the prompt, the lowest-perplexity continuation."""
+async def ranked(
+    ctx: kvfork.Context, prompt: str, n: int, max_tokens: int
+) -> list[tuple[str, float]]:
+    """N forks of the prompt (seeds 0..N-1), each continuation with its perplexity, best
+    first."""
     root = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0.8, top_k=40))
     await root.prefill(ctx.tokenize(prompt))
     kids = [await root.fork(seed=seed) for seed in range(n)]
@@ -42,10 +45,14 @@ async def best_of_n(ctx: kvfork.Context, prompt: str, n: int, max_tokens: int) -
         for kid, tok in zip(live, tokens):
             texts[kid.handle] += tok.text
         live = [kid for kid, tok in zip(live, tokens) if not tok.is_stop]
-    best = min(kids, key=lambda k: k.perplexity)
-    text = texts[best.handle]
+    out = sorted(((texts[k.handle], k.perplexity) for k in kids), key=lambda r: r[1])
     await root.prune_subtree()
-    return text
+    return out
+
+
+async def best_of_n(ctx: kvfork.Context, prompt: str, n: int, max_tokens: int) -> str:
+    """One request: the lowest-perplexity continuation of N."""
+    return (await ranked(ctx, prompt, n, max_tokens))[0][0]
 
 
 async def serve(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import kvfork
@@ -17,6 +21,21 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 # `make test-vulkan` (or a GPU build) offloads the shared models' layers: KVFORK_TEST_GPU_LAYERS.
 GPU_LAYERS = int(os.environ.get("KVFORK_TEST_GPU_LAYERS", "0")) or None
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as the module ``name`` (once)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

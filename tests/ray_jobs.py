@@ -12,28 +12,6 @@ GREEDY = kvfork.SamplingParams(temperature=0.0)
 PROMPT = "The history of the printing press begins with"
 
 
-async def best_of(
-    ctx: kvfork.Context, prompt: str, seeds: list[int], max_tokens: int
-) -> list[tuple[str, float]]:
-    """Best-of-N with one seed per fork: each fork's text and perplexity, best first."""
-    root = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0.9, top_k=40))
-    await root.prefill(ctx.tokenize(prompt))
-    kids = [await root.fork(seed=seed) for seed in seeds]
-    store = kvfork.BranchStore(ctx)
-    texts = {kid.handle: "" for kid in kids}
-    live = list(kids)
-    for _ in range(max_tokens):
-        if not live:
-            break
-        tokens = await store.step(live)
-        for kid, tok in zip(live, tokens):
-            texts[kid.handle] += tok.text
-        live = [kid for kid, tok in zip(live, tokens) if not tok.is_stop]
-    out = sorted(((texts[k.handle], k.perplexity) for k in kids), key=lambda r: r[1])
-    await root.prune_subtree()
-    return out
-
-
 async def chat_turn(ctx: kvfork.Context, question: str) -> str:
     """One greedy chat turn (ChatML: the default model carries no template)."""
     chat = kvfork.Chat(ctx, params=GREEDY, template="chatml")

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+from .conftest import example
 
 
 def test_infinite_context_streams_three_contexts_of_text() -> None:

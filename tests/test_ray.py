@@ -16,6 +16,10 @@ import kvfork.ray as kray  # noqa: E402  (after the skip: needs ray)
 from ray import cloudpickle  # noqa: E402
 
 from . import ray_jobs as jobs  # noqa: E402
+from .conftest import example  # noqa: E402
+
+# The best-of-N program of examples/ray_best_of_n.py: every fork's text, ranked.
+ranked = example("ray_best_of_n").ranked
 
 CONTEXT: dict[str, Any] = {"n_ctx": 1024, "n_seq_max": 8, "n_threads": 1}
 pytestmark = pytest.mark.timeout(300)
@@ -23,12 +27,14 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    # Workers cannot import the tests package: ship the job functions by value.
-    cloudpickle.register_pickle_by_value(jobs)  # type: ignore[no-untyped-call]
+    # Workers cannot import the tests package or the examples: ship them by value.
+    for module in (jobs, example("ray_best_of_n")):
+        cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-    cloudpickle.unregister_pickle_by_value(jobs)  # type: ignore[no-untyped-call]
+    for module in (jobs, example("ray_best_of_n")):
+        cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +59,18 @@ async def pool1(cluster: None, path: str) -> AsyncIterator[kray.ContextPool]:
 async def test_pool_gives_the_in_process_results_and_uses_both_actors(
     pool2: kray.ContextPool, path: str
 ) -> None:
-    seeds = [11, 22, 33]
     question = "What is the capital of France?"
     async with kvfork.create_context(path, **CONTEXT) as ctx:
-        want_best = await jobs.best_of(ctx, jobs.PROMPT, seeds, 16)
+        want_best = await ranked(ctx, jobs.PROMPT, 3, 16)
         want_chat = await jobs.chat_turn(ctx, question)
     assert len({text for text, _ in want_best}) > 1, "seeded forks should differ"
 
     # Sequential jobs alternate between the idle actors: each actor runs each program once.
     for _ in range(2):
-        assert await pool2.run(jobs.best_of, jobs.PROMPT, seeds, 16) == want_best
+        assert await pool2.run(ranked, jobs.PROMPT, 3, 16) == want_best
         assert await pool2.run(jobs.chat_turn, question) == want_chat
     stats = await pool2.stats()
+    assert pool2.num_actors == 2
     assert [s["jobs_done"] for s in stats] == [2, 2]
     assert len({s["pid"] for s in stats}) == 2
     assert all(s["decode_calls"] > 0 and s["running"] == 0 for s in stats)
@@ -140,6 +146,9 @@ async def test_bad_model_and_shutdown(cluster: None, path: str, tmp_path: Any) -
         await pool.ready()
     with pytest.raises(kvfork.KvforkError, match="shut down"):
         await pool.run(jobs.pid)
+    with kray.ContextPool(path, n_ctx=-5) as pool, pytest.raises(ValueError, match="n_ctx") as bad:
+        await pool.ready()
+    assert type(bad.value) is ValueError  # the option's own error, not Ray's wrapper
     with pytest.raises(ValueError, match="num_actors"):
         kray.ContextPool(path, num_actors=0)
 

@@ -145,7 +145,7 @@ class Chat:
         other = Chat(self.ctx, params=self.params, template=self.template, **self.template_kwargs)
         other.messages = [dict(m) for m in self.messages]
         other.branch = branch
-        other._text = self._text if branch is not None else ""
+        other._text = self._text  # "" until the first turn takes a branch
         return other
 
 

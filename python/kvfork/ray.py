@@ -68,10 +68,14 @@ class _ContextActor:
             )
         return await self._opening
 
-    async def warm(self) -> int:
-        """Open the context now; the actor's process id."""
-        await self._context()
-        return os.getpid()
+    async def warm(self) -> tuple[bool, bytes]:
+        """Open the context now: the actor's pid, or the failure, packed as `run` packs them
+        (so the spawn's fire-and-forget call never leaves an unhandled Ray error behind)."""
+        try:
+            await self._context()
+        except Exception as exc:  # noqa: BLE001  (a bad option or model goes to the caller)
+            return False, _pickled_failure(exc, traceback.format_exc())
+        return True, _dumps(os.getpid())
 
     async def run(
         self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -186,8 +190,8 @@ class ContextPool:
         """Wait until every actor has loaded the model; their process ids. Raises what the
         first failing actor raised (ModelLoadError for a bad path)."""
         self._check_open()
-        refs = [slot.handle.warm.remote() for slot in self._slots]
-        return [await self._await(slot, slot.handle, ref) for slot, ref in zip(self._slots, refs)]
+        refs = [(slot, slot.handle, slot.handle.warm.remote()) for slot in self._slots]
+        return [self._unwrap(*await self._await(slot, handle, ref)) for slot, handle, ref in refs]
 
     async def run(
         self,
@@ -224,10 +228,7 @@ class ContextPool:
         """`run`, blocking the calling thread until the result is back."""
         slot, handle, ref = self._submit(fn, args, kwargs, affinity)
         try:
-            try:
-                ok, data = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                raise self._actor_died(slot, handle, exc) from exc
+            ok, data = self._get(slot, handle, ref)
         finally:
             slot.running -= 1
         result: T = self._unwrap(ok, data)
@@ -293,6 +294,12 @@ class ContextPool:
         except ray.exceptions.RayActorError as exc:
             raise self._actor_died(slot, handle, exc) from exc
 
+    def _get(self, slot: _Slot, handle: Any, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise self._actor_died(slot, handle, exc) from exc
+
     def _actor_died(self, slot: _Slot, handle: Any, exc: BaseException) -> KvforkError:
         # Several jobs may see the same death: only the first replaces the actor.
         if slot.handle is handle and not self._closed:
@@ -335,8 +342,7 @@ class ContextPool:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Literal[False]:
-        self.shutdown()
-        return False
+        return self.__exit__(exc_type, exc, tb)
 
 
 _SHARED: dict[tuple[int, Hashable], tuple[Context, asyncio.Future[Any]]] = {}

@@ -16,7 +16,6 @@ use kvfork::{Cancel, Pending};
 
 /// Tokens from a list, any sequence of ints, or a 1-D integer numpy array.
 pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
-    let py = obj.py();
     let narrow = |v: Vec<i64>| -> PyResult<Vec<i32>> {
         v.into_iter()
             .map(|t| {
@@ -47,6 +46,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
     }
     #[cfg(not(feature = "abi3"))]
     {
+        let py = obj.py();
         if let Ok(buf) = PyBuffer::<i64>::get(obj) {
             check_1d(buf.dimensions(), name)?;
             return narrow(buf.to_vec(py)?);
@@ -64,7 +64,6 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
             return narrow(v);
         }
     }
-    let _ = py;
     let v = obj.extract::<Vec<i64>>().map_err(|_| {
         PyTypeError::new_err(format!(
             "{name} must be a sequence of ints or a 1-D integer array"
