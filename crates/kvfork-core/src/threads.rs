@@ -16,6 +16,9 @@ use std::collections::BTreeMap;
 const PROBE_DECODES: u32 = 4;
 /// A candidate must be this much faster to be adopted (noise margin).
 const ADOPT_BELOW: f64 = 0.9;
+/// A probe whose first decode ran this much slower than the current count cannot win: it ends
+/// there (on a quiet machine a probe of fewer threads then costs one slow decode, not four).
+const HOPELESS_ABOVE: f64 = 1.3;
 /// Decodes between probes: starts here, doubles after each probe that changes nothing.
 const FIRST_INTERVAL: u32 = 16;
 const MAX_INTERVAL: u32 = 1024;
@@ -79,11 +82,17 @@ impl ThreadTuner {
     pub fn observe(&mut self, tokens: usize, ns: f64) {
         let b = bucket(tokens);
         if let Some(p) = self.probe.as_mut() {
+            let first = p.left == PROBE_DECODES;
             let s = p.samples.entry(b).or_insert((0.0, 0));
             s.0 += ns;
             s.1 += 1;
             p.left -= 1;
-            if p.left == 0 {
+            let hopeless = first
+                && self
+                    .times
+                    .get(&(self.current, b))
+                    .is_some_and(|&(fast, _)| ns > HOPELESS_ABOVE * fast);
+            if p.left == 0 || hopeless {
                 self.finish_probe();
             }
             return;
@@ -224,6 +233,19 @@ mod tests {
             t.observe(1, simulated(t.threads(), 2, 0));
         }
         assert!(off_max < 100, "{off_max} of 5000 decodes ran probes");
+    }
+
+    #[test]
+    fn a_hopeless_probe_ends_after_one_decode() {
+        let mut t = ThreadTuner::new(2);
+        // The first probe comes after FIRST_INTERVAL decodes at 2 threads; 1 thread is slower.
+        let mut off_max = 0;
+        for _ in 0..FIRST_INTERVAL * 2 {
+            off_max += u32::from(t.threads() != 2);
+            t.observe(1, simulated(t.threads(), 2, 0));
+        }
+        assert_eq!(off_max, 1, "one decode of the probe, not {PROBE_DECODES}");
+        assert_eq!(t.current(), 2);
     }
 
     #[test]

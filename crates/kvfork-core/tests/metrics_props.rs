@@ -1,6 +1,8 @@
-//! `copy_and_summarize` against the separate passes it replaces.
+//! `summarize` and `copy_and_summarize` against the separate passes they replace.
 
-use kvfork_core::metrics::{argmax, copy_and_summarize, log_sum_exp};
+use kvfork_core::metrics::{
+    argmax, copy_and_summarize, log_sum_exp, summarize, top_k_indices, top_k_sorted,
+};
 use proptest::prelude::*;
 
 /// Rows of logits with masked (-inf) entries and ties, across block boundaries.
@@ -29,6 +31,59 @@ proptest! {
             prop_assert!((s.log_sum_exp - lse).abs() <= 1e-5 * lse.abs().max(1.0), "{} vs {}", s.log_sum_exp, lse);
         }
     }
+}
+
+/// The best `k` finite entries by a full sort: higher first, the lower index on ties.
+fn sorted_top(src: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..src.len() as u32)
+        .filter(|&i| src[i as usize].is_finite())
+        .collect();
+    idx.sort_by(|&a, &b| src[b as usize].total_cmp(&src[a as usize]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+proptest! {
+    #[test]
+    fn summarize_is_copy_and_summarize_plus_a_sorted_top_k(src in row(), k in 0usize..80) {
+        let mut dst = vec![0.0f32; src.len()];
+        let copied = copy_and_summarize(&src, &mut dst);
+        let mut top = vec![7, 7, 7]; // stale content is replaced
+        let s = summarize(&src, k, &mut top);
+        prop_assert_eq!(s, copied);
+        prop_assert_eq!(&top, &sorted_top(&src, k));
+        let mut again = Vec::new();
+        top_k_sorted(&src, k, &mut again);
+        prop_assert_eq!(&again, &top);
+    }
+
+    #[test]
+    fn a_prefix_of_the_sorted_top_k_is_the_top_j(src in row(), k in 1usize..80, j in 0usize..80) {
+        let j = j.min(k);
+        let (mut big, mut small) = (Vec::new(), Vec::new());
+        top_k_sorted(&src, k, &mut big);
+        top_k_sorted(&src, j, &mut small);
+        prop_assert_eq!(&big[..j.min(big.len())], &small[..]);
+        let mut unordered = Vec::new();
+        top_k_indices(&src, k, &mut unordered);
+        unordered.sort_unstable();
+        let mut expect = big.clone();
+        expect.sort_unstable();
+        prop_assert_eq!(unordered, expect);
+    }
+}
+
+#[test]
+fn summarize_a_gemma_sized_row() {
+    // 262,144 logits with ties at the top spread over many blocks.
+    let src: Vec<f32> = (0..262_144u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 4_000) as f32 / 100.0 - 20.0)
+        .collect();
+    let mut top = Vec::new();
+    let s = summarize(&src, 40, &mut top);
+    assert_eq!(top, sorted_top(&src, 40));
+    assert_eq!(s.argmax, argmax(&src));
+    assert!((s.log_sum_exp - log_sum_exp(&src)).abs() < 1e-6 * s.log_sum_exp.abs());
 }
 
 #[test]

@@ -56,6 +56,12 @@ fn timings() {
     time("copy+summary", || {
         black_box(metrics::copy_and_summarize(black_box(&xs), &mut dst));
     });
+    time("summary", || {
+        black_box(metrics::summarize(black_box(&xs), 0, &mut out));
+    });
+    time("summary+top40", || {
+        black_box(metrics::summarize(black_box(&xs), 40, &mut out));
+    });
     time("top_k(40)", || {
         metrics::top_k_indices(black_box(&xs), 40, &mut out);
         black_box(&out);

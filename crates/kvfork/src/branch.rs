@@ -576,7 +576,12 @@ impl Worker {
         if let Some(seed) = seed {
             child_state.reseed(seed);
         }
+        let lent = child_state.logits.is_lent();
         let cell = BranchCell::new(child_state);
+        if lent {
+            // The child reads its parent's row in llama.cpp's output buffer too.
+            self.loans.record(&cell);
+        }
         let (handle, seq) = self
             .shared
             .registry()

@@ -10,12 +10,13 @@ mod snapshot;
 pub(crate) use persist::state_error;
 pub(crate) use snapshot::LogitsSnapshot;
 
-use candidates::Candidates;
+use candidates::{guided_window, legal_window, Candidates};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 use crate::sampling::chain::SamplerChain;
 use crate::sampling::grammar::{Grammar, GrammarUndo};
+use crate::sampling::guidance::Guided;
 
 /// The filtered candidates of the last `sample`, reused by the `accept` that follows so the
 /// chain runs once per token. Valid while the snapshot and the sampler state are unchanged.
@@ -195,34 +196,37 @@ impl BranchState {
     /// Fill the candidates with constraint → bias → steer → filter chain applied.
     fn filter_candidates(&mut self) -> Result<()> {
         let logits = self.logits.require()?;
-        let n_vocab = logits.len();
+        let snap = &self.logits;
         let lists = [&self.logit_bias, &self.steer];
-        let unbiased = lists.iter().all(|l| l.is_empty());
         let c = &mut self.candidates;
         // Whether the candidates are the whole vocabulary in token order.
-        let whole = match (self.sampler.prefilter_k(), self.grammar.as_mut()) {
-            (k, Some(g)) if g.is_guided() => {
-                let g = g.guided().expect("checked");
-                let best = self.logits.argmax();
+        let whole = match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, logits.len())
+        {
+            Gathering::Argmax => {
+                c.argmax(logits, snap.argmax());
+                false
+            }
+            Gathering::Top(k) => {
+                c.top(snap, k, &lists);
+                false
+            }
+            Gathering::Guided(k, g) => {
+                let best = snap.argmax();
                 match k {
                     // Greedy whose best raw token is legal: no pass over the row at all.
-                    Some(1) if unbiased && g.allows(best as Token) => c.argmax(logits, best),
-                    Some(k) if k < n_vocab => c.top_guided(logits, k, &lists, g),
-                    _ => c.allowed(logits, g),
+                    1 if lists.iter().all(|l| l.is_empty()) && g.allows(best as Token) => {
+                        c.argmax(logits, best)
+                    }
+                    _ => c.top_guided(snap, logits, k, &lists, g),
                 }
                 false
             }
-            // Greedy: the argmax was found while the snapshot was copied.
-            (Some(1), None) if unbiased => {
-                c.argmax(logits, self.logits.argmax());
+            Gathering::Allowed(g) => {
+                c.allowed(logits, g);
                 false
             }
-            (Some(k), None) if k < n_vocab => {
-                c.top(logits, k, &lists);
-                false
-            }
-            (Some(k), Some(g)) if k < n_vocab => c.top_legal(logits, k, &lists, g),
-            (_, g) => {
+            Gathering::TopLegal(k, g) => c.top_legal(snap, logits, k, &lists, g),
+            Gathering::Whole(g) => {
                 c.whole(logits);
                 c.constrain(g, 0);
                 true
@@ -254,6 +258,20 @@ impl BranchState {
                 "every candidate token is masked (all logits -inf, or logit bias / steer of -inf)"
                     .into(),
             )
+        }
+    }
+
+    /// How many of the best raw logits the next `sample` reads (0: none, or all of them), so a
+    /// decode's summary pass can collect them while the row is in cache.
+    pub fn top_hint(&mut self) -> usize {
+        let lists = [&self.logit_bias, &self.steer];
+        let n_vocab = self.logits.row().map_or(usize::MAX, <[f32]>::len);
+        let biased = lists[0].len() + lists[1].len();
+        match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, n_vocab) {
+            Gathering::Top(k) => k + biased,
+            Gathering::Guided(k, _) => guided_window(k) + biased,
+            Gathering::TopLegal(k, _) => legal_window(k) + biased,
+            Gathering::Argmax | Gathering::Allowed(_) | Gathering::Whole(_) => 0,
         }
     }
 
@@ -324,5 +342,45 @@ impl BranchState {
     /// the carry is updated (accepted tokens) or left alone (a preview in `produce`).
     pub fn token_text(&mut self, model: &Model, token: Token, commit: bool) -> Result<String> {
         Ok(self.utf8.push(&model.token_to_bytes(token, false)?, commit))
+    }
+}
+
+/// Where a branch's candidates come from, given its chain, constraint and biases.
+enum Gathering<'g> {
+    /// Greedy, unbiased, unconstrained: the argmax the summary pass found.
+    Argmax,
+    /// The chain cuts to its top `k` first.
+    Top(usize),
+    /// A llguidance constraint under a chain that cuts to `k`.
+    Guided(usize, &'g mut Guided),
+    /// A llguidance constraint under a chain over the whole vocabulary: the mask's set.
+    Allowed(&'g mut Guided),
+    /// A llama.cpp grammar under a chain that cuts to `k`.
+    TopLegal(usize, &'g mut Grammar),
+    /// The whole vocabulary, under the grammar if any.
+    Whole(Option<&'g mut Grammar>),
+}
+
+impl<'g> Gathering<'g> {
+    fn of(
+        sampler: &SamplerChain,
+        grammar: Option<&'g mut Grammar>,
+        lists: &[&Biases; 2],
+        n_vocab: usize,
+    ) -> Self {
+        let unbiased = lists.iter().all(|l| l.is_empty());
+        match (sampler.prefilter_k(), grammar) {
+            (k, Some(g)) if g.is_guided() => {
+                let g = g.guided().expect("checked");
+                match k {
+                    Some(k) if k < n_vocab => Gathering::Guided(k, g),
+                    _ => Gathering::Allowed(g),
+                }
+            }
+            (Some(1), None) if unbiased => Gathering::Argmax,
+            (Some(k), None) if k < n_vocab => Gathering::Top(k),
+            (Some(k), Some(g)) if k < n_vocab => Gathering::TopLegal(k, g),
+            (_, g) => Gathering::Whole(g),
+        }
     }
 }

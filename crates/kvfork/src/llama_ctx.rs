@@ -346,6 +346,14 @@ impl LlamaCtx {
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
     }
 
+    /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs
+    /// than it holds).
+    pub fn output_base(&self) -> *const f32 {
+        // SAFETY: the context is live; the call reads its output buffer's address (after any
+        // lazy row reordering, which stays within the buffer).
+        unsafe { sys::llama_get_logits(self.ptr.as_ptr()) }.cast_const()
+    }
+
     fn check_seq(&self, seq: i32) -> Result<()> {
         check_seq(seq, self.n_seq_max)
     }

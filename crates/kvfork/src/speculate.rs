@@ -88,7 +88,13 @@ impl Worker {
         // Position by position, as plain generation would: snapshot, sample, accept.
         let drawn: Result<Produced> = (|| {
             for i in 0..=draft.len() {
-                st.logits.set(self.ctx.logits_ith(i)?);
+                let top_k = st.top_hint();
+                let row = self.ctx.logits_ith(i)?;
+                // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites
+                // or moves; `decode` gave back every loan before this one and gives this one
+                // back before the next (the cell is recorded below). The cell stays locked
+                // meanwhile.
+                unsafe { st.logits.lend(row, top_k) };
                 let token = st.sample()?;
                 let produced = Produced {
                     token,
@@ -108,6 +114,8 @@ impl Worker {
         st.position = kept;
         st.history.push(pending);
         st.history.extend(accepted.iter().map(|p| p.token));
+        drop(st);
+        self.loans.record(cell);
         self.ctx.seq_rm(seq, kept, -1)?;
         Ok(Speculated {
             accepted,

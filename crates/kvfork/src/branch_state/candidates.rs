@@ -3,9 +3,9 @@
 //! constraint's allowed set, or the whole vocabulary, with logit bias and steer applied.
 
 use kvfork_core::bias::{self, Biases};
-use kvfork_core::metrics;
 use llama_cpp_sys_2 as sys;
 
+use super::LogitsSnapshot;
 use crate::model::Token;
 use crate::sampling::grammar::Grammar;
 use crate::sampling::guidance::Guided;
@@ -23,6 +23,25 @@ fn is_biased(lists: &BiasLists<'_>, t: Token) -> bool {
     lists.iter().any(|l| l.contains(t))
 }
 
+fn biased_count(lists: &BiasLists<'_>) -> usize {
+    lists[0].len() + lists[1].len()
+}
+
+/// The window of best raw logits `top_legal` tries a llama.cpp grammar on, for the chain's `k`.
+pub(crate) fn legal_window(k: usize) -> usize {
+    (8 * k).max(256)
+}
+
+/// The window of best raw logits `top_guided` tries a llguidance constraint on: `k` legal ones
+/// plus at most `k / 4 + 4` refusals.
+pub(crate) fn guided_window(k: usize) -> usize {
+    k + guided_refusals(k) + 1
+}
+
+fn guided_refusals(k: usize) -> usize {
+    k / 4 + 4
+}
+
 impl Candidates {
     /// The argmax alone (greedy, unbiased, unconstrained).
     pub fn argmax(&mut self, logits: &[f32], i: usize) {
@@ -30,12 +49,15 @@ impl Candidates {
         self.data.push(token_data(i as Token, logits[i]));
     }
 
-    /// The `k` best raw logits among unbiased tokens, then every biased token (so the chain's
-    /// own top-k still sees the true top-k of the biased logits). Returns how many unbiased
-    /// ones lead the list.
-    pub fn top(&mut self, logits: &[f32], k: usize, lists: &BiasLists<'_>) -> usize {
-        let n_biased = lists[0].len() + lists[1].len();
-        metrics::top_k_indices(logits, k + n_biased, &mut self.scratch);
+    /// The `k` best raw logits among unbiased tokens, best first, then every biased token (so
+    /// the chain's own top-k still sees the true top-k of the biased logits). Returns how many
+    /// unbiased ones lead the list.
+    pub fn top(&mut self, snap: &LogitsSnapshot, k: usize, lists: &BiasLists<'_>) -> usize {
+        let Some(logits) = snap.row() else {
+            self.data.clear();
+            return 0;
+        };
+        snap.best(k + biased_count(lists), &mut self.scratch);
         self.data.clear();
         for &i in &self.scratch {
             if self.data.len() < k && !is_biased(lists, i as Token) {
@@ -84,14 +106,15 @@ impl Candidates {
     /// large top_k) the whole vocabulary. Returns whether it took the whole vocabulary.
     pub fn top_legal(
         &mut self,
+        snap: &LogitsSnapshot,
         logits: &[f32],
         k: usize,
         lists: &BiasLists<'_>,
         grammar: &mut Grammar,
     ) -> bool {
-        let window = (8 * k).max(256);
+        let window = legal_window(k);
         if window < logits.len() / 4 {
-            let kept = self.top(logits, window, lists);
+            let kept = self.top(snap, window, lists);
             if self.constrain(Some(&mut *grammar), kept) >= k {
                 return false;
             }
@@ -105,12 +128,19 @@ impl Candidates {
     /// best raw logits are tried one by one (microseconds each) until k are legal. Where the
     /// constraint allows few tokens (JSON punctuation, digits) more than `k / 4 + 4` refusals
     /// send it to the mask's allowed set instead. Exact: every token left out scores lower.
-    pub fn top_guided(&mut self, logits: &[f32], k: usize, lists: &BiasLists<'_>, g: &mut Guided) {
-        let budget = k / 4 + 4;
-        let window = k + budget + 1;
+    pub fn top_guided(
+        &mut self,
+        snap: &LogitsSnapshot,
+        logits: &[f32],
+        k: usize,
+        lists: &BiasLists<'_>,
+        g: &mut Guided,
+    ) {
+        let budget = guided_refusals(k);
+        let window = guided_window(k);
         if window < logits.len() / 4 {
-            let kept = self.top(logits, window, lists);
-            self.data[..kept].sort_unstable_by(|a, b| b.logit.total_cmp(&a.logit));
+            // Best first already (`LogitsSnapshot::best`).
+            let kept = self.top(snap, window, lists);
             let (mut legal, mut refused) = (0, 0);
             for read in 0..kept {
                 if legal == k || refused > budget {

@@ -1,7 +1,11 @@
-//! A branch's logits snapshot: the row of its last decode, shared with forks until either
-//! side takes a new one (a fork copies no row), with its log-partition and argmax computed
-//! in the same pass as the copy.
+//! A branch's logits snapshot: the row of its last decode with its log-partition, argmax and
+//! (when the branch's sampler wants them) its best logits, computed in one pass.
+//!
+//! After a commit the row is *lent*: it stays in llama.cpp's output buffer, where the decode
+//! wrote it, until the next decode (see `engine/loans.rs`); otherwise it is *owned*, a buffer
+//! shared with forks until either side takes a new row (a fork copies no row).
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use kvfork_core::metrics::{self, RowSummary};
@@ -10,34 +14,70 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 
 #[derive(Clone)]
+enum Row {
+    Empty,
+    Owned(Arc<[f32]>),
+    Lent(LentRow),
+}
+
+/// A row of llama.cpp's output buffer.
+#[derive(Clone, Copy)]
+struct LentRow {
+    ptr: NonNull<f32>,
+    len: usize,
+}
+
+// SAFETY: a `LentRow` is only read through `&LogitsSnapshot`, and the engine's loan protocol
+// (the `# Safety` of `LogitsSnapshot::lend`) keeps the memory valid and unwritten while any
+// snapshot holds it, whichever thread reads it.
+unsafe impl Send for LentRow {}
+// SAFETY: as for `Send`: shared reads of memory nobody writes during the loan.
+unsafe impl Sync for LentRow {}
+
+#[derive(Clone)]
 pub(crate) struct LogitsSnapshot {
-    row: Arc<[f32]>,
-    present: bool,
+    row: Row,
     /// Bumped on every new row.
     version: u64,
-    /// Log-partition and argmax of `row` (valid with `present`).
+    /// Log-partition and argmax of the row (valid while a row is present).
     summary: RowSummary,
+    /// The row's best `top_k` finite logits, best first (see `metrics::top_k_sorted`).
+    top: Vec<u32>,
+    top_k: usize,
 }
 
 impl LogitsSnapshot {
     pub fn empty() -> Self {
         LogitsSnapshot {
-            row: Arc::from(Vec::new()),
-            present: false,
+            row: Row::Empty,
             version: 0,
             summary: RowSummary {
                 log_sum_exp: f64::NEG_INFINITY,
                 argmax: 0,
             },
+            top: Vec::new(),
+            top_k: 0,
         }
     }
 
     pub fn row(&self) -> Option<&[f32]> {
-        self.present.then_some(&self.row[..])
+        match &self.row {
+            Row::Empty => None,
+            Row::Owned(row) => Some(row),
+            // SAFETY: a lent row stays valid and unwritten while this snapshot holds it (the
+            // contract of `lend`), and `&self` keeps the snapshot from changing meanwhile.
+            Row::Lent(r) => Some(unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) }),
+        }
     }
 
-    pub fn shared(&self) -> Option<Arc<[f32]>> {
-        self.present.then(|| self.row.clone())
+    /// The row as a buffer of its own (copied out of llama.cpp's output buffer if lent), for
+    /// a caller that keeps it past the branch lock.
+    pub fn shared(&mut self) -> Option<Arc<[f32]>> {
+        self.give_back();
+        match &self.row {
+            Row::Owned(row) => Some(row.clone()),
+            _ => None,
+        }
     }
 
     pub fn require(&self) -> Result<&[f32]> {
@@ -55,19 +95,80 @@ impl LogitsSnapshot {
         self.summary.argmax
     }
 
-    /// Take a new row.
+    /// Whether the row lives in llama.cpp's output buffer.
+    pub fn is_lent(&self) -> bool {
+        matches!(self.row, Row::Lent(_))
+    }
+
+    /// Take a new row, copying it.
     pub fn set(&mut self, row: &[f32]) {
-        let own = match Arc::get_mut(&mut self.row) {
-            Some(own) if own.len() == row.len() => own,
-            // Shared with a fork (or first use): start a buffer of our own.
-            _ => {
-                self.row = Arc::from(vec![0.0; row.len()]);
-                Arc::get_mut(&mut self.row).expect("a fresh Arc is unique")
+        let own = match &mut self.row {
+            Row::Owned(own) => Arc::get_mut(own).filter(|own| own.len() == row.len()),
+            _ => None,
+        };
+        let own = match own {
+            Some(own) => own,
+            // Shared with a fork, lent or first use: start a buffer of our own.
+            None => {
+                self.row = Row::Owned(Arc::from(vec![0.0; row.len()]));
+                match &mut self.row {
+                    Row::Owned(own) => Arc::get_mut(own).expect("a fresh Arc is unique"),
+                    _ => unreachable!("just set"),
+                }
             }
         };
         self.summary = metrics::copy_and_summarize(row, own);
-        self.present = true;
+        self.top.clear();
+        self.top_k = 0;
         self.version += 1;
+    }
+
+    /// Take a new row without copying it: read it where llama.cpp wrote it, summarizing it and
+    /// keeping its best `top_k` logits for the sampler.
+    ///
+    /// # Safety
+    /// `row` must stay valid and unwritten until this snapshot (or a clone of it) gives it back
+    /// (`give_back`), takes another row, or is dropped. The engine keeps this by giving back
+    /// every loan before a decode, except those of the decode's own members, whose branches
+    /// it keeps locked until each has its new row (`engine/loans.rs`).
+    pub unsafe fn lend(&mut self, row: &[f32], top_k: usize) {
+        self.summary = metrics::summarize(row, top_k, &mut self.top);
+        self.top_k = top_k;
+        self.row = Row::Lent(LentRow {
+            ptr: NonNull::from(row).cast(),
+            len: row.len(),
+        });
+        self.version += 1;
+    }
+
+    /// A lent row becomes a buffer of its own (a copy); nothing else changes.
+    pub fn give_back(&mut self) {
+        if let Row::Lent(r) = self.row {
+            // SAFETY: the loan is still valid (the contract of `lend`): it is being given back.
+            let row = unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) };
+            self.row = Row::Owned(Arc::from(row));
+        }
+    }
+
+    /// Forget a lent row that is no longer valid (llama.cpp moved its output buffer): the
+    /// branch has no logits until its next decode.
+    pub fn forget_loan(&mut self) {
+        if self.is_lent() {
+            self.row = Row::Empty;
+            self.version += 1;
+        }
+    }
+
+    /// The indices of the `k` best finite logits, best first, in `out` (from the summary pass
+    /// when it kept enough of them; none without a row).
+    pub fn best(&self, k: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let Some(row) = self.row() else { return };
+        if k <= self.top_k {
+            out.extend_from_slice(&self.top[..k.min(self.top.len())]);
+        } else {
+            metrics::top_k_sorted(row, k.min(row.len()), out);
+        }
     }
 
     /// Model-level surprisal of `token` in nats.
@@ -85,14 +186,12 @@ impl LogitsSnapshot {
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
         let logits = self.require()?;
         let mut idx = Vec::new();
-        metrics::top_k_indices(logits, k.min(logits.len()), &mut idx);
+        self.best(k, &mut idx);
         let lse = self.summary.log_sum_exp;
-        let mut out: Vec<(Token, f64)> = idx
+        Ok(idx
             .into_iter()
             .map(|i| (i as Token, f64::from(logits[i as usize]) - lse))
-            .collect();
-        out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        Ok(out)
+            .collect())
     }
 
     /// Entropy in nats.

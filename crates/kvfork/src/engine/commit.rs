@@ -2,12 +2,13 @@
 //! A gathered group shares its decode, and a failure is narrowed down to the request at
 //! fault by halving the group, so one caller's bad branch never fails its neighbours.
 
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
+use super::parallel::{self, Weight};
 use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitReply, CommitRequest, Worker};
 use crate::branch::Produced;
-use crate::branch_state::Snapshot;
+use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
@@ -119,7 +120,7 @@ impl Worker {
         };
         let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
         if heavy {
-            super::map_parallel(cells, sample)
+            parallel::map_parallel(cells, sample)
         } else {
             cells.iter().map(sample).collect()
         }
@@ -175,49 +176,93 @@ impl Worker {
 
     /// Decode one token per item, in ceil(N / n_batch) decodes that form one rollback unit;
     /// on success store logits and advance positions.
+    ///
+    /// The members stay locked from before the decode until each has its new row, so their
+    /// snapshots may keep reading the rows they borrowed from llama.cpp's output buffer, and
+    /// the new rows are lent too instead of copied (see `loans.rs`).
     fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
-        let places: Vec<(i32, i32)> = items
-            .iter()
-            .map(|(cell, _)| {
-                let st = cell.lock();
-                (st.seq, st.position)
-            })
-            .collect();
+        let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
+        if (1..cells.len()).any(|i| cells[..i].iter().any(|c| Arc::ptr_eq(c, cells[i]))) {
+            // Gathering and the store refuse this; locking a cell twice would deadlock.
+            return Err(Error::Internal(
+                "a branch appears twice in one decode".into(),
+            ));
+        }
+        let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
+        self.loans.give_back_except(&cells);
         let n_batch = self.ctx.n_batch as usize;
+        // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
+        // nor writes it unless the decode succeeds, so the members' loans survive a failure.
+        let one_decode = items.len() <= n_batch && items.len() <= self.ctx.n_seq_max as usize;
+        if !one_decode {
+            states.iter_mut().for_each(|st| st.logits.give_back());
+        }
+        let base = self.ctx.output_base();
         // Rows of earlier decodes are kept aside: the next decode overwrites the output buffer.
         let mut kept: Vec<Vec<f32>> = Vec::new();
         for start in (0..items.len()).step_by(n_batch) {
             let end = (start + n_batch).min(items.len());
             self.batch.clear();
-            for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
-                self.batch.push(*token, pos, seq, true);
+            for (st, (_, token)) in states[start..end].iter().zip(&items[start..end]) {
+                self.batch.push(*token, st.position, st.seq, true);
             }
-            if let Err(e) = self.decode() {
+            if let Err(e) = self.decode_batch() {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
-                for &(seq, pos) in &places[..start] {
-                    let _ = self.ctx.seq_rm(seq, pos, -1);
+                for st in &states[..start] {
+                    let _ = self.ctx.seq_rm(st.seq, st.position, -1);
+                }
+                if self.ctx.output_base() != base {
+                    // Never expected (see above); the old rows are gone, never read them.
+                    states.iter_mut().for_each(|st| st.logits.forget_loan());
                 }
                 return Err(e);
             }
-            if end < items.len() || start > 0 {
+            if !one_decode {
                 for k in 0..end - start {
                     kept.push(self.ctx.logits_ith(k)?.to_vec());
                 }
             }
         }
-        for (i, (cell, token)) in items.iter().enumerate() {
-            let mut st = cell.lock();
-            if kept.is_empty() {
-                st.logits.set(self.ctx.logits_ith(i)?);
-            } else {
-                st.logits.set(&kept[i]);
+        if one_decode {
+            self.lend_rows(&mut states)?;
+            for cell in cells {
+                self.loans.record(cell);
             }
+        } else {
+            for (st, row) in states.iter_mut().zip(&kept) {
+                st.logits.set(row);
+            }
+        }
+        for (st, (_, token)) in states.iter_mut().zip(items) {
             st.position += 1;
             st.history.push(*token);
         }
+        Ok(())
+    }
+
+    /// Lend each member its row of the decode just run (`states[i]` made output `i`), summaries
+    /// computed on the decode's own thread team.
+    fn lend_rows(&self, states: &mut [MutexGuard<'_, BranchState>]) -> Result<()> {
+        let mut work = Vec::with_capacity(states.len());
+        for (i, st) in states.iter_mut().enumerate() {
+            let top_k = st.top_hint();
+            work.push((&mut **st, self.ctx.logits_ith(i)?, top_k));
+        }
+        parallel::for_each_mut(
+            &mut work,
+            self.team_threads(),
+            Weight::Light,
+            |(st, row, top_k)| {
+                // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
+                // moves. Before every decode the worker gives back each loan except those of the
+                // decode's members, which the caller keeps locked until they hold their new rows
+                // (`loans.rs`); these cells are recorded in `self.loans` right after this.
+                unsafe { st.logits.lend(row, *top_k) }
+            },
+        );
         Ok(())
     }
 }

@@ -12,6 +12,7 @@
 
 mod commit;
 mod gather;
+mod loans;
 mod parallel;
 mod pending;
 mod prefill;
@@ -23,7 +24,6 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-pub(crate) use parallel::map_parallel;
 pub(crate) use pending::{next_run_id, AbortSignal, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};

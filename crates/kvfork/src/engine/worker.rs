@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kvfork_core::threads::ThreadTuner;
 
 use super::gather::{CommitGathering, PrefillGathering, Window};
+use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
 use super::{panic_message, Job};
 use crate::error::{Error, Result};
@@ -26,6 +27,17 @@ pub(crate) struct Worker {
     last_decode: Duration,
     /// Adapts the thread counts to the machine's load (None when both are fixed).
     tuner: Option<ThreadTuner>,
+    /// Threads of the last multi-token decode: the team that per-branch work after it uses.
+    threads_batch: usize,
+    /// Snapshots reading their rows in llama.cpp's output buffer.
+    pub(crate) loans: RowLoans,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Before the context (a field) frees the output buffer the loans point into.
+        self.loans.give_back_all();
+    }
 }
 
 impl Worker {
@@ -36,8 +48,11 @@ impl Worker {
             .params
             .adapts_threads()
             .then(|| ThreadTuner::new(max as u32));
+        let (_, threads_batch) = shared.params.threads_with(max);
         Worker {
             tuner,
+            threads_batch: threads_batch as usize,
+            loans: RowLoans::default(),
             ctx,
             batch,
             shared,
@@ -88,6 +103,11 @@ impl Worker {
         }
     }
 
+    /// Threads for per-branch work right after a decode: the decode's own team.
+    pub(super) fn team_threads(&self) -> usize {
+        self.threads_batch
+    }
+
     fn n_batch(&self) -> usize {
         self.ctx.n_batch as usize
     }
@@ -127,8 +147,16 @@ impl Worker {
         }
     }
 
-    /// `llama_decode` of the current batch, counted.
+    /// `llama_decode` of the current batch, counted. Every row lent to a snapshot is given
+    /// back first (the decode overwrites them).
     pub(crate) fn decode(&mut self) -> Result<()> {
+        self.loans.give_back_all();
+        self.decode_batch()
+    }
+
+    /// `llama_decode` of the current batch, counted, with no loan given back: the caller has
+    /// given back all but those of branches it holds locked (see `loans.rs`).
+    pub(super) fn decode_batch(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
@@ -158,6 +186,7 @@ impl Worker {
         if next != before {
             let (single, batch) = self.shared.params.threads_with(next as i32);
             self.ctx.set_threads(single, batch);
+            self.threads_batch = batch as usize;
             // Readers see the settled choice, not a probe's.
             let (single, batch) = self.shared.params.threads_with(tuner.current() as i32);
             self.shared.threads.set(single, batch);

@@ -1,0 +1,138 @@
+"""Snapshots that read their rows in llama.cpp's output buffer (no copy after a commit).
+
+A commit's decode lends each branch its row of llama.cpp's output buffer until the next
+decode. These tests check that every reader still sees its own row: a branch left out of
+the next decode, a fork sharing its parent's row, a commit that fails, a decode that makes
+llama.cpp move its buffer, and readers on other threads while decodes run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import kvfork
+import numpy as np
+import pytest
+
+from .conftest import GREEDY, PROMPT, root
+
+CHAIN = kvfork.SamplingParams(seed=7)  # the default chain: top-k, top-p, min-p, temperature
+
+
+def reading(b: kvfork.Branch) -> tuple[float, list[tuple[int, float]], float]:
+    """What a branch's snapshot answers, without taking a copy of its row."""
+    return b.entropy(), b.top_logprobs(5), b.logprob(int(b.top_logprobs(1)[0][0]))
+
+
+def test_a_branch_left_out_of_a_decode_keeps_its_row(ctx: kvfork.Context) -> None:
+    a = root(ctx, params=CHAIN)
+    b = a.fork_sync(seed=1)
+    store = kvfork.BranchStore(ctx)
+    store.step_sync([a, b])  # both rows lent
+    before = reading(a)
+    for _ in range(3):
+        store.step_sync([b])  # overwrites llama.cpp's output buffer
+    assert reading(a) == before
+    fresh = a.fork_sync()  # a fork now shares a's (own) row
+    assert reading(fresh) == before
+
+
+def test_a_fork_shares_its_parents_lent_row(ctx: kvfork.Context) -> None:
+    parent = root(ctx, params=CHAIN)
+    store = kvfork.BranchStore(ctx)
+    store.step_sync([parent])
+    child = parent.fork_sync()
+    expected = reading(parent)
+    assert reading(child) == expected
+    store.step_sync([parent])  # the child was left out: it keeps the shared row
+    assert reading(child) == expected
+    assert reading(parent) != expected
+
+
+def test_a_numpy_copy_outlives_later_decodes(ctx: kvfork.Context) -> None:
+    b = root(ctx, params=GREEDY)
+    store = kvfork.BranchStore(ctx)
+    store.step_sync([b])
+    logits = b.logits()
+    kept = logits.copy()
+    assert b.entropy() == pytest.approx(_entropy(kept), rel=1e-4)
+    for _ in range(3):
+        store.step_sync([b])
+    assert np.array_equal(logits, kept)
+    assert not np.array_equal(b.logits(), kept)
+
+
+def _entropy(x: np.ndarray) -> float:
+    z = x.astype(np.float64) - x.max()
+    p = np.exp(z) / np.exp(z).sum()
+    return float(-(p * np.log(np.where(p > 0, p, 1))).sum())
+
+
+def test_a_failed_commit_keeps_the_lent_row(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=256, n_batch=256, n_seq_max=4) as tiny:
+        words = tiny.tokenize(PROMPT * 30)
+        a = kvfork.Branch.create(tiny, 0, GREEDY)
+        b = kvfork.Branch.create(tiny, 0, GREEDY)
+        a.prefill_sync(words[:127])
+        b.prefill_sync(words[:127])
+        store = kvfork.BranchStore(tiny)
+        store.step_sync([a, b])  # 256 cells: the cache is full, both rows lent
+        before = (reading(a), a.position, a.perplexity)
+        tok = a.produce_sync().token
+        with pytest.raises(kvfork.KvCacheFullError):
+            a.commit_sync(tok)  # llama_decode finds no slot
+        assert (reading(a), a.position, a.perplexity) == before
+        b.prune_sync()
+        a.commit_sync(tok)  # room again: the same commit now succeeds
+        assert a.position == 129 and math.isfinite(a.perplexity)
+
+
+def test_a_decode_that_moves_the_output_buffer(model: kvfork.Model) -> None:
+    # Outputs beyond n_seq_max (a speculative check of 9 positions here) make llama.cpp
+    # allocate a larger output buffer: every lent row is copied out before that decode.
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=2) as c:
+        a = root(c, params=CHAIN)
+        b = a.fork_sync(seed=3)
+        kvfork.BranchStore(c).step_sync([a, b])
+        before = reading(a)
+        pending = b.sample()
+        b.speculate_sync(pending, [int(t) for t in c.tokenize(" and then the", False)] * 2)
+        assert reading(a) == before
+        kvfork.BranchStore(c).step_sync([a, b])  # and loans work in the new buffer
+        assert math.isfinite(a.entropy())
+
+
+def test_readers_on_other_threads_see_whole_rows(ctx: kvfork.Context) -> None:
+    idle = root(ctx, params=CHAIN)
+    busy = [idle.fork_sync(seed=s) for s in range(1, 4)]
+    store = kvfork.BranchStore(ctx)
+    store.step_sync([idle, *busy])
+    idle_reading = reading(idle)
+    seen: dict[int, set[float]] = {i: {busy[i].entropy()} for i in range(len(busy))}
+    read: dict[int, list[float]] = {i: [] for i in range(len(busy))}
+    failures: list[str] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        while not done.is_set():
+            if reading(idle) != idle_reading:
+                failures.append("the idle branch's row changed")
+            for i, b in enumerate(busy):
+                read[i].append(b.entropy())
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(24):
+        store.step_sync(busy)
+        for i, b in enumerate(busy):
+            seen[i].add(b.entropy())
+    done.set()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert sum(len(r) for r in read.values()) > 24
+    for i in seen:
+        # Each read is the entropy of a row the branch really had, never of a torn one.
+        assert set(read[i]) <= seen[i]
