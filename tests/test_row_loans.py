@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import kvfork
 import numpy as np
@@ -136,3 +137,33 @@ def test_readers_on_other_threads_see_whole_rows(ctx: kvfork.Context) -> None:
     for i in seen:
         # Each read is the entropy of a row the branch really had, never of a torn one.
         assert set(read[i]) <= seen[i]
+
+
+def test_only_row_reads_wait_for_a_decode_of_their_branch(model: kvfork.Model) -> None:
+    # While a commit decodes, the branch's lent row is in flight: `entropy` and the like wait
+    # for the new row, but `position` or `perplexity` answer at once (an event loop that
+    # reads them never stalls for a decode).
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=16) as c:
+        first = root(c, params=CHAIN)
+        busy = [first, *(first.fork_sync(seed=s) for s in range(1, 16))]
+        store = kvfork.BranchStore(c)
+        store.step_sync(busy)
+        slowest = [0.0]
+        done = threading.Event()
+
+        def reader() -> None:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                _ = busy[0].position, busy[0].perplexity, busy[0].sampling_perplexity
+                slowest[0] = max(slowest[0], time.perf_counter() - t0)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        steps = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            store.step_sync(busy)
+            steps.append(time.perf_counter() - t0)
+        done.set()
+        thread.join()
+        assert slowest[0] < 0.5 * sorted(steps)[len(steps) // 2], (slowest, steps)

@@ -107,6 +107,26 @@ impl Branch {
         f(&mut self.cell.lock())
     }
 
+    /// `state`, for a call that reads the logits row. While a commit of this branch decodes,
+    /// its row (lent from llama.cpp's output buffer, which the decode rewrites) is in flight:
+    /// the call waits for the decode to land, then reads the new row. Calls that read no row
+    /// never wait for a decode.
+    fn with_row<T>(&self, f: impl FnOnce(&mut BranchState) -> Result<T>) -> Result<T> {
+        let landed = &self.ctx.shared().rows_landed;
+        let mut st = loop {
+            self.check_live()?;
+            let seen = landed.count();
+            let st = self.cell.lock();
+            if !st.logits.is_in_flight() {
+                break st;
+            }
+            drop(st);
+            // A closed context lands nothing: look again now and then.
+            landed.wait_past(seen, std::time::Duration::from_millis(20));
+        };
+        f(&mut st)
+    }
+
     // ---- decoding ----
 
     /// Decode external tokens at the branch's position and capture the last logits.
@@ -124,7 +144,7 @@ impl Branch {
     /// Sample from the snapshot: grammar → logit bias → steer → chain. Runs on the calling
     /// thread on the snapshot as it is now (see `produce` for the engine-ordered version).
     pub fn sample(&self) -> Result<Token> {
-        self.state(|s| s.sample())
+        self.with_row(|s| s.sample())
     }
 
     /// Sample and describe the token, on the engine thread after any queued work on this
@@ -151,7 +171,7 @@ impl Branch {
     /// commit of another token is refused while this one is pending.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.state(|s| {
+        self.with_row(|s| {
             let before = s.snapshot();
             s.accept(&model, token).inspect_err(|_| s.restore(before))?;
             s.accepted_undecoded = Some(token);
@@ -435,36 +455,36 @@ impl Branch {
 
     /// Entropy of the raw snapshot's distribution (softmax of the logits), in `base`.
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
-        self.state(|s| Ok(base.convert(s.logits.entropy()?)))
+        self.with_row(|s| Ok(base.convert(s.logits.entropy()?)))
     }
 
     /// Surprisal of `token` under the raw snapshot (minus its log-probability), in `base`.
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.state(|s| Ok(base.convert(s.logits.surprisal(token)?)))
+        self.with_row(|s| Ok(base.convert(s.logits.surprisal(token)?)))
     }
 
     /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
     /// token whose logit is -inf.
     pub fn logprob(&self, token: Token) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.state(|s| Ok(-s.logits.surprisal(token)?))
+        self.with_row(|s| Ok(-s.logits.surprisal(token)?))
     }
 
     /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
     /// best first.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
-        self.state(|s| s.logits.top_logprobs(k))
+        self.with_row(|s| s.logits.top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.state(|s| Ok(s.logits.row().map(<[f32]>::to_vec)))
+        self.with_row(|s| Ok(s.logits.row().map(<[f32]>::to_vec)))
     }
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.state(|s| Ok(s.logits.shared()))
+        self.with_row(|s| Ok(s.logits.shared()))
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -479,7 +499,7 @@ impl Branch {
         if logits.iter().any(|v| v.is_nan() || *v == f32::INFINITY) {
             return Err(Error::invalid("logits", "contains NaN or +inf"));
         }
-        self.state(|s| {
+        self.with_row(|s| {
             s.logits.set(logits);
             Ok(())
         })

@@ -3,7 +3,8 @@
 //!
 //! After a commit the row is *lent*: it stays in llama.cpp's output buffer, where the decode
 //! wrote it, until the next decode (see `engine/loans.rs`); otherwise it is *owned*, a buffer
-//! shared with forks until either side takes a new row (a fork copies no row).
+//! shared with forks until either side takes a new row (a fork copies no row). While a decode
+//! of the branch runs, a lent row is *in flight*: not readable until the engine lands it.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -27,9 +28,9 @@ struct LentRow {
     len: usize,
 }
 
-// SAFETY: a `LentRow` is only read through `&LogitsSnapshot`, and the engine's loan protocol
-// (the `# Safety` of `LogitsSnapshot::lend`) keeps the memory valid and unwritten while any
-// snapshot holds it, whichever thread reads it.
+// SAFETY: a `LentRow` is only read through `&LogitsSnapshot` while not in flight, and the
+// engine's loan protocol (the `# Safety` of `LogitsSnapshot::lend`) keeps the memory valid, and
+// unwritten while it is not in flight, whichever thread reads it.
 unsafe impl Send for LentRow {}
 // SAFETY: as for `Send`: shared reads of memory nobody writes during the loan.
 unsafe impl Sync for LentRow {}
@@ -44,6 +45,9 @@ pub(crate) struct LogitsSnapshot {
     /// The row's best `top_k` finite logits, best first (see `metrics::top_k_sorted`).
     top: Vec<u32>,
     top_k: usize,
+    /// A decode is rewriting llama.cpp's output buffer while this lent row waits for its
+    /// successor: nobody reads it (`row` is `None`) until the engine lands the decode.
+    in_flight: bool,
 }
 
 impl LogitsSnapshot {
@@ -57,15 +61,19 @@ impl LogitsSnapshot {
             },
             top: Vec::new(),
             top_k: 0,
+            in_flight: false,
         }
     }
 
     pub fn row(&self) -> Option<&[f32]> {
+        if self.in_flight {
+            return None;
+        }
         match &self.row {
             Row::Empty => None,
             Row::Owned(row) => Some(row),
-            // SAFETY: a lent row stays valid and unwritten while this snapshot holds it (the
-            // contract of `lend`), and `&self` keeps the snapshot from changing meanwhile.
+            // SAFETY: a lent row not in flight is valid and unwritten (the contract of `lend`),
+            // and `&self` keeps the snapshot from changing meanwhile.
             Row::Lent(r) => Some(unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) }),
         }
     }
@@ -100,6 +108,23 @@ impl LogitsSnapshot {
         matches!(self.row, Row::Lent(_))
     }
 
+    /// Whether a decode is rewriting the buffer this row lives in (see `in_flight`).
+    pub fn is_in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    /// A decode of this branch is about to rewrite llama.cpp's output buffer: a lent row is
+    /// not to be read until `land`.
+    pub fn take_off(&mut self) {
+        self.in_flight = self.is_lent();
+    }
+
+    /// The decode is over: the row (a new one, or the old one of a failed decode, which
+    /// llama.cpp leaves in place) may be read again.
+    pub fn land(&mut self) {
+        self.in_flight = false;
+    }
+
     /// Take a new row, copying it.
     pub fn set(&mut self, row: &[f32]) {
         let own = match &mut self.row {
@@ -120,6 +145,7 @@ impl LogitsSnapshot {
         self.summary = metrics::copy_and_summarize(row, own);
         self.top.clear();
         self.top_k = 0;
+        self.in_flight = false;
         self.version += 1;
     }
 
@@ -127,10 +153,10 @@ impl LogitsSnapshot {
     /// keeping its best `top_k` logits for the sampler.
     ///
     /// # Safety
-    /// `row` must stay valid and unwritten until this snapshot (or a clone of it) gives it back
-    /// (`give_back`), takes another row, or is dropped. The engine keeps this by giving back
-    /// every loan before a decode, except those of the decode's own members, whose branches
-    /// it keeps locked until each has its new row (`engine/loans.rs`).
+    /// `row` must stay valid, and unwritten while this snapshot is not in flight, until this
+    /// snapshot (or a clone of it) gives it back (`give_back`), takes another row, or is
+    /// dropped. The engine keeps this by giving back every loan before a decode, except those
+    /// of the decode's own members, which are in flight until it lands (`engine/loans.rs`).
     pub unsafe fn lend(&mut self, row: &[f32], top_k: usize) {
         self.summary = metrics::summarize(row, top_k, &mut self.top);
         self.top_k = top_k;
@@ -138,11 +164,13 @@ impl LogitsSnapshot {
             ptr: NonNull::from(row).cast(),
             len: row.len(),
         });
+        self.in_flight = false;
         self.version += 1;
     }
 
     /// A lent row becomes a buffer of its own (a copy); nothing else changes.
     pub fn give_back(&mut self) {
+        debug_assert!(!self.in_flight, "a row in flight is never given back");
         if let Row::Lent(r) = self.row {
             // SAFETY: the loan is still valid (the contract of `lend`): it is being given back.
             let row = unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) };
@@ -153,6 +181,7 @@ impl LogitsSnapshot {
     /// Forget a lent row that is no longer valid (llama.cpp moved its output buffer): the
     /// branch has no logits until its next decode.
     pub fn forget_loan(&mut self) {
+        self.in_flight = false;
         if self.is_lent() {
             self.row = Row::Empty;
             self.version += 1;

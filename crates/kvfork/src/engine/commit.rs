@@ -177,70 +177,101 @@ impl Worker {
     /// Decode one token per item, in ceil(N / n_batch) decodes that form one rollback unit;
     /// on success store logits and advance positions.
     ///
-    /// The members stay locked from before the decode until each has its new row, so their
-    /// snapshots may keep reading the rows they borrowed from llama.cpp's output buffer, and
-    /// the new rows are lent too instead of copied (see `loans.rs`).
+    /// The members' snapshots keep the rows they borrowed from llama.cpp's output buffer
+    /// through the decode (in flight: row reads wait for the landing, other calls do not), and
+    /// their new rows are lent too instead of copied (see `loans.rs`).
     fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
         let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
         if (1..cells.len()).any(|i| cells[..i].iter().any(|c| Arc::ptr_eq(c, cells[i]))) {
-            // Gathering and the store refuse this; locking a cell twice would deadlock.
+            // Gathering and the store refuse this; one row cannot take two.
             return Err(Error::Internal(
                 "a branch appears twice in one decode".into(),
             ));
         }
-        let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
         self.loans.give_back_except(&cells);
         let n_batch = self.ctx.n_batch as usize;
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
         let one_decode = items.len() <= n_batch && items.len() <= self.ctx.n_seq_max as usize;
-        if !one_decode {
-            states.iter_mut().for_each(|st| st.logits.give_back());
+        let places: Vec<(i32, i32)> = cells
+            .iter()
+            .map(|cell| {
+                let mut st = cell.lock();
+                if !one_decode {
+                    st.logits.give_back();
+                }
+                st.logits.take_off();
+                (st.seq, st.position)
+            })
+            .collect();
+        let decoded = self.decode_places(items, &places);
+        let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
+        let landed = match decoded {
+            Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
+            Ok(kept) => {
+                for (st, row) in states.iter_mut().zip(&kept) {
+                    st.logits.set(row);
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        for st in &mut states {
+            st.logits.land();
         }
+        if landed.is_ok() {
+            for (st, (_, token)) in states.iter_mut().zip(items) {
+                st.position += 1;
+                st.history.push(*token);
+            }
+        }
+        drop(states);
+        for cell in cells {
+            self.loans.record(cell);
+        }
+        self.shared.rows_landed.land();
+        landed
+    }
+
+    /// The decodes of `decode_items`: the rows of every decode but the last copied aside
+    /// (empty for one decode, whose rows stay in the output buffer).
+    fn decode_places(
+        &mut self,
+        items: &[&CommitItem],
+        places: &[(i32, i32)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let n_batch = self.ctx.n_batch as usize;
         let base = self.ctx.output_base();
-        // Rows of earlier decodes are kept aside: the next decode overwrites the output buffer.
         let mut kept: Vec<Vec<f32>> = Vec::new();
         for start in (0..items.len()).step_by(n_batch) {
             let end = (start + n_batch).min(items.len());
             self.batch.clear();
-            for (st, (_, token)) in states[start..end].iter().zip(&items[start..end]) {
-                self.batch.push(*token, st.position, st.seq, true);
+            for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
+                self.batch.push(*token, pos, seq, true);
             }
             if let Err(e) = self.decode_batch() {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
-                for st in &states[..start] {
-                    let _ = self.ctx.seq_rm(st.seq, st.position, -1);
+                for &(seq, pos) in &places[..start] {
+                    let _ = self.ctx.seq_rm(seq, pos, -1);
                 }
                 if self.ctx.output_base() != base {
-                    // Never expected (see above); the old rows are gone, never read them.
-                    states.iter_mut().for_each(|st| st.logits.forget_loan());
+                    // Never expected (see `loans.rs`); the old rows are gone, never read them.
+                    for (cell, _) in items {
+                        cell.lock().logits.forget_loan();
+                    }
                 }
                 return Err(e);
             }
-            if !one_decode {
+            if end < items.len() || start > 0 {
                 for k in 0..end - start {
                     kept.push(self.ctx.logits_ith(k)?.to_vec());
                 }
             }
         }
-        if one_decode {
-            self.lend_rows(&mut states)?;
-            for cell in cells {
-                self.loans.record(cell);
-            }
-        } else {
-            for (st, row) in states.iter_mut().zip(&kept) {
-                st.logits.set(row);
-            }
-        }
-        for (st, (_, token)) in states.iter_mut().zip(items) {
-            st.position += 1;
-            st.history.push(*token);
-        }
-        Ok(())
+        Ok(kept)
     }
 
     /// Lend each member its row of the decode just run (`states[i]` made output `i`), summaries

@@ -6,9 +6,9 @@
 //! buffer. The protocol that keeps every read valid:
 //!
 //! - before any decode, every loan is given back (the row copied into the branch's own
-//!   buffer, under its lock) except those of the decode's own members, when the caller holds
-//!   their locks from before the decode until each has its new row: nobody can read a member's
-//!   row while llama.cpp writes the buffer;
+//!   buffer, under its lock) except those of a commit's own members, whose snapshots are *in
+//!   flight* from before the decode until each has its new row: row reads of those branches
+//!   wait for the landing (`Branch::with_row`), so nobody reads a row llama.cpp is writing;
 //! - a member's old row survives a failed decode: llama.cpp writes outputs only after the
 //!   whole batch has computed, and moves the buffer only for more outputs than it reserved at
 //!   creation (`n_seq_max` rows), which a commit (one token per branch) never asks for;
@@ -33,11 +33,10 @@ impl RowLoans {
         }
     }
 
-    /// Give back every loan except those of `locked`, cells the caller holds locked (their
-    /// loans stay recorded).
-    pub fn give_back_except(&mut self, locked: &[&Arc<BranchCell>]) {
+    /// Give back every loan except those of `members` (their loans stay recorded).
+    pub fn give_back_except(&mut self, members: &[&Arc<BranchCell>]) {
         self.holders.retain(|cell| {
-            if locked.iter().any(|l| Arc::ptr_eq(l, cell)) {
+            if members.iter().any(|l| Arc::ptr_eq(l, cell)) {
                 return true;
             }
             cell.lock().logits.give_back();

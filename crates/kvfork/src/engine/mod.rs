@@ -223,6 +223,7 @@ impl Engine {
                     n_seq_max: ctx.n_seq_max,
                     pooling: ctx.pooling(),
                     threads: Default::default(),
+                    rows_landed: Default::default(),
                     params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });

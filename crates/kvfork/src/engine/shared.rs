@@ -1,7 +1,8 @@
 //! State shared between the engine thread and callers: the branch registry, branch cells, counters.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use kvfork_core::Registry;
 
@@ -98,6 +99,38 @@ pub(crate) struct Shared {
     pub params: ContextParams,
     /// Distinguishes contexts, so a branch of one is refused by another.
     pub id: u64,
+    /// Signals the end of each commit decode to readers waiting for a member's new row.
+    pub rows_landed: RowsLanded,
+}
+
+/// A counter of commit decodes whose members hold their rows again, with a condition
+/// variable for the readers that wait for one (`Branch::with_row`).
+#[derive(Default)]
+pub(crate) struct RowsLanded {
+    landings: Mutex<u64>,
+    landed: Condvar,
+}
+
+impl RowsLanded {
+    /// Landings so far (read before looking at a branch, then passed to `wait_past`).
+    pub fn count(&self) -> u64 {
+        *self.landings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The members of a decode hold their rows again.
+    pub fn land(&self) {
+        *self.landings.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.landed.notify_all();
+    }
+
+    /// Wait until more than `seen` landings happened, or `timeout` passed.
+    pub fn wait_past(&self, seen: u64, timeout: Duration) {
+        let guard = self.landings.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self
+            .landed
+            .wait_timeout_while(guard, timeout, |n| *n <= seen)
+            .unwrap_or_else(|e| e.into_inner());
+    }
 }
 
 impl Shared {
