@@ -170,7 +170,8 @@ impl LogitsSnapshot {
 
     /// A lent row becomes a buffer of its own (a copy); nothing else changes.
     pub fn give_back(&mut self) {
-        debug_assert!(!self.in_flight, "a row in flight is never given back");
+        // In flight only when a panic left a decode unlanded; no decode runs now.
+        self.in_flight = false;
         if let Row::Lent(r) = self.row {
             // SAFETY: the loan is still valid (the contract of `lend`): it is being given back.
             let row = unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) };
