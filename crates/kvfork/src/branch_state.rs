@@ -10,7 +10,7 @@ mod snapshot;
 pub(crate) use persist::state_error;
 pub(crate) use snapshot::LogitsSnapshot;
 
-use candidates::{guided_window, legal_window, Candidates};
+use candidates::{biased_count, guided_window, legal_window, Candidates};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
@@ -207,7 +207,7 @@ impl BranchState {
                 false
             }
             Gathering::Top(k) => {
-                c.top(snap, k, &lists);
+                c.top(snap, logits, k, &lists);
                 false
             }
             Gathering::Guided(k, g) => {
@@ -266,13 +266,14 @@ impl BranchState {
     pub fn top_hint(&mut self) -> usize {
         let lists = [&self.logit_bias, &self.steer];
         let n_vocab = self.logits.row().map_or(usize::MAX, <[f32]>::len);
-        let biased = lists[0].len() + lists[1].len();
-        match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, n_vocab) {
-            Gathering::Top(k) => k + biased,
-            Gathering::Guided(k, _) => guided_window(k) + biased,
-            Gathering::TopLegal(k, _) => legal_window(k) + biased,
-            Gathering::Argmax | Gathering::Allowed(_) | Gathering::Whole(_) => 0,
-        }
+        let window = match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, n_vocab) {
+            Gathering::Top(k) => k,
+            Gathering::Guided(k, _) => guided_window(k),
+            Gathering::TopLegal(k, _) => legal_window(k),
+            Gathering::Argmax | Gathering::Allowed(_) | Gathering::Whole(_) => return 0,
+        };
+        // `Candidates::top` asks for the window plus the biased tokens.
+        window + biased_count(&lists)
     }
 
     /// Whether sampling walks the whole vocabulary (grammar, or a chain that cannot be cut to

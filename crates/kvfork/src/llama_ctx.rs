@@ -289,7 +289,8 @@ impl LlamaCtx {
             return Ok(());
         }
         // SAFETY: the context is live and `&mut self` means no slice of the previous decode's
-        // logits or embeddings is still borrowed. `batch.raw` holds `batch.len()` entries, all
+        // logits or embeddings is still borrowed; rows lent to snapshots as raw pointers are
+        // given back or in flight (unread) first (`engine/loans.rs`). `batch.raw` holds `batch.len()` entries, all
         // written by `Batch::push` into buffers of its capacity; llama.cpp checks token ids,
         // positions and sequence ids itself and returns -1 instead of reading out of range.
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw) };

@@ -23,7 +23,8 @@ fn is_biased(lists: &BiasLists<'_>, t: Token) -> bool {
     lists.iter().any(|l| l.contains(t))
 }
 
-fn biased_count(lists: &BiasLists<'_>) -> usize {
+/// How many tokens the two lists bias (a token in both counts twice: an upper bound).
+pub(crate) fn biased_count(lists: &BiasLists<'_>) -> usize {
     lists[0].len() + lists[1].len()
 }
 
@@ -52,11 +53,13 @@ impl Candidates {
     /// The `k` best raw logits among unbiased tokens, best first, then every biased token (so
     /// the chain's own top-k still sees the true top-k of the biased logits). Returns how many
     /// unbiased ones lead the list.
-    pub fn top(&mut self, snap: &LogitsSnapshot, k: usize, lists: &BiasLists<'_>) -> usize {
-        let Some(logits) = snap.row() else {
-            self.data.clear();
-            return 0;
-        };
+    pub fn top(
+        &mut self,
+        snap: &LogitsSnapshot,
+        logits: &[f32],
+        k: usize,
+        lists: &BiasLists<'_>,
+    ) -> usize {
         snap.best(k + biased_count(lists), &mut self.scratch);
         self.data.clear();
         for &i in &self.scratch {
@@ -114,7 +117,7 @@ impl Candidates {
     ) -> bool {
         let window = legal_window(k);
         if window < logits.len() / 4 {
-            let kept = self.top(snap, window, lists);
+            let kept = self.top(snap, logits, window, lists);
             if self.constrain(Some(&mut *grammar), kept) >= k {
                 return false;
             }
@@ -140,7 +143,7 @@ impl Candidates {
         let window = guided_window(k);
         if window < logits.len() / 4 {
             // Best first already (`LogitsSnapshot::best`).
-            let kept = self.top(snap, window, lists);
+            let kept = self.top(snap, logits, window, lists);
             let (mut legal, mut refused) = (0, 0);
             for read in 0..kept {
                 if legal == k || refused > budget {

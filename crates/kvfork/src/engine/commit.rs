@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, MutexGuard};
 
-use super::parallel::{self, Weight};
+use super::parallel;
 use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitReply, CommitRequest, Worker};
 use crate::branch::Produced;
@@ -229,9 +229,7 @@ impl Worker {
             }
         }
         drop(states);
-        for cell in cells {
-            self.loans.record(cell);
-        }
+        self.loans.held_by(&cells);
         self.shared.rows_landed.land();
         landed
     }
@@ -282,18 +280,13 @@ impl Worker {
             let top_k = st.top_hint();
             work.push((&mut **st, self.ctx.logits_ith(i)?, top_k));
         }
-        parallel::for_each_mut(
-            &mut work,
-            self.team_threads(),
-            Weight::Light,
-            |(st, row, top_k)| {
-                // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
-                // moves. Before every decode the worker gives back each loan except those of the
-                // decode's members, which the caller keeps locked until they hold their new rows
-                // (`loans.rs`); these cells are recorded in `self.loans` right after this.
-                unsafe { st.logits.lend(row, *top_k) }
-            },
-        );
+        parallel::for_each_mut(&mut work, self.team_threads(), |(st, row, top_k)| {
+            // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
+            // moves. Before every decode the worker gives back each loan except those of a
+            // commit's members, which are in flight (never read) until the decode lands
+            // (`loans.rs`); `decode_items` records these cells as the holders right after.
+            unsafe { st.logits.lend(row, *top_k) }
+        });
         Ok(())
     }
 }

@@ -15,6 +15,7 @@
 //! - forks share their parent's loan and are recorded like it;
 //! - the worker gives every loan back before it frees the context.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::shared::BranchCell;
@@ -33,10 +34,17 @@ impl RowLoans {
         }
     }
 
+    /// After a commit: its members are the only holders (every other loan was given back
+    /// before its decode).
+    pub fn held_by(&mut self, members: &[&Arc<BranchCell>]) {
+        self.holders = members.iter().map(|&cell| cell.clone()).collect();
+    }
+
     /// Give back every loan except those of `members` (their loans stay recorded).
     pub fn give_back_except(&mut self, members: &[&Arc<BranchCell>]) {
+        let keep: HashSet<*const BranchCell> = members.iter().map(|c| Arc::as_ptr(c)).collect();
         self.holders.retain(|cell| {
-            if members.iter().any(|l| Arc::ptr_eq(l, cell)) {
+            if keep.contains(&Arc::as_ptr(cell)) {
                 return true;
             }
             cell.lock().logits.give_back();

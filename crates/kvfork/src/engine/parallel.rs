@@ -21,23 +21,18 @@ fn cores() -> usize {
 
 /// How much each item costs, which decides where the work runs without an OpenMP team.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Weight {
+enum Weight {
     /// Tens of microseconds an item: worth the engine thread alone, never a spawn.
     Light,
     /// Milliseconds an item: worth threads of our own.
     Heavy,
 }
 
-/// `f(&mut item)` for every item, on up to `threads` threads.
-pub(crate) fn for_each_mut<T: Send>(
-    items: &mut [T],
-    threads: usize,
-    weight: Weight,
-    f: impl Fn(&mut T) + Sync,
-) {
+/// `f(&mut item)` for every item of light work, on up to `threads` threads.
+pub(crate) fn for_each_mut<T: Send>(items: &mut [T], threads: usize, f: impl Fn(&mut T) + Sync) {
     // One uncontended lock per item hands each thread its items; nothing is shared.
     let cells: Vec<Mutex<&mut T>> = items.iter_mut().map(Mutex::new).collect();
-    run(cells.len(), threads, weight, &|i| {
+    run(cells.len(), threads, Weight::Light, &|i| {
         f(&mut cells[i].lock().unwrap_or_else(|e| e.into_inner()))
     });
 }
@@ -163,7 +158,9 @@ mod openmp {
 
 #[cfg(test)]
 mod tests {
-    use super::{for_each_mut, map_parallel, Weight};
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::{for_each_mut, map_parallel, run, Weight};
 
     #[test]
     fn keeps_order_for_every_length() {
@@ -178,23 +175,25 @@ mod tests {
 
     #[test]
     fn visits_every_item_once() {
-        for weight in [Weight::Light, Weight::Heavy] {
-            for threads in 1..5 {
-                let mut items = vec![0u32; 37];
-                for_each_mut(&mut items, threads, weight, |x| *x += 1);
-                assert!(items.iter().all(|&x| x == 1));
+        for threads in 1..5 {
+            let mut items = vec![0u32; 37];
+            for_each_mut(&mut items, threads, |x| *x += 1);
+            assert!(items.iter().all(|&x| x == 1));
+            for weight in [Weight::Light, Weight::Heavy] {
+                let visits: Vec<AtomicU32> = (0..37).map(|_| AtomicU32::new(0)).collect();
+                run(visits.len(), threads, weight, &|i| {
+                    visits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(visits.iter().all(|v| v.load(Ordering::Relaxed) == 1));
             }
         }
     }
 
     #[test]
     fn a_panic_comes_back_after_every_thread_is_done() {
-        let mut items: Vec<usize> = (0..16).collect();
-        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            for_each_mut(&mut items, 2, Weight::Heavy, |x| {
-                assert!(*x != 5, "item five")
-            })
-        }));
+        let caught = std::panic::catch_unwind(|| {
+            run(16, 2, Weight::Heavy, &|i| assert!(i != 5, "item five"))
+        });
         let message = caught.expect_err("the panic is raised again");
         assert_eq!(message.downcast_ref::<&str>(), Some(&"item five"));
     }
