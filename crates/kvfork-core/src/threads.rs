@@ -9,6 +9,13 @@
 //!
 //! Decode times are compared only between decodes of the same size class (`bucket`): a
 //! 512-token prefill and a one-token step are different work.
+//!
+//! Timing alone reacts too late when the machine is already busy: the first decodes (the
+//! first prefill too) would run on every core while two neighbours hold them, and a spinning
+//! team then runs 10-30× slower than one thread. So the tuner also takes a *ceiling*: the
+//! cores other processes leave free, read from the kernel's CPU time counters
+//! ([`CpuTimes`], [`others_busy`], [`ceiling_for`]). Decodes never use more threads than the
+//! ceiling, and return to the learned count as soon as the ceiling allows it again.
 
 use std::collections::BTreeMap;
 
@@ -30,7 +37,10 @@ const SLOWDOWN: f64 = 1.4;
 #[derive(Debug, Clone)]
 pub struct ThreadTuner {
     max: u32,
+    /// The count the probes settled on (the ceiling may hold decodes below it).
     current: u32,
+    /// The most threads the machine's load leaves room for (`max` until told otherwise).
+    ceiling: u32,
     /// Per (threads, bucket): (fast EWMA, slow EWMA) of nanoseconds per decode.
     times: BTreeMap<(u32, u32), (f64, f64)>,
     since_probe: u32,
@@ -60,6 +70,7 @@ impl ThreadTuner {
         ThreadTuner {
             max,
             current: max,
+            ceiling: max,
             times: BTreeMap::new(),
             since_probe: 0,
             interval: FIRST_INTERVAL,
@@ -70,17 +81,31 @@ impl ThreadTuner {
 
     /// Threads the next decode should use.
     pub fn threads(&self) -> u32 {
-        self.probe.as_ref().map_or(self.current, |p| p.threads)
+        self.probe.as_ref().map_or(self.settled(), |p| p.threads)
     }
 
-    /// The count decodes settle on (not a probe's).
+    /// The count decodes settle on (not a probe's): the learned count, under the ceiling.
     pub fn current(&self) -> u32 {
-        self.current
+        self.settled()
+    }
+
+    fn settled(&self) -> u32 {
+        self.current.min(self.ceiling)
+    }
+
+    /// The most threads the next decodes may use (from [`ceiling_for`]), clamped to
+    /// `1..=max`. A probe above it ends unjudged.
+    pub fn set_ceiling(&mut self, ceiling: u32) {
+        self.ceiling = ceiling.clamp(1, self.max);
+        if self.probe.as_ref().is_some_and(|p| p.threads > self.ceiling) {
+            self.probe = None;
+        }
     }
 
     /// Record a decode of `tokens` tokens that took `ns` with `self.threads()` threads.
     pub fn observe(&mut self, tokens: usize, ns: f64) {
         let b = bucket(tokens);
+        let settled = self.settled();
         if let Some(p) = self.probe.as_mut() {
             let first = p.left == PROBE_DECODES;
             let s = p.samples.entry(b).or_insert((0.0, 0));
@@ -90,7 +115,7 @@ impl ThreadTuner {
             let hopeless = first
                 && self
                     .times
-                    .get(&(self.current, b))
+                    .get(&(settled, b))
                     .is_some_and(|&(fast, _)| ns > HOPELESS_ABOVE * fast);
             if p.left == 0 || hopeless {
                 self.finish_probe();
@@ -98,7 +123,7 @@ impl ThreadTuner {
             return;
         }
         let slowed = {
-            let t = self.times.entry((self.current, b)).or_insert((ns, ns));
+            let t = self.times.entry((settled, b)).or_insert((ns, ns));
             t.0 = 0.5 * t.0 + 0.5 * ns;
             t.1 = 0.95 * t.1 + 0.05 * ns;
             t.0 > SLOWDOWN * t.1
@@ -110,7 +135,7 @@ impl ThreadTuner {
     }
 
     fn candidate(&self, down: bool) -> Option<u32> {
-        let (c, max) = (self.current, self.max);
+        let (c, max) = (self.settled(), self.ceiling);
         let step = |x: u32| if x <= 4 { 1 } else { x / 2 };
         if down && c > 1 {
             Some(c - step(c).min(c - 1))
@@ -151,8 +176,9 @@ impl ThreadTuner {
         // Candidate mean against the current count's recent time, bucket by bucket.
         let mut ratio_sum = 0.0;
         let mut n = 0;
+        let settled = self.settled();
         for (b, (sum, count)) in &p.samples {
-            if let Some(&(fast, _)) = self.times.get(&(self.current, *b)) {
+            if let Some(&(fast, _)) = self.times.get(&(settled, *b)) {
                 ratio_sum += (sum / f64::from(*count)) / fast;
                 n += 1;
             }
@@ -177,6 +203,57 @@ impl ThreadTuner {
             t.1 = t.1.max(t.0 / SLOWDOWN);
         }
     }
+}
+
+/// The kernel's CPU time counters at one moment, in clock ticks (Linux: `/proc/stat` for
+/// the CPUs this process may run on, `/proc/self/stat` for the process itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuTimes {
+    /// Non-idle time of those CPUs, summed.
+    pub busy: u64,
+    /// All time of those CPUs (busy, idle and waiting), summed.
+    pub total: u64,
+    /// This process's own CPU time (user and system, every thread).
+    pub own: u64,
+    /// How many CPUs the sums cover.
+    pub cpus: u32,
+}
+
+/// Fewest ticks (over all CPUs counted) between two readings for [`others_busy`] to answer:
+/// the counters tick 100 times a second, so shorter windows are mostly rounding.
+pub const MIN_WINDOW_TICKS: u64 = 20;
+
+/// Cores that other processes kept busy between two readings: the CPUs' busy time less this
+/// process's own, as a share of their whole time, times their number. `None` when the window
+/// is too short to tell ([`MIN_WINDOW_TICKS`]) or the readings do not belong together.
+pub fn others_busy(before: &CpuTimes, after: &CpuTimes) -> Option<f64> {
+    if before.cpus != after.cpus || after.cpus == 0 {
+        return None;
+    }
+    let total = after.total.checked_sub(before.total)?;
+    if total < MIN_WINDOW_TICKS.max(u64::from(after.cpus)) {
+        return None;
+    }
+    let busy = after.busy.saturating_sub(before.busy);
+    let own = after.own.saturating_sub(before.own);
+    let others = busy.saturating_sub(own) as f64 / total as f64;
+    Some(others * f64::from(after.cpus))
+}
+
+/// Threads worth running when `others` cores of `cores` are kept busy by other processes: the
+/// free cores, rounded to the nearest (a neighbour using half a core leaves the choice to the
+/// timing probes), at least one.
+pub fn ceiling_for(cores: u32, others: f64) -> u32 {
+    let free = f64::from(cores) - others.max(0.0);
+    // `as` saturates; free < 0.5 gives 0, hence the max.
+    (free.round() as u32).max(1)
+}
+
+/// Runnable tasks of other processes right now, from the kernel's count of running tasks
+/// (`procs_running`) less this process's own running threads: an instant reading for the
+/// first decode, before any window of [`CpuTimes`] exists.
+pub fn others_running(procs_running: u32, own_running: u32) -> f64 {
+    f64::from(procs_running.saturating_sub(own_running))
 }
 
 #[cfg(test)]
@@ -265,6 +342,66 @@ mod tests {
             off_one < 120,
             "{off_one} of 6000 decodes ran on two threads"
         );
+    }
+
+    #[test]
+    fn the_ceiling_holds_decodes_down_and_lets_them_back_up() {
+        let mut t = ThreadTuner::new(4);
+        run(&mut t, 200, 4, 0);
+        assert_eq!(t.current(), 4);
+        t.set_ceiling(1);
+        assert_eq!((t.current(), t.threads()), (1, 1), "at once, before any timing");
+        run(&mut t, 300, 4, 3);
+        assert!(t.threads() <= 1, "no probe above the ceiling");
+        t.set_ceiling(4);
+        assert_eq!(t.current(), 4, "the learned count comes back with the room");
+        t.set_ceiling(0);
+        assert_eq!(t.current(), 1, "clamped to one thread");
+    }
+
+    #[test]
+    fn a_lowered_ceiling_cancels_a_probe_above_it() {
+        let mut t = ThreadTuner::new(2);
+        t.set_ceiling(1);
+        run(&mut t, 100, 2, 1);
+        t.set_ceiling(2);
+        // Probes may start again, within the new ceiling only.
+        for _ in 0..200 {
+            assert!(t.threads() <= 2);
+            t.observe(1, simulated(t.threads(), 2, 0));
+            t.set_ceiling(1);
+            assert_eq!(t.threads(), 1);
+            t.set_ceiling(2);
+        }
+    }
+
+    #[test]
+    fn others_busy_is_the_busy_time_less_our_own() {
+        let at = |busy, total, own| CpuTimes { busy, total, own, cpus: 2 };
+        // Two neighbours spinning on two CPUs, we idle: both cores taken.
+        assert_eq!(others_busy(&at(0, 0, 0), &at(100, 100, 0)), Some(2.0));
+        // We use one core, a neighbour the other.
+        assert_eq!(others_busy(&at(0, 0, 0), &at(100, 100, 50)), Some(1.0));
+        // Quiet machine, our two threads.
+        assert_eq!(others_busy(&at(10, 20, 10), &at(110, 120, 110)), Some(0.0));
+        // Too short to tell, or counters that went backwards, or from other CPU sets.
+        assert_eq!(others_busy(&at(0, 0, 0), &at(5, 10, 0)), None);
+        assert_eq!(others_busy(&at(0, 200, 0), &at(0, 100, 0)), None);
+        let other = CpuTimes { cpus: 4, ..at(100, 100, 0) };
+        assert_eq!(others_busy(&at(0, 0, 0), &other), None);
+    }
+
+    #[test]
+    fn ceiling_is_the_free_cores_rounded() {
+        assert_eq!(ceiling_for(2, 0.05), 2);
+        assert_eq!(ceiling_for(2, 0.67), 1, "one neighbour beside our two threads");
+        assert_eq!(ceiling_for(2, 1.0), 1);
+        assert_eq!(ceiling_for(2, 2.0), 1, "never below one");
+        assert_eq!(ceiling_for(2, 5.0), 1);
+        assert_eq!(ceiling_for(8, 3.2), 5);
+        assert_eq!(ceiling_for(8, -1.0), 8);
+        assert_eq!(others_running(3, 1), 2.0);
+        assert_eq!(others_running(0, 1), 0.0);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 mod commit;
 mod gather;
+mod load;
 mod loans;
 mod parallel;
 mod pending;

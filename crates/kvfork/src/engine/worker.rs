@@ -7,9 +7,10 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvfork_core::threads::ThreadTuner;
+use kvfork_core::threads::{ceiling_for, ThreadTuner};
 
 use super::gather::{CommitGathering, PrefillGathering, Window};
+use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
 use super::{panic_message, Job};
@@ -25,8 +26,9 @@ pub(crate) struct Worker {
     /// Tokens decoded by the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
-    /// Adapts the thread counts to the machine's load (None when both are fixed).
-    tuner: Option<ThreadTuner>,
+    /// Adapts the thread counts to the machine's load (None when both are fixed), with the
+    /// meter that tells it how many cores other processes leave free.
+    tuner: Option<(ThreadTuner, LoadMeter)>,
     /// Threads of the last multi-token decode: the team that per-branch work after it uses.
     threads_batch: usize,
     /// Snapshots reading their rows in llama.cpp's output buffer.
@@ -44,12 +46,17 @@ impl Worker {
     pub fn new(ctx: LlamaCtx, shared: Arc<Shared>) -> Self {
         let batch = Batch::new(ctx.n_batch as usize);
         let max = ctx.max_threads;
-        let tuner = shared
-            .params
-            .adapts_threads()
-            .then(|| ThreadTuner::new(max as u32));
+        let tuner = shared.params.adapts_threads().then(|| {
+            let mut tuner = ThreadTuner::new(max as u32);
+            let meter = LoadMeter::new();
+            // Busy already? The first prefill must not spin on cores others hold.
+            if let Some(others) = meter.others_now() {
+                tuner.set_ceiling(ceiling_for(meter.cpus(), others));
+            }
+            (tuner, meter)
+        });
         let (_, threads_batch) = shared.params.threads_with(max);
-        Worker {
+        let mut worker = Worker {
             tuner,
             threads_batch: threads_batch as usize,
             loans: RowLoans::default(),
@@ -59,7 +66,9 @@ impl Worker {
             stash: None,
             last_group: 0,
             last_decode: Duration::ZERO,
-        }
+        };
+        worker.apply_threads(max as u32);
+        worker
     }
 
     pub fn run(mut self, rx: Receiver<Job>) {
@@ -157,6 +166,7 @@ impl Worker {
     /// `llama_decode` of the current batch, counted, with no loan given back: the caller has
     /// given back all but those of branches it holds locked (see `loans.rs`).
     pub(super) fn decode_batch(&mut self) -> Result<()> {
+        self.read_load();
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
@@ -177,19 +187,42 @@ impl Worker {
 
     /// Feed the decode just timed to the tuner; apply the count it wants next.
     fn tune_threads(&mut self) {
-        let Some(tuner) = self.tuner.as_mut() else {
+        let Some((tuner, _)) = self.tuner.as_mut() else {
             return;
         };
         let before = tuner.threads();
         tuner.observe(self.batch.len(), self.last_decode.as_nanos() as f64);
+        self.apply_threads(before);
+    }
+
+    /// Lower or raise the tuner's ceiling to the cores other processes left free since the
+    /// last reading (at most every few decodes; see `load.rs`), before the next decode.
+    fn read_load(&mut self) {
+        let Some((tuner, meter)) = self.tuner.as_mut() else {
+            return;
+        };
+        let Some(others) = meter.others_busy() else {
+            return;
+        };
+        let before = tuner.threads();
+        tuner.set_ceiling(ceiling_for(meter.cpus(), others));
+        self.apply_threads(before);
+    }
+
+    /// Hand llama.cpp the tuner's count when it differs from `before` (the count in use).
+    fn apply_threads(&mut self, before: u32) {
+        let Some((tuner, _)) = self.tuner.as_ref() else {
+            return;
+        };
         let next = tuner.threads();
-        if next != before {
-            let (single, batch) = self.shared.params.threads_with(next as i32);
-            self.ctx.set_threads(single, batch);
-            self.threads_batch = batch as usize;
-            // Readers see the settled choice, not a probe's.
-            let (single, batch) = self.shared.params.threads_with(tuner.current() as i32);
-            self.shared.threads.set(single, batch);
+        if next == before {
+            return;
         }
+        let (single, batch) = self.shared.params.threads_with(next as i32);
+        self.ctx.set_threads(single, batch);
+        self.threads_batch = batch as usize;
+        // Readers see the settled choice, not a probe's.
+        let (single, batch) = self.shared.params.threads_with(tuner.current() as i32);
+        self.shared.threads.set(single, batch);
     }
 }

@@ -1,0 +1,191 @@
+//! How busy the machine is, from the kernel's own counters, for the thread tuner's ceiling
+//! (`kvfork_core::threads`): the CPU time of the CPUs this process may run on less its own,
+//! read between decodes at most every [`READ_EVERY`]. Linux only; elsewhere every reading is
+//! `None` and the tuner learns from timings alone.
+//!
+//! Why these counters: `/proc/stat`'s per-CPU times cover exactly the CPUs in our affinity
+//! mask (a container's cpuset included), where its `procs_running` and the load average count
+//! the whole host. `procs_running` serves only the very first decode, before any window
+//! exists, and only when the mask holds every CPU of the machine.
+
+use std::time::{Duration, Instant};
+
+use kvfork_core::threads::{others_busy, others_running, CpuTimes};
+
+/// Readings closer together than this are skipped (a read costs ~20 µs; a decode ~10 ms).
+const READ_EVERY: Duration = Duration::from_millis(25);
+
+/// Reads how many cores other processes keep busy.
+pub(super) struct LoadMeter {
+    /// CPU ids this process may run on, or empty where the counters cannot be read.
+    allowed: Vec<u32>,
+    /// Whether `allowed` is every CPU of the machine (then `procs_running` is ours to read).
+    whole_machine: bool,
+    /// Start of the current window.
+    start: Option<CpuTimes>,
+    last_read: Instant,
+}
+
+impl LoadMeter {
+    pub fn new() -> Self {
+        let allowed = allowed_cpus().unwrap_or_default();
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .ok()
+            .and_then(|s| parse_cpu_list(&s));
+        let whole_machine = online.is_some_and(|all| all == allowed);
+        let start = read_times(&allowed);
+        LoadMeter {
+            allowed,
+            whole_machine,
+            start,
+            last_read: Instant::now(),
+        }
+    }
+
+    /// The CPUs the readings cover (what "cores" means for the ceiling); 0 where unknown.
+    pub fn cpus(&self) -> u32 {
+        self.allowed.len() as u32
+    }
+
+    /// Other processes' runnable tasks at this instant (None off Linux or in a CPU subset).
+    pub fn others_now(&self) -> Option<f64> {
+        if !self.whole_machine {
+            return None;
+        }
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let running = stat
+            .lines()
+            .find_map(|l| l.strip_prefix("procs_running "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(others_running(running, own_running_threads()?))
+    }
+
+    /// Cores other processes kept busy since the window began, once the window is long
+    /// enough to tell; then a new window starts.
+    pub fn others_busy(&mut self) -> Option<f64> {
+        if self.last_read.elapsed() < READ_EVERY {
+            return None;
+        }
+        self.last_read = Instant::now();
+        let now = read_times(&self.allowed)?;
+        let Some(start) = self.start else {
+            self.start = Some(now);
+            return None;
+        };
+        let others = others_busy(&start, &now)?;
+        self.start = Some(now);
+        Some(others)
+    }
+}
+
+/// Busy and total ticks of the `allowed` CPUs, and this process's own.
+fn read_times(allowed: &[u32]) -> Option<CpuTimes> {
+    if allowed.is_empty() {
+        return None;
+    }
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let mut times = CpuTimes {
+        own: own_ticks()?,
+        ..CpuTimes::default()
+    };
+    for line in stat.lines() {
+        let Some(rest) = line.strip_prefix("cpu") else {
+            continue;
+        };
+        let mut fields = rest.split_ascii_whitespace();
+        let Some(Ok(id)) = fields.next().map(str::parse::<u32>) else {
+            continue; // the "cpu" line of all CPUs together
+        };
+        if !allowed.contains(&id) {
+            continue;
+        }
+        // user nice system idle iowait irq softirq steal (guest time is inside user).
+        let v: Vec<u64> = fields.take(8).filter_map(|f| f.parse().ok()).collect();
+        if v.len() < 8 {
+            return None;
+        }
+        let idle = v[3] + v[4];
+        let busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+        times.busy += busy;
+        times.total += busy + idle;
+        times.cpus += 1;
+    }
+    (times.cpus > 0).then_some(times)
+}
+
+/// User plus system ticks of this process (fields 14 and 15 of `/proc/self/stat`).
+fn own_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count after the last ')'.
+    let after = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after.split_ascii_whitespace().skip(11); // field 3 is the first here
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// This process's threads that are running or runnable now.
+fn own_running_threads() -> Option<u32> {
+    let mut n = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue; // the thread ended meanwhile
+        };
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_ascii_whitespace().next());
+        n += u32::from(state == Some("R"));
+    }
+    Some(n)
+}
+
+/// The CPUs in this process's affinity mask (`Cpus_allowed_list` of `/proc/self/status`).
+fn allowed_cpus() -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+    parse_cpu_list(list)
+}
+
+/// A kernel CPU list such as `0-3,8,10-11`, sorted.
+fn parse_cpu_list(list: &str) -> Option<Vec<u32>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.trim().parse::<u32>().ok()?..=b.trim().parse().ok()?),
+            None => cpus.push(part.trim().parse().ok()?),
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    (!cpus.is_empty()).then_some(cpus)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse_as_the_kernel_writes_them() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11\n"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(parse_cpu_list("0"), Some(vec![0]));
+        assert_eq!(parse_cpu_list(""), None);
+        assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_counters_are_readable_here() {
+        let meter = LoadMeter::new();
+        assert!(meter.cpus() >= 1);
+        assert!(own_ticks().is_some());
+        let t = read_times(&meter.allowed).expect("/proc/stat");
+        assert_eq!(t.cpus, meter.cpus());
+        assert!(t.busy <= t.total);
+        // This test's own thread is running while it counts.
+        assert!(own_running_threads().is_some_and(|n| n >= 1));
+    }
+}
