@@ -1,12 +1,17 @@
-"""Generation speed when the CPU is shared: kvfork's adaptive thread count against fixed
-counts and the peer (llama-cpp-python), quiet and beside busy processes, in one run.
+"""Speed when the CPU is shared: kvfork's adaptive thread count against fixed counts, with 0,
+1 and 2 busy neighbours (processes spinning on a core each), in one run.
 
-One greedy branch of the default model generates TOKENS tokens after a warm-up (so an
-adapting context has met the load); tokens/s is the median of REPEATS runs. Situations:
-quiet; one busy neighbour (a process spinning on one core); two kvfork processes at once.
+Each measurement opens a fresh context (so the first prefill runs before any decode was
+timed), then times: the first prefill (PROMPT, ~60 tokens), one greedy branch generating
+TOKENS tokens, and a BranchStore step over 8 forks (STEPS steps). The configurations are
+interleaved within each load and the median of REPEATS is kept; the "adaptive / best" columns
+divide the default's result by the best fixed count's for that load and measure.
 
-usage: python benchmarks/bench_contention.py [--peer-python .venv-peer/bin/python]
-                                             [--tokens 96] [--repeats 3]
+A second part changes the load in the middle of a generation (two neighbours start after
+QUIET decodes, then stop) and reports how many decodes the default needed to settle on the
+count the new load calls for. A third runs two adapting kvfork processes at once.
+
+usage: python benchmarks/bench_contention.py [--tokens 32] [--steps 16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -18,129 +23,158 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import kvfork
-from _peer import run_peer
-from peer_batched import DEFAULT_PEER_PYTHON
 
-PROMPT = "The history of the printing press begins with"
+PROMPT = (
+    "The history of the printing press begins with the invention of movable type in East Asia, "
+    "long before Gutenberg built his press in Mainz around 1440 and printed the Bible that "
+    "made him famous across Europe within a few decades of its first copies"
+)
 SPIN = "while True: pass"
-
-PEER_CODE = r"""
-import ctypes, json, sys, time
-import numpy as np
-import llama_cpp
-from llama_cpp import Llama
-job = json.load(sys.stdin)
-llm = Llama(model_path=job["model"], n_ctx=1024, verbose=False)
-n_vocab = llm.n_vocab()
-def argmax():
-    p = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-    return int(np.argmax(np.ctypeslib.as_array(p, shape=(n_vocab,))))
-rates = []
-for _ in range(job["repeats"]):
-    llm.reset()
-    llm.eval(job["prompt"])
-    for _ in range(job["warmup"]):
-        llm.eval([argmax()])
-    t0 = time.perf_counter()
-    for _ in range(job["tokens"]):
-        llm.eval([argmax()])
-    rates.append(job["tokens"] / (time.perf_counter() - t0))
-json.dump(rates, sys.stdout)
-"""
+CONFIGS = ["adaptive", "1", "2"]
+MEASURES = ["first prefill (s)", "N = 1 (tok/s)", "N = 8 step (tok/s)"]
 
 
-def kvfork_rates(n_threads: int | None, tokens: int, repeats: int, warmup: int) -> list[float]:
+@contextmanager
+def neighbours(n: int) -> Iterator[None]:
+    """`n` processes spinning on a core each, for the duration of the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(n)]
+    try:
+        time.sleep(0.3 if n else 0.0)
+        yield
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+
+
+def threads_of(config: str) -> int | None:
+    return None if config == "adaptive" else int(config)
+
+
+def measure(config: str, tokens: int, steps: int) -> list[float]:
+    """[first prefill seconds, N = 1 tokens/s, N = 8 step tokens/s] on a fresh context."""
+    n = threads_of(config)
     model = kvfork.default_model_path()
-    rates = []
-    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=1, n_threads=n_threads) as ctx:
+    with kvfork.create_context_sync(
+        model, n_ctx=1024, n_seq_max=9, n_threads=n, n_threads_batch=n
+    ) as ctx:
         prompt = ctx.tokenize(PROMPT)
-        for _ in range(repeats):
-            b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
-            b.prefill_sync(prompt)
-            for _ in b.generate_sync(warmup):
-                pass
-            t0 = time.perf_counter()
-            n = sum(1 for _ in b.generate_sync(tokens))
-            rates.append(n / (time.perf_counter() - t0))
-            b.prune_sync()
-    return rates
+        root = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+        t0 = time.perf_counter()
+        root.prefill_sync(prompt)
+        prefill = time.perf_counter() - t0
+        one = root.fork_sync()
+        t0 = time.perf_counter()
+        made = sum(1 for _ in one.generate_sync(tokens))
+        single = made / (time.perf_counter() - t0)
+        one.prune_sync()
+        forks = [root.fork_sync() for _ in range(8)]
+        store = kvfork.BranchStore(ctx)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            store.step_sync(forks)
+        step = 8 * steps / (time.perf_counter() - t0)
+        return [prefill, single, step]
 
 
-def child(args: argparse.Namespace) -> None:
-    """Run one kvfork measurement and print its rates (used for the two-process case)."""
-    threads = None if args.child == "adaptive" else int(args.child)
-    print(json.dumps(kvfork_rates(threads, args.tokens, args.repeats, args.warmup)))
+def table(args: argparse.Namespace) -> None:
+    print(f"{len(os.sched_getaffinity(0))} cores; median of {args.repeats}, configurations "
+          "interleaved; adaptive / best fixed count in the last columns (prefill: best time / "
+          "adaptive time)\n")
+    head = ["busy neighbours", "threads", *MEASURES]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    ratios: list[tuple[int, list[float]]] = []
+    for load in (0, 1, 2):
+        runs: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
+        with neighbours(load):
+            for _ in range(args.repeats):
+                for c in CONFIGS:
+                    runs[c].append(measure(c, args.tokens, args.steps))
+        med = {c: [statistics.median(r[i] for r in runs[c]) for i in range(3)] for c in CONFIGS}
+        for c in CONFIGS:
+            m = med[c]
+            print(f"| {load} | {c} | {m[0]:.3f} | {m[1]:.1f} | {m[2]:.1f} |")
+        fixed = [c for c in CONFIGS if c != "adaptive"]
+        best_prefill = min(med[c][0] for c in fixed)
+        best = [max(med[c][i] for c in fixed) for i in (1, 2)]
+        a = med["adaptive"]
+        ratios.append((load, [best_prefill / a[0], a[1] / best[0], a[2] / best[1]]))
+    print("\n| busy neighbours | " + " | ".join(f"adaptive / best: {m}" for m in MEASURES) + " |")
+    print("|---|---|---|---|")
+    for load, r in ratios:
+        print(f"| {load} | " + " | ".join(f"{x:.2f}x" for x in r) + " |")
 
 
-def spawn_self(config: str, args: argparse.Namespace) -> subprocess.Popen[str]:
-    cmd = [sys.executable, __file__, "--child", config, "--tokens", str(args.tokens)]
-    cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+def load_change(args: argparse.Namespace) -> None:
+    """Threads per decode while two neighbours come and go in the middle of a generation."""
+    quiet, busy = args.quiet, args.busy
+    with kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=2048, n_seq_max=1) as ctx:
+        b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+        b.prefill_sync(ctx.tokenize(PROMPT))
+        trace: list[int] = []
+        gen = b.generate_sync(quiet + busy + quiet)
+        for _ in range(quiet):
+            next(gen)
+            trace.append(ctx.n_threads)
+        with neighbours(2):
+            for _ in range(busy):
+                next(gen)
+                trace.append(ctx.n_threads)
+        for _ in gen:
+            trace.append(ctx.n_threads)
+    start, end = quiet, quiet + busy
+    down = next((i - start + 1 for i in range(start, end) if trace[i] == 1), None)
+    up = next((i - end + 1 for i in range(end, len(trace)) if trace[i] == trace[0]), None)
+    print(f"\nLoad change in one generation (threads after each decode; two neighbours during "
+          f"decodes {start + 1}-{end}):")
+    print("  " + "".join(str(t) for t in trace))
+    print(f"  decodes to back off after the load came: {down}; to return after it left: {up}")
 
 
-def measure_all(configs: list[str], args: argparse.Namespace) -> dict[str, float]:
-    """Median tokens/s per config, the configs interleaved run by run (drift hits all alike)."""
-    rates: dict[str, list[float]] = {c: [] for c in configs}
-    for _ in range(args.repeats):
-        for c in configs:
-            threads = None if c == "adaptive" else int(c)
-            rates[c] += kvfork_rates(threads, args.tokens, 1, args.warmup)
-    return {c: statistics.median(r) for c, r in rates.items()}
+def child(config: str, args: argparse.Namespace) -> None:
+    print(json.dumps(measure(config, args.tokens, args.steps)))
 
 
-def peer(args: argparse.Namespace) -> float | None:
-    if not args.peer_python or not Path(args.peer_python).exists():
-        return None
-    with kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=256) as c:
-        prompt = c.tokenize(PROMPT)
-    job = {
-        "model": str(kvfork.default_model_path()),
-        "prompt": prompt,
-        "tokens": args.tokens,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-    }
-    return statistics.median(run_peer(args.peer_python, PEER_CODE, job))
+def two_processes(args: argparse.Namespace) -> None:
+    """Two kvfork processes at once, each with the same configuration."""
+    print("\nTwo kvfork processes at once (each one's N = 1 tok/s, median of the repeats):")
+    print("| threads | N = 1 (tok/s) | N = 8 step (tok/s) |\n|---|---|---|")
+    for c in CONFIGS:
+        single, step = [], []
+        for _ in range(args.repeats):
+            cmd = [sys.executable, __file__, "--child", c, "--tokens", str(args.tokens),
+                   "--steps", str(args.steps)]
+            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+            for p in procs:
+                r = json.loads(p.communicate()[0])
+                single.append(r[1])
+                step.append(r[2])
+        print(f"| {c} | {statistics.median(single):.1f} | {statistics.median(step):.1f} |")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=48)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quiet", type=int, default=24, help="decodes before and after the load")
+    ap.add_argument("--busy", type=int, default=24, help="decodes beside two neighbours")
+    ap.add_argument("--only", choices=["table", "change", "two"], default=None)
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
-        child(args)
+        child(args.child, args)
         return
-    configs = ["adaptive", "1", "2"]
-    rows: dict[str, dict[str, float | None]] = {c: {} for c in [*configs, "peer"]}
-    for c, rate in measure_all(configs, args).items():
-        rows[c]["quiet"] = rate
-    rows["peer"]["quiet"] = peer(args)
-    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
-    try:
-        time.sleep(0.5)
-        for c, rate in measure_all(configs, args).items():
-            rows[c]["busy"] = rate
-        rows["peer"]["busy"] = peer(args)
-    finally:
-        spinner.kill()
-    for c in configs:
-        a, b = spawn_self(c, args), spawn_self(c, args)
-        ra = statistics.median(json.loads(a.communicate()[0]))
-        rb = statistics.median(json.loads(b.communicate()[0]))
-        rows[c]["two"] = (ra + rb) / 2
-    print(f"{len(os.sched_getaffinity(0))} cores; tokens/s, median of {args.repeats}")
-    print("| threads | quiet | one busy neighbour | each of two kvfork processes |")
-    print("|---|---|---|---|")
-    for c, r in rows.items():
-        cells = [f"{r[k]:.1f}" if r.get(k) is not None else "–" for k in ("quiet", "busy", "two")]
-        print(f"| {c} | " + " | ".join(cells) + " |")
+    if args.only in (None, "table"):
+        table(args)
+    if args.only in (None, "change"):
+        load_change(args)
+    if args.only in (None, "two"):
+        two_processes(args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import kvfork
 
-# The 135M model answers in English only when told who it is.
+# The 135M model answers in English only when told who it is (`kvfork chat`'s default too).
 SYSTEM = "You are a helpful assistant."
 TURNS = [
     "What is the capital of France?",

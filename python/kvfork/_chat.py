@@ -7,6 +7,10 @@ from typing import Any
 
 from ._native import Branch, Context, SamplingParams
 
+#: A system message the small chat model (SmolLM2-135M-Instruct) follows: without one, or with
+#: "Answer briefly.", it answers "What is the capital of France?" with French nonsense.
+HELPFUL_ASSISTANT = "You are a helpful assistant."
+
 
 class Chat:
     """A conversation on one live branch.

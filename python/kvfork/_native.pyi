@@ -13,6 +13,7 @@ from typing_extensions import Self
 from ._speculative import Drafter, SpeculativeStream, SpeculativeStreamSync
 
 __all__ = [
+    "ArgumentTypeError",
     "Branch",
     "BranchDisposedError",
     "BranchStore",
@@ -23,6 +24,7 @@ __all__ = [
     "GrammarError",
     "KvCacheFullError",
     "KvforkError",
+    "KvforkWarning",
     "LeaseExhaustedError",
     "Model",
     "ModelLoadError",
@@ -72,6 +74,14 @@ class BranchDisposedError(KvforkError): ...
 class GrammarError(KvforkError): ...
 class ChatTemplateError(KvforkError): ...
 class StateFileError(KvforkError): ...
+
+class KvforkWarning(UserWarning):
+    """A call that works but likely not as meant (e.g. a branch created with nothing behind
+    it)."""
+
+class ArgumentTypeError(TypeError):
+    """A TypeError about one argument, named in the message."""
+    def add_note(self, note: str, /) -> None: ...
 
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Base: TypeAlias = Literal["nats", "bits"]

@@ -5,7 +5,8 @@
     kvfork chat [MODEL]                 interactive multi-turn chat (or one turn per stdin line)
     kvfork embed MODEL [TEXT ...]       embeddings as JSON lines, or --rank QUERY
     kvfork bench [MODEL]                a quick throughput check: one sequence against N forks
-    kvfork info MODEL                   metadata, chat template, system info
+    kvfork info [MODEL]                 metadata, chat template, system info (no MODEL: where
+                                        the embedded models are)
 
 MODEL is a GGUF file, or `default` (Gemma 3 270M, base) or `chat` (SmolLM2-135M-Instruct).
 """
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _demo
-from ._chat import Chat
-from ._models import cache_dir, default_chat_model_path, default_model_path
+from ._chat import HELPFUL_ASSISTANT, Chat
+from ._models import cache_dir, default_chat_model_path, default_model_path, model_locations
 from ._native import (
     Branch,
     BranchStore,
@@ -32,6 +33,7 @@ from ._native import (
     Model,
     SamplingParams,
     Token,
+    __version__,
     system_info,
 )
 from ._open import create_context
@@ -195,7 +197,7 @@ async def cmd_chat(args: argparse.Namespace) -> int:
     ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=1)
     interactive = sys.stdin.isatty()
     with ctx:
-        chat = Chat(ctx, params=sampling_params(args), system=args.system)
+        chat = Chat(ctx, params=sampling_params(args), system=args.system or None)
         if interactive:
             print(f"chatting with {model.name}; /exit or Ctrl-D ends.", file=sys.stderr)
         while True:
@@ -278,7 +280,10 @@ async def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def cmd_info(args: argparse.Namespace) -> int:
-    """The model's metadata and chat template, and what this build of llama.cpp runs on."""
+    """The model's metadata and chat template, and what this build of llama.cpp runs on; with
+    no model, the system and where the embedded models are."""
+    if args.model is None:
+        return _info_without_model(args)
     path = resolve_model(args.model)
     with Progress(f"loading {path.name}"):
         model = await asyncio.to_thread(Model.load, path)
@@ -306,10 +311,32 @@ async def cmd_info(args: argparse.Namespace) -> int:
     print("\nchat template:", "none" if template is None else f"{len(template)} characters")
     if template is not None:
         print("  " + template.replace("\n", "\n  "))
+    _print_system()
+    return 0
+
+
+def _info_without_model(args: argparse.Namespace) -> int:
+    models = {
+        alias: {"path": str(path), "present": path.is_file()}
+        for alias, path in model_locations().items()
+    }
+    if args.json:
+        info = {"version": __version__, "models": models, "system": system_info()}
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"kvfork {__version__}\n\nmodels (MODEL may be a GGUF path or one of these):")
+    for alias, where in models.items():
+        state = "present" if where["present"] else "prepared on first use"
+        print(f"  {alias:8} {where['path']} ({state})")
+    _print_system()
+    print("\n`kvfork info MODEL` shows a model's metadata and chat template.")
+    return 0
+
+
+def _print_system() -> None:
     print("\nsystem:")
     for key, value in system_info().items():
         print(f"  {key}: {value}")
-    return 0
 
 
 # --- the parser -----------------------------------------------------------------------------
@@ -357,7 +384,12 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="multi-turn chat (stdin lines are turns when piped)")
     chat.add_argument("model", nargs="?", default=None, help="GGUF file (default: chat)")
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument(
+        "--system",
+        default=HELPFUL_ASSISTANT,
+        help=f"the system message (default: {HELPFUL_ASSISTANT!r}, which the small chat model "
+        "follows; '' for none, i.e. the template's own)",
+    )
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--n-ctx", type=int, default=4096)
     chat.add_argument("--verbose", action="store_true", help="tokens prefilled per turn")
@@ -380,7 +412,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=cmd_bench)
 
     info = sub.add_parser("info", help="model metadata, chat template, system info")
-    info.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    info.add_argument(
+        "model", nargs="?", default=None, help="GGUF file, 'default' or 'chat' (none: the system)"
+    )
     info.add_argument("--json", action="store_true", help="one JSON object")
     info.set_defaults(run=cmd_info)
     return parser

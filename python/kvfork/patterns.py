@@ -179,7 +179,9 @@ def beam_search_sync(
     groups: int = 1,
     diversity: float = 0.0,
 ) -> list[Beam]:
-    """`beam_search` for code without an event loop (runs one)."""
+    """`beam_search` for code without an event loop (runs one). Inside a running loop it
+    raises RuntimeError before anything starts: ``await beam_search(...)`` there."""
+    _refuse_inside_a_loop("beam_search_sync", "await beam_search(...)")
     return asyncio.run(
         beam_search(
             branch,
@@ -190,3 +192,13 @@ def beam_search_sync(
             diversity=diversity,
         )
     )
+
+
+def _refuse_inside_a_loop(name: str, instead: str) -> None:
+    """A blocking helper that runs an event loop of its own cannot run inside one (asyncio
+    would refuse later, leaving a never-awaited coroutine behind): say so up front."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{name} cannot run inside a running event loop; use {instead} there")

@@ -7,8 +7,8 @@ use std::fmt;
 
 /// First bytes of every kvfork state file.
 pub const MAGIC: [u8; 8] = *b"KVFORK\0S";
-/// Bumped whenever the payload layout changes.
-pub const VERSION: u32 = 1;
+/// Bumped whenever the payload layout changes (2: a branch's record ends with its history).
+pub const VERSION: u32 = 2;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8 + 8;
 
 /// What a state file holds.

@@ -8,7 +8,7 @@ use pyo3::types::PyType;
 use pyo3::IntoPyObjectExt;
 
 use crate::context::{token_id, PyContext};
-use crate::convert::{self, awaitable, awaitable_none, wait, Int};
+use crate::convert::{self, awaitable, awaitable_none, wait, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::params;
@@ -39,7 +39,7 @@ pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
         return Ok(t.get().token);
     }
     let id: i64 = obj.extract().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err(format!(
+        crate::errors::type_error(format!(
             "token must be an int or a kvfork.Token, got {}",
             obj.get_type()
                 .name()
@@ -73,7 +73,7 @@ impl PyBranch {
     #[new]
     #[pyo3(signature = (*_args, **_kwargs))]
     fn new(_args: &Bound<'_, PyAny>, _kwargs: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        Err(pyo3::exceptions::PyTypeError::new_err(
+        Err(crate::errors::type_error(
             "kvfork.Branch cannot be constructed directly: use Branch.create(ctx, position, params) \
              or branch.fork()",
         ))
@@ -90,15 +90,16 @@ impl PyBranch {
         ctx: &Bound<'_, PyContext>,
         position: Int,
         params: Option<&Bound<'_, PyAny>>,
-        grammar: Option<String>,
+        grammar: Option<Arg<String>>,
     ) -> PyResult<Self> {
         let position = position.i32("position", 0)?;
         let params = params::extract(params)?;
-        let grammar = grammar.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf });
-        let ctx = &ctx.get().inner;
-        Ok(wrap(
-            kvfork::Branch::create(ctx, position, &params, grammar).py()?,
-        ))
+        let grammar = grammar.map(|Arg(gbnf)| kvfork::GrammarSpec::Eager { gbnf });
+        let branch = kvfork::Branch::create(&ctx.get().inner, position, &params, grammar).py()?;
+        if position > 0 {
+            warn_nothing_behind(ctx.py(), position)?;
+        }
+        Ok(wrap(branch))
     }
 
     // ---- decoding ----
@@ -173,9 +174,9 @@ impl PyBranch {
         &self,
         py: Python<'py>,
         pending: &Bound<'py, PyAny>,
-        draft: Vec<i64>,
+        draft: Arg<Vec<i64>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let draft = draft_tokens(draft)?;
+        let draft = draft_tokens(draft.0)?;
         awaitable(
             py,
             self.inner.speculate(token_arg(pending)?, draft),
@@ -188,14 +189,14 @@ impl PyBranch {
         &self,
         py: Python<'_>,
         pending: &Bound<'_, PyAny>,
-        draft: Vec<i64>,
+        draft: Arg<Vec<i64>>,
     ) -> PyResult<(Vec<PyToken>, PyToken)> {
-        let draft = draft_tokens(draft)?;
+        let draft = draft_tokens(draft.0)?;
         speculated(wait(py, self.inner.speculate(token_arg(pending)?, draft))?)
     }
 
     /// The tokens decoded into the branch's sequence since it was created (or reseeded):
-    /// prefills and commits in order, a fork's starting with its parent's. Not saved by `save`.
+    /// prefills and commits in order, a fork's starting with its parent's. Saved by `save`.
     #[getter]
     fn history(&self) -> PyResult<Vec<i32>> {
         self.inner.history().py()
@@ -270,14 +271,14 @@ impl PyBranch {
 
     /// Save the branch to `path` (its KV cells, position, sampler params and RNG state,
     /// grammar, biases, steer, perplexity accumulators), after queued work on it.
-    fn save<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.save(path))
+    fn save<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.inner.save(path.0))
     }
 
     /// Blocking twin of `save`: returns None once the file is written. Waits without the GIL;
     /// Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn save_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        wait(py, self.inner.save(path))
+    fn save_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<()> {
+        wait(py, self.inner.save(path.0))
     }
 
     /// A new root branch on a fresh lease of `ctx` (any context of the same model), restored
@@ -288,9 +289,9 @@ impl PyBranch {
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
         ctx: &Bound<'py, PyContext>,
-        path: PathBuf,
+        path: Arg<PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, kvfork::Branch::load(&ctx.get().inner, path), |b| {
+        awaitable(py, kvfork::Branch::load(&ctx.get().inner, path.0), |b| {
             Ok(wrap(b))
         })
     }
@@ -303,11 +304,11 @@ impl PyBranch {
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
         ctx: &Bound<'_, PyContext>,
-        path: PathBuf,
+        path: Arg<PathBuf>,
     ) -> PyResult<Self> {
         Ok(wrap(wait(
             py,
-            kvfork::Branch::load(&ctx.get().inner, path),
+            kvfork::Branch::load(&ctx.get().inner, path.0),
         )?))
     }
 
@@ -345,16 +346,18 @@ impl PyBranch {
     /// with it and move to its parent (or become roots) — e.g. a dropped beam whose forks
     /// survive. `disposed` is True at once and the rest always happens, even if the await is
     /// cancelled; a second prune is a no-op.
-    #[pyo3(signature = (*, keep_children=false))]
-    fn prune<'py>(&self, py: Python<'py>, keep_children: bool) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.pruning(keep_children))
+    #[pyo3(signature = (*, keep_children=Arg(false)),
+           text_signature = "($self, *, keep_children=False)")]
+    fn prune<'py>(&self, py: Python<'py>, keep_children: Arg<bool>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.pruning(keep_children.0))
     }
 
     /// Blocking twin of `prune`: returns None once the lease is freed; KvforkError while the
     /// branch has live children, unless `keep_children=True`. Always completes, even on Ctrl-C.
-    #[pyo3(signature = (*, keep_children=false))]
-    fn prune_sync(&self, py: Python<'_>, keep_children: bool) -> PyResult<()> {
-        wait(py, self.pruning(keep_children))
+    #[pyo3(signature = (*, keep_children=Arg(false)),
+           text_signature = "($self, *, keep_children=False)")]
+    fn prune_sync(&self, py: Python<'_>, keep_children: Arg<bool>) -> PyResult<()> {
+        wait(py, self.pruning(keep_children.0))
     }
 
     /// Dispose this branch and its whole subtree (CASCADE). Always completes once called.
@@ -464,9 +467,9 @@ impl PyBranch {
 
     /// Replace (or with None remove) the GBNF grammar.
     #[pyo3(signature = (gbnf))]
-    fn set_grammar(&self, gbnf: Option<String>) -> PyResult<()> {
+    fn set_grammar(&self, gbnf: Option<Arg<String>>) -> PyResult<()> {
         self.inner
-            .set_grammar(gbnf.map(|gbnf| kvfork::GrammarSpec::Eager { gbnf }))
+            .set_grammar(gbnf.map(|Arg(gbnf)| kvfork::GrammarSpec::Eager { gbnf }))
             .py()
     }
 
@@ -486,13 +489,15 @@ impl PyBranch {
 
     /// Constrain the whole output to match a regular expression (Rust `regex` syntax), through
     /// llguidance; the same slot as `set_grammar`.
-    fn set_regex(&self, py: Python<'_>, pattern: String) -> PyResult<()> {
+    fn set_regex(&self, py: Python<'_>, pattern: Arg<String>) -> PyResult<()> {
+        let Arg(pattern) = pattern;
         self.set_constraint(py, kvfork::GrammarSpec::Regex { pattern })
     }
 
     /// Constrain the output to a grammar in llguidance's Lark syntax (`start` is the root
     /// rule; `%json {...}` embeds a JSON schema); the same slot as `set_grammar`.
-    fn set_lark(&self, py: Python<'_>, grammar: String) -> PyResult<()> {
+    fn set_lark(&self, py: Python<'_>, grammar: Arg<String>) -> PyResult<()> {
+        let Arg(grammar) = grammar;
         self.set_constraint(py, kvfork::GrammarSpec::Lark { grammar })
     }
 
@@ -501,10 +506,11 @@ impl PyBranch {
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
     fn set_grammar_lazy(
         &self,
-        gbnf: String,
+        gbnf: Arg<String>,
         triggers: &Bound<'_, PyAny>,
-        patterns: Option<Vec<String>>,
+        patterns: Option<Arg<Vec<String>>>,
     ) -> PyResult<()> {
+        let (Arg(gbnf), patterns) = (gbnf, patterns.map(|p| p.0));
         let (mut words, mut tokens) = (Vec::new(), Vec::new());
         for t in triggers.try_iter()? {
             let t = t?;
@@ -512,7 +518,7 @@ impl PyBranch {
                 words.push(w);
             } else {
                 tokens.push(token_id(t.extract::<i64>().map_err(|_| {
-                    pyo3::exceptions::PyTypeError::new_err(
+                    crate::errors::type_error(
                         "triggers must be strings (words) or ints (token ids)",
                     )
                 })?)?);
@@ -566,26 +572,26 @@ impl PyBranch {
 
     /// Entropy of the raw logits snapshot, in nats (or bits with `base="bits"`). Raises
     /// KvforkError before the first prefill or commit, ValueError for another `base`.
-    #[pyo3(signature = (base="nats"))]
-    fn entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
-        let base = log_base(base)?;
+    #[pyo3(signature = (base=Arg("nats")), text_signature = "($self, base='nats')")]
+    fn entropy(&self, py: Python<'_>, base: Arg<&str>) -> PyResult<f64> {
+        let base = log_base(base.0)?;
         py.detach(|| self.inner.entropy(base)).py()
     }
 
     /// -log p(`token`) under the raw logits snapshot, in nats (or bits with `base="bits"`);
     /// inf for a masked token. Raises KvforkError before the first prefill or commit,
     /// ValueError for a token id out of range or another `base`.
-    #[pyo3(signature = (token, base="nats"))]
-    fn surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
-        let (token, base) = (token_id(token)?, log_base(base)?);
+    #[pyo3(signature = (token, base=Arg("nats")), text_signature = "($self, token, base='nats')")]
+    fn surprisal(&self, py: Python<'_>, token: Arg<i64>, base: Arg<&str>) -> PyResult<f64> {
+        let (token, base) = (token_id(token.0)?, log_base(base.0)?);
         py.detach(|| self.inner.surprisal(token, base)).py()
     }
 
     /// Natural-log probability of `token` under the raw snapshot: log-softmax of the logits,
     /// computed in Rust (no copy of the row). -inf for a masked token. Raises KvforkError
     /// before the first prefill or commit (no snapshot yet).
-    fn logprob(&self, py: Python<'_>, token: i64) -> PyResult<f64> {
-        let token = token_id(token)?;
+    fn logprob(&self, py: Python<'_>, token: Arg<i64>) -> PyResult<f64> {
+        let token = token_id(token.0)?;
         py.detach(|| self.inner.logprob(token)).py()
     }
 
@@ -652,6 +658,20 @@ fn speculative_stream(
         .getattr(class)?
         .call1((branch, max_tokens, draft))?
         .unbind())
+}
+
+/// A fresh lease holds no cells: a branch created past 0 would generate from an empty cache
+/// (lloyal.node users write `Branch.create(ctx, len(prompt), params)` after decoding the prompt
+/// on the context; here the branch prefills its own prompt).
+fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
+    let msg = format!(
+        "Branch.create at position {position}: the branch's sequence is empty, so it would \
+         generate from nothing behind it; create it at 0 and prefill the prompt \
+         (`b = Branch.create(ctx, 0, params); await b.prefill(tokens)`)"
+    );
+    let msg = std::ffi::CString::new(msg).unwrap_or_default();
+    let category = py.get_type::<crate::errors::KvforkWarning>();
+    PyErr::warn(py, category.as_any(), &msg, 1)
 }
 
 fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {

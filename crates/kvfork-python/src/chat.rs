@@ -1,6 +1,6 @@
 //! `Context.format_chat` and `FormattedChat`.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value as Json;
@@ -81,7 +81,7 @@ pub fn json(obj: &Bound<'_, PyAny>, path: &str) -> PyResult<Json> {
             .collect::<PyResult<Vec<_>>>()
             .map(Json::Array);
     }
-    Err(PyTypeError::new_err(format!(
+    Err(crate::errors::type_error(format!(
         "{path}: {} cannot go into a chat template (use dicts, lists, str, numbers, None)",
         obj.get_type().name()?
     )))

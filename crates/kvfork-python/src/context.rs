@@ -4,13 +4,13 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{OnCancel, Operation};
 use crate::branch::PyBranch;
-use crate::convert::{self, awaitable, awaitable_none, wait, Int};
+use crate::convert::{self, awaitable, awaitable_none, wait, Arg, Int};
 use crate::embed;
 use crate::errors::IntoPyResult;
 use crate::model::PyModel;
@@ -56,17 +56,17 @@ fn options(
     n_seq_max: Int,
     n_threads: Option<Int>,
     n_threads_batch: Option<Int>,
-    type_k: &str,
-    type_v: &str,
-    embeddings: bool,
-    pooling: Option<&str>,
+    type_k: Arg<&str>,
+    type_v: Arg<&str>,
+    embeddings: Arg<bool>,
+    pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
     } else {
         ModelSource::Path(path_or_model.extract::<PathBuf>().map_err(|_| {
-            PyTypeError::new_err("path_or_model must be a Model, str or os.PathLike")
+            crate::errors::type_error("path_or_model must be a Model, str or os.PathLike")
         })?)
     };
     let params = kvfork::ContextParams {
@@ -77,10 +77,10 @@ fn options(
         n_threads_batch: n_threads_batch
             .map(|t| t.i32("n_threads_batch", 1))
             .transpose()?,
-        type_k: kvfork::CacheType::from_name(type_k).py()?,
-        type_v: kvfork::CacheType::from_name(type_v).py()?,
-        embeddings,
-        pooling: pooling_type(pooling)?,
+        type_k: kvfork::CacheType::from_name(type_k.0).py()?,
+        type_v: kvfork::CacheType::from_name(type_v.0).py()?,
+        embeddings: embeddings.0,
+        pooling: pooling_type(pooling.map(|p| p.0))?,
     };
     params.validate().py()?;
     Ok(Options {
@@ -114,8 +114,8 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
 /// freed as soon as it is built.
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
-                    embeddings=false, pooling=None, n_gpu_layers=None),
+                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
+                    embeddings=Arg(false), pooling=None, n_gpu_layers=None),
        // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
        text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
                          n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
@@ -129,10 +129,10 @@ pub fn create_context<'py>(
     n_seq_max: Int,
     n_threads: Option<Int>,
     n_threads_batch: Option<Int>,
-    type_k: &str,
-    type_v: &str,
-    embeddings: bool,
-    pooling: Option<&str>,
+    type_k: Arg<&str>,
+    type_v: Arg<&str>,
+    embeddings: Arg<bool>,
+    pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let o = options(
@@ -158,8 +158,8 @@ pub fn create_context<'py>(
 /// Create a context (blocking twin of `create_context`).
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k="f16", type_v="f16",
-                    embeddings=false, pooling=None, n_gpu_layers=None),
+                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
+                    embeddings=Arg(false), pooling=None, n_gpu_layers=None),
        // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
        text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
                          n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
@@ -173,10 +173,10 @@ pub fn create_context_sync(
     n_seq_max: Int,
     n_threads: Option<Int>,
     n_threads_batch: Option<Int>,
-    type_k: &str,
-    type_v: &str,
-    embeddings: bool,
-    pooling: Option<&str>,
+    type_k: Arg<&str>,
+    type_v: Arg<&str>,
+    embeddings: Arg<bool>,
+    pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
 ) -> PyResult<PyContext> {
     let o = options(
@@ -215,7 +215,7 @@ impl PyContext {
     #[new]
     #[pyo3(signature = (*_args, **_kwargs))]
     fn new(_args: &Bound<'_, PyAny>, _kwargs: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        Err(PyTypeError::new_err(
+        Err(crate::errors::type_error(
             "kvfork.Context cannot be constructed directly: use \
              `await kvfork.create_context(path_or_model, ...)` or create_context_sync(...)",
         ))
@@ -265,46 +265,48 @@ impl PyContext {
     /// Token ids of `text`, exactly as llama.cpp tokenizes it. `add_special` adds BOS etc. as
     /// the model asks; `parse_special` reads special-token text (e.g. "<|im_start|>") as those
     /// tokens. Raises KvforkError when the context is closed.
-    #[pyo3(signature = (text, add_special=true, parse_special=false))]
+    #[pyo3(signature = (text, add_special=Arg(true), parse_special=Arg(false)),
+           text_signature = "($self, text, add_special=True, parse_special=False)")]
     fn tokenize(
         &self,
         py: Python<'_>,
-        text: &str,
-        add_special: bool,
-        parse_special: bool,
+        text: Arg<&str>,
+        add_special: Arg<bool>,
+        parse_special: Arg<bool>,
     ) -> PyResult<Vec<i32>> {
         let ctx = self.open()?;
-        py.detach(|| ctx.tokenize(text, add_special, parse_special))
+        py.detach(|| ctx.tokenize(text.0, add_special.0, parse_special.0))
             .py()
     }
 
     /// The text of `tokens`, as llama.cpp detokenizes it. `remove_special` drops the BOS/EOS the
     /// model adds; `unparse_special` renders special tokens as their text. Raises
     /// KvforkError when the context is closed, ValueError for a token id out of range.
-    #[pyo3(signature = (tokens, *, remove_special=false, unparse_special=false))]
+    #[pyo3(signature = (tokens, *, remove_special=Arg(false), unparse_special=Arg(false)),
+           text_signature = "($self, tokens, *, remove_special=False, unparse_special=False)")]
     fn detokenize(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-        remove_special: bool,
-        unparse_special: bool,
+        remove_special: Arg<bool>,
+        unparse_special: Arg<bool>,
     ) -> PyResult<String> {
         let tokens = convert::tokens(tokens, "tokens")?;
         let ctx = self.open()?;
-        py.detach(|| ctx.detokenize(&tokens, remove_special, unparse_special))
+        py.detach(|| ctx.detokenize(&tokens, remove_special.0, unparse_special.0))
             .py()
     }
 
     /// The text piece of one token (special tokens rendered, invalid UTF-8 replaced). Raises
     /// KvforkError when the context is closed, ValueError for a token id out of range.
-    fn token_to_text(&self, token: i64) -> PyResult<String> {
-        self.open()?.token_to_text(token_id(token)?).py()
+    fn token_to_text(&self, token: Arg<i64>) -> PyResult<String> {
+        self.open()?.token_to_text(token_id(token.0)?).py()
     }
 
     /// True when `token` ends generation in this vocabulary (EOS, end-of-turn and the other
     /// end-of-generation tokens). ValueError for a token id out of range.
-    fn is_stop_token(&self, token: i64) -> PyResult<bool> {
-        self.inner.is_stop_token(token_id(token)?).py()
+    fn is_stop_token(&self, token: Arg<i64>) -> PyResult<bool> {
+        self.inner.is_stop_token(token_id(token.0)?).py()
     }
 
     /// The model's end-of-sequence token id, or None if the vocabulary has none. Other tokens
@@ -370,28 +372,28 @@ impl PyContext {
 
     /// Save every live branch (its record and tree links) and the whole KV cache to `path`,
     /// after queued work. Shared prefixes are stored once.
-    fn save_state<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.open()?.save_state(path))
+    fn save_state<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable_none(py, self.open()?.save_state(path.0))
     }
 
     /// Blocking twin of `save_state`: returns None once the file is written. Waits without the
     /// GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn save_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        wait(py, self.open()?.save_state(path))
+    fn save_state_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<()> {
+        wait(py, self.open()?.save_state(path.0))
     }
 
     /// Restore a `save_state` file into this context, which must have no live branch; the
     /// model must be the same. Returns the restored branches, each after its parent.
     /// A corrupt, truncated or foreign file raises StateFileError.
-    fn load_state<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.open()?.load_state(path), |bs| Ok(wrap_all(bs)))
+    fn load_state<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
+        awaitable(py, self.open()?.load_state(path.0), |bs| Ok(wrap_all(bs)))
     }
 
     /// Blocking twin of `load_state`: returns the restored branches, each after its parent;
     /// StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C
     /// cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn load_state_sync(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<PyBranch>> {
-        Ok(wrap_all(wait(py, self.open()?.load_state(path))?))
+    fn load_state_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<Vec<PyBranch>> {
+        Ok(wrap_all(wait(py, self.open()?.load_state(path.0))?))
     }
 
     // ---- embeddings ----
@@ -405,52 +407,56 @@ impl PyContext {
     /// Embedding of one text (str) or token list, as a float32 array of `embedding_dim`
     /// (shape `(n_tokens, embedding_dim)` on a context with pooling "none"). Needs a context
     /// created with `embeddings=True` and no live branches.
-    #[pyo3(signature = (text_or_tokens, *, normalize=true))]
+    #[pyo3(signature = (text_or_tokens, *, normalize=Arg(true)),
+           text_signature = "($self, text_or_tokens, *, normalize=True)")]
     fn embed<'py>(
         &self,
         py: Python<'py>,
         text_or_tokens: &Bound<'py, PyAny>,
-        normalize: bool,
+        normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::one(self.open()?, text_or_tokens, normalize)?.awaitable(py)
+        embed::Request::one(self.open()?, text_or_tokens, normalize.0)?.awaitable(py)
     }
 
     /// Blocking twin of `embed`: returns the float32 array. KvforkError on a context without
     /// `embeddings=True`. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await
     /// would, and raises KeyboardInterrupt.
-    #[pyo3(signature = (text_or_tokens, *, normalize=true))]
+    #[pyo3(signature = (text_or_tokens, *, normalize=Arg(true)),
+           text_signature = "($self, text_or_tokens, *, normalize=True)")]
     fn embed_sync<'py>(
         &self,
         py: Python<'py>,
         text_or_tokens: &Bound<'py, PyAny>,
-        normalize: bool,
+        normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::one(self.open()?, text_or_tokens, normalize)?.wait(py)
+        embed::Request::one(self.open()?, text_or_tokens, normalize.0)?.wait(py)
     }
 
     /// Embeddings of many texts (str or token lists), shape `(len(texts), embedding_dim)`,
     /// packed into as few decodes as fit (one text per sequence, each text whole in a batch).
-    #[pyo3(signature = (texts, *, normalize=true))]
+    #[pyo3(signature = (texts, *, normalize=Arg(true)),
+           text_signature = "($self, texts, *, normalize=True)")]
     fn embed_batch<'py>(
         &self,
         py: Python<'py>,
         texts: &Bound<'py, PyAny>,
-        normalize: bool,
+        normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::many(self.open()?, texts, normalize)?.awaitable(py)
+        embed::Request::many(self.open()?, texts, normalize.0)?.awaitable(py)
     }
 
     /// Blocking twin of `embed_batch`: returns a float32 array of shape
     /// `(len(texts), embedding_dim)`. Waits without the GIL; Ctrl-C cancels it all-or-nothing,
     /// as an await would, and raises KeyboardInterrupt.
-    #[pyo3(signature = (texts, *, normalize=true))]
+    #[pyo3(signature = (texts, *, normalize=Arg(true)),
+           text_signature = "($self, texts, *, normalize=True)")]
     fn embed_batch_sync<'py>(
         &self,
         py: Python<'py>,
         texts: &Bound<'py, PyAny>,
-        normalize: bool,
+        normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::many(self.open()?, texts, normalize)?.wait(py)
+        embed::Request::many(self.open()?, texts, normalize.0)?.wait(py)
     }
 
     /// Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /
@@ -459,14 +465,15 @@ impl PyContext {
     /// a llama.cpp built-in name such as "chatml". Extra keyword arguments become template
     /// variables. Raises ChatTemplateError for a bad message, a template error, or a model
     /// without a template when none is given.
-    #[pyo3(signature = (messages, *, add_generation_prompt=true, tools=None, template=None, **kwargs))]
+    #[pyo3(signature = (messages, *, add_generation_prompt=Arg(true), tools=None, template=None, **kwargs),
+           text_signature = "($self, messages, *, add_generation_prompt=True, tools=None, template=None, **kwargs)")]
     fn format_chat(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
-        add_generation_prompt: bool,
+        add_generation_prompt: Arg<bool>,
         tools: Option<&Bound<'_, PyAny>>,
-        template: Option<String>,
+        template: Option<Arg<String>>,
         kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<crate::chat::PyFormattedChat> {
         let messages = crate::chat::json(messages, "messages")?;
@@ -483,9 +490,9 @@ impl PyContext {
                 kvfork::format_chat(
                     &model,
                     &messages,
-                    add_generation_prompt,
+                    add_generation_prompt.0,
                     tools.as_ref(),
-                    template.as_deref(),
+                    template.as_ref().map(|t| t.0.as_str()),
                     extra.as_ref(),
                 )
             })

@@ -2,7 +2,7 @@
 
 #[cfg(not(feature = "abi3"))]
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use std::time::Duration;
@@ -11,7 +11,7 @@ use pyo3::types::{PyByteArray, PyDict, PyInt, PyList, PyModule, PyString};
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{OnCancel, Operation};
-use crate::errors::IntoPyResult;
+use crate::errors::{naming_argument, type_error, IntoPyResult};
 use kvfork::{Cancel, Pending};
 
 /// Tokens from a list, any sequence of ints, or a 1-D integer numpy array.
@@ -26,7 +26,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
             .collect()
     };
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
+        return Err(type_error(format!(
             "{name} must be a sequence of ints, not str"
         )));
     }
@@ -37,7 +37,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
                 Ok(t) => Ok(t),
                 // An int too large for i64 is out of range, not of the wrong type.
                 Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
-                Err(_) => Err(PyTypeError::new_err(format!(
+                Err(_) => Err(type_error(format!(
                     "{name} must contain only ints"
                 ))),
             })
@@ -65,7 +65,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
         }
     }
     let v = obj.extract::<Vec<i64>>().map_err(|_| {
-        PyTypeError::new_err(format!(
+        type_error(format!(
             "{name} must be a sequence of ints or a 1-D integer array"
         ))
     })?;
@@ -144,17 +144,17 @@ pub fn f32_array<'py>(py: Python<'py>, data: &[f32]) -> PyResult<Bound<'py, PyAn
 pub fn bias_map(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
     let dict = obj
         .cast::<PyDict>()
-        .map_err(|_| PyTypeError::new_err("bias must be a dict {token: bias}"))?;
+        .map_err(|_| type_error("bias must be a dict {token: bias}"))?;
     dict.iter()
         .map(|(k, v)| {
             let t: i64 = k
                 .extract()
-                .map_err(|_| PyTypeError::new_err("bias keys must be token ids (int)"))?;
+                .map_err(|_| type_error("bias keys must be token ids (int)"))?;
             let t = i32::try_from(t)
                 .map_err(|_| PyValueError::new_err(format!("token id {t} is out of range")))?;
             let b: f64 = v
                 .extract()
-                .map_err(|_| PyTypeError::new_err("bias values must be floats"))?;
+                .map_err(|_| type_error("bias values must be floats"))?;
             Ok((t, b as f32))
         })
         .collect()
@@ -208,8 +208,26 @@ pub fn awaitable_none<'py>(py: Python<'py>, pending: Pending<()>) -> PyResult<Bo
     awaitable(py, pending, |()| Ok(None::<()>))
 }
 
-/// An int argument of any size: a non-int is a TypeError (pyo3 adds the argument's name), an
-/// int beyond i64 is kept as `None` so range checks can name the argument.
+/// An argument extracted as `T` whose wrong type raises a TypeError naming the argument
+/// (`errors::type_error`); pyo3's own extraction of `String`, `bool`, `f32`, paths … would name
+/// it only in a note.
+pub struct Arg<T>(pub T);
+
+impl<'a, 'py, T> FromPyObject<'a, 'py> for Arg<T>
+where
+    T: FromPyObject<'a, 'py>,
+{
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        T::extract(obj)
+            .map(Arg)
+            .map_err(|e| naming_argument(obj.py(), e.into()))
+    }
+}
+
+/// An int argument of any size: a non-int is a TypeError naming the argument, an int beyond
+/// i64 is kept as `None` so range checks can name the argument.
 pub struct Int(pub Option<i64>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
@@ -217,7 +235,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if !obj.is_instance_of::<PyInt>() {
-            return Err(PyTypeError::new_err(format!(
+            return Err(type_error(format!(
                 "expected an int, got {}",
                 obj.get_type().name()?
             )));

@@ -1,7 +1,7 @@
 //! Arguments and results of `Context.embed` / `embed_batch`: a queued embedding request and
 //! how its rows become a numpy array, shared by the async methods and their sync twins.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::convert;
@@ -50,7 +50,7 @@ impl Request {
             ));
         }
         if texts.is_instance_of::<pyo3::types::PyString>() {
-            return Err(PyTypeError::new_err(
+            return Err(crate::errors::type_error(
                 "texts must be a list of texts, not one str (use embed for one text)",
             ));
         }

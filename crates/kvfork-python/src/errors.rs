@@ -2,9 +2,11 @@
 
 use pyo3::exceptions::{
     PyException, PyFileNotFoundError, PyIsADirectoryError, PyOSError, PyPermissionError,
-    PyValueError,
+    PyTypeError, PyUserWarning, PyValueError,
 };
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 pyo3::create_exception!(
     kvfork,
@@ -57,6 +59,68 @@ pyo3::create_exception!(
     "A saved state file is corrupt, truncated, foreign, or from another model."
 );
 
+pyo3::create_exception!(
+    kvfork,
+    KvforkWarning,
+    PyUserWarning,
+    "A call that works but likely not as meant (e.g. a branch created with nothing behind it)."
+);
+
+/// A TypeError that names the argument in its message. pyo3 (0.30) reports a bad argument's
+/// name only as a note (`add_note("while processing 'n_ctx'")`), which `str(e)` and logs
+/// leave out; this class folds that note into the message instead.
+const ARGUMENT_TYPE_ERROR: &std::ffi::CStr = c"
+class ArgumentTypeError(TypeError):
+    \"\"\"A TypeError about one argument, named in the message.\"\"\"
+
+    __module__ = \"kvfork\"
+
+    def add_note(self, note):
+        prefix = \"while processing '\"
+        if note.startswith(prefix) and note.endswith(\"'\") and len(self.args) == 1:
+            name = note[len(prefix):-1]
+            message = str(self.args[0])
+            if not message.startswith(name):
+                self.args = (f\"argument '{name}': {message}\",)
+            return
+        super().add_note(note)
+";
+
+static ARGUMENT_TYPE_ERROR_CLASS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A TypeError for a bad argument: when raised while pyo3 extracts an argument, the message
+/// becomes "argument 'name': `msg`".
+pub fn type_error(msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::attach(|py| match argument_type_error_class(py) {
+        Ok(class) => PyErr::from_type(class.bind(py).clone(), (msg,)),
+        Err(e) => e,
+    })
+}
+
+fn argument_type_error_class(py: Python<'_>) -> PyResult<&Py<PyType>> {
+    ARGUMENT_TYPE_ERROR_CLASS.get_or_try_init(py, || {
+        let module = PyModule::from_code(
+            py,
+            ARGUMENT_TYPE_ERROR,
+            c"kvfork/_argument_error.py",
+            c"kvfork._argument_error",
+        )?;
+        Ok(module.getattr("ArgumentTypeError")?.cast_into::<PyType>()?.unbind())
+    })
+}
+
+/// `err` as an [`type_error`] when it is a TypeError (so pyo3 names the argument in its
+/// message); any other error as it is.
+pub fn naming_argument(py: Python<'_>, err: PyErr) -> PyErr {
+    if err.is_instance_of::<PyTypeError>(py) {
+        let msg = err.value(py).to_string();
+        type_error(msg)
+    } else {
+        err
+    }
+}
+
 /// `kvfork::Error` → the matching Python exception.
 pub fn to_py(err: kvfork::Error) -> PyErr {
     use kvfork::Error as E;
@@ -103,5 +167,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GrammarError", py.get_type::<GrammarError>())?;
     m.add("ChatTemplateError", py.get_type::<ChatTemplateError>())?;
     m.add("StateFileError", py.get_type::<StateFileError>())?;
+    m.add("KvforkWarning", py.get_type::<KvforkWarning>())?;
+    m.add("ArgumentTypeError", argument_type_error_class(py)?.bind(py))?;
     Ok(())
 }

@@ -44,8 +44,8 @@ fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static s
 
 /// GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper).
 #[pyfunction]
-fn json_schema_to_grammar(py: Python<'_>, schema: &str) -> PyResult<String> {
-    py.detach(|| kvfork::json_schema_to_grammar(schema)).py()
+fn json_schema_to_grammar(py: Python<'_>, schema: convert::Arg<&str>) -> PyResult<String> {
+    py.detach(|| kvfork::json_schema_to_grammar(schema.0)).py()
 }
 
 /// Lowest Python logging level forwarded from llama.cpp (10 debug … 40 error).

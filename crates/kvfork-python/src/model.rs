@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
+use crate::convert::Arg;
 use crate::errors::IntoPyResult;
 
 /// Loaded GGUF weights and vocabulary, shareable by several contexts (loaded once).
@@ -34,15 +35,16 @@ impl PyModel {
     /// layers to offload to the GPU (None: all on a GPU build, else 0). Raises ModelLoadError
     /// for a file that cannot be loaded.
     #[staticmethod]
-    #[pyo3(signature = (path, *, n_gpu_layers=None, use_mmap=true))]
+    #[pyo3(signature = (path, *, n_gpu_layers=None, use_mmap=Arg(true)),
+           text_signature = "(path, *, n_gpu_layers=None, use_mmap=True)")]
     fn load(
         py: Python<'_>,
-        path: PathBuf,
-        n_gpu_layers: Option<i32>,
-        use_mmap: bool,
+        path: Arg<PathBuf>,
+        n_gpu_layers: Option<Arg<i32>>,
+        use_mmap: Arg<bool>,
     ) -> PyResult<Self> {
         Ok(PyModel {
-            inner: load(py, path, n_gpu_layers, use_mmap)?,
+            inner: load(py, path.0, n_gpu_layers.map(|n| n.0), use_mmap.0)?,
         })
     }
 

@@ -6,7 +6,7 @@
               the module writes no unsafe code itself"
 )]
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -186,7 +186,7 @@ fn field_error(key: &str, rust_type: &str, value: &Bound<'_, PyAny>) -> PyErr {
     if is_int && rust_type != "f32" {
         PyValueError::new_err(msg)
     } else {
-        PyTypeError::new_err(msg)
+        crate::errors::type_error(msg)
     }
 }
 
@@ -206,7 +206,7 @@ pub fn extract(obj: Option<&Bound<'_, PyAny>>) -> PyResult<kvfork::SamplingParam
                 )?
                 .inner);
             }
-            Err(PyTypeError::new_err(
+            Err(crate::errors::type_error(
                 "params must be a SamplingParams, a dict or None",
             ))
         }

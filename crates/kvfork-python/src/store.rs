@@ -1,6 +1,5 @@
 //! `BranchStore`: one decode for N branches.
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use crate::branch::{token_arg, PyBranch};
@@ -19,7 +18,7 @@ pub struct PyBranchStore {
 fn branch(obj: &Bound<'_, PyAny>) -> PyResult<kvfork::Branch> {
     Ok(obj
         .cast::<PyBranch>()
-        .map_err(|_| PyTypeError::new_err("expected a kvfork.Branch"))?
+        .map_err(|_| crate::errors::type_error("expected a kvfork.Branch"))?
         .get()
         .inner
         .clone())
@@ -30,7 +29,7 @@ fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i
         .try_iter()?
         .map(|e| {
             let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
-                PyTypeError::new_err("commit entries must be (Branch, token) pairs")
+                crate::errors::type_error("commit entries must be (Branch, token) pairs")
             })?;
             Ok((branch(&b)?, token_arg(&t)?))
         })
@@ -42,7 +41,7 @@ fn prefill_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, 
         .try_iter()?
         .map(|e| {
             let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
-                PyTypeError::new_err("prefill entries must be (Branch, tokens) pairs")
+                crate::errors::type_error("prefill entries must be (Branch, tokens) pairs")
             })?;
             Ok((branch(&b)?, convert::tokens(&toks, "tokens")?))
         })

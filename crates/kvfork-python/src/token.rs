@@ -4,6 +4,8 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use crate::convert::Arg;
+
 /// A sampled token: immutable `(token, text, is_stop)` that unpacks and indexes like a tuple
 /// (`tok, text, stop = t`). Returned by `produce`, `generate` and `BranchStore.step`, and
 /// accepted wherever a token id is.
@@ -35,11 +37,11 @@ impl From<kvfork::Produced> for PyToken {
 #[pymethods]
 impl PyToken {
     #[new]
-    fn new(token: i32, text: String, is_stop: bool) -> Self {
+    fn new(token: Arg<i32>, text: Arg<String>, is_stop: Arg<bool>) -> Self {
         PyToken {
-            token,
-            text,
-            is_stop,
+            token: token.0,
+            text: text.0,
+            is_stop: is_stop.0,
         }
     }
 

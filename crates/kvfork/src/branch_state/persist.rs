@@ -48,6 +48,9 @@ impl BranchState {
         }
         w.i32s(&self.accepted);
         w.bytes(self.utf8.pending());
+        // Prefilled and accepted tokens (what `Branch::history` answers, e.g. for a
+        // prompt-lookup drafter after a load).
+        w.i32s(&self.history);
     }
 
     /// Read a record written by `write`, for a branch on `seq`. Every value is checked
@@ -86,6 +89,7 @@ impl BranchState {
         if utf8_carry.len() > 3 {
             return Err(malformed("UTF-8 carry longer than a character"));
         }
+        let history = read_tokens(r, model)?;
 
         let sampler =
             SamplerChain::restore(&params, DrawState { seed, rng, mu }, model, &accepted)?;
@@ -112,6 +116,7 @@ impl BranchState {
         st.ppl_model = ppl[0];
         st.ppl_sampling = ppl[1];
         st.accepted = accepted;
+        st.history = history;
         st.utf8 = Utf8Carry::from_pending(utf8_carry);
         Ok(st)
     }

@@ -14,6 +14,8 @@ use kvfork_core::threads::{others_busy, others_running, CpuTimes};
 
 /// Readings closer together than this are skipped (a read costs ~20 µs; a decode ~10 ms).
 const READ_EVERY: Duration = Duration::from_millis(25);
+/// Counts of runnable tasks taken for the instant reading.
+const INSTANT_SAMPLES: usize = 5;
 
 /// Reads how many cores other processes keep busy.
 pub(super) struct LoadMeter {
@@ -47,19 +49,28 @@ impl LoadMeter {
         self.allowed.len() as u32
     }
 
-    /// Other processes' runnable tasks at this instant (None off Linux or in a CPU subset).
+    /// Other processes' runnable tasks now (None off Linux or in a CPU subset): the median
+    /// of a few counts a millisecond apart, since one count catches tasks between naps.
     pub fn others_now(&self) -> Option<f64> {
         if !self.whole_machine {
             return None;
         }
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let running = stat
-            .lines()
-            .find_map(|l| l.strip_prefix("procs_running "))?
-            .trim()
-            .parse()
-            .ok()?;
-        Some(others_running(running, own_running_threads()?))
+        let mut counts = Vec::with_capacity(INSTANT_SAMPLES);
+        for i in 0..INSTANT_SAMPLES {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let stat = std::fs::read_to_string("/proc/stat").ok()?;
+            let running = stat
+                .lines()
+                .find_map(|l| l.strip_prefix("procs_running "))?
+                .trim()
+                .parse()
+                .ok()?;
+            counts.push(others_running(running, own_running_threads()?));
+        }
+        counts.sort_by(f64::total_cmp);
+        Some(counts[INSTANT_SAMPLES / 2])
     }
 
     /// Cores other processes kept busy since the window began, once the window is long

@@ -205,6 +205,9 @@ impl Engine {
             // llama.cpp recurses (grammars, libstdc++ regex for lazy triggers): room to spare.
             .stack_size(ENGINE_STACK_BYTES)
             .spawn(move || {
+                // The load meter's first window spans the context's creation, so that the
+                // first prefill already knows how busy the machine is.
+                let meter = params.adapts_threads().then(load::LoadMeter::new);
                 let mut ctx = match LlamaCtx::new(thread_model.clone(), &params) {
                     Ok(ctx) => ctx,
                     Err(e) => {
@@ -232,7 +235,7 @@ impl Engine {
                 shared.threads.set(single, batch);
                 ctx.set_abort_signal(shared.abort.clone());
                 let _ = ready_tx.send(Ok(shared.clone()));
-                Worker::new(ctx, shared).run(rx);
+                Worker::new(ctx, shared, meter).run(rx);
             })
             .map_err(|e| Error::Other(format!("could not start the engine thread: {e}")))?;
         let shared = ready_rx

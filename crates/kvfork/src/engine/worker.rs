@@ -43,14 +43,16 @@ impl Drop for Worker {
 }
 
 impl Worker {
-    pub fn new(ctx: LlamaCtx, shared: Arc<Shared>) -> Self {
+    /// `meter`: started before the context was created (None when both counts are fixed).
+    pub(super) fn new(ctx: LlamaCtx, shared: Arc<Shared>, meter: Option<LoadMeter>) -> Self {
         let batch = Batch::new(ctx.n_batch as usize);
         let max = ctx.max_threads;
-        let tuner = shared.params.adapts_threads().then(|| {
+        let tuner = meter.map(|mut meter| {
             let mut tuner = ThreadTuner::new(max as u32);
-            let meter = LoadMeter::new();
-            // Busy already? The first prefill must not spin on cores others hold.
-            if let Some(others) = meter.others_now() {
+            // Busy already? The first prefill must not spin on cores others hold. The window
+            // since the meter started (the context's creation) tells, or failing that an
+            // instant count of runnable tasks.
+            if let Some(others) = meter.others_busy().or_else(|| meter.others_now()) {
                 tuner.set_ceiling(ceiling_for(meter.cpus(), others));
             }
             (tuner, meter)

@@ -118,16 +118,26 @@ fn word_pattern(word: &str) -> String {
     format!("({escaped})")
 }
 
-/// Why llama.cpp refused a grammar, as well as it can be told: its parser prints the reason
-/// to stderr, out of reach, so undefined rules (the usual mistake) are found here.
+/// The grammar's syntax, rules and left recursion, checked as llama.cpp checks them: its
+/// parser prints the reason for a refusal to stderr, out of reach, where this one says where
+/// and what was expected.
+fn check_gbnf(gbnf: &str) -> Result<()> {
+    kvfork_core::gbnf::check(gbnf)
+        .map_err(|e| Error::Grammar(format!("the grammar failed to parse at {e}")))
+}
+
+/// Why llama.cpp refused a grammar that passed [`check_gbnf`], as well as it can be told
+/// (llama.cpp prints the reason to stderr): what only llama.cpp can judge.
 fn refused(gbnf: &str) -> Error {
     let undefined = kvfork_core::gbnf::undefined_rules(gbnf);
     let reason = if undefined.is_empty() {
-        "a syntax error or a bad trigger pattern".to_string()
+        "a <token> that is not exactly one token of this model, or a bad trigger pattern"
+            .to_string()
     } else {
+        // Only if the check and llama.cpp ever disagree.
         format!("undefined rule(s): {}", undefined.join(", "))
     };
-    Error::Grammar(format!("the grammar failed to parse: {reason}"))
+    Error::Grammar(format!("llama.cpp refused the grammar: {reason}"))
 }
 
 /// A llama.cpp grammar sampler for a GBNF spec (eager or lazy).
@@ -139,6 +149,7 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
         // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
         return Err(Error::Grammar("the grammar is empty".into()));
     }
+    check_gbnf(gbnf)?;
     let raw = match spec {
         GrammarSpec::Eager { gbnf } => {
             let g = c_string(gbnf, "grammar")?;
