@@ -97,7 +97,11 @@ impl ThreadTuner {
     /// `1..=max`. A probe above it ends unjudged.
     pub fn set_ceiling(&mut self, ceiling: u32) {
         self.ceiling = ceiling.clamp(1, self.max);
-        if self.probe.as_ref().is_some_and(|p| p.threads > self.ceiling) {
+        if self
+            .probe
+            .as_ref()
+            .is_some_and(|p| p.threads > self.ceiling)
+        {
             self.probe = None;
         }
     }
@@ -350,7 +354,11 @@ mod tests {
         run(&mut t, 200, 4, 0);
         assert_eq!(t.current(), 4);
         t.set_ceiling(1);
-        assert_eq!((t.current(), t.threads()), (1, 1), "at once, before any timing");
+        assert_eq!(
+            (t.current(), t.threads()),
+            (1, 1),
+            "at once, before any timing"
+        );
         run(&mut t, 300, 4, 3);
         assert!(t.threads() <= 1, "no probe above the ceiling");
         t.set_ceiling(4);
@@ -377,7 +385,12 @@ mod tests {
 
     #[test]
     fn others_busy_is_the_busy_time_less_our_own() {
-        let at = |busy, total, own| CpuTimes { busy, total, own, cpus: 2 };
+        let at = |busy, total, own| CpuTimes {
+            busy,
+            total,
+            own,
+            cpus: 2,
+        };
         // Two neighbours spinning on two CPUs, we idle: both cores taken.
         assert_eq!(others_busy(&at(0, 0, 0), &at(100, 100, 0)), Some(2.0));
         // We use one core, a neighbour the other.
@@ -387,14 +400,21 @@ mod tests {
         // Too short to tell, or counters that went backwards, or from other CPU sets.
         assert_eq!(others_busy(&at(0, 0, 0), &at(5, 10, 0)), None);
         assert_eq!(others_busy(&at(0, 200, 0), &at(0, 100, 0)), None);
-        let other = CpuTimes { cpus: 4, ..at(100, 100, 0) };
+        let other = CpuTimes {
+            cpus: 4,
+            ..at(100, 100, 0)
+        };
         assert_eq!(others_busy(&at(0, 0, 0), &other), None);
     }
 
     #[test]
     fn ceiling_is_the_free_cores_rounded() {
         assert_eq!(ceiling_for(2, 0.05), 2);
-        assert_eq!(ceiling_for(2, 0.67), 1, "one neighbour beside our two threads");
+        assert_eq!(
+            ceiling_for(2, 0.67),
+            1,
+            "one neighbour beside our two threads"
+        );
         assert_eq!(ceiling_for(2, 1.0), 1);
         assert_eq!(ceiling_for(2, 2.0), 1, "never below one");
         assert_eq!(ceiling_for(2, 5.0), 1);

@@ -37,9 +37,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
                 Ok(t) => Ok(t),
                 // An int too large for i64 is out of range, not of the wrong type.
                 Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
-                Err(_) => Err(type_error(format!(
-                    "{name} must contain only ints"
-                ))),
+                Err(_) => Err(type_error(format!("{name} must contain only ints"))),
             })
             .collect::<PyResult<Vec<_>>>()?;
         return narrow(v);

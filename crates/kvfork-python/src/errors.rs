@@ -106,7 +106,10 @@ fn argument_type_error_class(py: Python<'_>) -> PyResult<&Py<PyType>> {
             c"kvfork/_argument_error.py",
             c"kvfork._argument_error",
         )?;
-        Ok(module.getattr("ArgumentTypeError")?.cast_into::<PyType>()?.unbind())
+        Ok(module
+            .getattr("ArgumentTypeError")?
+            .cast_into::<PyType>()?
+            .unbind())
     })
 }
 

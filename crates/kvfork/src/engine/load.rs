@@ -181,7 +181,10 @@ mod tests {
 
     #[test]
     fn cpu_lists_parse_as_the_kernel_writes_them() {
-        assert_eq!(parse_cpu_list("0-3,8,10-11\n"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11\n"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
         assert_eq!(parse_cpu_list("0"), Some(vec![0]));
         assert_eq!(parse_cpu_list(""), None);
         assert_eq!(parse_cpu_list("x"), None);
