@@ -82,13 +82,15 @@ def measure(config: str, tokens: int, steps: int) -> list[float]:
 
 
 def table(args: argparse.Namespace) -> None:
-    print(f"{len(os.sched_getaffinity(0))} cores; median of {args.repeats}, configurations "
-          "interleaved; adaptive / best fixed count in the last columns (prefill: best time / "
-          "adaptive time)\n")
+    print(
+        f"{len(os.sched_getaffinity(0))} cores; median of {args.repeats}, configurations "
+        "interleaved; adaptive / best fixed count in the last columns (prefill: best time / "
+        "adaptive time)\n"
+    )
     head = ["busy neighbours", "threads", *MEASURES]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     ratios: list[tuple[int, list[float]]] = []
-    for load in (0, 1, 2):
+    for load in args.loads:
         runs: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
         with neighbours(load):
             for _ in range(args.repeats):
@@ -129,8 +131,10 @@ def load_change(args: argparse.Namespace) -> None:
     start, end = quiet, quiet + busy
     down = next((i - start + 1 for i in range(start, end) if trace[i] == 1), None)
     up = next((i - end + 1 for i in range(end, len(trace)) if trace[i] == trace[0]), None)
-    print(f"\nLoad change in one generation (threads after each decode; two neighbours during "
-          f"decodes {start + 1}-{end}):")
+    print(
+        f"\nLoad change in one generation (threads after each decode; two neighbours during "
+        f"decodes {start + 1}-{end}):"
+    )
     print("  " + "".join(str(t) for t in trace))
     print(f"  decodes to back off after the load came: {down}; to return after it left: {up}")
 
@@ -146,8 +150,16 @@ def two_processes(args: argparse.Namespace) -> None:
     for c in CONFIGS:
         single, step = [], []
         for _ in range(args.repeats):
-            cmd = [sys.executable, __file__, "--child", c, "--tokens", str(args.tokens),
-                   "--steps", str(args.steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                c,
+                "--tokens",
+                str(args.tokens),
+                "--steps",
+                str(args.steps),
+            ]
             procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
             for p in procs:
                 r = json.loads(p.communicate()[0])
@@ -164,6 +176,7 @@ def main() -> None:
     ap.add_argument("--quiet", type=int, default=24, help="decodes before and after the load")
     ap.add_argument("--busy", type=int, default=24, help="decodes beside two neighbours")
     ap.add_argument("--only", choices=["table", "change", "two"], default=None)
+    ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:

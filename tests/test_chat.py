@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -13,6 +14,7 @@ import jinja2.sandbox
 import kvfork
 import numpy as np
 import pytest
+from kvfork._chat import HELPFUL_ASSISTANT
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 
@@ -262,3 +264,29 @@ def cold_prefill_time(ctx: kvfork.Context, messages: list[dict[str, Any]]) -> tu
     elapsed = time.perf_counter() - t0
     b.prune_sync()
     return len(toks), elapsed
+
+
+@pytest.mark.parametrize(
+    ("question", "expected"),
+    [
+        ("What is the capital of France?", "Paris"),
+        ("What is the capital of Japan?", "Tokyo"),
+        ("What color is the sky on a clear day?", "blue"),
+        ("Who wrote Romeo and Juliet?", "Shakespeare"),
+    ],
+)
+def test_the_documented_system_prompt_gets_answers(
+    chat_ctx: kvfork.Context, question: str, expected: str
+) -> None:
+    """The system prompt of the README, examples/chat.py and `kvfork chat` is one the small chat
+    model follows (without one, or with "Answer briefly.", it answers in French nonsense)."""
+    chat = kvfork.Chat(chat_ctx, params=GREEDY, system=HELPFUL_ASSISTANT)
+    reply = chat.send_sync(question, max_tokens=32)
+    assert expected.lower() in reply.lower(), reply
+    assert chat.branch is not None
+    chat.branch.prune_sync()
+
+
+def test_the_readme_uses_the_documented_system_prompt() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f'system="{HELPFUL_ASSISTANT}"' in readme

@@ -210,6 +210,26 @@ def test_info_describes_the_model_and_the_build(capsys: pytest.CaptureFixture[st
     assert status == 0 and "metadata:" in out and "general.architecture: gemma3" in out
 
 
+def test_info_without_a_model_shows_the_system_and_where_the_models_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run_cli(capsys, "info")
+    assert status == 0 and f"kvfork {kvfork.__version__}" in out and "system:" in out
+    assert str(kvfork.default_model_path()) in out and "chat" in out
+    status, out, _ = run_cli(capsys, "info", "--json")
+    info = json.loads(out)
+    assert info["models"]["default"] == {"path": str(kvfork.default_model_path()), "present": True}
+    assert info["system"] == kvfork.system_info()
+
+
+def test_chat_answers_with_its_default_system_prompt(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
+    status, out, _ = run_cli(capsys, "chat", "--max-tokens", "24")
+    assert status == 0 and "Paris" in out
+
+
 def test_progress_shows_only_for_slow_work_and_erases_its_line() -> None:
     quick = io.StringIO()
     with Progress("quick", stream=quick, delay=0.5, enabled=True):

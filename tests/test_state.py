@@ -257,3 +257,15 @@ def test_tiny_temperature_changes_keep_the_random_stream(ctx: kvfork.Context) ->
     # draw only when its quantile sits on a boundary between two tokens).
     same = sum(a == b for a, b in zip(steady, moved))
     assert same >= 0.95 * draws, same
+
+
+def test_a_loaded_branch_keeps_its_history_for_prompt_lookup(
+    ctx: kvfork.Context, tmp_path: Path
+) -> None:
+    b = root(ctx, PROMPT)
+    tokens(b, 8)
+    b.save_sync(tmp_path / "h.kvfork")
+    loaded = kvfork.Branch.load_sync(ctx, tmp_path / "h.kvfork")
+    assert loaded.history == b.history
+    assert len(loaded.history) == loaded.position
+    assert kvfork.PromptLookup().propose(loaded.history) == kvfork.PromptLookup().propose(b.history)

@@ -87,7 +87,7 @@ impl PyBranch {
            text_signature = "($cls, ctx, position=0, params=None, *, grammar=None)")]
     fn create(
         _cls: &Bound<'_, PyType>,
-        ctx: &Bound<'_, PyContext>,
+        ctx: Arg<Bound<'_, PyContext>>,
         position: Int,
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<Arg<String>>,
@@ -95,6 +95,7 @@ impl PyBranch {
         let position = position.i32("position", 0)?;
         let params = params::extract(params)?;
         let grammar = grammar.map(|Arg(gbnf)| kvfork::GrammarSpec::Eager { gbnf });
+        let ctx = ctx.0;
         let branch = kvfork::Branch::create(&ctx.get().inner, position, &params, grammar).py()?;
         if position > 0 {
             warn_nothing_behind(ctx.py(), position)?;
@@ -288,10 +289,10 @@ impl PyBranch {
     fn load<'py>(
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
-        ctx: &Bound<'py, PyContext>,
+        ctx: Arg<Bound<'py, PyContext>>,
         path: Arg<PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, kvfork::Branch::load(&ctx.get().inner, path.0), |b| {
+        awaitable(py, kvfork::Branch::load(&ctx.0.get().inner, path.0), |b| {
             Ok(wrap(b))
         })
     }
@@ -303,12 +304,12 @@ impl PyBranch {
     fn load_sync(
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
-        ctx: &Bound<'_, PyContext>,
+        ctx: Arg<Bound<'_, PyContext>>,
         path: Arg<PathBuf>,
     ) -> PyResult<Self> {
         Ok(wrap(wait(
             py,
-            kvfork::Branch::load(&ctx.get().inner, path.0),
+            kvfork::Branch::load(&ctx.0.get().inner, path.0),
         )?))
     }
 

@@ -75,7 +75,7 @@ class ArgumentTypeError(TypeError):
 
     __module__ = \"kvfork\"
 
-    def add_note(self, note):
+    def add_note(self, note, /):
         prefix = \"while processing '\"
         if note.startswith(prefix) and note.endswith(\"'\") and len(self.args) == 1:
             name = note[len(prefix):-1]

@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 
 use crate::branch::{token_arg, PyBranch};
 use crate::context::PyContext;
-use crate::convert::{self, awaitable, awaitable_none, wait};
+use crate::convert::{self, awaitable, awaitable_none, wait, Arg};
 use crate::token::PyToken;
 
 /// Batched operations over many branches of one context: `commit`, `prefill` and `step`
@@ -15,41 +15,56 @@ pub struct PyBranchStore {
     inner: kvfork::BranchStore,
 }
 
-fn branch(obj: &Bound<'_, PyAny>) -> PyResult<kvfork::Branch> {
+fn branch(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<kvfork::Branch> {
     Ok(obj
         .cast::<PyBranch>()
-        .map_err(|_| crate::errors::type_error("expected a kvfork.Branch"))?
+        .map_err(|_| crate::errors::type_error(format!("{what}: expected a kvfork.Branch")))?
         .get()
         .inner
         .clone())
 }
 
+/// `obj` as an iterator, or a TypeError naming the argument and what it must hold.
+fn iterate<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
+    obj.try_iter()
+        .map_err(|_| crate::errors::type_error(format!("{what}, not {}", obj.get_type())))
+}
+
 fn commit_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, i32)>> {
-    entries
-        .try_iter()?
-        .map(|e| {
-            let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
-                crate::errors::type_error("commit entries must be (Branch, token) pairs")
-            })?;
-            Ok((branch(&b)?, token_arg(&t)?))
-        })
-        .collect()
+    iterate(
+        entries,
+        "entries must be an iterable of (Branch, token) pairs",
+    )?
+    .map(|e| {
+        let (b, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?
+            .extract()
+            .map_err(|_| crate::errors::type_error("entries must be (Branch, token) pairs"))?;
+        Ok((branch(&b, "entries")?, token_arg(&t)?))
+    })
+    .collect()
 }
 
 fn prefill_entries(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(kvfork::Branch, Vec<i32>)>> {
-    entries
-        .try_iter()?
-        .map(|e| {
-            let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?.extract().map_err(|_| {
-                crate::errors::type_error("prefill entries must be (Branch, tokens) pairs")
-            })?;
-            Ok((branch(&b)?, convert::tokens(&toks, "tokens")?))
-        })
-        .collect()
+    iterate(
+        entries,
+        "entries must be an iterable of (Branch, tokens) pairs",
+    )?
+    .map(|e| {
+        let (b, toks): (Bound<'_, PyAny>, Bound<'_, PyAny>) = e?
+            .extract()
+            .map_err(|_| crate::errors::type_error("entries must be (Branch, tokens) pairs"))?;
+        Ok((branch(&b, "entries")?, convert::tokens(&toks, "tokens")?))
+    })
+    .collect()
 }
 
 fn branch_list(list: &Bound<'_, PyAny>) -> PyResult<Vec<kvfork::Branch>> {
-    list.try_iter()?.map(|b| branch(&b?)).collect()
+    iterate(list, "branches must be an iterable of Branch")?
+        .map(|b| branch(&b?, "branches"))
+        .collect()
 }
 
 fn tokens(produced: Vec<kvfork::Produced>) -> PyResult<Vec<PyToken>> {
@@ -59,7 +74,8 @@ fn tokens(produced: Vec<kvfork::Produced>) -> PyResult<Vec<PyToken>> {
 #[pymethods]
 impl PyBranchStore {
     #[new]
-    fn new(ctx: &Bound<'_, PyContext>) -> Self {
+    fn new(ctx: Arg<Bound<'_, PyContext>>) -> Self {
+        let ctx = ctx.0;
         PyBranchStore {
             inner: kvfork::BranchStore::new(&ctx.get().inner),
         }
@@ -112,13 +128,13 @@ impl PyBranchStore {
         py: Python<'py>,
         winner: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.retain_only(&branch(winner)?))
+        awaitable_none(py, self.inner.retain_only(&branch(winner, "winner")?))
     }
 
     /// Blocking twin of `retain_only`: returns None once every other branch is disposed and
     /// its lease freed. Always completes, even on Ctrl-C.
     fn retain_only_sync(&self, py: Python<'_>, winner: &Bound<'_, PyAny>) -> PyResult<()> {
-        wait(py, self.inner.retain_only(&branch(winner)?))
+        wait(py, self.inner.retain_only(&branch(winner, "winner")?))
     }
 
     /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode

@@ -234,8 +234,10 @@ impl Engine {
                 let (single, batch) = params.threads_with(ctx.max_threads);
                 shared.threads.set(single, batch);
                 ctx.set_abort_signal(shared.abort.clone());
-                let _ = ready_tx.send(Ok(shared.clone()));
-                Worker::new(ctx, shared, meter).run(rx);
+                // Before the context is handed out: the thread counts it reports are set.
+                let worker = Worker::new(ctx, shared.clone(), meter);
+                let _ = ready_tx.send(Ok(shared));
+                worker.run(rx);
             })
             .map_err(|e| Error::Other(format!("could not start the engine thread: {e}")))?;
         let shared = ready_rx
