@@ -223,19 +223,20 @@ pub struct CpuTimes {
     pub cpus: u32,
 }
 
-/// Fewest ticks (over all CPUs counted) between two readings for [`others_busy`] to answer:
-/// the counters tick 100 times a second, so shorter windows are mostly rounding.
-pub const MIN_WINDOW_TICKS: u64 = 20;
+/// Fewest ticks per CPU counted between two readings for [`others_busy`] to answer (50 ms at
+/// the usual 100 ticks a second): shorter windows are mostly rounding, longer ones react late
+/// (a reading every 50 ms lets the count follow a change of load within a few decodes).
+pub const MIN_WINDOW_TICKS_PER_CPU: u64 = 5;
 
 /// Cores that other processes kept busy between two readings: the CPUs' busy time less this
 /// process's own, as a share of their whole time, times their number. `None` when the window
-/// is too short to tell ([`MIN_WINDOW_TICKS`]) or the readings do not belong together.
+/// is too short to tell ([`MIN_WINDOW_TICKS_PER_CPU`]) or the readings do not belong together.
 pub fn others_busy(before: &CpuTimes, after: &CpuTimes) -> Option<f64> {
     if before.cpus != after.cpus || after.cpus == 0 {
         return None;
     }
     let total = after.total.checked_sub(before.total)?;
-    if total < MIN_WINDOW_TICKS.max(u64::from(after.cpus)) {
+    if total < MIN_WINDOW_TICKS_PER_CPU * u64::from(after.cpus) {
         return None;
     }
     let busy = after.busy.saturating_sub(before.busy);
@@ -398,7 +399,8 @@ mod tests {
         // Quiet machine, our two threads.
         assert_eq!(others_busy(&at(10, 20, 10), &at(110, 120, 110)), Some(0.0));
         // Too short to tell, or counters that went backwards, or from other CPU sets.
-        assert_eq!(others_busy(&at(0, 0, 0), &at(5, 10, 0)), None);
+        assert_eq!(others_busy(&at(0, 0, 0), &at(5, 9, 0)), None);
+        assert_eq!(others_busy(&at(0, 0, 0), &at(10, 10, 5)), Some(1.0));
         assert_eq!(others_busy(&at(0, 200, 0), &at(0, 100, 0)), None);
         let other = CpuTimes {
             cpus: 4,
