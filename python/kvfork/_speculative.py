@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from ._native import Branch, Context, Token
+from ._native import Branch, Context, SpeculativeSchedule, Token, _use_speculative_streams
 
 __all__ = ["DraftModel", "Drafter", "PromptLookup", "SpeculativeStream", "SpeculativeStreamSync"]
 
@@ -141,84 +141,57 @@ class DraftModel:
 
 
 class _Rounds:
-    """What the two streams share: the queue of tokens to yield and the accounting."""
+    """What the two streams share: the queue of tokens to yield, and the engine's schedule
+    (budget, guess length, stop reason, counts: `kvfork._native.SpeculativeSchedule`). The
+    streams only await the drafter and the engine."""
 
     def __init__(self, branch: Branch, max_tokens: int | None, draft: Drafter) -> None:
         if not callable(getattr(draft, "propose", None)):
             raise TypeError("draft must have a propose(tokens) -> list[int] method")
         self.branch = branch
-        self.max_tokens = max_tokens
         self.draft = draft
+        self.schedule = SpeculativeSchedule(max_tokens)
         self.queue: deque[Token] = deque()
         self.pending: Token | None = None
-        self.yielded = 0
-        self.stop_reason: str | None = None
-        self.rounds = 0
-        self.drafted = 0
-        self.accepted = 0
-        # How many guessed tokens to decode next round: halved down to 1 after a rejection,
-        # doubled after a round that kept them all (a rejected guess costs compute).
-        self.limit = 8
 
     def pop(self) -> Token:
-        self.yielded += 1
+        self.schedule.yielded_one()
         return self.queue.popleft()
 
-    def ended(self) -> bool:
-        """Whether to stop before the next round (setting `stop_reason`)."""
-        done = self.max_tokens is not None and self.yielded >= self.max_tokens
-        if self.stop_reason is None and done:
-            self.stop_reason = "max_tokens"
-        return self.stop_reason is not None
-
-    def guess(self, pending: Token) -> list[int] | None:
-        """The draft for this round, or None when the stream ends at `pending`."""
-        budget = self.budget(pending)
-        if budget is None or budget <= 1:
-            return None if budget is None else []
-        guess = self.draft.propose([*self.branch.history, pending.token])
-        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
-
-    async def guess_async(self, pending: Token) -> list[int] | None:
-        """`guess`, awaiting the drafter's `apropose` where it has one."""
-        apropose = getattr(self.draft, "apropose", None)
-        if apropose is None:
-            return self.guess(pending)
-        budget = self.budget(pending)
-        if budget is None or budget <= 1:
-            return None if budget is None else []
-        guess = await apropose([*self.branch.history, pending.token])
-        return [int(t) for t in guess[: min(budget - 1, self.limit)]]
-
-    def budget(self, pending: Token) -> int | None:
-        """How many tokens this round may yield, or None when the stream ends at `pending`."""
-        if pending.is_stop:
-            self.stop_reason = "stop_token"
-            return None
-        room = self.branch.context.n_ctx - self.branch.position
-        if room < 1:
-            self.stop_reason = "context_full"
-            return None
-        budget = room
-        if self.max_tokens is not None:
-            budget = min(budget, self.max_tokens - self.yielded)
-        return budget
-
     def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
-        if draft:
-            kept_all = len(accepted) == len(draft)
-            self.limit = min(self.limit * 2, 64) if kept_all else max(1, self.limit // 2)
-        self.rounds += 1
-        self.drafted += len(draft)
-        self.accepted += len(accepted)
+        self.schedule.took(len(draft), len(accepted))
         self.queue.append(pending)
         self.queue.extend(accepted)
         self.pending = nxt
 
+    def history(self, pending: Token) -> list[int]:
+        return [*self.branch.history, pending.token]
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it
+        runs."""
+        return self.schedule.stop_reason
+
+    @property
+    def rounds(self) -> int:
+        """Rounds run (decodes of a pending token plus its guess)."""
+        return self.schedule.rounds
+
+    @property
+    def drafted(self) -> int:
+        """Guessed tokens decoded over all rounds."""
+        return self.schedule.drafted
+
+    @property
+    def accepted(self) -> int:
+        """Guessed tokens the chain drew too."""
+        return self.schedule.accepted
+
     @property
     def acceptance(self) -> float:
         """Share of drafted tokens the chain drew too (0 before any draft)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.schedule.acceptance
 
 
 class SpeculativeStream(_Rounds):
@@ -226,7 +199,8 @@ class SpeculativeStream(_Rounds):
     plain generation, ending at a stop token (not committed), `max_tokens` or a full context
     (`stop_reason`). `rounds`, `drafted`, `accepted` and `acceptance` tell how the draft
     did. At the end the sampler has drawn the one token after the last yielded (not
-    committed) — one random draw past plain generation."""
+    committed) — one random draw past plain generation. A drafter with
+    `async apropose(tokens)` is awaited (the event loop never waits on it)."""
 
     def __aiter__(self) -> SpeculativeStream:
         return self
@@ -234,13 +208,19 @@ class SpeculativeStream(_Rounds):
     async def __anext__(self) -> Token:
         if self.queue:
             return self.pop()
-        if self.ended():
+        if self.schedule.ended():
             raise StopAsyncIteration
         if self.pending is None:
             self.pending = await self.branch.produce()
-        draft = await self.guess_async(self.pending)
-        if draft is None:
+        n = self.schedule.guess_len(self.branch, self.pending)
+        if n is None:
             raise StopAsyncIteration
+        draft: list[int] = []
+        if n > 0:
+            apropose = getattr(self.draft, "apropose", None)
+            history = self.history(self.pending)
+            guess = await apropose(history) if apropose else self.draft.propose(history)
+            draft = [int(t) for t in guess[:n]]
         accepted, nxt = await self.branch.speculate(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
@@ -255,13 +235,21 @@ class SpeculativeStreamSync(_Rounds):
     def __next__(self) -> Token:
         if self.queue:
             return self.pop()
-        if self.ended():
+        if self.schedule.ended():
             raise StopIteration
         if self.pending is None:
             self.pending = self.branch.produce_sync()
-        draft = self.guess(self.pending)
-        if draft is None:
+        n = self.schedule.guess_len(self.branch, self.pending)
+        if n is None:
             raise StopIteration
+        draft: list[int] = []
+        if n > 0:
+            draft = [int(t) for t in self.draft.propose(self.history(self.pending))[:n]]
         accepted, nxt = self.branch.speculate_sync(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
+
+
+# The native `Branch.generate(draft=...)` builds these streams: hand them over (the native
+# module never imports this package).
+_use_speculative_streams(SpeculativeStream, SpeculativeStreamSync)

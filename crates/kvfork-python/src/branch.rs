@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 use pyo3::IntoPyObjectExt;
 
@@ -219,7 +220,7 @@ impl PyBranch {
     ) -> PyResult<Py<PyAny>> {
         let limit = max_count(max_tokens)?;
         match draft {
-            Some(draft) => speculative_stream(slf, "SpeculativeStream", limit, draft),
+            Some(draft) => speculative_stream(slf, false, limit, draft),
             None => PyGenerator::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
         }
     }
@@ -235,7 +236,7 @@ impl PyBranch {
     ) -> PyResult<Py<PyAny>> {
         let limit = max_count(max_tokens)?;
         match draft {
-            Some(draft) => speculative_stream(slf, "SpeculativeStreamSync", limit, draft),
+            Some(draft) => speculative_stream(slf, true, limit, draft),
             None => PyGeneratorSync::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
         }
     }
@@ -646,19 +647,37 @@ impl PyBranch {
     }
 }
 
-/// `kvfork.<class>(branch, max_tokens, draft)`: the speculative streams live in Python.
+/// The speculative stream classes of `kvfork._speculative` (async, sync), handed over by the
+/// package when it is imported: the native module never imports the package.
+static SPECULATIVE_STREAMS: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+
+/// Called once by `kvfork._speculative` with its `SpeculativeStream` and
+/// `SpeculativeStreamSync` classes.
+#[pyfunction]
+pub fn _use_speculative_streams(
+    py: Python<'_>,
+    async_stream: Py<PyAny>,
+    sync_stream: Py<PyAny>,
+) -> PyResult<()> {
+    let _ = SPECULATIVE_STREAMS.set(py, (async_stream, sync_stream));
+    Ok(())
+}
+
+/// `kvfork.SpeculativeStream(branch, max_tokens, draft)` (or its sync twin).
 fn speculative_stream(
     branch: &Bound<'_, PyBranch>,
-    class: &str,
+    sync: bool,
     max_tokens: Option<usize>,
     draft: Bound<'_, PyAny>,
 ) -> PyResult<Py<PyAny>> {
     let py = branch.py();
-    Ok(py
-        .import("kvfork._speculative")?
-        .getattr(class)?
-        .call1((branch, max_tokens, draft))?
-        .unbind())
+    let (async_stream, sync_stream) = SPECULATIVE_STREAMS.get(py).ok_or_else(|| {
+        pyo3::exceptions::PyRuntimeError::new_err(
+            "speculative streams come with the kvfork package: import kvfork, not only kvfork._native",
+        )
+    })?;
+    let class = if sync { sync_stream } else { async_stream };
+    Ok(class.bind(py).call1((branch, max_tokens, draft))?.unbind())
 }
 
 /// A fresh lease holds no cells: a branch created past 0 would generate from an empty cache

@@ -95,6 +95,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<generate::PyGenerator>()?;
     m.add_class::<generate::PyGeneratorSync>()?;
+    m.add_class::<generate::PySpeculativeSchedule>()?;
     m.add_class::<awaitable::Ready>()?;
     m.add_class::<awaitable::Operation>()?;
     m.add_function(wrap_pyfunction!(context::create_context, m)?)?;
@@ -102,5 +103,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(system_info, m)?)?;
     m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(branch::_use_speculative_streams, m)?)?;
     Ok(())
 }

@@ -24,6 +24,17 @@ pub struct PyToken {
     is_stop: bool,
 }
 
+impl PyToken {
+    /// The engine's view of this token.
+    pub fn produced(&self) -> kvfork::Produced {
+        kvfork::Produced {
+            token: self.token,
+            text: self.text.clone(),
+            is_stop: self.is_stop,
+        }
+    }
+}
+
 impl From<kvfork::Produced> for PyToken {
     fn from(p: kvfork::Produced) -> Self {
         PyToken {

@@ -1,0 +1,366 @@
+//! Generation policy: when a stream of tokens over one branch stops, and how speculative
+//! rounds are sized. The binding only adapts these (to Python's iterators); a Rust program
+//! gets the same streams ([`Branch::generate`], [`Branch::generate_with`]).
+//!
+//! A [`TokenStream`] asks the engine for one step at a time (sample, then commit unless it is
+//! a stop token), so many streams over different branches share decodes. Speculative
+//! decoding ([`SpeculativeStream`]) decodes the last sampled token plus a drafter's guess in one
+//! decode; [`SpeculativeSchedule`] holds its budget and the adaptive guess length.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use crate::branch::{Branch, Produced};
+use crate::engine::Pending;
+use crate::error::Result;
+use crate::model::Token;
+
+/// Why a stream of tokens ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    /// The chain drew an end-of-generation token (sampled, not committed).
+    StopToken,
+    /// `max_tokens` tokens were yielded.
+    MaxTokens,
+    /// The branch reached the context's end (`reseed_context` makes room).
+    ContextFull,
+}
+
+impl StopReason {
+    /// The name Python sees: "stop_token", "max_tokens" or "context_full".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::StopToken => "stop_token",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::ContextFull => "context_full",
+        }
+    }
+}
+
+/// Tokens left before the context is full, for a branch at `position`.
+fn room(branch: &Branch) -> usize {
+    let n_ctx = branch.context().n_ctx() as usize;
+    branch
+        .position()
+        .map_or(0, |p| n_ctx.saturating_sub(p.max(0) as usize))
+}
+
+/// Plain generation over one branch: commit-before-yield, ending at a stop token (not
+/// committed), after `max_tokens`, or when the context is full. Shared by reference between
+/// the steps of one iteration (the first stop reason set wins).
+pub struct TokenStream {
+    branch: Branch,
+    max_tokens: Option<usize>,
+    produced: AtomicUsize,
+    stop: OnceLock<StopReason>,
+}
+
+impl TokenStream {
+    /// A stream over `branch`, at most `max_tokens` tokens (None: until a stop token or the
+    /// end of the context).
+    pub fn new(branch: Branch, max_tokens: Option<usize>) -> Self {
+        TokenStream {
+            branch,
+            max_tokens,
+            produced: AtomicUsize::new(0),
+            stop: OnceLock::new(),
+        }
+    }
+
+    /// Queue the next step on the engine, or `None` when the stream is over.
+    pub fn next_step(&self) -> Option<Pending<Produced>> {
+        if self.stop.get().is_some() {
+            return None;
+        }
+        let produced = self.produced.load(Ordering::Relaxed);
+        if self.max_tokens.is_some_and(|m| produced >= m) {
+            self.finish(StopReason::MaxTokens);
+            return None;
+        }
+        if room(&self.branch) == 0 {
+            self.finish(StopReason::ContextFull);
+            return None;
+        }
+        Some(self.branch.step())
+    }
+
+    /// The token a finished step yields, or `None` at a stop token (the stream is over).
+    pub fn record(&self, produced: Produced) -> Option<Produced> {
+        if produced.is_stop {
+            self.finish(StopReason::StopToken);
+            return None;
+        }
+        self.produced.fetch_add(1, Ordering::Relaxed);
+        Some(produced)
+    }
+
+    /// Why the stream ended; `None` while it runs.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stop.get().copied()
+    }
+
+    fn finish(&self, reason: StopReason) {
+        let _ = self.stop.set(reason);
+    }
+}
+
+/// Blocking iteration: each item waits for its step.
+impl Iterator for TokenStream {
+    type Item = Result<Produced>;
+
+    fn next(&mut self) -> Option<Result<Produced>> {
+        let step = self.next_step()?;
+        match step.wait() {
+            Ok(p) => self.record(p).map(Ok),
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+/// Guesses the tokens after a history, for speculative decoding.
+pub trait Drafter {
+    /// Guessed tokens to follow `tokens` (the branch's history, ending with the token about to
+    /// be decoded); empty for no guess this round. Any length: the stream cuts what does not
+    /// fit.
+    fn propose(&mut self, tokens: &[Token]) -> Vec<Token>;
+}
+
+/// Guess length of the first round.
+const FIRST_GUESS: usize = 8;
+/// Longest guess a round decodes (a rejected guess costs its compute).
+const MAX_GUESS: usize = 64;
+
+/// The budget and guess length of speculative rounds, and what the guesses earned. The guess
+/// length halves (down to 1) after a round that rejected part of its guess and doubles (up to
+/// 64) after one that kept it all.
+#[derive(Debug, Clone)]
+pub struct SpeculativeSchedule {
+    max_tokens: Option<usize>,
+    yielded: usize,
+    stop: Option<StopReason>,
+    limit: usize,
+    rounds: usize,
+    drafted: usize,
+    accepted: usize,
+}
+
+impl SpeculativeSchedule {
+    /// A schedule for at most `max_tokens` tokens (None: no limit).
+    pub fn new(max_tokens: Option<usize>) -> Self {
+        SpeculativeSchedule {
+            max_tokens,
+            yielded: 0,
+            stop: None,
+            limit: FIRST_GUESS,
+            rounds: 0,
+            drafted: 0,
+            accepted: 0,
+        }
+    }
+
+    /// Count one token handed to the caller.
+    pub fn yielded_one(&mut self) {
+        self.yielded += 1;
+    }
+
+    /// Whether the stream is over before another round (setting the stop reason).
+    pub fn ended(&mut self) -> bool {
+        if self.stop.is_none() && self.max_tokens.is_some_and(|m| self.yielded >= m) {
+            self.stop = Some(StopReason::MaxTokens);
+        }
+        self.stop.is_some()
+    }
+
+    /// How many guessed tokens this round may decode after `pending` on `branch`, or `None`
+    /// when the stream ends at `pending` (a stop token, or no room left in the context).
+    pub fn guess_len(&mut self, branch: &Branch, pending: &Produced) -> Option<usize> {
+        if pending.is_stop {
+            self.stop = Some(StopReason::StopToken);
+            return None;
+        }
+        let room = room(branch);
+        if room == 0 {
+            self.stop = Some(StopReason::ContextFull);
+            return None;
+        }
+        let left = self
+            .max_tokens
+            .map_or(room, |m| room.min(m.saturating_sub(self.yielded)));
+        Some(left.saturating_sub(1).min(self.limit))
+    }
+
+    /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.
+    pub fn took(&mut self, drafted: usize, accepted: usize) {
+        if drafted > 0 {
+            self.limit = if accepted == drafted {
+                (self.limit * 2).min(MAX_GUESS)
+            } else {
+                (self.limit / 2).max(1)
+            };
+        }
+        self.rounds += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+    }
+
+    /// Why the stream ended; `None` while it runs.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stop
+    }
+
+    /// Rounds run (decodes of a pending token plus its guess).
+    pub fn rounds(&self) -> usize {
+        self.rounds
+    }
+
+    /// Guessed tokens decoded over all rounds.
+    pub fn drafted(&self) -> usize {
+        self.drafted
+    }
+
+    /// Guessed tokens the chain drew too.
+    pub fn accepted(&self) -> usize {
+        self.accepted
+    }
+
+    /// Share of guessed tokens the chain drew too (0 before any guess).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
+/// Exact speculative decoding over one branch (blocking): the tokens plain generation draws,
+/// up to the rounding of a batched decode, with fewer decodes where the drafter guesses well.
+/// At the end the sampler has drawn one token past the last yielded (not committed).
+pub struct SpeculativeStream<D: Drafter> {
+    branch: Branch,
+    drafter: D,
+    schedule: SpeculativeSchedule,
+    queue: VecDeque<Produced>,
+    pending: Option<Produced>,
+}
+
+impl<D: Drafter> SpeculativeStream<D> {
+    /// A stream over `branch` guessed by `drafter`, at most `max_tokens` tokens.
+    pub fn new(branch: Branch, max_tokens: Option<usize>, drafter: D) -> Self {
+        SpeculativeStream {
+            branch,
+            drafter,
+            schedule: SpeculativeSchedule::new(max_tokens),
+            queue: VecDeque::new(),
+            pending: None,
+        }
+    }
+
+    /// Its rounds, guesses and stop reason so far.
+    pub fn schedule(&self) -> &SpeculativeSchedule {
+        &self.schedule
+    }
+
+    fn round(&mut self) -> Result<bool> {
+        let pending = match self.pending.take() {
+            Some(p) => p,
+            None => self.branch.produce().wait()?,
+        };
+        let Some(len) = self.schedule.guess_len(&self.branch, &pending) else {
+            return Ok(false);
+        };
+        let mut guess = Vec::new();
+        if len > 0 {
+            let mut history = self.branch.history()?;
+            history.push(pending.token);
+            guess = self.drafter.propose(&history);
+            guess.truncate(len);
+        }
+        let done = self.branch.speculate(pending.token, guess.clone()).wait()?;
+        self.schedule.took(guess.len(), done.accepted.len());
+        self.queue.push_back(pending);
+        self.queue.extend(done.accepted);
+        self.pending = Some(done.next);
+        Ok(true)
+    }
+}
+
+impl<D: Drafter> Iterator for SpeculativeStream<D> {
+    type Item = Result<Produced>;
+
+    fn next(&mut self) -> Option<Result<Produced>> {
+        if self.queue.is_empty() {
+            if self.schedule.ended() {
+                return None;
+            }
+            match self.round() {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let token = self.queue.pop_front()?;
+        self.schedule.yielded_one();
+        Some(Ok(token))
+    }
+}
+
+impl Branch {
+    /// Plain generation: at most `max_tokens` tokens (see [`TokenStream`]).
+    pub fn generate(&self, max_tokens: Option<usize>) -> TokenStream {
+        TokenStream::new(self.clone(), max_tokens)
+    }
+
+    /// Exact speculative generation guessed by `drafter` (see [`SpeculativeStream`]).
+    pub fn generate_with<D: Drafter>(
+        &self,
+        max_tokens: Option<usize>,
+        drafter: D,
+    ) -> SpeculativeStream<D> {
+        SpeculativeStream::new(self.clone(), max_tokens, drafter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_reasons_have_the_python_names() {
+        assert_eq!(StopReason::StopToken.as_str(), "stop_token");
+        assert_eq!(StopReason::MaxTokens.as_str(), "max_tokens");
+        assert_eq!(StopReason::ContextFull.as_str(), "context_full");
+    }
+
+    #[test]
+    fn the_guess_length_halves_on_a_miss_and_doubles_on_a_full_hit() {
+        let mut s = SpeculativeSchedule::new(None);
+        s.took(8, 3);
+        assert_eq!(s.limit, 4);
+        s.took(4, 4);
+        assert_eq!(s.limit, 8);
+        for _ in 0..10 {
+            s.took(s.limit, s.limit);
+        }
+        assert_eq!(s.limit, MAX_GUESS);
+        for _ in 0..10 {
+            s.took(s.limit, 0);
+        }
+        assert_eq!(s.limit, 1);
+        s.took(0, 0); // a round with no guess changes nothing
+        assert_eq!(s.limit, 1);
+        assert_eq!(s.rounds(), 23);
+        assert!(s.acceptance() > 0.0 && s.acceptance() < 1.0);
+    }
+
+    #[test]
+    fn max_tokens_ends_the_schedule() {
+        let mut s = SpeculativeSchedule::new(Some(2));
+        assert!(!s.ended());
+        s.yielded_one();
+        s.yielded_one();
+        assert!(s.ended());
+        assert_eq!(s.stop_reason(), Some(StopReason::MaxTokens));
+    }
+}
