@@ -9,11 +9,12 @@ use pyo3::types::PyType;
 use pyo3::IntoPyObjectExt;
 
 use crate::context::{token_id, PyContext};
-use crate::convert::{self, awaitable, awaitable_none, wait, Arg, Int};
+use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::params;
 use crate::token::PyToken;
+use crate::twins::twins;
 
 /// One decode sequence on its own KV lease, with its own sampler chain, grammar, logit bias,
 /// steer, logits snapshot and perplexity trackers; forks share their parent's KV prefix.
@@ -106,55 +107,6 @@ impl PyBranch {
 
     // ---- decoding ----
 
-    /// Decode external tokens at the branch's position (no accept); captures the last logits.
-    /// Prefills of other tasks issued at the same time are packed into the same decodes.
-    /// Cancelled, it either never ran or was aborted and rolled back: nothing happened.
-    fn prefill<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let tokens = convert::tokens(tokens, "tokens")?;
-        awaitable_none(py, self.inner.prefill(tokens))
-    }
-
-    /// Blocking twin of `prefill`: returns None once the tokens are decoded. Waits without the
-    /// GIL; Ctrl-C aborts and rolls the prefill back, then raises KeyboardInterrupt.
-    fn prefill_sync(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let tokens = convert::tokens(tokens, "tokens")?;
-        wait(py, self.inner.prefill(tokens))
-    }
-
-    /// Sample a token from the snapshot on the engine thread, after any queued work on this
-    /// branch (no KV write, no accept; only a stochastic sampler's RNG moves).
-    fn produce<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.produce(), |p| Ok(PyToken::from(p)))
-    }
-
-    /// Blocking twin of `produce`: returns the sampled Token, not committed. Waits without the
-    /// GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn produce_sync(&self, py: Python<'_>) -> PyResult<PyToken> {
-        Ok(wait(py, self.inner.produce())?.into())
-    }
-
-    /// Accept `token` (an int or a Token), decode it, capture logits; rolled back if the
-    /// decode fails. Cancelled, it either never ran (nothing happened) or had started (it
-    /// completed).
-    fn commit<'py>(
-        &self,
-        py: Python<'py>,
-        token: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.commit(token_arg(token)?))
-    }
-
-    /// Blocking twin of `commit`: returns None once the token is accepted and decoded (a failed
-    /// decode is rolled back and raised). Waits without the GIL; on Ctrl-C a started commit
-    /// completes, then KeyboardInterrupt is raised.
-    fn commit_sync(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
-        wait(py, self.inner.commit(token_arg(token)?))
-    }
-
     /// Sample a token id (low level: no state change but the sampler RNG).
     fn sample(&self, py: Python<'_>) -> PyResult<i32> {
         py.detach(|| self.inner.sample()).py()
@@ -164,37 +116,6 @@ impl PyBranch {
     fn accept(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<()> {
         let token = token_arg(token)?;
         py.detach(|| self.inner.accept(token)).py()
-    }
-
-    /// One round of exact speculative decoding (low level; `generate(draft=...)` drives it).
-    /// `pending`: the token the sampler drew last (from `produce`, not committed); `draft`:
-    /// guessed tokens after it. Decodes both in one llama_decode, then samples the branch's
-    /// chain position by position, accepting while it agrees with the draft. Returns
-    /// `(accepted, next)`: the draft Tokens drawn (committed, with `pending`) and the Token
-    /// drawn after them (sampled, not committed).
-    fn speculate<'py>(
-        &self,
-        py: Python<'py>,
-        pending: &Bound<'py, PyAny>,
-        draft: Arg<Vec<i64>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let draft = draft_tokens(draft.0)?;
-        awaitable(
-            py,
-            self.inner.speculate(token_arg(pending)?, draft),
-            speculated,
-        )
-    }
-
-    /// Blocking twin of `speculate`.
-    fn speculate_sync(
-        &self,
-        py: Python<'_>,
-        pending: &Bound<'_, PyAny>,
-        draft: Arg<Vec<i64>>,
-    ) -> PyResult<(Vec<PyToken>, PyToken)> {
-        let draft = draft_tokens(draft.0)?;
-        speculated(wait(py, self.inner.speculate(token_arg(pending)?, draft))?)
     }
 
     /// The tokens decoded into the branch's sequence since it was created (or reseeded):
@@ -247,41 +168,7 @@ impl PyBranch {
 
     // ---- tree ----
 
-    /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG), grammar,
-    /// perplexity, logits and logit bias; not steer. Cancelled, it either never ran (no lease
-    /// taken) or completed (the child exists, as a child of this branch).
-    ///
-    /// Without `seed` the child samples exactly like its parent until reseeded: forks made
-    /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease is
-    /// free.
-    #[pyo3(signature = (*, seed=None))]
-    fn fork<'py>(&self, py: Python<'py>, seed: Option<Int>) -> PyResult<Bound<'py, PyAny>> {
-        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
-        awaitable(py, self.inner.fork(seed), |b| Ok(wrap(b)))
-    }
-
-    /// Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is
-    /// free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists),
-    /// then KeyboardInterrupt is raised.
-    #[pyo3(signature = (*, seed=None))]
-    fn fork_sync(&self, py: Python<'_>, seed: Option<Int>) -> PyResult<Self> {
-        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
-        Ok(wrap(wait(py, self.inner.fork(seed))?))
-    }
-
     // ---- persistence and infinite context ----
-
-    /// Save the branch to `path` (its KV cells, position, sampler params and RNG state,
-    /// grammar, biases, steer, perplexity accumulators), after queued work on it.
-    fn save<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.save(path.0))
-    }
-
-    /// Blocking twin of `save`: returns None once the file is written. Waits without the GIL;
-    /// Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn save_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<()> {
-        wait(py, self.inner.save(path.0))
-    }
 
     /// A new root branch on a fresh lease of `ctx` (any context of the same model), restored
     /// from a file `save` wrote; it continues exactly as the saved branch would have.
@@ -312,65 +199,6 @@ impl PyBranch {
             py,
             kvfork::Branch::load(&ctx.0.get().inner, path.0),
         )?))
-    }
-
-    /// Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
-    /// first tokens) followed by the last `tail` tokens the branch accepted, from position 0.
-    /// Sampler, grammar, biases and metrics carry on.
-    fn reseed_context<'py>(
-        &self,
-        py: Python<'py>,
-        sinks: &Bound<'py, PyAny>,
-        tail: Int,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let sinks = convert::tokens(sinks, "sinks")?;
-        let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
-        awaitable_none(py, self.inner.reseed_context(sinks, tail))
-    }
-
-    /// Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled.
-    /// Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises
-    /// KeyboardInterrupt.
-    fn reseed_context_sync(
-        &self,
-        py: Python<'_>,
-        sinks: &Bound<'_, PyAny>,
-        tail: Int,
-    ) -> PyResult<()> {
-        let sinks = convert::tokens(sinks, "sinks")?;
-        let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
-        wait(py, self.inner.reseed_context(sinks, tail))
-    }
-
-    /// Dispose the branch and free its KV lease; siblings and the shared prefix are
-    /// untouched. RESTRICT by default: raises KvforkError while it has live children.
-    /// `keep_children=True` frees the lease anyway: the children keep the cells they share
-    /// with it and move to its parent (or become roots) — e.g. a dropped beam whose forks
-    /// survive. `disposed` is True at once and the rest always happens, even if the await is
-    /// cancelled; a second prune is a no-op.
-    #[pyo3(signature = (*, keep_children=Arg(false)),
-           text_signature = "($self, *, keep_children=False)")]
-    fn prune<'py>(&self, py: Python<'py>, keep_children: Arg<bool>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.pruning(keep_children.0))
-    }
-
-    /// Blocking twin of `prune`: returns None once the lease is freed; KvforkError while the
-    /// branch has live children, unless `keep_children=True`. Always completes, even on Ctrl-C.
-    #[pyo3(signature = (*, keep_children=Arg(false)),
-           text_signature = "($self, *, keep_children=False)")]
-    fn prune_sync(&self, py: Python<'_>, keep_children: Arg<bool>) -> PyResult<()> {
-        wait(py, self.pruning(keep_children.0))
-    }
-
-    /// Dispose this branch and its whole subtree (CASCADE). Always completes once called.
-    fn prune_subtree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.prune_subtree())
-    }
-
-    /// Blocking twin of `prune_subtree`: returns None once the branch and all its descendants
-    /// are disposed. Waits without the GIL; always completes, even on Ctrl-C.
-    fn prune_subtree_sync(&self, py: Python<'_>) -> PyResult<()> {
-        wait(py, self.inner.prune_subtree())
     }
 
     /// The Branch this one was forked from, or None for a root (and for a disposed branch).
@@ -638,6 +466,119 @@ impl PyBranch {
             Ok(p) => format!("Branch(handle={}, position={p})", self.inner.handle()),
             Err(_) => format!("Branch(handle={}, disposed)", self.inner.handle()),
         }
+    }
+}
+
+twins! {
+    impl PyBranch {
+        /// Decode external tokens at the branch's position (no accept); captures the last
+        /// logits. Prefills of other tasks issued at the same time are packed into the same
+        /// decodes. Cancelled, it either never ran or was aborted and rolled back: nothing
+        /// happened.
+        #[sync_doc = "returns None once the tokens are decoded. Waits without the GIL; Ctrl-C \
+                      aborts and rolls the prefill back, then raises KeyboardInterrupt."]
+        fn prefill / prefill_sync(&self, py, tokens: &Bound<'_, PyAny>) -> Option<()> {
+            self.inner.prefill(convert::tokens(tokens, "tokens")?)
+        } => convert::none;
+
+        /// Sample a token from the snapshot on the engine thread, after any queued work on
+        /// this branch (no KV write, no accept; only a stochastic sampler's RNG moves).
+        #[sync_doc = "returns the sampled Token, not committed. Waits without the GIL; Ctrl-C \
+                      cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        fn produce / produce_sync(&self, py) -> PyToken {
+            self.inner.produce()
+        } => |p| Ok(PyToken::from(p));
+
+        /// Accept `token` (an int or a Token), decode it, capture logits; rolled back if the
+        /// decode fails. Cancelled, it either never ran (nothing happened) or had started (it
+        /// completed).
+        #[sync_doc = "returns None once the token is accepted and decoded (a failed decode is \
+                      rolled back and raised). Waits without the GIL; on Ctrl-C a started \
+                      commit completes, then KeyboardInterrupt is raised."]
+        fn commit / commit_sync(&self, py, token: &Bound<'_, PyAny>) -> Option<()> {
+            self.inner.commit(token_arg(token)?)
+        } => convert::none;
+
+        /// One round of exact speculative decoding (low level; `generate(draft=...)` drives
+        /// it). `pending`: the token the sampler drew last (from `produce`, not committed);
+        /// `draft`: guessed tokens after it. Decodes both in one llama_decode, then samples the
+        /// branch's chain position by position, accepting while it agrees with the draft.
+        /// Returns `(accepted, next)`: the draft Tokens drawn (committed, with `pending`) and
+        /// the Token drawn after them (sampled, not committed).
+        #[sync_doc = "returns `(accepted, next)`. Waits without the GIL; on Ctrl-C a started \
+                      round completes, then KeyboardInterrupt is raised."]
+        fn speculate / speculate_sync(
+            &self,
+            py,
+            pending: &Bound<'_, PyAny>,
+            draft: Arg<Vec<i64>>,
+        ) -> (Vec<PyToken>, PyToken) {
+            self.inner.speculate(token_arg(pending)?, draft_tokens(draft.0)?)
+        } => speculated;
+
+        /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
+        /// grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
+        /// ran (no lease taken) or completed (the child exists, as a child of this branch).
+        ///
+        /// Without `seed` the child samples exactly like its parent until reseeded: forks made
+        /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
+        /// is free.
+        #[sync_doc = "returns the child Branch; LeaseExhaustedError when no lease is free. \
+                      Waits without the GIL; on Ctrl-C a started fork completes (the child \
+                      exists), then KeyboardInterrupt is raised."]
+        #[pyo3(signature = (*, seed=None))]
+        fn fork / fork_sync(&self, py, seed: Option<Int>) -> PyBranch {
+            self.inner.fork(seed.map(|s| s.u32("seed", 0)).transpose()?)
+        } => |b| Ok(wrap(b));
+
+        /// Save the branch to `path` (its KV cells, position, history, sampler params and RNG
+        /// state, grammar, biases, steer, perplexity accumulators), after queued work on it.
+        #[sync_doc = "returns None once the file is written. Waits without the GIL; Ctrl-C \
+                      cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        fn save / save_sync(&self, py, path: Arg<PathBuf>) -> Option<()> {
+            self.inner.save(path.0)
+        } => convert::none;
+
+        /// Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
+        /// first tokens) followed by the last `tail` tokens the branch accepted, from position
+        /// 0. Sampler, grammar, biases and metrics carry on.
+        #[sync_doc = "returns None once `sinks` and the tail are prefilled. Waits without the \
+                      GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        fn reseed_context / reseed_context_sync(
+            &self,
+            py,
+            sinks: &Bound<'_, PyAny>,
+            tail: Int,
+        ) -> Option<()> {
+            let sinks = convert::tokens(sinks, "sinks")?;
+            let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
+            self.inner.reseed_context(sinks, tail)
+        } => convert::none;
+
+        /// Dispose the branch and free its KV lease; siblings and the shared prefix are
+        /// untouched. RESTRICT by default: raises KvforkError while it has live children.
+        /// `keep_children=True` frees the lease anyway: the children keep the cells they share
+        /// with it and move to its parent (or become roots) — e.g. a dropped beam whose forks
+        /// survive. `disposed` is True at once and the rest always happens, even if the await
+        /// is cancelled; a second prune is a no-op.
+        #[sync_doc = "returns None once the lease is freed; KvforkError while the branch has \
+                      live children, unless `keep_children=True`. Always completes, even on \
+                      Ctrl-C."]
+        #[pyo3(signature = (*, keep_children=Arg(false)),
+               text_signature = "($self, *, keep_children=False)")]
+        fn prune / prune_sync(&self, py, keep_children: Arg<bool>) -> Option<()> {
+            self.pruning(keep_children.0)
+        } => convert::none;
+
+        /// Dispose this branch and its whole subtree (CASCADE). Always completes once called.
+        #[sync_doc = "returns None once the branch and all its descendants are disposed. Waits \
+                      without the GIL; always completes, even on Ctrl-C."]
+        fn prune_subtree / prune_subtree_sync(&self, py) -> Option<()> {
+            self.inner.prune_subtree()
+        } => convert::none;
     }
 }
 

@@ -10,10 +10,11 @@ use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{OnCancel, Operation};
 use crate::branch::PyBranch;
-use crate::convert::{self, awaitable, awaitable_none, wait, Arg, Int};
+use crate::convert::{self, wait, Arg, Int};
 use crate::embed;
 use crate::errors::IntoPyResult;
 use crate::model::PyModel;
+use crate::twins::twins;
 
 /// A llama context: owns a unified KV cache and the engine thread that runs every decode.
 #[pyclass(frozen, module = "kvfork", name = "Context")]
@@ -351,50 +352,12 @@ impl PyContext {
         queued(ctx.kv_seq_remove(seq, p0, p1)).map(|_| true)
     }
 
-    /// Largest position stored for `seq` (-1 when empty), after all queued work (async).
-    fn kv_seq_pos_max<'py>(&self, py: Python<'py>, seq: Int) -> PyResult<Bound<'py, PyAny>> {
-        let seq = seq_arg(&seq, "seq")?;
-        awaitable(py, self.open()?.kv_seq_pos_max(seq), Ok)
-    }
-
-    /// Blocking twin of `kv_seq_pos_max`.
-    fn kv_seq_pos_max_sync(&self, py: Python<'_>, seq: Int) -> PyResult<i32> {
-        let seq = seq_arg(&seq, "seq")?;
-        wait(py, self.open()?.kv_seq_pos_max(seq))
-    }
-
     /// Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting.
     fn kv_clear(&self) -> PyResult<()> {
         queued(self.open()?.kv_clear())
     }
 
     // ---- persistence ----
-
-    /// Save every live branch (its record and tree links) and the whole KV cache to `path`,
-    /// after queued work. Shared prefixes are stored once.
-    fn save_state<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.open()?.save_state(path.0))
-    }
-
-    /// Blocking twin of `save_state`: returns None once the file is written. Waits without the
-    /// GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn save_state_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<()> {
-        wait(py, self.open()?.save_state(path.0))
-    }
-
-    /// Restore a `save_state` file into this context, which must have no live branch; the
-    /// model must be the same. Returns the restored branches, each after its parent.
-    /// A corrupt, truncated or foreign file raises StateFileError.
-    fn load_state<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.open()?.load_state(path.0), |bs| Ok(wrap_all(bs)))
-    }
-
-    /// Blocking twin of `load_state`: returns the restored branches, each after its parent;
-    /// StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C
-    /// cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn load_state_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<Vec<PyBranch>> {
-        Ok(wrap_all(wait(py, self.open()?.load_state(path.0))?))
-    }
 
     // ---- embeddings ----
 
@@ -592,6 +555,38 @@ impl PyContext {
             self.inner.n_seq_max(),
             self.inner.is_closed()
         )
+    }
+}
+
+twins! {
+    impl PyContext {
+        /// Largest position stored for `seq` (-1 when empty), after all queued work.
+        #[sync_doc = "returns the position. Waits without the GIL; Ctrl-C cancels it \
+                      all-or-nothing and raises KeyboardInterrupt."]
+        fn kv_seq_pos_max / kv_seq_pos_max_sync(&self, py, seq: Int) -> i32 {
+            let seq = seq_arg(&seq, "seq")?;
+            self.open()?.kv_seq_pos_max(seq)
+        } => Ok;
+
+        /// Save every live branch (its record and tree links) and the whole KV cache to
+        /// `path`, after queued work. Shared prefixes are stored once.
+        #[sync_doc = "returns None once the file is written. Waits without the GIL; Ctrl-C \
+                      cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        fn save_state / save_state_sync(&self, py, path: Arg<PathBuf>) -> Option<()> {
+            self.open()?.save_state(path.0)
+        } => convert::none;
+
+        /// Restore a `save_state` file into this context, which must have no live branch; the
+        /// model must be the same. Returns the restored branches, each after its parent.
+        /// A corrupt, truncated or foreign file raises StateFileError.
+        #[sync_doc = "returns the restored branches, each after its parent; StateFileError \
+                      for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C \
+                      cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        fn load_state / load_state_sync(&self, py, path: Arg<PathBuf>) -> Vec<PyBranch> {
+            self.open()?.load_state(path.0)
+        } => |bs| Ok(wrap_all(bs));
     }
 }
 

@@ -201,9 +201,9 @@ pub fn awaitable_py<'py, T: Send + 'static>(
     Bound::new(py, op).map(Bound::into_any)
 }
 
-/// An awaitable resolving to None when the engine's job is done.
-pub fn awaitable_none<'py>(py: Python<'py>, pending: Pending<()>) -> PyResult<Bound<'py, PyAny>> {
-    awaitable(py, pending, |()| Ok(None::<()>))
+/// The conversion of a job that returns nothing: None in Python (for `twins!`).
+pub fn none(_: ()) -> PyResult<Option<()>> {
+    Ok(None)
 }
 
 /// An argument extracted as `T` whose wrong type raises a TypeError naming the argument

@@ -17,6 +17,7 @@ mod model;
 mod params;
 mod store;
 mod token;
+mod twins;
 
 use errors::IntoPyResult;
 

@@ -4,8 +4,9 @@ use pyo3::prelude::*;
 
 use crate::branch::{token_arg, PyBranch};
 use crate::context::PyContext;
-use crate::convert::{self, awaitable, awaitable_none, wait, Arg};
+use crate::convert::{self, Arg};
 use crate::token::PyToken;
+use crate::twins::twins;
 
 /// Batched operations over many branches of one context: `commit`, `prefill` and `step`
 /// advance N branches in one llama_decode (ceil(N / n_batch) over more than n_batch), and
@@ -86,72 +87,46 @@ impl PyBranchStore {
     fn available(&self) -> u32 {
         self.inner.available()
     }
+}
 
-    /// Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
-    /// Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback unit.
-    /// Cancelled, it either never ran (nothing happened) or had started (it completed).
-    fn commit<'py>(
-        &self,
-        py: Python<'py>,
-        entries: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.commit(&commit_entries(entries)?))
-    }
+twins! {
+    impl PyBranchStore {
+        /// Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
+        /// Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback
+        /// unit. Cancelled, it either never ran (nothing happened) or had started (it
+        /// completed).
+        #[sync_doc = "returns None once every token is accepted and decoded (a failed decode \
+                      rolls all of them back and raises). Waits without the GIL; on Ctrl-C a \
+                      started commit completes, then KeyboardInterrupt is raised."]
+        fn commit / commit_sync(&self, py, entries: &Bound<'_, PyAny>) -> Option<()> {
+            self.inner.commit(&commit_entries(entries)?)
+        } => convert::none;
 
-    /// Blocking twin of `commit`: returns None once every token is accepted and decoded (a
-    /// failed decode rolls all of them back and raises). Waits without the GIL; on Ctrl-C a
-    /// started commit completes, then KeyboardInterrupt is raised.
-    fn commit_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
-        wait(py, self.inner.commit(&commit_entries(entries)?))
-    }
+        /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes, all or
+        /// nothing. Cancelled, it either never ran or was aborted and rolled back.
+        #[sync_doc = "returns None once every run is decoded. Waits without the GIL; Ctrl-C \
+                      aborts and rolls the whole prefill back, then raises KeyboardInterrupt."]
+        fn prefill / prefill_sync(&self, py, entries: &Bound<'_, PyAny>) -> Option<()> {
+            self.inner.prefill(prefill_entries(entries)?)
+        } => convert::none;
 
-    /// Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes, all or
-    /// nothing. Cancelled, it either never ran or was aborted and rolled back.
-    fn prefill<'py>(
-        &self,
-        py: Python<'py>,
-        entries: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.prefill(prefill_entries(entries)?))
-    }
+        /// Keep `winner`'s KV only; every other branch of the context is disposed at once, and
+        /// the rest always happens, even if the await is cancelled.
+        #[sync_doc = "returns None once every other branch is disposed and its lease freed. \
+                      Always completes, even on Ctrl-C."]
+        fn retain_only / retain_only_sync(&self, py, winner: &Bound<'_, PyAny>) -> Option<()> {
+            self.inner.retain_only(&branch(winner, "winner")?)
+        } => convert::none;
 
-    /// Blocking twin of `prefill`: returns None once every run is decoded. Waits without the
-    /// GIL; Ctrl-C aborts and rolls the whole prefill back, then raises KeyboardInterrupt.
-    fn prefill_sync(&self, py: Python<'_>, entries: &Bound<'_, PyAny>) -> PyResult<()> {
-        wait(py, self.inner.prefill(prefill_entries(entries)?))
-    }
-
-    /// Keep `winner`'s KV only; every other branch of the context is disposed at once, and
-    /// the rest always happens, even if the await is cancelled.
-    fn retain_only<'py>(
-        &self,
-        py: Python<'py>,
-        winner: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable_none(py, self.inner.retain_only(&branch(winner, "winner")?))
-    }
-
-    /// Blocking twin of `retain_only`: returns None once every other branch is disposed and
-    /// its lease freed. Always completes, even on Ctrl-C.
-    fn retain_only_sync(&self, py: Python<'_>, winner: &Bound<'_, PyAny>) -> PyResult<()> {
-        wait(py, self.inner.retain_only(&branch(winner, "winner")?))
-    }
-
-    /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one decode
-    /// (ceil(N / n_batch) over more than n_batch branches). Cancelled, it either never ran or
-    /// completed.
-    fn step<'py>(
-        &self,
-        py: Python<'py>,
-        branches: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, self.inner.step(&branch_list(branches)?), tokens)
-    }
-
-    /// Blocking twin of `step`: returns one Token per branch, in order (stop tokens are not
-    /// committed). Waits without the GIL; on Ctrl-C a started step completes, then
-    /// KeyboardInterrupt is raised.
-    fn step_sync(&self, py: Python<'_>, branches: &Bound<'_, PyAny>) -> PyResult<Vec<PyToken>> {
-        tokens(wait(py, self.inner.step(&branch_list(branches)?))?)
+        /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one
+        /// decode (ceil(N / n_batch) over more than n_batch branches). Returns one Token per
+        /// branch, in order (stop tokens are not committed). Cancelled, it either never ran or
+        /// completed.
+        #[sync_doc = "returns one Token per branch, in order (stop tokens are not committed). \
+                      Waits without the GIL; on Ctrl-C a started step completes, then \
+                      KeyboardInterrupt is raised."]
+        fn step / step_sync(&self, py, branches: &Bound<'_, PyAny>) -> Vec<PyToken> {
+            self.inner.step(&branch_list(branches)?)
+        } => tokens;
     }
 }
