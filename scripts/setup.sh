@@ -40,5 +40,5 @@ source scripts/cpu_flags.sh
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q ".[models,test,dev,ray,docs]"
+.venv/bin/python -m pip install -q ".[models,test,dev,ray,docs,server]"
 .venv/bin/python -c "import kvfork; print('setup: default model at', kvfork.default_model_path())"

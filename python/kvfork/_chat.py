@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ._native import Branch, Context, SamplingParams
+from ._stops import StopStrings
 
 #: A system message the small chat model (SmolLM2-135M-Instruct) follows: without one, or with
 #: "Answer briefly.", it answers "What is the capital of France?" with French nonsense.
@@ -52,7 +53,7 @@ class Chat:
         self.cold_restarts = 0
         self._text = ""  # the rendered text whose tokens are in the branch's KV cache
 
-    def _begin(self, content: str) -> tuple[_Reply, list[int]]:
+    def _begin(self, content: str) -> tuple[StopStrings, list[int]]:
         """Add the user turn; the tokens to prefill so the branch holds the new prompt (on a
         fresh branch when the prompt no longer extends what it holds)."""
         self.messages.append({"role": "user", "content": content})
@@ -72,9 +73,9 @@ class Chat:
         tokens = self.ctx.tokenize(delta, add_special=not self._text, parse_special=True)
         self._text = chat.prompt
         self.prefilled_tokens += len(tokens)
-        return _Reply(chat.stop), tokens
+        return StopStrings(chat.stop), tokens
 
-    def _end(self, reply: _Reply) -> str:
+    def _end(self, reply: StopStrings) -> str:
         self._text += reply.text  # every generated token was committed (a stop string too)
         self.messages.append({"role": "assistant", "content": reply.content})
         return reply.content
@@ -151,44 +152,3 @@ class Chat:
         other.branch = branch
         other._text = self._text  # "" until the first turn takes a branch
         return other
-
-
-class _Reply:
-    """The text of one assistant turn, cut at the first stop string."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.longest = max((len(s) for s in self.stop), default=0)
-        self.text = ""
-        self.content = ""
-        self.given = 0  # characters of content handed out by take()
-        self.stopped = False
-
-    def add(self, piece: str) -> bool:
-        """Append a token's text; True once a stop string has appeared."""
-        start = max(0, len(self.text) - self.longest)  # only the new tail can hold a new stop
-        self.text += piece
-        cuts = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        self.content = self.text[: min(cuts)] if cuts else self.text
-        self.stopped = self.stopped or bool(cuts)
-        return bool(cuts)
-
-    def take(self, *, final: bool = False) -> str:
-        """The content not handed out yet, less a tail that may still become a stop string
-        (unless ``final`` or a stop string has been found)."""
-        end = len(self.content)
-        if not (final or self.stopped):
-            end -= self._pending_stop_prefix()
-        piece = self.content[self.given : end]
-        self.given = max(self.given, end)
-        return piece
-
-    def _pending_stop_prefix(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest

@@ -5,6 +5,7 @@
     kvfork chat [MODEL]                 interactive multi-turn chat (or one turn per stdin line)
     kvfork embed MODEL [TEXT ...]       embeddings as JSON lines, or --rank QUERY
     kvfork bench [MODEL]                a quick throughput check: one sequence against N forks
+    kvfork serve MODEL                  an OpenAI-compatible server (kvfork[server])
     kvfork info [MODEL]                 metadata, chat template, system info (no MODEL: where
                                         the embedded models are)
 
@@ -315,6 +316,47 @@ async def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_serve(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible server; concurrent requests share prefixes and decodes."""
+    try:
+        import uvicorn
+
+        from .server import Service, create_app
+        from .server.metrics import Metrics
+    except ImportError as exc:
+        raise CliError(f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})")
+    path = resolve_model(args.model)
+    ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max)
+    embed_ctx = None
+    if args.embeddings:
+        embed_ctx = await open_context(path, n_ctx=4096, n_seq_max=8, embeddings=True)
+    template = None
+    if args.chat_template is not None:
+        file = Path(args.chat_template)
+        template = file.read_text() if file.is_file() else args.chat_template
+    service = Service(
+        ctx,
+        model_id=path.stem,
+        max_queue=args.max_queue,
+        chat_template=template,
+        embed_ctx=embed_ctx,
+        metrics=Metrics(),
+    )
+    app = create_app(service, api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False)
+    server = uvicorn.Server(config)
+    print(f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 "
+          f"(n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences)", file=sys.stderr, flush=True)
+    try:
+        await server.serve()
+    finally:
+        ctx.close()
+        if embed_ctx is not None:
+            embed_ctx.close()
+    return 0
+
+
 def _info_without_model(args: argparse.Namespace) -> int:
     models = {
         alias: {"path": str(path), "present": path.is_file()}
@@ -410,6 +452,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--steps", type=int, default=16)
     bench.set_defaults(run=cmd_bench)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (needs kvfork[server])")
+    serve.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--n-ctx", type=int, default=20480,
+                       help="KV cells shared by every request (default: 16 x ~1,250 tokens)")
+    serve.add_argument("--n-seq-max", type=int, default=32,
+                       help="sequences: requests' choices plus prefix-cache entries")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests that may wait for a sequence before 503")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja template (text or file) or a llama.cpp built-in name")
+    serve.add_argument("--embeddings", action="store_true",
+                       help="also serve /v1/embeddings (a second, embedding context)")
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(run=cmd_serve)
 
     info = sub.add_parser("info", help="model metadata, chat template, system info")
     info.add_argument(

@@ -31,7 +31,7 @@ fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
     })
 }
 
-fn wrap(b: kvfork::Branch) -> PyBranch {
+pub(crate) fn wrap(b: kvfork::Branch) -> PyBranch {
     PyBranch { inner: b }
 }
 

@@ -15,6 +15,7 @@ mod errors;
 mod generate;
 mod model;
 mod params;
+mod prefix_cache;
 mod store;
 mod token;
 mod twins;
@@ -94,6 +95,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<chat::PyFormattedChat>()?;
     m.add_class::<branch::PyBranch>()?;
     m.add_class::<store::PyBranchStore>()?;
+    m.add_class::<prefix_cache::PyPrefixCache>()?;
     m.add_class::<generate::PyGenerator>()?;
     m.add_class::<generate::PyGeneratorSync>()?;
     m.add_class::<generate::PySpeculativeSchedule>()?;

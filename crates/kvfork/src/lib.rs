@@ -18,6 +18,7 @@ mod gguf_check;
 mod llama_ctx;
 pub mod model;
 mod persist;
+mod prefix_cache;
 pub mod sampling;
 mod speculate;
 mod store;
@@ -36,6 +37,7 @@ pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
 pub use model::{Model, ModelParams, Token};
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use speculate::Speculated;
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use store::BranchStore;
 
 /// Deepest JSON nesting accepted by [`json_schema_to_grammar`]: llama.cpp's converter recurses

@@ -18,6 +18,7 @@ mod parallel;
 mod pending;
 mod prefill;
 pub(crate) mod shared;
+mod share;
 mod worker;
 
 use std::sync::atomic::Ordering;

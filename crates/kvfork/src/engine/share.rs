@@ -1,0 +1,38 @@
+//! `Branch::share_prefix` on the engine thread: a fresh branch takes over the first cells of
+//! another branch's sequence (a fork at a position inside it), for the prefix cache.
+
+use std::sync::Arc;
+
+use super::{BranchCell, Worker};
+use crate::error::Result;
+use crate::model::Token;
+
+impl Worker {
+    /// Copy `source`'s cells for `prefix` into `target`'s (empty) sequence and record them
+    /// as `target`'s history. False, with nothing done, when `source` was pruned or no longer
+    /// holds `prefix` (it was reseeded): the caller then prefills instead. Runs between
+    /// decodes, so the cells copied are exactly those `source` held for these tokens.
+    pub(crate) fn share_prefix(
+        &mut self,
+        source: &Arc<BranchCell>,
+        target: &Arc<BranchCell>,
+        prefix: &[Token],
+    ) -> Result<bool> {
+        if source.is_disposed() || target.is_disposed() {
+            return Ok(false);
+        }
+        let src_seq = {
+            let src = source.lock();
+            if !src.history.starts_with(prefix) || (src.position as usize) < prefix.len() {
+                return Ok(false);
+            }
+            src.seq
+        };
+        let dst_seq = target.lock().seq;
+        self.ctx.seq_cp(src_seq, dst_seq, 0, prefix.len() as i32)?;
+        let mut dst = target.lock();
+        dst.history = prefix.to_vec();
+        dst.position = prefix.len() as i32;
+        Ok(true)
+    }
+}

@@ -1,0 +1,351 @@
+//! Automatic prefix reuse: a new branch for a token sequence is made by sharing the longest
+//! prefix already in the KV cache — a cached entry's, or that of a branch still generating —
+//! and prefilling only the rest. Concurrent requests that share a system prompt or a document
+//! (`kvfork serve`) then prefill it once.
+//!
+//! The cache knows the branches it made (live ones, handed out) and the ones handed back
+//! (`release`: entries, evicted least recently used when a lease or KV cells are needed). Which
+//! holder shares the longest prefix is the token trie's job (`kvfork_core::prefix_trie`); here
+//! are the leases, the KV copy and the eviction.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvfork_core::prefix_trie::PrefixTrie;
+use kvfork_core::Handle;
+
+use crate::branch::Branch;
+use crate::context::Context;
+use crate::engine::Pending;
+use crate::error::{Error, Result};
+use crate::model::Token;
+use crate::sampling::SamplingParams;
+
+/// What the cache has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Branches handed out.
+    pub branches: u64,
+    /// Prompt tokens that came from the KV cache (shared, not prefilled).
+    pub hit_tokens: u64,
+    /// Prompt tokens prefilled.
+    pub prefilled_tokens: u64,
+    /// Entries evicted to free a lease, KV cells or cache room.
+    pub evictions: u64,
+    /// Entries held now (released branches).
+    pub entries: usize,
+    /// Tokens the entries hold (each entry counted whole).
+    pub cached_tokens: usize,
+    /// Branches the cache made that are still handed out.
+    pub live: usize,
+}
+
+/// One branch the cache made: handed out (`live`) or handed back (an entry).
+struct Holder {
+    branch: Branch,
+    /// The tokens its KV holds, as far as the cache has seen (refreshed from its history).
+    tokens: Vec<Token>,
+    live: bool,
+    /// Prompt tokens it got from the KV cache when it was made.
+    shared: usize,
+}
+
+struct State {
+    holders: HashMap<Handle, Holder>,
+    trie: PrefixTrie<Handle>,
+    stats: PrefixCacheStats,
+}
+
+/// Hands out branches that share the longest prefix already in the KV cache.
+///
+/// Cheap to clone (clones share the cache). Branches it hands out are roots (pruning them
+/// never meets a live child); hand them back with [`PrefixCache::release`] to keep their KV
+/// as an entry for later requests.
+#[derive(Clone)]
+pub struct PrefixCache {
+    ctx: Context,
+    max_cached_tokens: Option<usize>,
+    state: Arc<Mutex<State>>,
+}
+
+impl PrefixCache {
+    /// A cache over `ctx`. Entries beyond `max_cached_tokens` tokens (None: no limit but the
+    /// context's leases and cells) are evicted least recently used first.
+    pub fn new(ctx: &Context, max_cached_tokens: Option<usize>) -> Self {
+        PrefixCache {
+            ctx: ctx.clone(),
+            max_cached_tokens,
+            state: Arc::new(Mutex::new(State {
+                holders: HashMap::new(),
+                trie: PrefixTrie::new(),
+                stats: PrefixCacheStats::default(),
+            })),
+        }
+    }
+
+    /// The context it hands out branches of.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new root branch positioned at the end of `tokens` with fresh logits: the longest
+    /// prefix any branch of the cache holds is shared (no copy of tensors), the rest
+    /// prefilled (at least one token). Waits for leases and cells freed by evicting entries;
+    /// LeaseExhaustedError when every lease is held by live branches.
+    pub fn branch(&self, tokens: Vec<Token>, params: SamplingParams) -> Pending<Branch> {
+        if tokens.is_empty() {
+            return Pending::ready(Err(Error::invalid("tokens", "at least one token")));
+        }
+        if tokens.len() >= self.ctx.n_ctx() as usize {
+            return Pending::ready(Err(Error::invalid(
+                "tokens",
+                format!(
+                    "{} tokens leave no room in n_ctx = {}",
+                    tokens.len(),
+                    self.ctx.n_ctx()
+                ),
+            )));
+        }
+        if let Err(e) = tokens
+            .iter()
+            .try_for_each(|&t| self.ctx.model().check_token(t))
+        {
+            return Pending::ready(Err(e));
+        }
+        let cache = self.clone();
+        Pending::spawn("kvfork-prefix", move || cache.branch_blocking(&tokens, &params))
+    }
+
+    fn branch_blocking(&self, tokens: &[Token], params: &SamplingParams) -> Result<Branch> {
+        loop {
+            let (source, shared) = self.lookup(tokens)?;
+            if self.ctx.available() == 0 {
+                self.evict_one(source.as_ref().map(Branch::handle))?;
+                continue;
+            }
+            let (branch, shared) = match self.make(source.as_ref(), shared, tokens, params) {
+                Ok(made) => made,
+                Err(Error::KvCacheFull(_)) if self.evict_one(None).is_ok() => continue,
+                Err(e) => return Err(e),
+            };
+            let mut st = self.lock();
+            let handle = branch.handle();
+            st.trie.insert(handle, tokens);
+            st.holders.insert(
+                handle,
+                Holder {
+                    branch: branch.clone(),
+                    tokens: tokens.to_vec(),
+                    live: true,
+                    shared,
+                },
+            );
+            st.stats.branches += 1;
+            return Ok(branch);
+        }
+    }
+
+    /// The holder sharing the longest prefix with `tokens`, and how many tokens to share
+    /// (at most all but the last: the new branch needs fresh logits).
+    fn lookup(&self, tokens: &[Token]) -> Result<(Option<Branch>, usize)> {
+        let mut st = self.lock();
+        st.refresh();
+        let Some(found) = st.trie.longest_prefix(tokens) else {
+            return Ok((None, 0));
+        };
+        let shared = found.len.min(tokens.len() - 1);
+        if shared == 0 {
+            return Ok((None, 0));
+        }
+        st.trie.touch(found.key);
+        Ok((st.holders.get(&found.key).map(|h| h.branch.clone()), shared))
+    }
+
+    /// A branch at the end of `tokens`: `shared` tokens from `source`'s cells, the rest
+    /// prefilled. Falls back to prefilling everything when the source lost its cells.
+    fn make(
+        &self,
+        source: Option<&Branch>,
+        shared: usize,
+        tokens: &[Token],
+        params: &SamplingParams,
+    ) -> Result<(Branch, usize)> {
+        if let Some(source) = source.filter(|_| shared > 0) {
+            let branch = Branch::create(&self.ctx, shared as i32, params, None)?;
+            if branch.share_prefix(source, &tokens[..shared]).wait()? {
+                match branch.prefill(tokens[shared..].to_vec()).wait() {
+                    Ok(()) => {
+                        self.count(shared, tokens.len() - shared);
+                        return Ok((branch, shared));
+                    }
+                    Err(e) => {
+                        let _ = branch.prune().wait();
+                        return Err(e);
+                    }
+                }
+            }
+            // The source was pruned or rewritten meanwhile: start over from nothing.
+            branch.prune().wait()?;
+        }
+        let branch = Branch::create(&self.ctx, 0, params, None)?;
+        if let Err(e) = branch.prefill(tokens.to_vec()).wait() {
+            let _ = branch.prune().wait();
+            return Err(e);
+        }
+        self.count(0, tokens.len());
+        Ok((branch, 0))
+    }
+
+    fn count(&self, hit: usize, prefilled: usize) {
+        let mut st = self.lock();
+        st.stats.hit_tokens += hit as u64;
+        st.stats.prefilled_tokens += prefilled as u64;
+    }
+
+    /// Prune the least recently used entry (not `keep`, the source about to be shared when
+    /// another entry can go). LeaseExhaustedError when there is none.
+    fn evict_one(&self, keep: Option<Handle>) -> Result<()> {
+        let victim = {
+            let mut st = self.lock();
+            st.refresh();
+            let order = st.trie.evict_order();
+            let pick = order
+                .iter()
+                .copied()
+                .find(|&h| Some(h) != keep)
+                .or_else(|| order.first().copied());
+            match pick {
+                Some(h) => {
+                    st.trie.remove(h);
+                    st.stats.evictions += 1;
+                    st.holders.remove(&h)
+                }
+                None => None,
+            }
+        };
+        match victim {
+            Some(holder) => holder.branch.prune_subtree().wait(),
+            None => Err(Error::LeaseExhausted {
+                n_seq_max: self.ctx.n_seq_max(),
+            }),
+        }
+    }
+
+    /// Hand a branch the cache made back: its KV stays as an entry for later requests
+    /// (evicted least recently used). A branch the cache did not make is refused.
+    pub fn release(&self, branch: &Branch) -> Result<()> {
+        let over = {
+            let mut st = self.lock();
+            let handle = branch.handle();
+            let Some(holder) = st.holders.get_mut(&handle) else {
+                return Err(Error::invalid(
+                    "branch",
+                    "not a live branch of this cache (made by PrefixCache.branch)",
+                ));
+            };
+            if !holder.live {
+                return Err(Error::invalid("branch", "already released"));
+            }
+            holder.live = false;
+            st.refresh();
+            st.trie.set_evictable(handle, true);
+            st.trie.touch(handle);
+            st.cached_tokens() > self.max_cached_tokens.unwrap_or(usize::MAX)
+        };
+        if over {
+            self.trim()?;
+        }
+        Ok(())
+    }
+
+    /// Evict entries until the cached tokens fit `max_cached_tokens`.
+    fn trim(&self) -> Result<()> {
+        let limit = self.max_cached_tokens.unwrap_or(usize::MAX);
+        while self.lock().cached_tokens() > limit {
+            self.evict_one(None)?;
+        }
+        Ok(())
+    }
+
+    /// How many of `branch`'s prompt tokens came from the KV cache when the cache made it
+    /// (None for a branch it did not make or no longer holds).
+    pub fn shared_tokens(&self, branch: &Branch) -> Option<usize> {
+        self.lock().holders.get(&branch.handle()).map(|h| h.shared)
+    }
+
+    /// Prune every entry (live branches stay).
+    pub fn clear(&self) -> Result<()> {
+        while !self.lock().trie.evict_order().is_empty() {
+            self.evict_one(None)?;
+        }
+        Ok(())
+    }
+
+    /// Counts so far, and the entries now.
+    pub fn stats(&self) -> PrefixCacheStats {
+        let mut st = self.lock();
+        st.refresh();
+        let mut stats = st.stats;
+        stats.entries = st.holders.values().filter(|h| !h.live).count();
+        stats.cached_tokens = st.cached_tokens();
+        stats.live = st.holders.values().filter(|h| h.live).count();
+        stats
+    }
+}
+
+impl Branch {
+    /// Take over `source`'s first cells, those of `prefix`, into this branch's fresh sequence
+    /// (this branch was created at position `prefix.len()` and holds nothing yet): a fork at
+    /// a position inside `source`, which may be generating meanwhile. False when `source` was
+    /// pruned or no longer holds `prefix`; nothing happened then.
+    pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<bool> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let (source, target, prefix) = (source.cell().clone(), self.cell().clone(), prefix.to_vec());
+        self.context()
+            .run(move |w| w.share_prefix(&source, &target, &prefix))
+    }
+}
+
+impl State {
+    /// Forget branches pruned behind the cache's back; bring the others' tokens up to date
+    /// with what they decoded since (a live branch generating extends its prefix).
+    fn refresh(&mut self) {
+        let mut gone = Vec::new();
+        for (&handle, holder) in self.holders.iter_mut() {
+            match holder.branch.history() {
+                Ok(history) if history.starts_with(&holder.tokens) => {
+                    if history.len() > holder.tokens.len() {
+                        self.trie.extend(handle, &history[holder.tokens.len()..]);
+                        holder.tokens = history;
+                    }
+                }
+                Ok(history) => {
+                    // Rewritten (reseeded): index what it holds now.
+                    self.trie.remove(handle);
+                    self.trie.insert(handle, &history);
+                    self.trie.set_evictable(handle, !holder.live);
+                    holder.tokens = history;
+                }
+                Err(_) => gone.push(handle),
+            }
+        }
+        for handle in gone {
+            self.trie.remove(handle);
+            self.holders.remove(&handle);
+        }
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.holders
+            .values()
+            .filter(|h| !h.live)
+            .map(|h| h.tokens.len())
+            .sum()
+    }
+}

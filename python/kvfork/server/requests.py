@@ -1,0 +1,344 @@
+"""The bodies of OpenAI requests, read and checked: each field has its type and range checked
+and a bad one is a 400 naming it (never the framework's 422 shape)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import bad_request
+
+#: Default completion length when a request names none (llama.cpp's server uses the context).
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class Sampling:
+    """What every generation request shares."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    #: A JSON schema the output follows (response_format or a required tool call).
+    json_schema: dict[str, Any] | None = None
+
+    def params(self, choice: int = 0) -> dict[str, Any]:
+        """kvfork SamplingParams fields for choice `choice` (seeded choices differ)."""
+        p: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        if self.presence_penalty or self.frequency_penalty:
+            p["penalty_last_n"] = 64
+        if self.seed is not None:
+            p["seed"] = (self.seed + choice) % 2**32
+        return p
+
+
+@dataclass
+class CompletionRequest:
+    """`/v1/completions`."""
+
+    prompt: str | list[int]
+    sampling: Sampling
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest:
+    """`/v1/chat/completions`."""
+
+    messages: list[dict[str, Any]]
+    sampling: Sampling
+    tools: list[dict[str, Any]] | None = None
+    #: "none", "auto", "required", or the name of the function that must be called.
+    tool_choice: str = "auto"
+
+
+@dataclass
+class EmbeddingRequest:
+    """`/v1/embeddings`."""
+
+    inputs: list[str | list[int]]
+    encoding_format: str = "float"
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(f"{name} must be a number", name)
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer", name)
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 4:
+        return [s for s in value if s]
+    raise bad_request("stop must be a string or a list of at most 4 strings", "stop")
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object {token id: bias}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token {token} is outside the vocabulary", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad_request("logit_bias values must be numbers in [-100, 100]", "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("response_format must be an object with a type", "response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )
+        return schema
+    raise bad_request(f"response_format type {kind!r} is not supported", "response_format")
+
+
+def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Sampling:
+    """The sampling fields every generation endpoint shares."""
+    max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 20)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+    n = _int(body, "n", 1, 1, 1 << 20)
+    assert n is not None and max_tokens is not None
+    if n > max_n:
+        raise bad_request(f"n = {n} is more than this server's {max_n} sequences", "n")
+    logprobs = body.get("logprobs")
+    top = 0
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        # /v1/completions: logprobs is the number of alternatives.
+        if not 0 <= logprobs <= 20:
+            raise bad_request("logprobs must be in [0, 20]", "logprobs")
+        top, logprobs = logprobs, True
+    elif logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs must be a boolean", "logprobs")
+    top = _int(body, "top_logprobs", top, 0, 20) or 0
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body, vocab_size),
+        stop=_stop(body),
+        n=n,
+        logprobs=bool(logprobs),
+        top_logprobs=top,
+        stream=_bool(body, "stream"),
+        include_usage=bool(options and options.get("include_usage") is True),
+        json_schema=_response_format(body),
+    )
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> CompletionRequest:
+    """`/v1/completions`: one prompt (a string or a list of token ids)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise bad_request("prompt must be a string or a list of token ids", "prompt")
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise bad_request("prompt must be a non-empty string (one prompt per request)", "prompt")
+    return CompletionRequest(
+        prompt=prompt, sampling=parse_sampling(body, vocab_size, max_n), echo=_bool(body, "echo")
+    )
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise bad_request(f"{where} must be an object with a role in {sorted(_ROLES)}", where)
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise bad_request(f"{where}.content parts must be text parts", where)
+            content = "".join(t for t in texts if isinstance(t, str))
+        if content is None and not m.get("tool_calls"):
+            content = ""
+        if content is not None and not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string", where)
+        message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
+        message["content"] = content or ""
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if key in m and m[key] is not None:
+                message[key] = m[key]
+        out.append(message)
+    return out
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, "none"
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("tools must be a non-empty list", "tools")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                              "tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string", "tools")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema", "tools")
+        names.append(fn["name"])
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise bad_request("tool_choice must name one of the tools' functions", "tool_choice")
+        return tools, name
+    if choice not in ("none", "auto", "required"):
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or a function",
+                          "tool_choice")
+    return tools, choice
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int, max_n: int) -> ChatRequest:
+    """`/v1/chat/completions`."""
+    messages = _messages(body)
+    tools, choice = _tools(body)
+    return ChatRequest(
+        messages=messages,
+        sampling=parse_sampling(body, vocab_size, max_n),
+        tools=tools,
+        tool_choice=choice,
+    )
+
+
+def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
+    """`/v1/embeddings`: a string, a list of strings, a token list or a list of token lists."""
+    value = body.get("input")
+    items: list[Any]
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(t, int) for t in value)
+    ):
+        items = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise bad_request("input must be a string, a list of strings or of token lists", "input")
+    for item in items:
+        if isinstance(item, str) and item:
+            continue
+        if (
+            isinstance(item, list)
+            and item
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                    for t in item)
+        ):
+            continue
+        raise bad_request("input items must be non-empty strings or token id lists", "input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
+    return EmbeddingRequest(inputs=items, encoding_format=fmt)
