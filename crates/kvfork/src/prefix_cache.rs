@@ -212,7 +212,7 @@ impl PrefixCache {
         let victim = {
             let mut st = self.lock();
             st.refresh();
-            let order = st.trie.evict_order();
+            let order: Vec<Handle> = st.trie.evict_order().collect();
             let pick = order
                 .iter()
                 .copied()
@@ -279,7 +279,7 @@ impl PrefixCache {
 
     /// Prune every entry (live branches stay).
     pub fn clear(&self) -> Result<()> {
-        while !self.lock().trie.evict_order().is_empty() {
+        while self.lock().trie.evict_order().len() > 0 {
             self.evict_one(None)?;
         }
         Ok(())
