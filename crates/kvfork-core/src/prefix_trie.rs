@@ -114,7 +114,7 @@ struct Holder {
 /// trie.insert("b", &prompt); // forked at 4, prefilled 2
 /// assert_eq!(trie.unique_tokens(), 8); // 4 shared + 2 + 2
 /// assert_eq!(trie.cached_tokens(), 2); // only "a"'s own tail is held by cache entries alone
-/// assert_eq!(trie.evict_order().collect::<Vec<_>>(), ["a"]);
+/// assert_eq!(trie.evict_order(), ["a"]);
 /// ```
 #[derive(Clone, Debug)]
 pub struct PrefixTrie<K> {
@@ -356,8 +356,10 @@ impl<K: Copy + Eq + Hash> PrefixTrie<K> {
     }
 
     /// Evictable holders, least recently used first: the order to evict cache entries in.
-    pub fn evict_order(&self) -> impl DoubleEndedIterator<Item = K> + ExactSizeIterator + '_ {
-        self.lru.values().copied()
+    /// O(evictable holders); [`least_recently_used`](Self::least_recently_used) gives the
+    /// first alone in O(log holders).
+    pub fn evict_order(&self) -> Vec<K> {
+        self.lru.values().copied().collect()
     }
 
     /// The least recently used evictable holder, the next one to evict; O(log holders).
@@ -749,26 +751,26 @@ mod tests {
             assert!(t.set_evictable(k, true));
         }
         // Insertion order is the use order until touched; setting the flag is no use.
-        assert_eq!(t.evict_order().collect::<Vec<_>>(), [1, 3, 4]);
+        assert_eq!(t.evict_order(), [1, 3, 4]);
         t.touch(1);
         t.touch(2); // live: not listed
-        assert_eq!(t.evict_order().collect::<Vec<_>>(), [3, 4, 1]);
-        assert_eq!(t.evict_order().next_back(), Some(1));
+        assert_eq!(t.evict_order(), [3, 4, 1]);
+        assert_eq!(t.evict_order().last(), Some(&1));
         assert_eq!(t.least_recently_used(), Some(3));
         assert!(t.set_evictable(3, false)); // taken back into use
         assert_eq!(t.least_recently_used(), Some(4));
         assert!(t.remove(4));
-        assert_eq!(t.evict_order().collect::<Vec<_>>(), [1]);
+        assert_eq!(t.evict_order(), [1]);
         assert!(!t.touch(9) && !t.set_evictable(9, true));
         // Extending or truncating is no use either.
         t.set_evictable(2, true);
         t.extend(1, &[5]);
         t.truncate(1, 1);
-        assert_eq!(t.evict_order().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(t.evict_order(), [1, 2]);
         // Re-inserting makes a fresh live holder.
         t.insert(1, &[6]);
         assert_eq!(t.is_evictable(1), Some(false));
-        assert_eq!(t.evict_order().collect::<Vec<_>>(), [2]);
+        assert_eq!(t.evict_order(), [2]);
         t.check_invariants();
     }
 

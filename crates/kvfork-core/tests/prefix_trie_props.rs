@@ -188,7 +188,7 @@ fn compare(trie: &PrefixTrie<Key>, model: &Model) {
         .copied()
         .filter(|k| model.seqs[k].1)
         .collect();
-    assert_eq!(trie.evict_order().collect::<Vec<_>>(), evict);
+    assert_eq!(trie.evict_order(), evict);
     assert_eq!(trie.least_recently_used(), evict.first().copied());
     let all = model.prefixes_where(|_, _| true);
     assert_eq!(trie.unique_tokens(), all.len(), "distinct prefixes");
