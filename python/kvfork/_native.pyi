@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Itera
 from os import PathLike
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
+from typing import Any, Generic, Literal, TypeAlias, TypedDict, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,7 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "Operation",
+    "PrefixCache",
     "Ready",
     "SamplingParams",
     "SpeculativeSchedule",
@@ -442,6 +443,32 @@ class Branch:
     def logits(self) -> npt.NDArray[np.float32]: ...
     def set_logits(self, logits: npt.NDArray[np.float32]) -> None: ...
     def __hash__(self) -> int: ...
+
+class _PrefixCacheStats(TypedDict):
+    branches: int
+    hit_tokens: int
+    prefilled_tokens: int
+    evictions: int
+    entries: int
+    cached_tokens: int
+    live: int
+
+@final
+class PrefixCache:
+    """Automatic prefix reuse on one context: `await cache.branch(tokens, params)` makes a
+    branch positioned at the end of `tokens` by sharing the longest prefix any branch of the
+    cache holds in the KV, and prefilling only the rest."""
+    def __new__(cls, ctx: Context, *, max_cached_tokens: int | None = None) -> Self: ...
+    def branch(
+        self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
+    ) -> Operation[Branch]: ...
+    def branch_sync(
+        self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
+    ) -> Branch: ...
+    def release(self, branch: Branch) -> None: ...
+    def shared_tokens(self, branch: Branch) -> int | None: ...
+    def clear(self) -> None: ...
+    def stats(self) -> _PrefixCacheStats: ...
 
 @final
 class BranchStore:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._native import Context
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -329,7 +330,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max)
     embed_ctx = None
     if args.embeddings:
-        embed_ctx = await open_context(path, n_ctx=4096, n_seq_max=8, embeddings=True)
+        embed_ctx = await open_context(
+            path, n_ctx=4096, n_seq_max=8, embeddings=True, pooling="mean"
+        )
     template = None
     if args.chat_template is not None:
         file = Path(args.chat_template)
@@ -343,11 +346,19 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         metrics=Metrics(),
     )
     app = create_app(service, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
+    logging.getLogger("kvfork.server").addHandler(handler)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
     server = uvicorn.Server(config)
-    print(f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 "
-          f"(n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences)", file=sys.stderr, flush=True)
+    print(
+        f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 "
+        f"(n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         await server.serve()
     finally:
@@ -457,17 +468,32 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help="GGUF file, 'default' or 'chat'")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--n-ctx", type=int, default=20480,
-                       help="KV cells shared by every request (default: 16 x ~1,250 tokens)")
-    serve.add_argument("--n-seq-max", type=int, default=32,
-                       help="sequences: requests' choices plus prefix-cache entries")
-    serve.add_argument("--max-queue", type=int, default=64,
-                       help="requests that may wait for a sequence before 503")
+    serve.add_argument(
+        "--n-ctx",
+        type=int,
+        default=20480,
+        help="KV cells shared by every request (default: 16 x ~1,250 tokens)",
+    )
+    serve.add_argument(
+        "--n-seq-max",
+        type=int,
+        default=32,
+        help="sequences: requests' choices plus prefix-cache entries",
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for a sequence before 503"
+    )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--chat-template", default=None,
-                       help="a Jinja template (text or file) or a llama.cpp built-in name")
-    serve.add_argument("--embeddings", action="store_true",
-                       help="also serve /v1/embeddings (a second, embedding context)")
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja template (text or file) or a llama.cpp built-in name",
+    )
+    serve.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="also serve /v1/embeddings (a second, embedding context)",
+    )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(run=cmd_serve)
 

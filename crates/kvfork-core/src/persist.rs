@@ -395,9 +395,14 @@ mod tests {
                 found: 1
             })
         );
-        let mut newer = file.clone();
-        newer[8] = 2;
-        assert_eq!(open(&newer, Kind::Branch, 42), Err(StateError::Version(2)));
+        let mut other = file.clone();
+        other[8] = (VERSION + 1) as u8;
+        assert_eq!(
+            open(&other, Kind::Branch, 42),
+            Err(StateError::Version(VERSION + 1))
+        );
+        other[8] = 1; // the format before a branch's history was saved
+        assert_eq!(open(&other, Kind::Branch, 42), Err(StateError::Version(1)));
     }
 
     #[test]

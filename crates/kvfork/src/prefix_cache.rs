@@ -34,7 +34,7 @@ pub struct PrefixCacheStats {
     pub evictions: u64,
     /// Entries held now (released branches).
     pub entries: usize,
-    /// Tokens the entries hold (each entry counted whole).
+    /// KV cells only the entries hold (shared prefixes counted once).
     pub cached_tokens: usize,
     /// Branches the cache made that are still handed out.
     pub live: usize,
@@ -154,13 +154,11 @@ impl PrefixCache {
     fn lookup(&self, tokens: &[Token]) -> Result<(Option<Branch>, usize)> {
         let mut st = self.lock();
         st.refresh();
-        let Some(found) = st.trie.longest_prefix(tokens) else {
+        // All but the last token: the new branch prefills at least one, for fresh logits.
+        let Some(found) = st.trie.longest_prefix(&tokens[..tokens.len() - 1]) else {
             return Ok((None, 0));
         };
-        let shared = found.len.min(tokens.len() - 1);
-        if shared == 0 {
-            return Ok((None, 0));
-        }
+        let shared = found.len;
         st.trie.touch(found.key);
         Ok((st.holders.get(&found.key).map(|h| h.branch.clone()), shared))
     }
@@ -212,7 +210,7 @@ impl PrefixCache {
         let victim = {
             let mut st = self.lock();
             st.refresh();
-            let order: Vec<Handle> = st.trie.evict_order().collect();
+            let order = st.trie.evict_order();
             let pick = order
                 .iter()
                 .copied()
@@ -279,7 +277,7 @@ impl PrefixCache {
 
     /// Prune every entry (live branches stay).
     pub fn clear(&self) -> Result<()> {
-        while self.lock().trie.evict_order().len() > 0 {
+        while self.lock().trie.least_recently_used().is_some() {
             self.evict_one(None)?;
         }
         Ok(())
@@ -341,11 +339,8 @@ impl State {
         }
     }
 
+    /// KV cells only entries hold (what evicting them all would free; shared cells once).
     fn cached_tokens(&self) -> usize {
-        self.holders
-            .values()
-            .filter(|h| !h.live)
-            .map(|h| h.tokens.len())
-            .sum()
+        self.trie.cached_tokens()
     }
 }

@@ -76,9 +76,7 @@ class Endpoints:
                 response = _error_response(exc)
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
-                response = _error_response(
-                    APIError(500, "internal error", type="server_error")
-                )
+                response = _error_response(APIError(500, "internal error", type="server_error"))
             self.service.metrics.answered(name, response.status_code)
             return response
 
@@ -90,7 +88,9 @@ class Endpoints:
         header = request.headers.get("authorization", "")
         if header != f"Bearer {self.api_key}":
             raise APIError(
-                401, "invalid or missing API key", type="invalid_request_error",
+                401,
+                "invalid or missing API key",
+                type="invalid_request_error",
                 code="invalid_api_key",
             )
 
@@ -112,45 +112,71 @@ class Endpoints:
         vocab = s.embed_ctx.vocab_size if s.embed_ctx is not None else s.ctx.vocab_size
         req = parse_embeddings(parse_json(await request.body()), vocab)
         data, tokens = await s.embed(req)
-        return JSONResponse({
-            "object": "list",
-            "data": data,
-            "model": s.model_id,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        })
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": s.model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     async def completions(self, request: Request) -> Response:
         s = self.service
         req = parse_completion(parse_json(await request.body()), s.ctx.vocab_size, s.ctx.n_seq_max)
         tokens = s.completion_prompt(req)
-        prefix = (req.prompt if isinstance(req.prompt, str) else s.ctx.detokenize(req.prompt))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": s.model_id}
-        events = s.generate(tokens, req.sampling, [])
+        prefix = req.prompt if isinstance(req.prompt, str) else s.ctx.detokenize(req.prompt)
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": s.model_id,
+        }
+        events = s.generate(tokens, req.sampling, [], "prompt")
         echo = prefix if req.echo else ""
 
         def choice(index: int, text: str, lps: list[dict[str, Any]], finish: str | None) -> dict:
-            return {"index": index, "text": text, "finish_reason": finish,
-                    "logprobs": _completion_logprobs(lps) if req.sampling.logprobs else None}
+            return {
+                "index": index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": _completion_logprobs(lps) if req.sampling.logprobs else None,
+            }
 
         if req.sampling.stream:
+
             async def chunks() -> AsyncGenerator[bytes, None]:
                 started: set[int] = set()
                 async for item in events:
                     if isinstance(item, Event):
                         text = item.text if item.index in started else echo + item.text
                         started.add(item.index)
-                        yield _sse({**head, "choices": [
-                            choice(item.index, text, item.logprobs, item.finish_reason)]})
+                        yield _sse(
+                            {
+                                **head,
+                                "choices": [
+                                    choice(item.index, text, item.logprobs, item.finish_reason)
+                                ],
+                            }
+                        )
                     elif req.sampling.include_usage:
                         yield _sse({**head, "choices": [], "usage": item.usage()})
+
             return await _stream(chunks(), events)
 
         async def whole() -> Response:
             outcome = await _outcome(events)
-            return JSONResponse({**head, "choices": [
-                choice(c.index, echo + c.text.content, c.logprobs, c.finish_reason)
-                for c in outcome.choices], "usage": outcome.usage()})
+            return JSONResponse(
+                {
+                    **head,
+                    "choices": [
+                        choice(c.index, echo + c.text.content, c.logprobs, c.finish_reason)
+                        for c in outcome.choices
+                    ],
+                    "usage": outcome.usage(),
+                }
+            )
+
         return await _unless_disconnected(request, whole())
 
     async def chat(self, request: Request) -> Response:
@@ -158,9 +184,13 @@ class Endpoints:
         req = parse_chat(parse_json(await request.body()), s.ctx.vocab_size, s.ctx.n_seq_max)
         s.constrain_tools(req)
         tokens, stop = s.chat_prompt(req)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": s.model_id}
-        events = s.generate(tokens, req.sampling, stop)
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": s.model_id,
+        }
+        events = s.generate(tokens, req.sampling, stop, "messages")
         tools = bool(req.tools) and req.tool_choice != "none"
 
         def finished(text: str, finish: str) -> tuple[dict[str, Any], str]:
@@ -171,6 +201,7 @@ class Endpoints:
             return {"role": "assistant", "content": text}, finish
 
         if req.sampling.stream:
+
             async def chunks() -> AsyncGenerator[bytes, None]:
                 texts: dict[int, str] = {}
                 async for item in events:
@@ -189,14 +220,26 @@ class Endpoints:
                         message, finish = finished(texts[item.index], finish)
                         delta.update({k: v for k, v in message.items() if k != "role"})
                         if "tool_calls" in delta:
-                            delta["tool_calls"] = [{"index": i, **c}
-                                                   for i, c in enumerate(delta["tool_calls"])]
+                            delta["tool_calls"] = [
+                                {"index": i, **c} for i, c in enumerate(delta["tool_calls"])
+                            ]
                     elif item.text:
                         delta["content"] = item.text
                     lp = {"content": item.logprobs} if req.sampling.logprobs else None
-                    yield _sse({**head, "choices": [
-                        {"index": item.index, "delta": delta, "logprobs": lp,
-                         "finish_reason": finish}]})
+                    yield _sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": item.index,
+                                    "delta": delta,
+                                    "logprobs": lp,
+                                    "finish_reason": finish,
+                                }
+                            ],
+                        }
+                    )
+
             return await _stream(chunks(), events)
 
         async def whole() -> Response:
@@ -205,10 +248,13 @@ class Endpoints:
             for c in outcome.choices:
                 message, finish = finished(c.text.content, c.finish_reason or "stop")
                 lp = {"content": c.logprobs} if req.sampling.logprobs else None
-                choices.append({"index": c.index, "message": message, "logprobs": lp,
-                                "finish_reason": finish})
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                                 "usage": outcome.usage()})
+                choices.append(
+                    {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
+                )
+            return JSONResponse(
+                {**head, "object": "chat.completion", "choices": choices, "usage": outcome.usage()}
+            )
+
         return await _unless_disconnected(request, whole())
 
 
@@ -224,7 +270,9 @@ async def _outcome(events: AsyncGenerator[Event | Outcome, None]) -> Outcome:
     raise APIError(500, "the generation ended without a result", type="server_error")
 
 
-async def _stream(chunks: AsyncGenerator[bytes, None], events: AsyncGenerator[Any, None]) -> Response:
+async def _stream(
+    chunks: AsyncGenerator[bytes, None], events: AsyncGenerator[Any, None]
+) -> Response:
     """An SSE response. The first chunk is produced before the headers go out, so a request
     that fails at once (a bad schema, a full queue) gets its error status; a later failure
     ends the stream with an error event."""
@@ -252,8 +300,9 @@ async def _stream(chunks: AsyncGenerator[bytes, None], events: AsyncGenerator[An
             await chunks.aclose()
             await events.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,23 +26,28 @@ class _Live(Collector):
         stats = s.ctx.stats()
         cache = s.cache.stats()
         yield CounterMetricFamily(
-            "kvfork_decode_calls", "llama_decode calls of the generation context",
+            "kvfork_decode_calls",
+            "llama_decode calls of the generation context",
             value=stats["decode_calls"],
         )
         yield GaugeMetricFamily(
-            "kvfork_leases_in_use", "KV sequences held by requests in progress",
+            "kvfork_leases_in_use",
+            "KV sequences held by requests in progress",
             value=s.ctx.n_seq_max - s.admission.free,
         )
         yield GaugeMetricFamily(
-            "kvfork_queue_length", "requests waiting for a free sequence",
+            "kvfork_queue_length",
+            "requests waiting for a free sequence",
             value=s.admission.waiting,
         )
         yield GaugeMetricFamily(
-            "kvfork_prefix_cache_entries", "finished requests kept as prefix-cache entries",
+            "kvfork_prefix_cache_entries",
+            "finished requests kept as prefix-cache entries",
             value=cache["entries"],
         )
         yield CounterMetricFamily(
-            "kvfork_prefix_cache_evictions", "prefix-cache entries evicted",
+            "kvfork_prefix_cache_evictions",
+            "prefix-cache entries evicted",
             value=cache["evictions"],
         )
 
@@ -58,12 +63,11 @@ class Metrics:
         )
         self.prompt_tokens = Counter("kvfork_prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(
-            "kvfork_prompt_tokens_cached", "prompt tokens that came from the prefix cache",
+            "kvfork_prompt_tokens_cached",
+            "prompt tokens that came from the prefix cache",
             registry=r,
         )
-        self.completion_tokens = Counter(
-            "kvfork_completion_tokens", "generated tokens", registry=r
-        )
+        self.completion_tokens = Counter("kvfork_completion_tokens", "generated tokens", registry=r)
 
     def watch(self, service: Service) -> None:
         """Read `service`'s engine at every scrape."""

@@ -281,8 +281,9 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)):
-            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                              "tools")
+            raise bad_request(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools"
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].function.name must be a non-empty string", "tools")
         params = fn.get("parameters", {"type": "object"})
@@ -298,8 +299,9 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
             raise bad_request("tool_choice must name one of the tools' functions", "tool_choice")
         return tools, name
     if choice not in ("none", "auto", "required"):
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or a function",
-                          "tool_choice")
+        raise bad_request(
+            "tool_choice must be 'none', 'auto', 'required' or a function", "tool_choice"
+        )
     return tools, choice
 
 
@@ -333,8 +335,9 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
         if (
             isinstance(item, list)
             and item
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                    for t in item)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in item
+            )
         ):
             continue
         raise bad_request("input items must be non-empty strings or token id lists", "input")

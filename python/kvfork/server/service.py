@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from .._native import Branch, Context, KvforkError, LeaseExhaustedError, PrefixCache
+from .._native import (
+    Branch,
+    BranchStore,
+    Context,
+    KvforkError,
+    LeaseExhaustedError,
+    PrefixCache,
+)
 from .._stops import StopStrings
 from .._tools import call_schema, parse_tool_calls, template_renders_tools, with_tool_prompt
 from .errors import APIError, bad_request
@@ -147,12 +154,13 @@ class Service:
             return list(req.prompt)
         return self.ctx.tokenize(req.prompt, add_special=True, parse_special=False)
 
-    def check_room(self, tokens: list[int], sampling: Sampling) -> None:
+    def check_room(self, tokens: list[int], param: str) -> None:
+        """A 400 naming `param` (the request's prompt field) when the prompt cannot fit."""
         if len(tokens) >= self.ctx.n_ctx:
             raise bad_request(
                 f"the prompt has {len(tokens)} tokens; this server's context holds "
                 f"{self.ctx.n_ctx} (start it with a larger --n-ctx)",
-                "messages" if sampling is None else "prompt",
+                param,
                 "context_length_exceeded",
             )
 
@@ -164,10 +172,11 @@ class Service:
         try:
             first = await self.cache.branch(tokens, sampling.params(0))
         except LeaseExhaustedError:
-            raise APIError(503, "no free sequence", type="server_error",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                503, "no free sequence", type="server_error", headers={"Retry-After": "1"}
+            ) from None
         except ValueError as exc:
-            raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
+            raise bad_request(str(exc), "prompt", "context_length_exceeded") from None  # raced
         cached = self.cache.shared_tokens(first) or 0
         branches = [first]
         try:
@@ -177,8 +186,9 @@ class Service:
                 try:
                     first.set_json_schema(sampling.json_schema)
                 except KvforkError as exc:
-                    raise bad_request(f"the JSON schema is not usable: {exc}",
-                                      "response_format") from None
+                    raise bad_request(
+                        f"the JSON schema is not usable: {exc}", "response_format"
+                    ) from None
             for i in range(1, sampling.n):
                 seed = sampling.params(i).get("seed", int.from_bytes(np.random.bytes(4), "little"))
                 branches.append(await first.fork(seed=seed))
@@ -207,6 +217,45 @@ class Service:
         """Generate one choice, putting its pieces on `out` (or the error that ended it)."""
         try:
             await self._generate_choice(branch, choice, sampling, out)
+        except Exception as exc:  # handed to the request's task, which raises it
+            await out.put(exc)
+
+    async def _run_together(
+        self,
+        branches: list[Branch],
+        choices: list[Choice],
+        sampling: Sampling,
+        out: asyncio.Queue[Event | BaseException],
+    ) -> None:
+        """Every choice advanced by `BranchStore.step`: one decode per step for all."""
+        try:
+            store = BranchStore(self.ctx)
+            limit = min(sampling.max_tokens, self.ctx.n_ctx - branches[0].position)
+            active = list(zip(branches, choices))
+            for _ in range(limit):
+                if not active:
+                    break
+                tokens = await store.step([b for b, _ in active])
+                still = []
+                for (branch, choice), tok in zip(active, tokens):
+                    finish = None
+                    if tok.is_stop:
+                        finish = "stop"
+                    else:
+                        choice.tokens += 1
+                        if choice.text.add(tok.text):
+                            finish = "stop"
+                        elif piece := choice.text.take():
+                            await out.put(Event(choice.index, piece, []))
+                    if finish is None:
+                        still.append((branch, choice))
+                    else:
+                        choice.finish_reason = finish
+                        await out.put(Event(choice.index, choice.text.take(final=True), [], finish))
+                active = still
+            for _, choice in active:
+                choice.finish_reason = "length"
+                await out.put(Event(choice.index, choice.text.take(final=True), [], "length"))
         except Exception as exc:  # handed to the request's task, which raises it
             await out.put(exc)
 
@@ -243,22 +292,29 @@ class Service:
         await out.put(Event(choice.index, rest, [], finish))
 
     async def generate(
-        self, tokens: list[int], sampling: Sampling, stop: list[str]
+        self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> AsyncGenerator[Event | Outcome, None]:
         """Events of every choice as they come, then the Outcome. Cancelling the consumer
-        cancels the generation; the leases come back either way."""
-        self.check_room(tokens, sampling)
+        cancels the generation; the leases come back either way. `prompt_param` names the
+        request's prompt field in errors."""
+        self.check_room(tokens, prompt_param)
         async with self.admission.leases(sampling.n):
             branches, cached = await self._choices(tokens, sampling)
-            choices = [Choice(i, StopStrings([*stop, *sampling.stop])) for i in range(len(branches))]
-            out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
-            tasks = [
-                asyncio.create_task(self._run_choice(b, c, sampling, out))
-                for b, c in zip(branches, choices)
+            choices = [
+                Choice(i, StopStrings([*stop, *sampling.stop])) for i in range(len(branches))
             ]
+            out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+            if len(branches) > 1 and not sampling.logprobs:
+                # n choices of one request: one decode per step for all of them.
+                tasks = [asyncio.create_task(self._run_together(branches, choices, sampling, out))]
+            else:
+                tasks = [
+                    asyncio.create_task(self._run_choice(b, c, sampling, out))
+                    for b, c in zip(branches, choices)
+                ]
             try:
                 done = 0
-                while done < len(tasks):
+                while done < len(choices):
                     event = await out.get()
                     if isinstance(event, BaseException):
                         raise event
@@ -278,8 +334,12 @@ class Service:
     async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
         """(data items, prompt tokens) of an embeddings request."""
         if self.embed_ctx is None:
-            raise APIError(404, "this server has no embedding model: start it with --embeddings",
-                           param="input", code="embeddings_disabled")
+            raise APIError(
+                404,
+                "this server has no embedding model: start it with --embeddings",
+                param="input",
+                code="embeddings_disabled",
+            )
         ctx = self.embed_ctx
         token_lists = [
             item if isinstance(item, list) else ctx.tokenize(item, add_special=True)

@@ -1,0 +1,141 @@
+"""PrefixCache: branches that share the longest prefix already in the KV (a released entry or a
+branch still generating) and prefill only the rest; exact against a branch prefilled from
+scratch; eviction when leases run out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kvfork
+import pytest
+
+from .conftest import COUNTING, GREEDY, PROMPT, assert_same_greedy, greedy_with_margins
+
+DOC = " ".join(f"Line {i}: the printing press spread across Europe." for i in range(12))
+
+
+def scratch(ctx: kvfork.Context, tokens: list[int], n: int) -> tuple[list[int], list[float]]:
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    b.prefill_sync(tokens)
+    out = greedy_with_margins(b, n)
+    b.prune_sync()
+    return out
+
+
+def test_a_released_entry_is_shared_and_the_tokens_equal_a_fresh_prefill(
+    ctx: kvfork.Context,
+) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    first_prompt = ctx.tokenize(DOC + " Question one:")
+    second_prompt = ctx.tokenize(DOC + " Question two:")
+    a = cache.branch_sync(first_prompt, GREEDY)
+    assert a.position == len(first_prompt) and cache.shared_tokens(a) == 0
+    cache.release(a)
+    b = cache.branch_sync(second_prompt, GREEDY)
+    common = next(i for i, (x, y) in enumerate(zip(first_prompt, second_prompt)) if x != y)
+    assert cache.shared_tokens(b) == common > 0
+    assert b.position == len(second_prompt) and b.parent is None  # a root
+    got = [b.produce_sync().token]
+    b.commit_sync(got[0])
+    got += [t.token for t in b.generate_sync(11)]
+    expected, margins = scratch(ctx, second_prompt, 12)
+    assert_same_greedy(got, expected, margins)
+    stats = cache.stats()
+    assert stats["hit_tokens"] == common and stats["entries"] == 1 and stats["live"] == 1
+    assert stats["prefilled_tokens"] == len(first_prompt) + len(second_prompt) - common
+
+
+def test_the_same_prompt_twice_prefills_only_its_last_token(ctx: kvfork.Context) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    tokens = ctx.tokenize(COUNTING)
+    cache.release(cache.branch_sync(tokens, GREEDY))
+    again = cache.branch_sync(tokens, GREEDY)
+    assert cache.shared_tokens(again) == len(tokens) - 1
+    expected, margins = scratch(ctx, tokens, 8)
+    assert_same_greedy([t.token for t in again.generate_sync(8)], expected, margins)
+
+
+async def test_a_branch_still_generating_is_shared_at_a_position_inside_it(
+    ctx: kvfork.Context,
+) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    prompt = ctx.tokenize(PROMPT)
+    live = await cache.branch(prompt, GREEDY)
+    generated = [t.token async for t in live.generate(6)]
+    # A request whose prompt is the live branch's prompt plus part of what it generated.
+    follow = prompt + generated[:3] + ctx.tokenize(" and then", add_special=False)
+    other = await cache.branch(follow, GREEDY)
+    assert cache.shared_tokens(other) == len(prompt) + 3
+    assert other.position == len(follow) and live.position == len(prompt) + 6
+    got = [t.token async for t in other.generate(8)]
+    expected, margins = scratch(ctx, follow, 8)
+    assert_same_greedy(got, expected, margins)
+    # The live branch is untouched by the fork inside it.
+    more = [t.token async for t in live.generate(4)]
+    exp_live, m_live = scratch(ctx, prompt, 10)
+    assert_same_greedy(generated + more, exp_live, m_live)
+
+
+async def test_concurrent_requests_prefill_a_shared_preamble_once(
+    model: kvfork.Model,
+) -> None:
+    async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=9) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        preamble = ctx.tokenize(DOC)
+        first = await cache.branch(preamble + ctx.tokenize(" Q0:", add_special=False), GREEDY)
+        questions = [preamble + ctx.tokenize(f" Q{i}:", add_special=False) for i in range(1, 8)]
+        branches = await asyncio.gather(*(cache.branch(q, GREEDY) for q in questions))
+        assert all((cache.shared_tokens(b) or 0) >= len(preamble) - 1 for b in branches)
+        stats = cache.stats()
+        assert stats["prefilled_tokens"] < len(preamble) + 8 * 8
+        for b in [first, *branches]:
+            cache.release(b)
+        assert cache.stats()["entries"] == 8
+
+
+def test_entries_are_evicted_least_recently_used_when_leases_run_out(
+    model: kvfork.Model,
+) -> None:
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=3) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        prompts = [ctx.tokenize(f"Story number {i}: once upon a time") for i in range(5)]
+        for p in prompts:
+            cache.release(cache.branch_sync(p, GREEDY))
+        stats = cache.stats()
+        assert stats["entries"] == 3 and stats["evictions"] == 2
+        # Every lease held by a live branch: nothing to evict.
+        live = [cache.branch_sync(ctx.tokenize(f"Fresh {i}"), GREEDY) for i in range(3)]
+        with pytest.raises(kvfork.LeaseExhaustedError):
+            cache.branch_sync(ctx.tokenize("One more"), GREEDY)
+        for b in live:
+            b.prune_sync()  # pruned behind the cache's back: forgotten, leases free
+        assert cache.stats()["live"] == 0
+        cache.branch_sync(ctx.tokenize("One more"), GREEDY)
+
+
+def test_max_cached_tokens_bounds_the_entries(ctx: kvfork.Context) -> None:
+    cache = kvfork.PrefixCache(ctx, max_cached_tokens=40)
+    for i in range(4):
+        cache.release(cache.branch_sync(ctx.tokenize(f"Entry {i}: " + "word " * 20), GREEDY))
+    assert cache.stats()["cached_tokens"] <= 40
+    cache.clear()
+    assert cache.stats()["entries"] == 0
+
+
+def test_bad_calls_raise(ctx: kvfork.Context) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    with pytest.raises(ValueError, match="tokens"):
+        cache.branch_sync([], GREEDY)
+    with pytest.raises(ValueError, match="no room"):
+        cache.branch_sync([1] * ctx.n_ctx, GREEDY)
+    with pytest.raises(ValueError, match="token"):
+        cache.branch_sync([ctx.vocab_size], GREEDY)
+    with pytest.raises(TypeError, match="ctx"):
+        kvfork.PrefixCache(5)  # type: ignore[arg-type]
+    stranger = kvfork.Branch.create(ctx, 0, GREEDY)
+    with pytest.raises(ValueError, match="not a live branch of this cache"):
+        cache.release(stranger)
+    b = cache.branch_sync(ctx.tokenize(PROMPT), GREEDY)
+    cache.release(b)
+    with pytest.raises(ValueError, match="already released"):
+        cache.release(b)
