@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -69,14 +70,14 @@ def serve() -> Iterator[Any]:
         port = _free_port()
         cmd = [sys.executable, "-m", "kvfork", "serve", *args, "--port", str(port)]
         # The log goes to a file (a pipe nobody reads could fill and stall the server).
-        log = tempfile.NamedTemporaryFile("w+", prefix="kvfork-serve-", suffix=".log")
+        log = tempfile.NamedTemporaryFile("w+", prefix="kvfork-serve-", suffix=".log")  # noqa: SIM115
         logs.append(log)
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         server = Server(f"http://127.0.0.1:{port}", process)
         started.append(server)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert process.poll() is None, open(log.name).read()
+            assert process.poll() is None, Path(log.name).read_text()
             try:
                 with urllib.request.urlopen(server.url + "/health", timeout=2):
                     return server
@@ -92,7 +93,7 @@ def serve() -> Iterator[Any]:
         except subprocess.TimeoutExpired:
             server.process.kill()
     for log in logs:
-        text = open(log.name).read()
+        text = Path(log.name).read_text()
         log.close()
         assert "Traceback" not in text, text  # no request may reach an unexpected failure
 
@@ -279,15 +280,19 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "x"}], '
-        b'"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}',
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "response_format": '
+            b'{"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}'
+        ),
         "response_format",
     ),
     (
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "x"}], '
-        b'"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": '
-        b'{"type": "function", "function": {"name": "g"}}}',
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": '
+            b'{"type": "function", "function": {"name": "g"}}}'
+        ),
         "tool_choice",
     ),
     (
@@ -310,10 +315,10 @@ def test_bad_requests_get_400_naming_the_field_and_leak_nothing(chat_server: Ser
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert error["param"] == param, (body[:80], error)
     assert chat_server.metric("kvfork_leases_in_use") == 0
-    reply = chat_server.client().chat.completions.create(
+    answer = chat_server.client().chat.completions.create(
         model="x", messages=_messages(), temperature=0, max_tokens=4
     )
-    assert reply.choices[0].message.content
+    assert answer.choices[0].message.content
 
 
 def test_chat_on_a_model_without_a_template_is_a_400(base_server: Server) -> None:

@@ -317,6 +317,14 @@ async def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_template(arg: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the argument itself (Jinja or a built-in name)."""
+    if arg is None:
+        return None
+    file = Path(arg)
+    return file.read_text() if file.is_file() else arg
+
+
 async def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible server; concurrent requests share prefixes and decodes."""
     try:
@@ -325,7 +333,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         from .server import Service, create_app
         from .server.metrics import Metrics
     except ImportError as exc:
-        raise CliError(f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})")
+        raise CliError(
+            f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
+        ) from exc
     path = resolve_model(args.model)
     ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max)
     embed_ctx = None
@@ -333,15 +343,11 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         embed_ctx = await open_context(
             path, n_ctx=4096, n_seq_max=8, embeddings=True, pooling="mean"
         )
-    template = None
-    if args.chat_template is not None:
-        file = Path(args.chat_template)
-        template = file.read_text() if file.is_file() else args.chat_template
     service = Service(
         ctx,
         model_id=path.stem,
         max_queue=args.max_queue,
-        chat_template=template,
+        chat_template=_chat_template(args.chat_template),
         embed_ctx=embed_ctx,
         metrics=Metrics(),
     )

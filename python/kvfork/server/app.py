@@ -39,7 +39,8 @@ def _sse(obj: Any) -> bytes:
 
 
 async def _until_disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
+    # Starlette tells a handler of a disconnect only when asked (no event to wait on).
+    while not await request.is_disconnected():  # noqa: ASYNC110
         await asyncio.sleep(0.1)
 
 
@@ -135,7 +136,9 @@ class Endpoints:
         events = s.generate(tokens, req.sampling, [], "prompt")
         echo = prefix if req.echo else ""
 
-        def choice(index: int, text: str, lps: list[dict[str, Any]], finish: str | None) -> dict:
+        def choice(
+            index: int, text: str, lps: list[dict[str, Any]], finish: str | None
+        ) -> dict[str, Any]:
             return {
                 "index": index,
                 "text": text,

@@ -295,7 +295,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type") != "function" or name not in names:
+        if choice.get("type") != "function" or not isinstance(name, str) or name not in names:
             raise bad_request("tool_choice must name one of the tools' functions", "tool_choice")
         return tools, name
     if choice not in ("none", "auto", "required"):

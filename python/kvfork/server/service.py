@@ -217,7 +217,7 @@ class Service:
         """Generate one choice, putting its pieces on `out` (or the error that ended it)."""
         try:
             await self._generate_choice(branch, choice, sampling, out)
-        except Exception as exc:  # handed to the request's task, which raises it
+        except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
             await out.put(exc)
 
     async def _run_together(
@@ -256,7 +256,7 @@ class Service:
             for _, choice in active:
                 choice.finish_reason = "length"
                 await out.put(Event(choice.index, choice.text.take(final=True), [], "length"))
-        except Exception as exc:  # handed to the request's task, which raises it
+        except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
             await out.put(exc)
 
     async def _generate_choice(
@@ -268,10 +268,11 @@ class Service:
     ) -> None:
         room = self.ctx.n_ctx - branch.position
         limit = min(sampling.max_tokens, room)
-        if sampling.logprobs:
-            stream = _with_logprobs(branch, limit, sampling.top_logprobs)
-        else:
-            stream = _plain(branch, limit)
+        stream: AsyncIterator[tuple[str, dict[str, Any] | None]] = (
+            _with_logprobs(branch, limit, sampling.top_logprobs)
+            if sampling.logprobs
+            else _plain(branch, limit)
+        )
         finish = "length"
         async for text, lp in stream:
             choice.tokens += 1
