@@ -27,7 +27,10 @@ impl PyPrefixCache {
     #[pyo3(signature = (ctx, *, max_cached_tokens=None))]
     fn new(ctx: Arg<Bound<'_, PyContext>>, max_cached_tokens: Option<Int>) -> PyResult<Self> {
         let max = max_cached_tokens
-            .map(|m| m.within("max_cached_tokens", 0, i64::MAX).map(|m| m as usize))
+            .map(|m| {
+                m.within("max_cached_tokens", 0, i64::MAX)
+                    .map(|m| m as usize)
+            })
             .transpose()?;
         Ok(PyPrefixCache {
             inner: kvfork::PrefixCache::new(&ctx.0.get().inner, max),

@@ -35,9 +35,9 @@ pub use kvfork_core::metrics::LogBase;
 pub use kvfork_core::Handle;
 pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
 pub use model::{Model, ModelParams, Token};
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use speculate::Speculated;
-pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use store::BranchStore;
 
 /// Deepest JSON nesting accepted by [`json_schema_to_grammar`]: llama.cpp's converter recurses

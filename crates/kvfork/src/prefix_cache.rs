@@ -9,7 +9,7 @@
 //! are the leases, the KV copy and the eviction.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use kvfork_core::prefix_trie::PrefixTrie;
 use kvfork_core::Handle;
@@ -50,8 +50,31 @@ struct Holder {
     shared: usize,
 }
 
+/// A prompt being prefilled now: requests that share a long prefix with it wait for it and
+/// fork, rather than prefill the same tokens at the same time.
+struct Prefilling {
+    tokens: Vec<Token>,
+    done: Done,
+}
+
+/// A prefill's completion, for the requests that wait for it.
+type Done = Arc<(Mutex<bool>, Condvar)>;
+
+/// What `turn_to_prefill` decided.
+enum Turn {
+    /// Prefill now; others may wait for this.
+    Mine(Done),
+    /// Wait for this other prefill, then look again.
+    WaitFor(Done),
+}
+
+/// A shared prefix worth waiting for another request's prefill: this many tokens, or half
+/// the prompt (a system prompt or document, not a common first word).
+const WORTH_WAITING: usize = 64;
+
 struct State {
     holders: HashMap<Handle, Holder>,
+    prefilling: Vec<Prefilling>,
     trie: PrefixTrie<Handle>,
     stats: PrefixCacheStats,
 }
@@ -77,6 +100,7 @@ impl PrefixCache {
             max_cached_tokens,
             state: Arc::new(Mutex::new(State {
                 holders: HashMap::new(),
+                prefilling: Vec::new(),
                 trie: PrefixTrie::new(),
                 stats: PrefixCacheStats::default(),
             })),
@@ -117,7 +141,9 @@ impl PrefixCache {
             return Pending::ready(Err(e));
         }
         let cache = self.clone();
-        Pending::spawn("kvfork-prefix", move || cache.branch_blocking(&tokens, &params))
+        Pending::spawn("kvfork-prefix", move || {
+            cache.branch_blocking(&tokens, &params)
+        })
     }
 
     fn branch_blocking(&self, tokens: &[Token], params: &SamplingParams) -> Result<Branch> {
@@ -127,26 +153,80 @@ impl PrefixCache {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
                 continue;
             }
-            let (branch, shared) = match self.make(source.as_ref(), shared, tokens, params) {
-                Ok(made) => made,
-                Err(Error::KvCacheFull(_)) if self.evict_one(None).is_ok() => continue,
-                Err(e) => return Err(e),
+            let done = match self.turn_to_prefill(tokens, shared) {
+                Turn::Mine(done) => done,
+                Turn::WaitFor(other) => {
+                    wait_done(&other);
+                    continue;
+                }
             };
-            let mut st = self.lock();
-            let handle = branch.handle();
-            st.trie.insert(handle, tokens);
-            st.holders.insert(
-                handle,
-                Holder {
-                    branch: branch.clone(),
-                    tokens: tokens.to_vec(),
-                    live: true,
-                    shared,
-                },
-            );
-            st.stats.branches += 1;
-            return Ok(branch);
+            let made = self.make(source.as_ref(), shared, tokens, params);
+            let retry = match &made {
+                Err(Error::KvCacheFull(_)) => self.evict_one(None).is_ok(),
+                _ => false,
+            };
+            if let Ok((branch, shared)) = &made {
+                self.hold(branch, tokens, *shared);
+            }
+            // Who waits for this prefill looks again, and finds the new holder.
+            self.finished(&done);
+            if retry {
+                continue;
+            }
+            return made.map(|(branch, _)| branch);
         }
+    }
+
+    /// Record a branch just made as a live holder of `tokens`.
+    fn hold(&self, branch: &Branch, tokens: &[Token], shared: usize) {
+        let mut st = self.lock();
+        let handle = branch.handle();
+        st.trie.insert(handle, tokens);
+        st.holders.insert(
+            handle,
+            Holder {
+                branch: branch.clone(),
+                tokens: tokens.to_vec(),
+                live: true,
+                shared,
+            },
+        );
+        st.stats.branches += 1;
+    }
+
+    /// Whether to prefill `tokens` now (announced, for others to wait for) or to wait for
+    /// another request's prefill that shares more of them than the KV holds already
+    /// (`shared`), by enough to be worth it. One lock: two requests never both decide to
+    /// prefill the same long prefix.
+    fn turn_to_prefill(&self, tokens: &[Token], shared: usize) -> Turn {
+        let mut st = self.lock();
+        let worth = WORTH_WAITING.min(tokens.len() / 2).max(1);
+        let other = st
+            .prefilling
+            .iter()
+            .map(|p| (common_prefix(&p.tokens, tokens), p))
+            .filter(|&(len, _)| len > shared && len - shared >= worth)
+            .max_by_key(|&(len, _)| len)
+            .map(|(_, p)| p.done.clone());
+        if let Some(other) = other {
+            return Turn::WaitFor(other);
+        }
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        st.prefilling.push(Prefilling {
+            tokens: tokens.to_vec(),
+            done: done.clone(),
+        });
+        Turn::Mine(done)
+    }
+
+    /// The prefill announced with `done` is over (its branch is a holder now, or it failed):
+    /// wake who waits for it.
+    fn finished(&self, done: &Done) {
+        self.lock()
+            .prefilling
+            .retain(|p| !Arc::ptr_eq(&p.done, done));
+        *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        done.1.notify_all();
     }
 
     /// The holder sharing the longest prefix with `tokens`, and how many tokens to share
@@ -295,6 +375,17 @@ impl PrefixCache {
     }
 }
 
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn wait_done(done: &(Mutex<bool>, Condvar)) {
+    let mut finished = done.0.lock().unwrap_or_else(|e| e.into_inner());
+    while !*finished {
+        finished = done.1.wait(finished).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
 impl Branch {
     /// Take over `source`'s first cells, those of `prefix`, into this branch's fresh sequence
     /// (this branch was created at position `prefix.len()` and holds nothing yet): a fork at
@@ -304,7 +395,8 @@ impl Branch {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
-        let (source, target, prefix) = (source.cell().clone(), self.cell().clone(), prefix.to_vec());
+        let (source, target, prefix) =
+            (source.cell().clone(), self.cell().clone(), prefix.to_vec());
         self.context()
             .run(move |w| w.share_prefix(&source, &target, &prefix))
     }

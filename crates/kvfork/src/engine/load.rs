@@ -7,6 +7,9 @@
 //! mask (a container's cpuset included), where its `procs_running` and the load average count
 //! the whole host. `procs_running` serves only the very first decode, before any window
 //! exists, and only when the mask holds every CPU of the machine.
+//!
+//! Niced processes (a background build, a batch job) do not count as busy for a process of
+//! normal priority: the scheduler gives the CPU to it first (weight 1024 against 15 at nice 19).
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +26,9 @@ pub(super) struct LoadMeter {
     allowed: Vec<u32>,
     /// Whether `allowed` is every CPU of the machine (then `procs_running` is ours to read).
     whole_machine: bool,
+    /// Whether niced processes' time counts as busy: not when this process runs at normal
+    /// priority or higher, since niced work then yields the CPU to it.
+    count_niced: bool,
     /// Start of the current window.
     start: Option<CpuTimes>,
     last_read: Instant,
@@ -35,10 +41,12 @@ impl LoadMeter {
             .ok()
             .and_then(|s| parse_cpu_list(&s));
         let whole_machine = online.is_some_and(|all| all == allowed);
-        let start = read_times(&allowed);
+        let count_niced = own_nice().is_none_or(|nice| nice > 0);
+        let start = read_times(&allowed, count_niced);
         LoadMeter {
             allowed,
             whole_machine,
+            count_niced,
             start,
             last_read: Instant::now(),
         }
@@ -80,7 +88,7 @@ impl LoadMeter {
             return None;
         }
         self.last_read = Instant::now();
-        let now = read_times(&self.allowed)?;
+        let now = read_times(&self.allowed, self.count_niced)?;
         let Some(start) = self.start else {
             self.start = Some(now);
             return None;
@@ -91,8 +99,9 @@ impl LoadMeter {
     }
 }
 
-/// Busy and total ticks of the `allowed` CPUs, and this process's own.
-fn read_times(allowed: &[u32]) -> Option<CpuTimes> {
+/// Busy and total ticks of the `allowed` CPUs (niced time as busy only with `count_niced`),
+/// and this process's own.
+fn read_times(allowed: &[u32], count_niced: bool) -> Option<CpuTimes> {
     if allowed.is_empty() {
         return None;
     }
@@ -117,10 +126,11 @@ fn read_times(allowed: &[u32]) -> Option<CpuTimes> {
         if v.len() < 8 {
             return None;
         }
+        let niced = v[1];
         let idle = v[3] + v[4];
-        let busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
-        times.busy += busy;
-        times.total += busy + idle;
+        let busy = v[0] + v[2] + v[5] + v[6] + v[7];
+        times.busy += busy + if count_niced { niced } else { 0 };
+        times.total += busy + niced + idle;
         times.cpus += 1;
     }
     (times.cpus > 0).then_some(times)
@@ -135,6 +145,13 @@ fn own_ticks() -> Option<u64> {
     let utime: u64 = fields.next()?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
     Some(utime + stime)
+}
+
+/// This process's nice value (field 19 of `/proc/self/stat`).
+fn own_nice() -> Option<i64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_ascii_whitespace().nth(16)?.parse().ok()
 }
 
 /// This process's threads that are running or runnable now.
@@ -196,10 +213,11 @@ mod tests {
         let meter = LoadMeter::new();
         assert!(meter.cpus() >= 1);
         assert!(own_ticks().is_some());
-        let t = read_times(&meter.allowed).expect("/proc/stat");
+        let t = read_times(&meter.allowed, true).expect("/proc/stat");
         assert_eq!(t.cpus, meter.cpus());
         assert!(t.busy <= t.total);
         // This test's own thread is running while it counts.
         assert!(own_running_threads().is_some_and(|n| n >= 1));
+        assert!(own_nice().is_some_and(|n| (-20..=19).contains(&n)));
     }
 }

@@ -17,8 +17,8 @@ mod loans;
 mod parallel;
 mod pending;
 mod prefill;
-pub(crate) mod shared;
 mod share;
+pub(crate) mod shared;
 mod worker;
 
 use std::sync::atomic::Ordering;
