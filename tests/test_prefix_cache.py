@@ -82,13 +82,18 @@ async def test_concurrent_requests_prefill_a_shared_preamble_once(
     async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=9) as ctx:
         cache = kvfork.PrefixCache(ctx)
         preamble = ctx.tokenize(DOC)
-        first = await cache.branch(preamble + ctx.tokenize(" Q0:", add_special=False), GREEDY)
-        questions = [preamble + ctx.tokenize(f" Q{i}:", add_special=False) for i in range(1, 8)]
+        questions = [preamble + ctx.tokenize(f" Q{i}:", add_special=False) for i in range(8)]
+        # All at once, none cached yet: one prefills the preamble, the others wait and fork.
         branches = await asyncio.gather(*(cache.branch(q, GREEDY) for q in questions))
-        assert all((cache.shared_tokens(b) or 0) >= len(preamble) - 1 for b in branches)
+        shared = sorted(cache.shared_tokens(b) or 0 for b in branches)
+        assert shared[0] == 0 and all(s >= len(preamble) - 1 for s in shared[1:])
         stats = cache.stats()
         assert stats["prefilled_tokens"] < len(preamble) + 8 * 8
-        for b in [first, *branches]:
+        for b, q in zip(branches, questions, strict=True):
+            assert b.position == len(q)
+        expected, margins = scratch(ctx, questions[5], 6)
+        assert_same_greedy([t.token async for t in branches[5].generate(6)], expected, margins)
+        for b in branches:
             cache.release(b)
         assert cache.stats()["entries"] == 8
 
