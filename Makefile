@@ -2,7 +2,7 @@
 SHELL := bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer
+.PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer peer-server bench-serve
 
 setup:
 	scripts/setup.sh
@@ -64,3 +64,12 @@ bench: setup $(if $(PEER),peer)
 
 peer:
 	scripts/peer_venv.sh
+
+# The servers bench_serve.py compares with: llama.cpp's llama-server built from source, and
+# llama-cpp-python's example server (from the same sdist) in the peer's venv.
+peer-server: peer
+	scripts/build_llama_server.sh
+	.venv-peer/bin/python -m pip install -q fastapi uvicorn openai safetensors websockets
+
+bench-serve: setup peer-server
+	$(PY) benchmarks/bench_serve.py --rounds 2

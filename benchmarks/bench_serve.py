@@ -10,7 +10,8 @@ Servers are interleaved round by round; medians over ROUNDS. Every server binds 
 
     .venv/bin/python benchmarks/bench_serve.py [--rounds 2] [--clients 16]
         [--llama-server PATH]   # scripts/build_llama_server.sh builds it (default: found there)
-        [--peer-python .venv-peer/bin/python --example-server PATH]
+        [--peer-python .venv-peer/bin/python]   # `make peer`, plus fastapi, uvicorn, openai
+        [--example-server .peer-server/src/examples/server/server.py]  # from the same sdist
 """
 
 from __future__ import annotations
@@ -125,12 +126,14 @@ def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerS
         config = Path(tempfile.mkdtemp()) / "config.json"
 
         def example_cmd(p: int) -> list[str]:
+            # Its shipped configs bind 0.0.0.0: this one binds loopback.
             config.write_text(json.dumps({
-                "host": "127.0.0.1", "port": p,
-                "models": [{"model": str(model), "model_alias": "m", "n_ctx": n_ctx,
-                            "n_threads": 2, "n_threads_batch": 2, "n_parallel": clients}],
+                "server": {"host": "127.0.0.1", "port": p},
+                "model": {"alias": "m", "path": str(model), "n_ctx": n_ctx,
+                          "n_seq_max": clients, "threads": 2, "threads_batch": 2,
+                          "kv_unified": True},
             }))
-            return [args.peer_python, str(example), "--config_file", str(config)]
+            return [args.peer_python, str(example), "-C", str(config)]
         specs.append(ServerSpec("example-server", example_cmd))
     return specs
 
@@ -141,7 +144,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--llama-server", default=str(ROOT / ".peer-server/build/bin/llama-server"))
     ap.add_argument("--peer-python", default=str(ROOT / ".venv-peer/bin/python"))
-    ap.add_argument("--example-server", default=None)
+    ap.add_argument("--example-server",
+                    default=str(ROOT / ".peer-server/src/examples/server/server.py"))
     ap.add_argument("--only", choices=["shared", "disjoint"], default=None)
     args = ap.parse_args()
     model = kvfork.default_model_path()
