@@ -8,7 +8,7 @@ from typing import Any, Generic, Literal, TypeAlias, TypedDict, TypeVar, final, 
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 from ._speculative import Drafter, SpeculativeStream, SpeculativeStreamSync
 
@@ -285,33 +285,28 @@ class Context:
         tb: TracebackType | None = None,
     ) -> Awaitable[Literal[False]]: ...
 
+class _ContextOptions(TypedDict, total=False):
+    """The keyword options of `create_context` and `create_context_sync`, written once;
+    `kvfork.create_context` documents them, with their defaults."""
+
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    n_threads: int | None
+    n_threads_batch: int | None
+    type_k: str
+    type_v: str
+    embeddings: bool
+    pooling: str | None
+    n_gpu_layers: int | None
+
 def create_context(
     path_or_model: str | PathLike[str] | Model,
-    *,
-    n_ctx: int = 4096,
-    n_batch: int = 512,
-    n_seq_max: int = 8,
-    n_threads: int | None = None,
-    n_threads_batch: int | None = None,
-    type_k: str = "f16",
-    type_v: str = "f16",
-    embeddings: bool = False,
-    pooling: str | None = None,
-    n_gpu_layers: int | None = None,
+    **options: Unpack[_ContextOptions],
 ) -> Awaitable[Context]: ...
 def create_context_sync(
     path_or_model: str | PathLike[str] | Model,
-    *,
-    n_ctx: int = 4096,
-    n_batch: int = 512,
-    n_seq_max: int = 8,
-    n_threads: int | None = None,
-    n_threads_batch: int | None = None,
-    type_k: str = "f16",
-    type_v: str = "f16",
-    embeddings: bool = False,
-    pooling: str | None = None,
-    n_gpu_layers: int | None = None,
+    **options: Unpack[_ContextOptions],
 ) -> Context: ...
 
 _StopReason: TypeAlias = Literal["stop_token", "max_tokens", "context_full"]

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Generator
 from os import PathLike
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _native
 from ._native import Context, Model
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._native import _ContextOptions
 
 
 class ContextOpening(Awaitable[Context]):
@@ -41,35 +46,31 @@ class ContextOpening(Awaitable[Context]):
 
 
 def create_context(
-    path_or_model: str | PathLike[str] | Model,
-    *,
-    n_ctx: int = 4096,
-    n_batch: int = 512,
-    n_seq_max: int = 8,
-    n_threads: int | None = None,
-    n_threads_batch: int | None = None,
-    type_k: str = "f16",
-    type_v: str = "f16",
-    embeddings: bool = False,
-    pooling: str | None = None,
-    n_gpu_layers: int | None = None,
+    path_or_model: str | PathLike[str] | Model, **options: Unpack[_ContextOptions]
 ) -> ContextOpening:
     """Create a context (a unified KV cache and its engine thread) on a model or a GGUF path,
     without blocking the event loop: `ctx = await create_context(...)`, or
-    `async with create_context(...) as ctx:`. Options as `create_context_sync`; a bad one
-    raises ValueError naming it, a model that cannot be loaded ModelLoadError."""
-    return ContextOpening(
-        _native.create_context(
-            path_or_model,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            n_seq_max=n_seq_max,
-            n_threads=n_threads,
-            n_threads_batch=n_threads_batch,
-            type_k=type_k,
-            type_v=type_v,
-            embeddings=embeddings,
-            pooling=pooling,
-            n_gpu_layers=n_gpu_layers,
-        )
-    )
+    `async with create_context(...) as ctx:`.
+
+    The keyword options (the same for `create_context_sync`), with their defaults:
+
+    - `n_ctx=4096`: cells of the unified KV cache, shared by all branches (a shared prefix
+      counts once); also the furthest position a branch can reach. 16 to `2**24`.
+    - `n_batch=512`: the most tokens one `llama_decode` takes; longer prefills and wider
+      steps are split. 1 to 65536.
+    - `n_seq_max=8`: KV sequences (leases), so how many branches can be live at once.
+      1 to 256.
+    - `n_threads=None`, `n_threads_batch=None`: threads of single-token decodes and of
+      multi-token decodes (prefills, batched steps). None adapts the count to the cores
+      other processes leave free (at most 8); a number (1 to 512) fixes it.
+    - `type_k="f16"`, `type_v="f16"`: element type of the cached keys and values: "f32",
+      "f16", "bf16", "q8_0" or "q4_0".
+    - `embeddings=False`: True makes an embedding context (`Context.embed`).
+    - `pooling=None`: how `embed` pools token vectors: "none", "mean", "cls" or "last";
+      None uses the model's own.
+    - `n_gpu_layers=None`: layers to offload to the GPU when `path_or_model` is a path
+      (None: all on a GPU build, else 0); a loaded `Model` keeps its own.
+
+    A bad option raises ValueError naming it, an unknown one TypeError, and a model that
+    cannot be loaded ModelLoadError."""
+    return ContextOpening(_native.create_context(path_or_model, **options))
