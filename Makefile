@@ -42,14 +42,15 @@ asan: setup
 lint:
 	cargo fmt --all -- --check
 	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
-	$(PY) -m ruff check python tests benchmarks examples
-	$(PY) -m ruff format --check python tests benchmarks examples
-	$(PY) -m mypy --strict python/kvfork examples tests
+	$(PY) -m ruff check python tests benchmarks examples scripts
+	$(PY) -m ruff format --check python tests benchmarks examples scripts
+	$(PY) -m mypy --strict python/kvfork examples tests scripts
 	$(PY) -m mypy.stubtest kvfork._native --allowlist stubtest-allowlist.txt
+	$(PY) scripts/stub_docs.py --check
 
 fmt:
 	cargo fmt --all
-	$(PY) -m ruff format python tests benchmarks examples
+	$(PY) -m ruff format python tests benchmarks examples scripts
 
 # The documentation site (mkdocs, after `make setup`): the API reference comes from the
 # docstrings of the installed package.
