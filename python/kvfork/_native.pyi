@@ -52,35 +52,52 @@ _T = TypeVar("_T")
 
 @final
 class Ready(Generic[_T]):
-    """An awaitable whose result is already known (returned where no work is needed)."""
     def __await__(self) -> Generator[Any, None, _T]: ...
     def __iter__(self) -> Generator[Any, None, _T]: ...
     def __next__(self) -> Any: ...
 
 @final
 class Operation(Generic[_T]):
-    """An awaitable of work on the engine thread (what the async methods return)."""
     def __await__(self) -> Generator[Any, None, _T]: ...
     def __iter__(self) -> Generator[Any, None, _T]: ...
     def __next__(self) -> Any: ...
     def send(self, _value: Any) -> Any: ...
-    def throw(self, typ: Any, val: Any = None, _tb: Any = None) -> Any: ...
-    def close(self) -> None: ...
-    def done(self) -> bool: ...
+    def throw(self, typ: Any, val: Any = None, _tb: Any = None) -> Any:
+        """Called by asyncio with CancelledError when the awaiting task is cancelled."""
+    def close(self) -> None:
+        """Called when the awaiting coroutine is closed: stop the job if it has not started."""
+    def done(self) -> bool:
+        """Whether the reply has arrived."""
 
-class KvforkError(Exception): ...
-class ModelLoadError(KvforkError): ...
-class DecodeError(KvforkError): ...
-class KvCacheFullError(DecodeError): ...
-class LeaseExhaustedError(KvforkError): ...
-class BranchDisposedError(KvforkError): ...
-class GrammarError(KvforkError): ...
-class ChatTemplateError(KvforkError): ...
-class StateFileError(KvforkError): ...
+class KvforkError(Exception):
+    """Base class of every kvfork error."""
+
+class ModelLoadError(KvforkError):
+    """A model file could not be loaded."""
+
+class DecodeError(KvforkError):
+    """llama_decode failed."""
+
+class KvCacheFullError(DecodeError):
+    """No room left in the KV cache."""
+
+class LeaseExhaustedError(KvforkError):
+    """Every KV sequence of the context is leased."""
+
+class BranchDisposedError(KvforkError):
+    """The branch was pruned."""
+
+class GrammarError(KvforkError):
+    """A grammar failed to parse or has no legal continuation."""
+
+class ChatTemplateError(KvforkError):
+    """A chat template is missing or failed to render."""
+
+class StateFileError(KvforkError):
+    """A saved state file is corrupt, truncated, foreign, or from another model."""
 
 class KvforkWarning(UserWarning):
-    """A call that works but likely not as meant (e.g. a branch created with nothing behind
-    it)."""
+    """A call that works but likely not as meant (e.g. a branch created with nothing behind it)."""
 
 class ArgumentTypeError(TypeError):
     """A TypeError about one argument, named in the message."""
@@ -91,27 +108,47 @@ _Base: TypeAlias = Literal["nats", "bits"]
 
 @final
 class Model:
+    """Loaded GGUF weights and vocabulary, shareable by several contexts (loaded once).
+    Load with `Model.load(path)`, or pass a path straight to `create_context`.
+    """
     @staticmethod
     def load(
         path: str | PathLike[str], *, n_gpu_layers: int | None = None, use_mmap: bool = True
-    ) -> Model: ...
+    ) -> Model:
+        """Load a GGUF model (blocking; weights are memory-mapped by default). `n_gpu_layers`:
+        layers to offload to the GPU (None: all on a GPU build, else 0). Raises ModelLoadError
+        for a file that cannot be loaded.
+        """
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        """Number of tokens in the vocabulary (the length of a logits row)."""
     @property
-    def n_ctx_train(self) -> int: ...
+    def n_ctx_train(self) -> int:
+        """The context length the model was trained with (GGUF metadata), in tokens."""
     @property
-    def n_embd(self) -> int: ...
+    def n_embd(self) -> int:
+        """Width of the model's hidden state (the embedding size)."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The GGUF `general.name`, or the file name without its extension when that is missing."""
     @property
-    def path(self) -> Path: ...
+    def path(self) -> Path:
+        """The path the model was loaded from."""
     @property
-    def metadata(self) -> dict[str, str]: ...
+    def metadata(self) -> dict[str, str]:
+        """Every GGUF metadata key with its value as a string (llama.cpp summarises arrays)."""
     @property
-    def chat_template(self) -> str | None: ...
+    def chat_template(self) -> str | None:
+        """The GGUF's Jinja chat template (`tokenizer.chat_template`), or None when it has none."""
 
 @final
 class SamplingParams:
+    """Parameters of a branch's sampler chain. `temperature <= 0` means greedy; `seed=None`
+    draws a fresh random seed. Order: penalties → DRY → top-n-sigma → top-k → typical →
+    top-p → min-p → XTC → temperature → draw (Mirostat replaces the truncations).
+    Immutable: `replace(**changes)` makes a copy; a bad value raises TypeError or
+    ValueError naming the field.
+    """
     def __new__(
         cls,
         *,
@@ -137,127 +174,272 @@ class SamplingParams:
         xtc_threshold: float = 0.1,
     ) -> SamplingParams: ...
     @property
-    def temperature(self) -> float: ...
+    def temperature(self) -> float:
+        """Divides the logits before the draw: higher is more random. `<= 0` is greedy (argmax),
+        unless Mirostat is on. Default 0.8.
+        """
     @property
-    def top_k(self) -> int: ...
+    def top_k(self) -> int:
+        """Keep only the `top_k` most likely tokens; 0 disables. Default 40."""
     @property
-    def top_p(self) -> float: ...
+    def top_p(self) -> float:
+        """Nucleus sampling: keep the most likely tokens until their probabilities sum to
+        `top_p`; 1.0 disables. Default 0.95.
+        """
     @property
-    def min_p(self) -> float: ...
+    def min_p(self) -> float:
+        """Drop tokens less likely than `min_p` times the most likely one; 0 disables.
+        Default 0.05.
+        """
     @property
-    def typical_p(self) -> float: ...
+    def typical_p(self) -> float:
+        """Locally typical sampling: keep the tokens whose surprisal is closest to the entropy,
+        up to this total probability; 1.0 disables (the default).
+        """
     @property
-    def top_n_sigma(self) -> float: ...
+    def top_n_sigma(self) -> float:
+        """Keep tokens whose logit is within `top_n_sigma` standard deviations of the best;
+        `<= 0` disables (default -1.0).
+        """
     @property
-    def seed(self) -> int | None: ...
+    def seed(self) -> int | None:
+        """Seed of the branch's RNG (XTC, the draw, Mirostat), an int in [0, 2**32); None (the
+        default) draws a fresh random seed.
+        """
     @property
-    def repeat_penalty(self) -> float: ...
+    def repeat_penalty(self) -> float:
+        """Divides positive logits (multiplies negative ones) of tokens in the penalty window;
+        1.0 disables (the default).
+        """
     @property
-    def frequency_penalty(self) -> float: ...
+    def frequency_penalty(self) -> float:
+        """Subtracted from a token's logit once per occurrence in the penalty window; 0 disables
+        (the default).
+        """
     @property
-    def presence_penalty(self) -> float: ...
+    def presence_penalty(self) -> float:
+        """Subtracted from the logit of every token present in the penalty window; 0 disables
+        (the default).
+        """
     @property
-    def penalty_last_n(self) -> int: ...
+    def penalty_last_n(self) -> int:
+        """The penalty window: how many recently accepted tokens the repeat, frequency and
+        presence penalties look at; -1 = the whole context, 0 disables them. Default 64.
+        """
     @property
-    def mirostat(self) -> int: ...
+    def mirostat(self) -> int:
+        """Mirostat: 0 off (the default), 1 Mirostat, 2 Mirostat 2.0. When on it replaces the
+        truncation filters (top-k, typical, top-p, min-p) and XTC, and aims at a steady surprise.
+        """
     @property
-    def mirostat_tau(self) -> float: ...
+    def mirostat_tau(self) -> float:
+        """Mirostat's target surprise, in bits; its threshold `mu` starts at 2 * tau. Default 5.0."""
     @property
-    def mirostat_eta(self) -> float: ...
+    def mirostat_eta(self) -> float:
+        """Mirostat's learning rate: how fast `mu` moves towards the target. Default 0.1."""
     @property
-    def dry_multiplier(self) -> float: ...
+    def dry_multiplier(self) -> float:
+        """Strength of the DRY penalty on tokens that would extend a repeated sequence; 0 disables
+        (the default).
+        """
     @property
-    def dry_base(self) -> float: ...
+    def dry_base(self) -> float:
+        """DRY's penalty grows as `dry_base` to the power of the repeat's length past
+        `dry_allowed_length`; must be >= 1. Default 1.75.
+        """
     @property
-    def dry_allowed_length(self) -> int: ...
+    def dry_allowed_length(self) -> int:
+        """Repeats up to this many tokens long go unpenalised by DRY. Default 2."""
     @property
-    def dry_penalty_last_n(self) -> int: ...
+    def dry_penalty_last_n(self) -> int:
+        """How many recent tokens DRY scans for repeats; -1 = the whole context (the default),
+        0 disables DRY.
+        """
     @property
-    def xtc_probability(self) -> float: ...
+    def xtc_probability(self) -> float:
+        """XTC: the chance, per draw, that it removes the top choices; 0 disables (the default)."""
     @property
-    def xtc_threshold(self) -> float: ...
-    def __getnewargs_ex__(self) -> tuple[tuple[()], dict[str, Any]]: ...
-    def replace(self, **changes: Any) -> SamplingParams: ...
-    def to_dict(self) -> dict[str, Any]: ...
+    def xtc_threshold(self) -> float:
+        """XTC removes every token at least this likely except the least likely of them; above
+        0.5 it never fires. Default 0.1.
+        """
+    def __getnewargs_ex__(self) -> tuple[tuple[()], dict[str, Any]]:
+        """Pickling (Ray job arguments): `SamplingParams(**fields)` again."""
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed."""
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict."""
     def __hash__(self) -> int: ...
 
 _Params: TypeAlias = SamplingParams | dict[str, Any] | None
 
 @final
 class Token:
+    """A sampled token: immutable `(token, text, is_stop)` that unpacks and indexes like a tuple
+    (`tok, text, stop = t`). Returned by `produce`, `generate` and `BranchStore.step`, and
+    accepted wherever a token id is.
+    """
     def __new__(cls, token: int, text: str, is_stop: bool) -> Token: ...
     @property
-    def token(self) -> int: ...
+    def token(self) -> int:
+        """The token id."""
     @property
-    def text(self) -> str: ...
+    def text(self) -> str:
+        """The token's text piece (special tokens rendered; invalid UTF-8 replaced)."""
     @property
-    def is_stop(self) -> bool: ...
-    def __getnewargs__(self) -> tuple[int, str, bool]: ...
+    def is_stop(self) -> bool:
+        """True for an end-of-generation token (as `Context.is_stop_token`); generation stops
+        there without committing it.
+        """
+    def __getnewargs__(self) -> tuple[int, str, bool]:
+        """Pickling (Ray jobs return tokens): `Token(token, text, is_stop)` again."""
     def __len__(self) -> int: ...
     def __getitem__(self, key: int, /) -> int | str | bool: ...
     def __iter__(self) -> Iterator[Any]: ...
 
 @final
 class FormattedChat:
+    """A rendered conversation: the prompt to tokenize (with `parse_special=True`) and the strings
+    that end an assistant turn besides end-of-generation tokens.
+    """
     @property
-    def prompt(self) -> str: ...
+    def prompt(self) -> str:
+        """The rendered text; tokenize it with `parse_special=True` so the template's markup
+        becomes special tokens.
+        """
     @property
-    def stop(self) -> list[str]: ...
+    def stop(self) -> list[str]:
+        """The template's turn-end strings (a list, possibly empty): cut the reply at the first
+        one. End-of-generation tokens stop generation anyway.
+        """
 
 @final
 class Context:
+    """A llama context: owns a unified KV cache and the engine thread that runs every decode."""
     @property
-    def model(self) -> Model: ...
+    def model(self) -> Model:
+        """The Model this context runs (possibly shared with other contexts)."""
     @property
-    def n_ctx(self) -> int: ...
+    def n_ctx(self) -> int:
+        """Size of the unified KV cache in cells, shared by all branches (a shared prefix counts
+        once); also the furthest position a branch can reach.
+        """
     @property
-    def n_batch(self) -> int: ...
+    def n_batch(self) -> int:
+        """Most tokens one llama_decode takes; longer prefills and wider commits are split into
+        ceil(total / n_batch) decodes.
+        """
     @property
-    def n_seq_max(self) -> int: ...
+    def n_seq_max(self) -> int:
+        """Number of KV sequences (leases): how many branches can be live at once."""
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        """Number of tokens in the model's vocabulary (the length of a logits row)."""
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once the context is closed (by `close`, leaving a `with` block, or an internal
+        error); most calls then raise KvforkError.
+        """
     @property
-    def n_threads(self) -> int: ...
+    def n_threads(self) -> int:
+        """Threads single-token decodes use now. Unless `create_context` fixed `n_threads`, the
+        count adapts to the machine's load: it drops while other processes take the cores
+        (busy-waiting threads would only slow each other down) and comes back when they leave.
+        """
     @property
-    def n_threads_batch(self) -> int: ...
+    def n_threads_batch(self) -> int:
+        """Threads multi-token decodes (prefills, batched steps) use now; adapts like
+        `n_threads` unless `create_context` fixed `n_threads_batch`.
+        """
     @property
-    def eog_token(self) -> int | None: ...
+    def eog_token(self) -> int | None:
+        """The model's end-of-sequence token id, or None if the vocabulary has none. Other tokens
+        may also end generation (e.g. end-of-turn): test with `is_stop_token`.
+        """
     @property
-    def bos_token(self) -> int | None: ...
+    def bos_token(self) -> int | None:
+        """The model's beginning-of-sequence token id, or None if the vocabulary has none."""
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
-    ) -> list[int]: ...
+    ) -> list[int]:
+        """Token ids of `text`, exactly as llama.cpp tokenizes it. `add_special` adds BOS etc. as
+        the model asks; `parse_special` reads special-token text (e.g. "<|im_start|>") as those
+        tokens. Raises KvforkError when the context is closed.
+        """
     def detokenize(
         self, tokens: _Tokens, *, remove_special: bool = False, unparse_special: bool = False
-    ) -> str: ...
-    def token_to_text(self, token: int) -> str: ...
-    def is_stop_token(self, token: int) -> bool: ...
-    def kv_seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None: ...
-    def kv_seq_keep(self, seq: int) -> None: ...
-    def kv_seq_remove(self, seq: int, p0: int = 0, p1: int = -1) -> bool: ...
-    def kv_seq_pos_max(self, seq: int) -> Awaitable[int]: ...
-    def kv_seq_pos_max_sync(self, seq: int) -> int: ...
-    def kv_clear(self) -> None: ...
-    def save_state(self, path: str | PathLike[str]) -> Awaitable[None]: ...
-    def save_state_sync(self, path: str | PathLike[str]) -> None: ...
-    def load_state(self, path: str | PathLike[str]) -> Awaitable[list[Branch]]: ...
-    def load_state_sync(self, path: str | PathLike[str]) -> list[Branch]: ...
+    ) -> str:
+        """The text of `tokens`, as llama.cpp detokenizes it. `remove_special` drops the BOS/EOS the
+        model adds; `unparse_special` renders special tokens as their text. Raises
+        KvforkError when the context is closed, ValueError for a token id out of range.
+        """
+    def token_to_text(self, token: int) -> str:
+        """The text piece of one token (special tokens rendered, invalid UTF-8 replaced). Raises
+        KvforkError when the context is closed, ValueError for a token id out of range.
+        """
+    def is_stop_token(self, token: int) -> bool:
+        """True when `token` ends generation in this vocabulary (EOS, end-of-turn and the other
+        end-of-generation tokens). ValueError for a token id out of range.
+        """
+    def kv_seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
+        Queued in order with all engine work; returns without waiting.
+        """
+    def kv_seq_keep(self, seq: int) -> None:
+        """Remove every cell not of `seq`. Bypasses branch tenancy. Returns without waiting."""
+    def kv_seq_remove(self, seq: int, p0: int = 0, p1: int = -1) -> bool:
+        """Remove the cells of `seq` in [p0, p1) (-1 = open). Returns False, removing nothing, when
+        a partial removal is impossible (recurrent models). Returns without waiting.
+        """
+    def kv_seq_pos_max(self, seq: int) -> Awaitable[int]:
+        """Largest position stored for `seq` (-1 when empty), after all queued work."""
+    def kv_seq_pos_max_sync(self, seq: int) -> int:
+        """Blocking twin of `kv_seq_pos_max`: returns the position. Waits without the GIL; Ctrl-C cancels it all-or-nothing and raises KeyboardInterrupt."""
+    def kv_clear(self) -> None:
+        """Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting."""
+    def save_state(self, path: str | PathLike[str]) -> Awaitable[None]:
+        """Save every live branch (its record and tree links) and the whole KV cache to
+        `path`, after queued work. Shared prefixes are stored once.
+        """
+    def save_state_sync(self, path: str | PathLike[str]) -> None:
+        """Blocking twin of `save_state`: returns None once the file is written. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    def load_state(self, path: str | PathLike[str]) -> Awaitable[list[Branch]]:
+        """Restore a `save_state` file into this context, which must have no live branch; the
+        model must be the same. Returns the restored branches, each after its parent.
+        A corrupt, truncated or foreign file raises StateFileError.
+        """
+    def load_state_sync(self, path: str | PathLike[str]) -> list[Branch]:
+        """Blocking twin of `load_state`: returns the restored branches, each after its parent; StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @property
-    def embedding_dim(self) -> int: ...
+    def embedding_dim(self) -> int:
+        """Width of the vectors `embed` returns."""
     def embed(
         self, text_or_tokens: str | _Tokens, *, normalize: bool = True
-    ) -> Awaitable[npt.NDArray[np.float32]]: ...
+    ) -> Awaitable[npt.NDArray[np.float32]]:
+        """Embedding of one text (str) or token list, as a float32 array of `embedding_dim`
+        (shape `(n_tokens, embedding_dim)` on a context with pooling "none"). Needs a context
+        created with `embeddings=True` and no live branches.
+        """
     def embed_sync(
         self, text_or_tokens: str | _Tokens, *, normalize: bool = True
-    ) -> npt.NDArray[np.float32]: ...
+    ) -> npt.NDArray[np.float32]:
+        """Blocking twin of `embed`: returns the float32 array. KvforkError on a context without
+        `embeddings=True`. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await
+        would, and raises KeyboardInterrupt.
+        """
     def embed_batch(
         self, texts: Iterable[str | _Tokens], *, normalize: bool = True
-    ) -> Awaitable[npt.NDArray[np.float32]]: ...
+    ) -> Awaitable[npt.NDArray[np.float32]]:
+        """Embeddings of many texts (str or token lists), shape `(len(texts), embedding_dim)`,
+        packed into as few decodes as fit (one text per sequence, each text whole in a batch).
+        """
     def embed_batch_sync(
         self, texts: Iterable[str | _Tokens], *, normalize: bool = True
-    ) -> npt.NDArray[np.float32]: ...
+    ) -> npt.NDArray[np.float32]:
+        """Blocking twin of `embed_batch`: returns a float32 array of shape
+        `(len(texts), embedding_dim)`. Waits without the GIL; Ctrl-C cancels it all-or-nothing,
+        as an await would, and raises KeyboardInterrupt.
+        """
     def format_chat(
         self,
         messages: Sequence[dict[str, Any]],
@@ -266,10 +448,28 @@ class Context:
         tools: Sequence[dict[str, Any]] | None = None,
         template: str | None = None,
         **kwargs: Any,
-    ) -> FormattedChat: ...
-    def _debug_panic(self) -> None: ...
-    def stats(self) -> dict[str, int | float]: ...
-    def close(self) -> None: ...
+    ) -> FormattedChat:
+        """Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /
+        tool_call_id) with the model's own chat template (GGUF `tokenizer.chat_template`, as
+        Hugging Face's `apply_chat_template` renders it), or with `template`: a Jinja string or
+        a llama.cpp built-in name such as "chatml". Extra keyword arguments become template
+        variables. Raises ChatTemplateError for a bad message, a template error, or a model
+        without a template when none is given.
+        """
+    def _debug_panic(self) -> None:
+        """Make the engine thread panic (tests of the panic path only)."""
+    def stats(self) -> dict[str, int | float]:
+        """Counters since the context was created:
+        - `decode_calls`: `llama_decode` invocations (one per BranchStore step or coalesced
+          group of commits, ceil(tokens / n_batch) per prefill, one per embed group);
+        - `decoded_tokens`: tokens those decodes wrote (failed decodes not counted);
+        - `decode_seconds`: wall time spent inside `llama_decode`;
+        - `commit_requests`: commit requests served — each `commit` or generation step, and
+          each `store.commit` / `store.step` (one request for all its branches); concurrent
+          requests coalesced into one decode each count.
+        """
+    def close(self) -> None:
+        """Free the context (after queued work). Idempotent; later use raises KvforkError."""
     def __enter__(self) -> Self: ...
     def __exit__(
         self,
@@ -303,140 +503,328 @@ class _ContextOptions(TypedDict, total=False):
 def create_context(
     path_or_model: str | PathLike[str] | Model,
     **options: Unpack[_ContextOptions],
-) -> Awaitable[Context]: ...
+) -> Awaitable[Context]:
+    """Create a context (async): loads the model if given a path, on a thread of its own (the
+    event loop never waits). Cancelled before it finishes, it creates nothing: the context is
+    freed as soon as it is built.
+    """
+
 def create_context_sync(
     path_or_model: str | PathLike[str] | Model,
     **options: Unpack[_ContextOptions],
-) -> Context: ...
+) -> Context:
+    """Create a context (blocking twin of `create_context`)."""
 
 _StopReason: TypeAlias = Literal["stop_token", "max_tokens", "context_full"]
 
 @final
 class TokenStream:
+    """`async for tok in branch.generate(max_tokens)`. A cancelled step either never ran or
+    completed (its token is committed but not yielded).
+    """
     @property
-    def stop_reason(self) -> _StopReason | None: ...
+    def stop_reason(self) -> _StopReason | None:
+        """Why the stream ended: "stop_token" (an end-of-generation token, not committed),
+        "max_tokens", or "context_full" (the branch reached n_ctx: `reseed_context` makes
+        room); None while it runs.
+        """
     def __aiter__(self) -> TokenStream: ...
     def __anext__(self) -> Awaitable[Token]: ...
 
 @final
 class TokenStreamSync:
+    """`for tok in branch.generate_sync(max_tokens)`."""
     @property
-    def stop_reason(self) -> _StopReason | None: ...
+    def stop_reason(self) -> _StopReason | None:
+        """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs."""
     def __iter__(self) -> TokenStreamSync: ...
     def __next__(self) -> Token: ...
 
 @final
 class SpeculativeSchedule:
+    """The budget and guess length of speculative rounds (`kvfork::SpeculativeSchedule`), for the
+    streams of `kvfork._speculative`, which only await the drafter and the engine.
+    """
     def __new__(cls, max_tokens: int | None = None) -> Self: ...
-    def yielded_one(self) -> None: ...
-    def ended(self) -> bool: ...
-    def guess_len(self, branch: Branch, pending: Token) -> int | None: ...
-    def took(self, drafted: int, accepted: int) -> None: ...
+    def yielded_one(self) -> None:
+        """Count one token handed to the caller."""
+    def ended(self) -> bool:
+        """Whether the stream is over before another round (setting `stop_reason`)."""
+    def guess_len(self, branch: Branch, pending: Token) -> int | None:
+        """How many guessed tokens this round may decode after `pending` on `branch` (0: decode
+        `pending` alone), or None when the stream ends at `pending` (a stop token, or a full
+        context).
+        """
+    def took(self, drafted: int, accepted: int) -> None:
+        """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept."""
     @property
-    def stop_reason(self) -> _StopReason | None: ...
+    def stop_reason(self) -> _StopReason | None:
+        """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs."""
     @property
-    def rounds(self) -> int: ...
+    def rounds(self) -> int:
+        """Rounds run (decodes of a pending token plus its guess)."""
     @property
-    def drafted(self) -> int: ...
+    def drafted(self) -> int:
+        """Guessed tokens decoded over all rounds."""
     @property
-    def accepted(self) -> int: ...
+    def accepted(self) -> int:
+        """Guessed tokens the chain drew too."""
     @property
-    def acceptance(self) -> float: ...
+    def acceptance(self) -> float:
+        """Share of guessed tokens the chain drew too (0 before any guess)."""
 
 @final
 class Branch:
+    """One decode sequence on its own KV lease, with its own sampler chain, grammar, logit bias,
+    steer, logits snapshot and perplexity trackers; forks share their parent's KV prefix.
+    Made by `Branch.create(ctx, ...)` or `fork()`; it holds its lease until `prune()`, and any
+    use after that raises BranchDisposedError.
+    """
     @classmethod
     def create(
         cls, ctx: Context, position: int = 0, params: _Params = None, *, grammar: str | None = None
-    ) -> Branch: ...
-    def prefill(self, tokens: _Tokens) -> Awaitable[None]: ...
-    def prefill_sync(self, tokens: _Tokens) -> None: ...
-    def produce(self) -> Awaitable[Token]: ...
-    def produce_sync(self) -> Token: ...
-    def commit(self, token: int | Token) -> Awaitable[None]: ...
-    def commit_sync(self, token: int | Token) -> None: ...
-    def sample(self) -> int: ...
-    def accept(self, token: int | Token) -> None: ...
+    ) -> Branch:
+        """A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
+        for the engine (emptying the lease is queued ahead of the branch's own work).
+        LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a bad argument.
+        """
+    def prefill(self, tokens: _Tokens) -> Awaitable[None]:
+        """Decode external tokens at the branch's position (no accept); captures the last
+        logits. Prefills of other tasks issued at the same time are packed into the same
+        decodes. Cancelled, it either never ran or was aborted and rolled back: nothing
+        happened.
+        """
+    def prefill_sync(self, tokens: _Tokens) -> None:
+        """Blocking twin of `prefill`: returns None once the tokens are decoded. Waits without the GIL; Ctrl-C aborts and rolls the prefill back, then raises KeyboardInterrupt."""
+    def produce(self) -> Awaitable[Token]:
+        """Sample a token from the snapshot on the engine thread, after any queued work on
+        this branch (no KV write, no accept; only a stochastic sampler's RNG moves).
+        """
+    def produce_sync(self) -> Token:
+        """Blocking twin of `produce`: returns the sampled Token, not committed. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    def commit(self, token: int | Token) -> Awaitable[None]:
+        """Accept `token` (an int or a Token), decode it, capture logits; rolled back if the
+        decode fails. Cancelled, it either never ran (nothing happened) or had started (it
+        completed).
+        """
+    def commit_sync(self, token: int | Token) -> None:
+        """Blocking twin of `commit`: returns None once the token is accepted and decoded (a failed decode is rolled back and raised). Waits without the GIL; on Ctrl-C a started commit completes, then KeyboardInterrupt is raised."""
+    def sample(self) -> int:
+        """Sample a token id (low level: no state change but the sampler RNG)."""
+    def accept(self, token: int | Token) -> None:
+        """Accept a token into penalties, grammar and perplexity without decoding it (low level)."""
     @overload
-    def generate(self, max_tokens: int | None = None, *, draft: None = None) -> TokenStream: ...
+    def generate(self, max_tokens: int | None = None, *, draft: None = None) -> TokenStream:
+        """Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
+        Each step samples and commits on the engine thread (steps of concurrent tasks share
+        decodes). A cancelled step either never ran or completed (committed, not yielded).
+        With `draft` (e.g. `kvfork.PromptLookup()`, or any object with
+        `propose(tokens) -> list[int]`): exact speculative decoding, the same tokens drawn more
+        decodes at a time (see `kvfork.SpeculativeStream`).
+        """
     @overload
     def generate(self, max_tokens: int | None = None, *, draft: Drafter) -> SpeculativeStream: ...
     @overload
     def generate_sync(
         self, max_tokens: int | None = None, *, draft: None = None
-    ) -> TokenStreamSync: ...
+    ) -> TokenStreamSync:
+        """Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
+        Each step waits without the GIL; on Ctrl-C a started step completes (its token is
+        committed, not yielded), then KeyboardInterrupt is raised.
+        """
     @overload
     def generate_sync(
         self, max_tokens: int | None = None, *, draft: Drafter
     ) -> SpeculativeStreamSync: ...
     def speculate(
         self, pending: int | Token, draft: list[int]
-    ) -> Awaitable[tuple[list[Token], Token]]: ...
-    def speculate_sync(
-        self, pending: int | Token, draft: list[int]
-    ) -> tuple[list[Token], Token]: ...
+    ) -> Awaitable[tuple[list[Token], Token]]:
+        """One round of exact speculative decoding (low level; `generate(draft=...)` drives
+        it). `pending`: the token the sampler drew last (from `produce`, not committed);
+        `draft`: guessed tokens after it. Decodes both in one llama_decode, then samples the
+        branch's chain position by position, accepting while it agrees with the draft.
+        Returns `(accepted, next)`: the draft Tokens drawn (committed, with `pending`) and
+        the Token drawn after them (sampled, not committed).
+        """
+    def speculate_sync(self, pending: int | Token, draft: list[int]) -> tuple[list[Token], Token]:
+        """Blocking twin of `speculate`: returns `(accepted, next)`. Waits without the GIL; on Ctrl-C a started round completes, then KeyboardInterrupt is raised."""
     @property
-    def history(self) -> list[int]: ...
+    def history(self) -> list[int]:
+        """The tokens decoded into the branch's sequence since it was created (or reseeded):
+        prefills and commits in order, a fork's starting with its parent's. Saved by `save`.
+        """
     def __aiter__(self) -> AsyncIterator[Token]: ...
-    def fork(self, *, seed: int | None = None) -> Awaitable[Branch]: ...
-    def fork_sync(self, *, seed: int | None = None) -> Branch: ...
-    def save(self, path: str | PathLike[str]) -> Awaitable[None]: ...
-    def save_sync(self, path: str | PathLike[str]) -> None: ...
+    def fork(self, *, seed: int | None = None) -> Awaitable[Branch]:
+        """A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
+        grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
+        ran (no lease taken) or completed (the child exists, as a child of this branch).
+
+        Without `seed` the child samples exactly like its parent until reseeded: forks made
+        for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
+        is free.
+        """
+    def fork_sync(self, *, seed: int | None = None) -> Branch:
+        """Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists), then KeyboardInterrupt is raised."""
+    def save(self, path: str | PathLike[str]) -> Awaitable[None]:
+        """Save the branch to `path` (its KV cells, position, history, sampler params and RNG
+        state, grammar, biases, steer, perplexity accumulators), after queued work on it.
+        """
+    def save_sync(self, path: str | PathLike[str]) -> None:
+        """Blocking twin of `save`: returns None once the file is written. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @classmethod
-    def load(cls, ctx: Context, path: str | PathLike[str]) -> Awaitable[Branch]: ...
+    def load(cls, ctx: Context, path: str | PathLike[str]) -> Awaitable[Branch]:
+        """A new root branch on a fresh lease of `ctx` (any context of the same model), restored
+        from a file `save` wrote; it continues exactly as the saved branch would have.
+        A corrupt, truncated or foreign file raises StateFileError.
+        """
     @classmethod
-    def load_sync(cls, ctx: Context, path: str | PathLike[str]) -> Branch: ...
-    def reseed_context(self, sinks: _Tokens, tail: int) -> Awaitable[None]: ...
-    def reseed_context_sync(self, sinks: _Tokens, tail: int) -> None: ...
+    def load_sync(cls, ctx: Context, path: str | PathLike[str]) -> Branch:
+        """Blocking twin of `load`: returns the restored Branch; StateFileError for a corrupt,
+        truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as
+        an await would, and raises KeyboardInterrupt.
+        """
+    def reseed_context(self, sinks: _Tokens, tail: int) -> Awaitable[None]:
+        """Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
+        first tokens) followed by the last `tail` tokens the branch accepted, from position
+        0. Sampler, grammar, biases and metrics carry on.
+        """
+    def reseed_context_sync(self, sinks: _Tokens, tail: int) -> None:
+        """Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @property
-    def context(self) -> Context: ...
-    def prune(self, *, keep_children: bool = False) -> Awaitable[None]: ...
-    def prune_sync(self, *, keep_children: bool = False) -> None: ...
-    def prune_subtree(self) -> Awaitable[None]: ...
-    def prune_subtree_sync(self) -> None: ...
+    def context(self) -> Context:
+        """The context the branch lives in (a handle to the same context as the one it was made
+        with).
+        """
+    def prune(self, *, keep_children: bool = False) -> Awaitable[None]:
+        """Dispose the branch and free its KV lease; siblings and the shared prefix are
+        untouched. RESTRICT by default: raises KvforkError while it has live children.
+        `keep_children=True` frees the lease anyway: the children keep the cells they share
+        with it and move to its parent (or become roots) — e.g. a dropped beam whose forks
+        survive. `disposed` is True at once and the rest always happens, even if the await
+        is cancelled; a second prune is a no-op.
+        """
+    def prune_sync(self, *, keep_children: bool = False) -> None:
+        """Blocking twin of `prune`: returns None once the lease is freed; KvforkError while the branch has live children, unless `keep_children=True`. Always completes, even on Ctrl-C."""
+    def prune_subtree(self) -> Awaitable[None]:
+        """Dispose this branch and its whole subtree (CASCADE). Always completes once called."""
+    def prune_subtree_sync(self) -> None:
+        """Blocking twin of `prune_subtree`: returns None once the branch and all its descendants are disposed. Waits without the GIL; always completes, even on Ctrl-C."""
     @property
-    def parent(self) -> Branch | None: ...
+    def parent(self) -> Branch | None:
+        """The Branch this one was forked from, or None for a root (and for a disposed branch)."""
     @property
-    def children(self) -> list[Branch]: ...
+    def children(self) -> list[Branch]:
+        """The live branches forked from this one, as a list (empty for a leaf or a disposed
+        branch).
+        """
     @property
-    def is_leaf(self) -> bool: ...
+    def is_leaf(self) -> bool:
+        """True when the branch has no live children (also True once it is disposed)."""
     @property
-    def is_active(self) -> bool: ...
+    def is_active(self) -> bool:
+        """True while the branch holds its KV lease; False once it is pruned or its context closed."""
     @property
-    def disposed(self) -> bool: ...
+    def disposed(self) -> bool:
+        """True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
+        context's `close`), from the moment the call is made; any use then raises
+        BranchDisposedError.
+        """
     @property
-    def fork_head(self) -> int: ...
+    def fork_head(self) -> int:
+        """The position at which this branch was forked from its parent (0 for a root).
+        Raises BranchDisposedError once the branch is pruned.
+        """
     @property
-    def position(self) -> int: ...
+    def position(self) -> int:
+        """Tokens in the branch's KV sequence: the position its next token is decoded at (the
+        `position` it was created at, before any prefill). Raises BranchDisposedError once pruned.
+        """
     @property
-    def handle(self) -> int: ...
+    def handle(self) -> int:
+        """A stable integer id (index and generation of the branch's slot)."""
     @property
-    def seq_id(self) -> int: ...
+    def seq_id(self) -> int:
+        """The KV sequence id leased by this branch."""
     @property
-    def params(self) -> SamplingParams: ...
-    def reseed_sampler(self, seed: int) -> None: ...
-    def set_sampler_params(self, params: SamplingParams | dict[str, Any]) -> None: ...
-    def set_grammar(self, gbnf: str | None) -> None: ...
-    def set_json_schema(self, schema: dict[str, Any] | str) -> None: ...
-    def set_regex(self, pattern: str) -> None: ...
-    def set_lark(self, grammar: str) -> None: ...
+    def params(self) -> SamplingParams:
+        """The branch's current SamplingParams (from `create` or the last `set_sampler_params`).
+        Raises BranchDisposedError once pruned.
+        """
+    def reseed_sampler(self, seed: int) -> None:
+        """Restart the sampler's RNG stream from `seed` (an int in [0, 2**32)), keeping the params,
+        penalty/DRY history and Mirostat state. Forks sample like their parent until reseeded.
+        ValueError for a seed out of range.
+        """
+    def set_sampler_params(self, params: SamplingParams | dict[str, Any]) -> None:
+        """Rebuild the sampler chain from `params` (a SamplingParams or a dict); a no-op when equal.
+        The RNG stream, penalty/DRY history and Mirostat state carry on, unless `params` names a
+        new seed. ValueError (naming the field) for a bad value.
+        """
+    def set_grammar(self, gbnf: str | None) -> None:
+        """Replace (or with None remove) the GBNF grammar."""
+    def set_json_schema(self, schema: dict[str, Any] | str) -> None:
+        """Constrain the output to a JSON schema (a dict, or its JSON text), through llguidance:
+        the same slot as `set_grammar` (one constraint at a time), cloned on fork. The first
+        use on a model indexes its vocabulary (a fraction of a second, once).
+        """
+    def set_regex(self, pattern: str) -> None:
+        """Constrain the whole output to match a regular expression (Rust `regex` syntax), through
+        llguidance; the same slot as `set_grammar`.
+        """
+    def set_lark(self, grammar: str) -> None:
+        """Constrain the output to a grammar in llguidance's Lark syntax (`start` is the root
+        rule; `%json {...}` embeds a JSON schema); the same slot as `set_grammar`.
+        """
     def set_grammar_lazy(
         self, gbnf: str, triggers: Iterable[str | int], *, patterns: list[str] | None = None
-    ) -> None: ...
-    def set_logit_bias(self, bias: dict[int, float]) -> None: ...
-    def clear_logit_bias(self) -> None: ...
-    def steer(self, bias: dict[int, float]) -> None: ...
-    def clear_steer(self) -> None: ...
+    ) -> None:
+        """Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
+        words, ints are token ids; `patterns`: regexes matched from the start of the output.
+        """
+    def set_logit_bias(self, bias: dict[int, float]) -> None:
+        """Static biases {token: bias} added to the logits (-inf bans); inherited on fork."""
+    def clear_logit_bias(self) -> None:
+        """Remove every static bias set by `set_logit_bias`."""
+    def steer(self, bias: dict[int, float]) -> None:
+        """Dynamic biases {token: bias} applied after the logit bias; NOT inherited on fork."""
+    def clear_steer(self) -> None:
+        """Remove every dynamic bias set by `steer`."""
     @property
-    def perplexity(self) -> float: ...
+    def perplexity(self) -> float:
+        """exp(mean surprisal) of the accepted tokens under the raw logits (model level);
+        prefilled tokens do not count. inf before any accepted token.
+        """
     @property
-    def sampling_perplexity(self) -> float: ...
-    def entropy(self, base: _Base = "nats") -> float: ...
-    def surprisal(self, token: int, base: _Base = "nats") -> float: ...
-    def logprob(self, token: int) -> float: ...
-    def top_logprobs(self, k: int) -> list[tuple[int, float]]: ...
-    def logits(self) -> npt.NDArray[np.float32]: ...
-    def set_logits(self, logits: npt.NDArray[np.float32]) -> None: ...
+    def sampling_perplexity(self) -> float:
+        """Like `perplexity`, under the filtered distribution the sampler drew from (grammar,
+        biases and chain applied): inf before any accepted token, and once a token it had
+        filtered out was accepted.
+        """
+    def entropy(self, base: _Base = "nats") -> float:
+        """Entropy of the raw logits snapshot, in nats (or bits with `base="bits"`). Raises
+        KvforkError before the first prefill or commit, ValueError for another `base`.
+        """
+    def surprisal(self, token: int, base: _Base = "nats") -> float:
+        """-log p(`token`) under the raw logits snapshot, in nats (or bits with `base="bits"`);
+        inf for a masked token. Raises KvforkError before the first prefill or commit,
+        ValueError for a token id out of range or another `base`.
+        """
+    def logprob(self, token: int) -> float:
+        """Natural-log probability of `token` under the raw snapshot: log-softmax of the logits,
+        computed in Rust (no copy of the row). -inf for a masked token. Raises KvforkError
+        before the first prefill or commit (no snapshot yet).
+        """
+    def top_logprobs(self, k: int) -> list[tuple[int, float]]:
+        """The `k` most likely tokens of the raw snapshot as `[(token, logprob), ...]`, best
+        first, natural log. One pass over the row in Rust; fewer pairs when fewer logits are
+        finite. Raises KvforkError before the first prefill or commit.
+        """
+    def logits(self) -> npt.NDArray[np.float32]:
+        """A copy of the raw logits snapshot, float32 of shape (vocab_size,). Raises KvforkError
+        before the first prefill or commit.
+        """
+    def set_logits(self, logits: npt.NDArray[np.float32]) -> None:
+        """Replace the snapshot with a float32 array of shape (vocab_size,)."""
     def __hash__(self) -> int: ...
 
 class _PrefixCacheStats(TypedDict):
@@ -467,19 +855,53 @@ class PrefixCache:
 
 @final
 class BranchStore:
+    """Batched operations over many branches of one context: `commit`, `prefill` and `step`
+    advance N branches in one llama_decode (ceil(N / n_batch) over more than n_batch), and
+    `retain_only` keeps one branch's KV. `BranchStore(ctx)` is cheap and holds no lease.
+    """
     def __new__(cls, ctx: Context) -> BranchStore: ...
     @property
-    def available(self) -> int: ...
-    def commit(self, entries: Iterable[tuple[Branch, int | Token]]) -> Awaitable[None]: ...
-    def commit_sync(self, entries: Iterable[tuple[Branch, int | Token]]) -> None: ...
-    def prefill(self, entries: Iterable[tuple[Branch, _Tokens]]) -> Awaitable[None]: ...
-    def prefill_sync(self, entries: Iterable[tuple[Branch, _Tokens]]) -> None: ...
-    def retain_only(self, winner: Branch) -> Awaitable[None]: ...
-    def retain_only_sync(self, winner: Branch) -> None: ...
-    def step(self, branches: Iterable[Branch]) -> Awaitable[list[Token]]: ...
-    def step_sync(self, branches: Iterable[Branch]) -> list[Token]: ...
+    def available(self) -> int:
+        """Leases free now."""
+    def commit(self, entries: Iterable[tuple[Branch, int | Token]]) -> Awaitable[None]:
+        """Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
+        Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback
+        unit. Cancelled, it either never ran (nothing happened) or had started (it
+        completed).
+        """
+    def commit_sync(self, entries: Iterable[tuple[Branch, int | Token]]) -> None:
+        """Blocking twin of `commit`: returns None once every token is accepted and decoded (a failed decode rolls all of them back and raises). Waits without the GIL; on Ctrl-C a started commit completes, then KeyboardInterrupt is raised."""
+    def prefill(self, entries: Iterable[tuple[Branch, _Tokens]]) -> Awaitable[None]:
+        """Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes, all or
+        nothing. Cancelled, it either never ran or was aborted and rolled back.
+        """
+    def prefill_sync(self, entries: Iterable[tuple[Branch, _Tokens]]) -> None:
+        """Blocking twin of `prefill`: returns None once every run is decoded. Waits without the GIL; Ctrl-C aborts and rolls the whole prefill back, then raises KeyboardInterrupt."""
+    def retain_only(self, winner: Branch) -> Awaitable[None]:
+        """Keep `winner`'s KV only; every other branch of the context is disposed at once, and
+        the rest always happens, even if the await is cancelled.
+        """
+    def retain_only_sync(self, winner: Branch) -> None:
+        """Blocking twin of `retain_only`: returns None once every other branch is disposed and its lease freed. Always completes, even on Ctrl-C."""
+    def step(self, branches: Iterable[Branch]) -> Awaitable[list[Token]]:
+        """Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one
+        decode (ceil(N / n_batch) over more than n_batch branches). Returns one Token per
+        branch, in order (stop tokens are not committed). Cancelled, it either never ran or
+        completed.
+        """
+    def step_sync(self, branches: Iterable[Branch]) -> list[Token]:
+        """Blocking twin of `step`: returns one Token per branch, in order (stop tokens are not committed). Waits without the GIL; on Ctrl-C a started step completes, then KeyboardInterrupt is raised."""
 
-def system_info() -> dict[str, Any]: ...
-def json_schema_to_grammar(schema: str) -> str: ...
-def _set_log_level(level: int) -> None: ...
-def _use_speculative_streams(async_stream: object, sync_stream: object) -> None: ...
+def system_info() -> dict[str, Any]:
+    """What llama.cpp and kvfork were built with and run on."""
+
+def json_schema_to_grammar(schema: str) -> str:
+    """GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper)."""
+
+def _set_log_level(level: int) -> None:
+    """Lowest Python logging level forwarded from llama.cpp (10 debug … 40 error)."""
+
+def _use_speculative_streams(async_stream: object, sync_stream: object) -> None:
+    """Called once by `kvfork._speculative` with its `SpeculativeStream` and
+    `SpeculativeStreamSync` classes.
+    """
