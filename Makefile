@@ -33,7 +33,7 @@ test-vulkan: setup
 # Long runs (not in `make test`): the full soak and a longer randomized state-machine fuzz.
 soak: setup
 	KVFORK_SOAK=1 KVFORK_FUZZ_EXAMPLES=200 KVFORK_FUZZ_STEPS=50 KVFORK_FUZZ_RANDOM=1 \
-	  $(PY) -m pytest tests/test_soak.py tests/test_fuzz.py -q -s
+	  $(PY) -m pytest tests/robustness/test_soak.py tests/robustness/test_fuzz.py -q -s
 
 # The Rust tests under AddressSanitizer (nightly toolchain).
 asan: setup

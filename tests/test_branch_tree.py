@@ -1,4 +1,5 @@
-"""Issue: branch trees — fork, tenancy, topology, metrics."""
+"""Branch trees: fork (position, topology, the RNG cloned or reseeded), leases exhausted and
+recycled, prune (RESTRICT, CASCADE, keep_children), and a beam search that fits its leases."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import greedy_tokens, root
+from .conftest import PROMPT, greedy_tokens, root
 
 
 def test_fork_position_and_topology(ctx: kvfork.Context) -> None:
@@ -104,58 +105,6 @@ def root_after(c: kvfork.Context, branches: list[kvfork.Branch]) -> kvfork.Branc
     return root(c, "Hello there")
 
 
-def test_perplexity_metrics(ctx: kvfork.Context) -> None:
-    b = root(ctx)
-    assert math.isinf(b.perplexity) and math.isinf(b.sampling_perplexity)
-    greedy_tokens(b, 6)
-    ppl = b.perplexity
-    assert math.isfinite(ppl) and ppl >= 1.0
-    assert b.sampling_perplexity == pytest.approx(1.0)  # greedy: one candidate each step
-    child = b.fork_sync()
-    assert child.perplexity == ppl
-    b.prefill_sync(ctx.tokenize(" and more text", add_special=False))
-    assert b.perplexity == ppl  # prefill never counts
-    nats = b.entropy()
-    assert b.entropy("bits") == pytest.approx(nats / math.log(2))
-    tok = int(np.argmax(b.logits()))
-    assert b.surprisal(tok, "bits") == pytest.approx(b.surprisal(tok) / math.log(2))
-    with pytest.raises(ValueError, match="base"):
-        b.entropy("decibels")  # type: ignore[arg-type]
-
-
-def test_perplexity_matches_numpy(ctx: kvfork.Context) -> None:
-    b = root(ctx)
-    surprisals = []
-    for _ in range(5):
-        logits = b.logits().astype(np.float64)
-        t = b.produce_sync().token
-        lse = np.log(np.sum(np.exp(logits - logits.max()))) + logits.max()
-        surprisals.append(lse - logits[t])
-        assert b.surprisal(t) == pytest.approx(surprisals[-1], rel=1e-4)
-        b.commit_sync(t)
-    assert b.perplexity == pytest.approx(math.exp(np.mean(surprisals)), rel=1e-4)
-
-
-def test_stochastic_sampling_perplexity_differs(ctx: kvfork.Context) -> None:
-    b = root(ctx, params=kvfork.SamplingParams(temperature=0.9, seed=3))
-    greedy_tokens(b, 8)
-    assert math.isfinite(b.sampling_perplexity) and b.sampling_perplexity >= 1.0
-    assert b.sampling_perplexity != b.perplexity
-
-
-def test_set_logits(ctx: kvfork.Context) -> None:
-    b = root(ctx)
-    fake = np.full(ctx.vocab_size, -10.0, dtype=np.float32)
-    fake[1234] = 10.0
-    b.set_logits(fake)
-    assert b.produce_sync().token == 1234
-    assert np.array_equal(b.logits(), fake)
-    with pytest.raises(ValueError, match="logits"):
-        b.set_logits(fake[:-1])
-    with pytest.raises(ValueError, match="logits"):
-        b.set_logits(fake.astype(np.float64))
-
-
 def test_thousand_cycles_leak_nothing(model: kvfork.Model) -> None:
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=4) as c:
         base = root(c, "A")
@@ -188,8 +137,65 @@ def test_fork_seed_diverges_and_no_seed_copies_the_rng(ctx: kvfork.Context) -> N
     assert greedy_tokens(seeded[0], 12) != greedy_tokens(seeded[1], 12)
 
 
-def test_context_reports_its_threads(model: kvfork.Model) -> None:
-    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1, n_threads=1) as c:
-        assert c.n_threads == 1
-    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as c:
-        assert c.n_threads >= 1
+def test_prune_keep_children_frees_the_lease_and_keeps_the_children_exact(
+    ctx: kvfork.Context,
+) -> None:
+    trunk = root(ctx)
+    middle = trunk.fork_sync()
+    middle.commit_sync(middle.produce_sync())
+    kids = [middle.fork_sync() for _ in range(2)]
+    expected = [k.top_logprobs(3) for k in kids]
+    token = kids[1].produce_sync().token
+    # A spare fork decodes the next token while `middle` still holds its lease: the reference.
+    spare = kids[1].fork_sync()
+    spare.commit_sync(token)
+    reference = spare.logits()
+    spare.prune_sync()
+    store = kvfork.BranchStore(ctx)
+    free = store.available
+    with pytest.raises(kvfork.KvforkError, match="children"):
+        middle.prune_sync()
+    middle.prune_sync(keep_children=True)
+    assert middle.disposed and store.available == free + 1
+    assert trunk.children == [*kids] and all(k.parent == trunk for k in kids)
+    assert [k.top_logprobs(3) for k in kids] == expected
+    # The children's KV survived the prune: the same token decodes to the same logits.
+    for k in kids:
+        k.commit_sync(token)
+        assert np.allclose(k.logits(), reference, atol=1e-3)
+    trunk.prune_sync(keep_children=True)
+    assert all(k.parent is None for k in kids)
+    middle.prune_sync(keep_children=True)  # a second prune is a no-op
+
+
+def test_width_4_beam_search_over_32_steps_fits_in_5_leases(model: kvfork.Model) -> None:
+    width, steps = 4, 32
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=width + 1) as ctx:
+        store = kvfork.BranchStore(ctx)
+        first = root(ctx, PROMPT)
+        beams: list[tuple[float, kvfork.Branch]] = [(0.0, first)]
+        for _ in range(steps):
+            candidates = [
+                (score + lp, beam, token)
+                for score, beam in beams
+                for token, lp in beam.top_logprobs(width)
+            ]
+            chosen = sorted(candidates, key=lambda c: -c[0])[:width]
+            keep = {id(beam) for _, beam, _ in chosen}
+            for _, beam in beams:
+                if id(beam) not in keep:
+                    beam.prune_sync(keep_children=True)  # its forks may still be beams
+            used: set[int] = set()
+            moves = []
+            for score, beam, token in chosen:
+                target = beam if id(beam) not in used else beam.fork_sync()
+                used.add(id(beam))
+                moves.append((score, target, token))
+            store.commit_sync([(b, t) for _, b, t in moves])  # all beams, one decode
+            beams = [(s, b) for s, b, _ in moves]
+            assert store.available >= 1
+        assert len(beams) == width
+        scores = [s for s, _ in beams]
+        assert all(math.isfinite(s) for s in scores)
+        best = max(beams, key=lambda sb: sb[0])[1]
+        assert best.position == len(ctx.tokenize(PROMPT)) + steps

@@ -1,8 +1,10 @@
 """kvfork.patterns: beam search against greedy and a brute-force search, diverse groups,
-leases given back, bad arguments."""
+leases given back, bad arguments, and the sync form refusing a running event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import warnings
 from typing import Any
 
 import kvfork
@@ -73,3 +75,17 @@ def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
     with pytest.raises(kvfork.KvforkError, match="no logits"):
         beam_search_sync(kvfork.Branch.create(ctx), 2, 2)
     assert kvfork.BranchStore(ctx).available == ctx.n_seq_max - 2  # the searches gave back
+
+
+async def test_beam_search_sync_inside_a_running_loop_names_the_async_form(
+    ctx: kvfork.Context,
+) -> None:
+    b = root(ctx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no never-awaited coroutine left behind
+        with pytest.raises(RuntimeError, match=r"running event loop.*await beam_search"):
+            beam_search_sync(b, 2, 4)
+    assert b.position == len(ctx.tokenize("The history of the printing press begins with"))
+    # The engine-waiting twins stay allowed inside a loop (they block it, as documented).
+    b.commit_sync(b.produce_sync().token)
+    await asyncio.sleep(0)

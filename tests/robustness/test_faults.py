@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import kvfork
 import pytest
 
-from .conftest import (
+from ..conftest import (
     COUNTING,
     GREEDY,
     PROMPT,

@@ -1,10 +1,35 @@
-"""Every public name has a docstring: `help(kvfork.X)` is a user's first manual."""
+"""The package surface: what `import kvfork` offers (version, build information, the model
+paths), the exception hierarchy, and a docstring on every public name (`help(kvfork.X)` is
+a user's first manual)."""
 
 from __future__ import annotations
 
 import inspect
 
 import kvfork
+
+
+def test_module_surface() -> None:
+    assert isinstance(kvfork.__version__, str)
+    info = kvfork.system_info()
+    assert info["backend"] == "cpu"
+    assert "AVX2" in info["cpu_features"]
+    assert "AMX_INT8" not in info["cpu_features"]  # AMX crashes on these machines
+    assert set(info["cpu_features"]) <= set(info["host_cpu_features"])
+    assert kvfork.default_model_path().name.endswith(".gguf")
+
+
+def test_exception_hierarchy() -> None:
+    assert issubclass(kvfork.KvCacheFullError, kvfork.DecodeError)
+    for e in (
+        kvfork.ModelLoadError,
+        kvfork.DecodeError,
+        kvfork.LeaseExhaustedError,
+        kvfork.BranchDisposedError,
+        kvfork.GrammarError,
+        kvfork.ChatTemplateError,
+    ):
+        assert issubclass(e, kvfork.KvforkError)
 
 
 def _undocumented() -> list[str]:

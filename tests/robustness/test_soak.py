@@ -1,7 +1,7 @@
 """Soak: many fork/commit/prune cycles and context open/close cycles with flat memory.
 
 CI runs a short version; `KVFORK_SOAK=1` runs the full one (10,000 and 1,000 cycles) and
-prints the RSS numbers (`pytest tests/test_soak.py -s`)."""
+prints the RSS numbers (`pytest tests/robustness/test_soak.py -s`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import cast
 
 import kvfork
 
-from .conftest import GREEDY, root
+from ..conftest import GREEDY, root
 
 FULL = os.environ.get("KVFORK_SOAK") == "1"
 

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from .conftest import GREEDY
+from ..conftest import GREEDY
 
 N_CTX = 1024
 N_SEQ = 5

@@ -1,6 +1,6 @@
 """Bad-input sweep: every public call with wrong types, out-of-range values, NaN/inf, huge and
 empty inputs, malformed grammars and schemas, broken GGUF files. Each raises the documented
-exception and the process lives on; the dangerous ones run in a subprocess that must exit
+exception (a TypeError names the argument) and the process lives on; the dangerous ones run in a subprocess that must exit
 normally (an abort inside llama.cpp would kill the test runner otherwise)."""
 
 # This file passes wrong types on purpose: mypy's argument checks are what it tests at run time.
@@ -23,8 +23,8 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import GREEDY, root
-from .gguf_patch import read_layout
+from ..conftest import GREEDY, root
+from ..gguf_patch import read_layout
 
 Case = tuple[str, Callable[[], Any], type[BaseException] | tuple[type[BaseException], ...], str]
 
@@ -577,3 +577,76 @@ def test_kv_ops_that_bypass_tenancy_cannot_crash() -> None:
         """
     )
     assert out.strip().endswith("DONE")
+
+
+def argument_calls(ctx: kvfork.Context, b: kvfork.Branch) -> list[tuple[str, Callable[[], Any]]]:
+    """(argument name, a call passing that argument a value of the wrong type)."""
+    model = ctx.model
+    path = kvfork.default_model_path()
+    store = kvfork.BranchStore(ctx)
+    return [
+        ("n_ctx", lambda: kvfork.create_context_sync(path, n_ctx="big")),
+        ("n_batch", lambda: kvfork.create_context_sync(path, n_batch=1.5)),
+        ("n_threads", lambda: kvfork.create_context_sync(path, n_threads="2")),
+        ("type_k", lambda: kvfork.create_context_sync(path, type_k=16)),
+        ("embeddings", lambda: kvfork.create_context_sync(path, embeddings="yes")),
+        ("pooling", lambda: kvfork.create_context_sync(path, pooling=1)),
+        ("path_or_model", lambda: kvfork.create_context_sync(3)),
+        ("path", lambda: kvfork.Model.load(3)),
+        ("use_mmap", lambda: kvfork.Model.load(path, use_mmap="no")),
+        ("n_gpu_layers", lambda: kvfork.Model.load(path, n_gpu_layers="all")),
+        ("text", lambda: ctx.tokenize(5)),
+        ("add_special", lambda: ctx.tokenize("a", add_special=1)),
+        ("tokens", lambda: ctx.detokenize("abc")),
+        ("remove_special", lambda: ctx.detokenize([1], remove_special=None)),
+        ("token", lambda: ctx.token_to_text("x")),
+        ("token", lambda: ctx.is_stop_token(1.0)),
+        ("src", lambda: ctx.kv_seq_copy("0", 1)),
+        ("path", lambda: ctx.save_state_sync(None)),
+        ("normalize", lambda: ctx.embed_sync("a", normalize="no")),
+        ("add_generation_prompt", lambda: ctx.format_chat([], add_generation_prompt=2)),
+        ("template", lambda: ctx.format_chat([], template=5)),
+        ("position", lambda: kvfork.Branch.create(ctx, "0")),
+        ("params", lambda: kvfork.Branch.create(ctx, 0, 5)),
+        ("grammar", lambda: kvfork.Branch.create(ctx, 0, grammar=5)),
+        ("tokens", lambda: b.prefill_sync("hello")),
+        ("token", lambda: b.commit_sync("a")),
+        ("max_tokens", lambda: b.generate_sync(max_tokens="3")),
+        ("seed", lambda: b.fork_sync(seed="1")),
+        ("keep_children", lambda: b.prune_sync(keep_children="yes")),
+        ("gbnf", lambda: b.set_grammar(5)),
+        ("pattern", lambda: b.set_regex(5)),
+        ("grammar", lambda: b.set_lark(5)),
+        ("patterns", lambda: b.set_grammar_lazy('root ::= "a"', [], patterns=5)),
+        ("base", lambda: b.entropy(2)),
+        ("token", lambda: b.surprisal("x")),
+        ("token", lambda: b.logprob(None)),
+        ("k", lambda: b.top_logprobs("3")),
+        ("path", lambda: b.save_sync(1.5)),
+        ("path", lambda: kvfork.Branch.load_sync(ctx, 1.5)),
+        ("draft", lambda: b.speculate_sync(1, "ab")),
+        ("ctx", lambda: kvfork.BranchStore(5)),
+        ("text", lambda: kvfork.Token(1, 2, False)),
+        ("is_stop", lambda: kvfork.Token(1, "a", "no")),
+        ("schema", lambda: kvfork._native.json_schema_to_grammar(5)),
+        ("entries", lambda: store.commit_sync(5)),
+        ("temperature", lambda: kvfork.SamplingParams(temperature="hot")),
+        ("top_k", lambda: kvfork.SamplingParams(top_k=1.5)),
+        ("path", lambda: model.load(object())),
+    ]
+
+
+def test_every_badly_typed_argument_is_named_in_the_message(ctx: kvfork.Context) -> None:
+    b = root(ctx)
+    unnamed = []
+    for name, call in argument_calls(ctx, b):
+        with pytest.raises(TypeError) as info:
+            call()
+        if name not in str(info.value):
+            unnamed.append(f"{name}: {info.value}")
+    assert not unnamed, "\n".join(unnamed)
+
+
+def test_the_readme_example_names_n_ctx() -> None:
+    with pytest.raises(TypeError, match="argument 'n_ctx': expected an int, got str"):
+        kvfork.create_context_sync(kvfork.default_model_path(), n_ctx="big")

@@ -1,0 +1,92 @@
+"""`create_context` and `Context`: options validated, thread counts fixed or adapting, `async
+with` (with or without `await`), an event loop that runs on while the engine decodes, and
+the end of a context (use after close, dropped without close)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import kvfork
+import pytest
+
+from .conftest import GREEDY, PROMPT, root
+
+
+def test_async_with_create_context_needs_no_await(model: kvfork.Model) -> None:
+    async def main() -> tuple[int, bool]:
+        async with kvfork.create_context(model, n_ctx=256, n_seq_max=1) as ctx:
+            n = ctx.n_ctx
+        return n, ctx.closed
+
+    assert asyncio.run(main()) == (256, True)
+
+
+async def test_async_context(model: kvfork.Model) -> None:
+    async with await kvfork.create_context(model, n_ctx=256, n_seq_max=1) as c:
+        b = kvfork.Branch.create(c, 0, GREEDY)
+        await b.prefill(c.tokenize("Hi"))
+        assert b.position == 2
+    assert c.closed
+
+
+@pytest.mark.parametrize("n_seq_max", [0, 257, 100000])
+def test_n_seq_max_out_of_range(model: kvfork.Model, n_seq_max: int) -> None:
+    with pytest.raises(ValueError, match="n_seq_max"):
+        kvfork.create_context_sync(model, n_seq_max=n_seq_max)
+
+
+def test_context_reports_its_threads(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1, n_threads=1) as c:
+        assert c.n_threads == 1
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as c:
+        assert c.n_threads >= 1
+
+
+def test_thread_counts_adapt_unless_fixed(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=256, n_threads=1, n_threads_batch=2) as c:
+        assert (c.n_threads, c.n_threads_batch) == (1, 2)
+        assert len(list(root(c).generate_sync(40))) == 40  # fixed: no probe changes them
+        assert (c.n_threads, c.n_threads_batch) == (1, 2)
+    with kvfork.create_context_sync(model, n_ctx=256) as c:
+        b = root(c)
+        for _ in b.generate_sync(64):  # probes run; the settled counts stay in range
+            assert 1 <= c.n_threads <= 8 and 1 <= c.n_threads_batch <= 8
+    with pytest.raises(ValueError, match="n_threads_batch"):
+        kvfork.create_context_sync(model, n_threads_batch=0)
+
+
+async def test_event_loop_not_blocked(ctx: kvfork.Context) -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    await b.prefill(ctx.tokenize(PROMPT * 20))
+    task.cancel()
+    assert ticks > 1  # the loop kept running while llama.cpp decoded
+
+
+def test_use_after_close(model: kvfork.Model) -> None:
+    c = kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2)
+    b = root(c, "Hello")
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(kvfork.KvforkError):
+        c.tokenize("x")
+    with pytest.raises(kvfork.KvforkError):
+        b.commit_sync(1)
+    with pytest.raises(kvfork.KvforkError):
+        kvfork.Branch.create(c, 0)
+
+
+def test_context_dropped_without_close(model: kvfork.Model) -> None:
+    c = kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1)
+    root(c, "Hi")
+    del c
+    gc.collect()

@@ -1,0 +1,128 @@
+"""GBNF grammars (`grammar=`, `set_grammar`, `set_grammar_lazy`, `json_schema_to_grammar`):
+valid output, on forks too, the same draws through the grammar window as over the whole
+vocabulary, and errors that give line, column and reason."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import jsonschema
+import kvfork
+import pytest
+
+from .conftest import GREEDY, PERSON_SCHEMA, root
+
+
+def test_gbnf_grammar(ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(
+        ctx, 0, {"temperature": 0.0}, grammar='root ::= "{" ws "}" ws\nws ::= [ \\n]?'
+    )
+    b.prefill_sync(ctx.tokenize("An empty JSON object:"))
+    text = "".join(t.text for t in b.generate_sync(8))
+    assert text.strip() == "{}" or text.replace(" ", "").replace("\n", "") == "{}"
+
+
+def test_json_schema_forks_validate(ctx: kvfork.Context) -> None:
+    schema = PERSON_SCHEMA
+    gbnf = kvfork.json_schema_to_grammar(schema)
+    base = kvfork.Branch.create(ctx, 0, {"temperature": 0.9, "seed": 1}, grammar=gbnf)
+    base.prefill_sync(ctx.tokenize("A person as JSON:"))
+    head = "".join(t.text for t in base.generate_sync(3))
+    outs = []
+    for seed in (1, 2, 3):
+        kid = base.fork_sync()
+        kid.reseed_sampler(seed)
+        outs.append(head + "".join(t.text for t in kid.generate_sync(80)))
+    for out in outs:
+        jsonschema.validate(json.loads(out), schema)
+
+
+def test_lazy_grammar_is_free_before_the_trigger_and_constrained_after(ctx: kvfork.Context) -> None:
+    free = "".join(t.text for t in root(ctx).generate_sync(12))
+    assert " invention" in free and not re.search(r" invention[0-9]", free)
+    b = root(ctx)
+    b.set_grammar_lazy('root ::= " invention" [0-9]+ "!"', [" invention"])
+    text = "".join(t.text for t in b.generate_sync(12))
+    head, trigger, tail = text.partition(" invention")
+    assert trigger and free.startswith(head + trigger)  # unconstrained up to the trigger
+    assert re.fullmatch(r"[0-9]+!?", tail), tail  # constrained after it
+
+
+def test_grammar_window_equals_full_vocabulary_grammar(ctx: kvfork.Context) -> None:
+    # top_k chains check the grammar on a widening window of the best tokens only; a huge
+    # top_n_sigma keeps every token but forces the whole-vocabulary path. Same draws.
+    gbnf = kvfork.json_schema_to_grammar(
+        {"type": "object", "properties": {"name": {"type": "string"}}}
+    )
+    outs = []
+    for extra in ({}, {"top_n_sigma": 1e6}):
+        b = kvfork.Branch.create(
+            ctx, 0, {"temperature": 0.9, "top_k": 40, "seed": 3, **extra}, grammar=gbnf
+        )
+        b.prefill_sync(ctx.tokenize("A person as JSON:"))
+        outs.append(([t.token for t in b.generate_sync(30)], b.sampling_perplexity))
+        b.prune_sync()
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-4)
+
+
+def test_grammar_without_a_legal_token_raises_on_sample(ctx: kvfork.Context) -> None:
+    b = root(ctx)
+    b.set_grammar('root ::= "{" [a-z]* "}"')
+    b.steer(dict.fromkeys(range(ctx.vocab_size), -math.inf))
+    with pytest.raises(kvfork.GrammarError):
+        b.sample()
+    b.clear_steer()
+    assert ctx.token_to_text(b.sample()).startswith("{")
+
+
+def test_bad_grammars_raise(ctx: kvfork.Context) -> None:
+    for bad in ["root ::= undefined_rule", "root ::= (", "not a grammar", ""]:
+        with pytest.raises(kvfork.GrammarError):
+            kvfork.Branch.create(ctx, 0, grammar=bad)
+    with pytest.raises(kvfork.GrammarError):
+        kvfork.json_schema_to_grammar("{not json")
+    b = root(ctx)
+    b.set_grammar('root ::= "a"')
+    with pytest.raises(kvfork.GrammarError):
+        b.commit_sync(ctx.tokenize("zzz", add_special=False)[0])
+    b.set_grammar(None)
+    b.commit_sync(b.sample())
+
+
+def test_errors_say_why(ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(ctx)
+    with pytest.raises(kvfork.GrammarError, match="undefined rule.*foo"):
+        b.set_grammar("root ::= foo")
+    with pytest.raises(kvfork.GrammarError, match="undefined rule.*root"):
+        b.set_grammar('start ::= "x"')
+    with pytest.raises(kvfork.GrammarError, match="line 1, column 23: unexpected end of input"):
+        b.set_grammar('root ::= "unterminated')
+    with pytest.raises(kvfork.GrammarError, match="not valid JSON"):
+        kvfork.json_schema_to_grammar("{bad")
+    with pytest.raises(kvfork.GrammarError, match='unknown type "strange"'):
+        kvfork.json_schema_to_grammar({"type": "strange"})
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(kvfork.GrammarError, match="#/properties/a: \\$ref"):
+        kvfork.json_schema_to_grammar(schema)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ('root ::= "yes', r"line 1, column 14: unexpected end of input.*closing '\"'"),
+        ("this is not a grammar ::= ::=", "line 1, column 6: expected '::=' after the rule name"),
+        ("root ::= ((", "line 1, column 12"),
+        ('root ::= "a"\n  bad line', "line 2"),
+        ("root ::= [a-", "line 1, column 13: unexpected end of input"),
+    ],
+)
+def test_gbnf_syntax_errors_give_line_column_and_what_was_expected(
+    ctx: kvfork.Context, grammar: str, message: str
+) -> None:
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    with pytest.raises(kvfork.GrammarError, match=message):
+        b.set_grammar(grammar)
+    b.set_grammar('root ::= "yes" | "no"')  # the branch is unharmed

@@ -1,0 +1,33 @@
+"""`kvfork.Model`: the properties read from the GGUF, and ModelLoadError for a file that is
+missing or not a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kvfork
+import pytest
+
+
+def test_model_properties(model: kvfork.Model) -> None:
+    assert model.vocab_size == 262144
+    assert model.n_ctx_train > 0
+    assert model.metadata["general.architecture"] == "gemma3"
+    assert model.chat_template is None  # base model: no template
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(kvfork.ModelLoadError, match="nope.gguf"):
+        kvfork.Model.load(missing)
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(kvfork.ModelLoadError, match="junk.gguf"):
+        kvfork.Model.load(junk)
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(kvfork.default_model_path().read_bytes()[:4096])
+    with pytest.raises(kvfork.ModelLoadError):
+        kvfork.create_context_sync(trunc)
