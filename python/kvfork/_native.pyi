@@ -838,20 +838,44 @@ class _PrefixCacheStats(TypedDict):
 
 @final
 class PrefixCache:
-    """Automatic prefix reuse on one context: `await cache.branch(tokens, params)` makes a
-    branch positioned at the end of `tokens` by sharing the longest prefix any branch of the
-    cache holds in the KV, and prefilling only the rest."""
+    """Automatic prefix reuse on one context: `await cache.branch(tokens, params)` makes a branch
+    positioned at the end of `tokens` by sharing the longest prefix any branch of the cache
+    holds in the KV — an entry handed back with `release`, or a branch still generating (a
+    fork at a position inside it) — and prefilling only the rest (at least the last token, so
+    the snapshot is fresh). Entries are evicted least recently used when a lease or KV cells
+    are needed, or past `max_cached_tokens`. The branches it makes are roots.
+    """
     def __new__(cls, ctx: Context, *, max_cached_tokens: int | None = None) -> Self: ...
     def branch(
         self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
-    ) -> Operation[Branch]: ...
+    ) -> Operation[Branch]:
+        """A new root branch positioned at the end of `tokens` with fresh logits, sharing the
+        longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
+        every lease is held by branches handed out; ValueError for tokens that leave no room
+        in the context.
+        """
     def branch_sync(
         self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
-    ) -> Branch: ...
-    def release(self, branch: Branch) -> None: ...
-    def shared_tokens(self, branch: Branch) -> int | None: ...
-    def clear(self) -> None: ...
-    def stats(self) -> _PrefixCacheStats: ...
+    ) -> Branch:
+        """Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a started call \\
+        completes (the branch is made), then KeyboardInterrupt is raised.
+        """
+    def release(self, branch: Branch) -> None:
+        """Hand back a branch `branch` made: its KV stays as an entry for later requests (the
+        caller's handle is spent: use it no more). ValueError for a branch the cache did not
+        make or already has.
+        """
+    def shared_tokens(self, branch: Branch) -> int | None:
+        """How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
+        not prefilled); None for a branch the cache did not make or no longer holds.
+        """
+    def clear(self) -> None:
+        """Prune every entry (branches handed out stay)."""
+    def stats(self) -> _PrefixCacheStats:
+        """`{"branches", "hit_tokens", "prefilled_tokens", "evictions", "entries",
+        "cached_tokens", "live"}`: branches handed out, prompt tokens shared from the KV and
+        prefilled, entries evicted, and the entries, their tokens and the live branches now.
+        """
 
 @final
 class BranchStore:
