@@ -1,4 +1,4 @@
-"""Issue 10: embeddings on a context created with embeddings=True (the default Gemma 3 270M;
+"""Embeddings on a context created with embeddings=True (the default Gemma 3 270M;
 no GGUF embedding model is packaged on PyPI)."""
 
 from __future__ import annotations

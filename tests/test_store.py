@@ -1,4 +1,4 @@
-"""Issue: BranchStore — one decode for N branches, packed prefill, rollback, coalescing."""
+"""`BranchStore`: one decode for N branches, packed prefill, rollback, coalescing."""
 
 from __future__ import annotations
 
