@@ -50,8 +50,9 @@ def preamble(words: int, seed: int) -> str:
 def workloads(clients: int) -> dict[str, list[str]]:
     shared = preamble(700, 0)  # ~1,000 tokens on Gemma 3
     return {
-        "shared": [f"{shared}\nQuestion {i}: what is item {i} about? Answer:"
-                   for i in range(clients)],
+        "shared": [
+            f"{shared}\nQuestion {i}: what is item {i} about? Answer:" for i in range(clients)
+        ],
         "disjoint": [preamble(170, i + 1) + " Summary:" for i in range(clients)],
     }
 
@@ -69,9 +70,11 @@ class ServerSpec:
     env: dict[str, str] | None = None
 
 
-def start(spec: ServerSpec) -> tuple[subprocess.Popen[bytes], str, tempfile._TemporaryFileWrapper[bytes]]:
+def start(
+    spec: ServerSpec,
+) -> tuple[subprocess.Popen[bytes], str, tempfile._TemporaryFileWrapper[bytes]]:
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix=f"bench-{spec.name}-", suffix=".log")
+    log = tempfile.NamedTemporaryFile(prefix=f"bench-{spec.name}-", suffix=".log")  # noqa: SIM115
     env = {**os.environ, **(spec.env or {})}
     proc = subprocess.Popen(spec.command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -112,28 +115,75 @@ async def burst(url: str, prompts: list[str]) -> tuple[float, float]:
 
 def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerSpec]:
     n_ctx = clients * 1400
-    specs = [ServerSpec("kvfork", lambda p: [
-        sys.executable, "-m", "kvfork", "serve", str(model), "--port", str(p),
-        "--n-ctx", str(n_ctx), "--n-seq-max", str(2 * clients)])]
+    specs = [
+        ServerSpec(
+            "kvfork",
+            lambda p: [
+                sys.executable,
+                "-m",
+                "kvfork",
+                "serve",
+                str(model),
+                "--port",
+                str(p),
+                "--n-ctx",
+                str(n_ctx),
+                "--n-seq-max",
+                str(2 * clients),
+            ],
+        )
+    ]
     server = Path(args.llama_server)
     if server.exists():
-        specs.append(ServerSpec("llama-server", lambda p: [
-            str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(p),
-            "--parallel", str(clients), "-c", str(n_ctx), "-t", "2", "-tb", "2",
-            "--no-webui", "-lv", "0"]))
+        specs.append(
+            ServerSpec(
+                "llama-server",
+                lambda p: [
+                    str(server),
+                    "-m",
+                    str(model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(p),
+                    "--parallel",
+                    str(clients),
+                    "-c",
+                    str(n_ctx),
+                    "-t",
+                    "2",
+                    "-tb",
+                    "2",
+                    "--no-webui",
+                    "-lv",
+                    "0",
+                ],
+            )
+        )
     example = Path(args.example_server) if args.example_server else None
     if example and example.exists() and Path(args.peer_python).exists():
         config = Path(tempfile.mkdtemp()) / "config.json"
 
         def example_cmd(p: int) -> list[str]:
             # Its shipped configs bind 0.0.0.0: this one binds loopback.
-            config.write_text(json.dumps({
-                "server": {"host": "127.0.0.1", "port": p},
-                "model": {"alias": "m", "path": str(model), "n_ctx": n_ctx,
-                          "n_seq_max": clients, "threads": 2, "threads_batch": 2,
-                          "kv_unified": True},
-            }))
+            config.write_text(
+                json.dumps(
+                    {
+                        "server": {"host": "127.0.0.1", "port": p},
+                        "model": {
+                            "alias": "m",
+                            "path": str(model),
+                            "n_ctx": n_ctx,
+                            "n_seq_max": clients,
+                            "threads": 2,
+                            "threads_batch": 2,
+                            "kv_unified": True,
+                        },
+                    }
+                )
+            )
             return [args.peer_python, str(example), "-C", str(config)]
+
         specs.append(ServerSpec("example-server", example_cmd))
     return specs
 
@@ -144,8 +194,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--llama-server", default=str(ROOT / ".peer-server/build/bin/llama-server"))
     ap.add_argument("--peer-python", default=str(ROOT / ".venv-peer/bin/python"))
-    ap.add_argument("--example-server",
-                    default=str(ROOT / ".peer-server/src/examples/server/server.py"))
+    ap.add_argument(
+        "--example-server", default=str(ROOT / ".peer-server/src/examples/server/server.py")
+    )
     ap.add_argument("--only", choices=["shared", "disjoint"], default=None)
     args = ap.parse_args()
     model = kvfork.default_model_path()
@@ -166,10 +217,16 @@ def main() -> None:
                     proc.wait(timeout=30)
                     log.close()
                 results.setdefault((load, spec.name), []).append((wall, ttft, warm))
-                print(f"  {load:8} {spec.name:15} wall {wall:6.2f} s  TTFT {ttft:6.2f} s  "
-                      f"warm {warm:6.2f} s", file=sys.stderr, flush=True)
-    print(f"\n{args.clients} clients, {TOKENS} greedy tokens each, streamed; median of "
-          f"{args.rounds} cold starts\n")
+                print(
+                    f"  {load:8} {spec.name:15} wall {wall:6.2f} s  TTFT {ttft:6.2f} s  "
+                    f"warm {warm:6.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        f"\n{args.clients} clients, {TOKENS} greedy tokens each, streamed; median of "
+        f"{args.rounds} cold starts\n"
+    )
     print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
     print("|---|---|---|---|---|")
     for (load, name), rows in results.items():

@@ -38,12 +38,10 @@ impl StopReason {
     }
 }
 
-/// Tokens left before the context is full, for a branch at `position`.
-fn room(branch: &Branch) -> usize {
+/// Tokens left before the context is full (an error for a pruned branch).
+fn room(branch: &Branch) -> Result<usize> {
     let n_ctx = branch.context().n_ctx() as usize;
-    branch
-        .position()
-        .map_or(0, |p| n_ctx.saturating_sub(p.max(0) as usize))
+    Ok(n_ctx.saturating_sub(branch.position()?.max(0) as usize))
 }
 
 /// Plain generation over one branch: commit-before-yield, ending at a stop token (not
@@ -78,11 +76,14 @@ impl TokenStream {
             self.finish(StopReason::MaxTokens);
             return None;
         }
-        if room(&self.branch) == 0 {
-            self.finish(StopReason::ContextFull);
-            return None;
+        match room(&self.branch) {
+            Err(e) => Some(Pending::ready(Err(e))), // pruned: the step says so
+            Ok(0) => {
+                self.finish(StopReason::ContextFull);
+                None
+            }
+            Ok(_) => Some(self.branch.step()),
         }
-        Some(self.branch.step())
     }
 
     /// The token a finished step yields, or `None` at a stop token (the stream is over).
@@ -179,7 +180,8 @@ impl SpeculativeSchedule {
             self.stop = Some(StopReason::StopToken);
             return None;
         }
-        let room = room(branch);
+        // A pruned branch: no guess; the round's own call reports it.
+        let room = room(branch).unwrap_or(1);
         if room == 0 {
             self.stop = Some(StopReason::ContextFull);
             return None;
