@@ -10,20 +10,10 @@ use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending, Worker};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
-
-/// A sampled token with its text and whether it ends generation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Produced {
-    /// The token id.
-    pub token: Token,
-    /// Complete UTF-8 text this token adds (an unfinished character waits for the next token).
-    pub text: String,
-    /// Whether the token ends generation (end-of-generation per the vocabulary).
-    pub is_stop: bool,
-}
 
 /// A handle to one branch. Clones refer to the same branch.
 #[derive(Clone)]
@@ -509,16 +499,6 @@ impl Branch {
     pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
         self.state(|s| Ok(s.accepted.clone()))
     }
-}
-
-/// Sample and describe the token (the text is a preview: the UTF-8 carry is not consumed).
-pub(crate) fn produce(st: &mut BranchState, model: &crate::model::Model) -> Result<Produced> {
-    let token = st.sample()?;
-    Ok(Produced {
-        token,
-        text: st.token_text(model, token, false)?,
-        is_stop: model.is_eog(token),
-    })
 }
 
 pub(crate) fn check_tokens(ctx: &Context, tokens: &[Token]) -> Result<()> {

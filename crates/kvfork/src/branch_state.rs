@@ -14,6 +14,7 @@ use candidates::{biased_count, guided_window, legal_window, Candidates};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
+use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
 use crate::sampling::grammar::{Grammar, GrammarUndo};
 use crate::sampling::guidance::Guided;
@@ -287,6 +288,17 @@ impl BranchState {
         self.filter_candidates()?;
         let mut cur = self.candidates.array();
         Ok(self.sampler.select(&mut cur))
+    }
+
+    /// `sample`, with the token's text and whether it ends generation (the text is a
+    /// preview: the UTF-8 carry is not consumed).
+    pub fn produce(&mut self, model: &Model) -> Result<Produced> {
+        let token = self.sample()?;
+        Ok(Produced {
+            token,
+            text: self.token_text(model, token, false)?,
+            is_stop: model.is_eog(token),
+        })
     }
 
     /// Surprisal of `token` under the filtered distribution (0 if one candidate, ∞ if filtered out).

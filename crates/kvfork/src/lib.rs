@@ -5,6 +5,7 @@
 //! [`BranchStore`] advances many branches in one `llama_decode`. Every call that runs the
 //! model returns a [`Pending`]: `.wait()` it, or `.await` it.
 
+mod abort;
 pub mod backend;
 mod branch;
 mod branch_state;
@@ -17,12 +18,13 @@ mod gguf_check;
 mod llama_ctx;
 pub mod model;
 mod persist;
+mod produced;
 pub mod sampling;
 mod speculate;
 mod store;
 
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
-pub use branch::{Branch, Produced};
+pub use branch::Branch;
 pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
 pub use embed::Embedding;
@@ -32,6 +34,7 @@ pub use kvfork_core::metrics::LogBase;
 pub use kvfork_core::Handle;
 pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
 pub use model::{Model, ModelParams, Token};
+pub use produced::Produced;
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use speculate::Speculated;
 pub use store::BranchStore;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::engine::AbortSignal;
+use crate::abort::AbortSignal;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 

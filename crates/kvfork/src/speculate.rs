@@ -6,10 +6,11 @@
 
 use std::sync::Arc;
 
-use crate::branch::{Branch, Produced};
+use crate::branch::Branch;
 use crate::engine::{BranchCell, Pending, Worker};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
 
 /// What one round of `Branch::speculate` gives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,12 +96,8 @@ impl Worker {
                 // back before the next (the cell is recorded below). The cell stays locked
                 // meanwhile.
                 unsafe { st.logits.lend(row, top_k) };
-                let token = st.sample()?;
-                let produced = Produced {
-                    token,
-                    text: st.token_text(&model, token, false)?,
-                    is_stop: model.is_eog(token),
-                };
+                let produced = st.produce(&model)?;
+                let token = produced.token;
                 if i == draft.len() || token != draft[i] || produced.is_stop {
                     return Ok(produced);
                 }

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::branch::{check_tokens, Branch, Produced};
+use crate::branch::{check_tokens, Branch};
 use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
 
 /// Batched operations over the branches of one context.
 #[derive(Clone)]

@@ -7,9 +7,9 @@ use std::sync::{Arc, MutexGuard};
 use super::parallel;
 use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitReply, CommitRequest, Worker};
-use crate::branch::Produced;
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
+use crate::produced::Produced;
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
@@ -116,7 +116,7 @@ impl Worker {
             if cell.is_disposed() {
                 return Err(Error::BranchDisposed("in step".into()));
             }
-            crate::branch::produce(&mut cell.lock(), &model)
+            cell.lock().produce(&model)
         };
         let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
         if heavy {

@@ -25,15 +25,15 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-pub(crate) use pending::{next_run_id, AbortSignal, CancelPolicy, Reply, Ticket};
+pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use worker::Worker;
 
-use crate::branch::Produced;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
 use crate::model::{Model, Token};
+use crate::produced::Produced;
 
 /// Stack of the engine thread (virtual memory; pages are only touched when used).
 const ENGINE_STACK_BYTES: usize = 64 << 20;
@@ -338,7 +338,7 @@ impl Engine {
     /// Idempotent.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        self.shared.abort.closing.store(true, Ordering::Relaxed);
+        self.shared.abort.close();
         drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = thread {

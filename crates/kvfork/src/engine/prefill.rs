@@ -3,8 +3,6 @@
 //! narrowed down (a cancelled member leaves, the rest run again; otherwise halves are tried)
 //! so that only the request at fault fails.
 
-use std::sync::atomic::Ordering;
-
 use kvfork_core::packer::{logits_index, plan_prefill};
 
 use super::commit::may_be_one_request;
@@ -61,10 +59,10 @@ impl Worker {
             return;
         }
         let run = start_run(members.iter().map(|&i| &*group[i].ticket));
-        self.shared.abort.current.store(run, Ordering::Relaxed);
+        self.shared.abort.set_running(run);
         let items: Vec<&PrefillItem> = members.iter().flat_map(|&i| &group[i].items).collect();
         let outcome = self.prefill(&items);
-        self.shared.abort.current.store(0, Ordering::Relaxed);
+        self.shared.abort.set_running(0);
         match outcome {
             Ok(()) => members.iter().for_each(|&i| results[i] = Some(Ok(()))),
             Err(e) if members.len() == 1 => results[members[0]] = Some(Err(e)),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvfork_core::Registry;
 
-use super::AbortSignal;
+use crate::abort::AbortSignal;
 use crate::branch_state::BranchState;
 use crate::error::{Error, Result};
 use crate::llama_ctx::ContextParams;

@@ -2,7 +2,6 @@
 //! Commits and prefills are gathered into groups (`gather.rs`) and run in `commit.rs` and
 //! `prefill.rs`.
 
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,12 +85,9 @@ impl Worker {
             match job {
                 Job::Run(task) => {
                     let ticket = task.ticket().clone();
-                    self.shared
-                        .abort
-                        .current
-                        .store(ticket.id(), Ordering::Relaxed);
+                    self.shared.abort.set_running(ticket.id());
                     task.run(&mut self);
-                    self.shared.abort.current.store(0, Ordering::Relaxed);
+                    self.shared.abort.set_running(0);
                     ticket.finish();
                 }
                 Job::Clear(seq) => self.clear_seq(seq),
@@ -172,9 +168,7 @@ impl Worker {
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
-        if matches!(r, Err(Error::Cancelled(_)))
-            && self.shared.abort.closing.load(Ordering::Relaxed)
-        {
+        if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         self.tune_threads();
