@@ -396,8 +396,11 @@ mod tests {
             })
         );
         let mut newer = file.clone();
-        newer[8] = 2;
-        assert_eq!(open(&newer, Kind::Branch, 42), Err(StateError::Version(2)));
+        newer[8..12].copy_from_slice(&(VERSION + 1).to_le_bytes());
+        assert_eq!(
+            open(&newer, Kind::Branch, 42),
+            Err(StateError::Version(VERSION + 1))
+        );
     }
 
     #[test]
