@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
-use kvfork_core::{Handle, Registry};
+use kvfork_core::Handle;
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
-use crate::engine::{BranchCell, CancelPolicy, Pending, Worker};
+use crate::engine::{BranchCell, CancelPolicy, Pending, Prune};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::produced::Produced;
@@ -223,18 +223,13 @@ impl Branch {
             .map(|e| Pending::ready(Err(e)))
     }
 
-    /// The engine half of every prune: `remove` takes branches out of the tree and names
-    /// their sequences, which are then emptied (shared cells stay for their other owners).
-    /// `disposed` is already visible, so this always happens, even if the caller cancels.
-    fn release(
-        &self,
-        remove: impl FnOnce(&mut Registry<Arc<BranchCell>>, Handle) -> Result<Vec<u32>> + Send + 'static,
-    ) -> Pending<()> {
+    /// Queue the engine half of a prune (`engine/tree.rs`). `disposed` is already visible,
+    /// so it always happens, even if the caller cancels.
+    fn release(&self, how: Prune) -> Pending<()> {
         let handle = self.handle;
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let seqs = remove(&mut w.shared.registry(), handle)?;
-            w.empty_seqs(&seqs)
-        })
+        self.ctx
+            .engine()
+            .run_with(CancelPolicy::Never, move |w| w.prune(handle, how))
     }
 
     /// Dispose (RESTRICT: fails while live children exist). Frees the lease and the branch's
@@ -258,7 +253,7 @@ impl Branch {
             }
             self.cell.mark_disposed();
         }
-        self.release(|reg, h| Ok(vec![reg.prune(h)?.seq]))
+        self.release(Prune::Leaf)
     }
 
     /// Dispose this branch but not its children: its lease is freed at once, the children
@@ -270,7 +265,7 @@ impl Branch {
             return settled;
         }
         self.cell.mark_disposed();
-        self.release(|reg, h| Ok(vec![reg.prune_keep_children(h)?.seq]))
+        self.release(Prune::KeepChildren)
     }
 
     /// Dispose this branch and all its descendants (children first).
@@ -288,7 +283,7 @@ impl Branch {
                 }
             }
         }
-        self.release(|reg, h| Ok(reg.prune_subtree(h)?.into_iter().map(|p| p.seq).collect()))
+        self.release(Prune::Subtree)
     }
 
     fn wrap(&self, handle: Handle) -> Option<Branch> {
@@ -517,86 +512,4 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The engine-thread halves of the branch operations above.
-impl Worker {
-    /// `Branch::reseed_context`: empty the sequence, then prefill the sinks and the tail of the
-    /// accepted tokens from position 0.
-    fn reseed_context(
-        &mut self,
-        cell: &Arc<BranchCell>,
-        sinks: &[Token],
-        tail: usize,
-    ) -> Result<()> {
-        let (seq, tokens) = {
-            let st = cell.lock();
-            let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
-            (st.seq, [sinks, kept].concat())
-        };
-        if tokens.is_empty() {
-            return Err(Error::invalid(
-                "sinks/tail",
-                "nothing to re-prefill: give sink tokens or a tail > 0",
-            ));
-        }
-        if tokens.len() >= self.shared.n_ctx as usize {
-            return Err(Error::invalid(
-                "sinks/tail",
-                format!(
-                    "{} sink + tail tokens leave no room in n_ctx = {}",
-                    tokens.len(),
-                    self.shared.n_ctx
-                ),
-            ));
-        }
-        self.ctx.seq_rm(seq, -1, -1)?;
-        {
-            let mut st = cell.lock();
-            st.position = 0;
-            st.history.clear();
-        }
-        self.prefill(&[&(cell.clone(), tokens)])
-    }
-
-    /// `Branch::fork`: a child on a fresh lease whose sequence shares the parent's cells.
-    fn fork(
-        &mut self,
-        parent: Handle,
-        parent_cell: &Arc<BranchCell>,
-        seed: Option<u32>,
-    ) -> Result<(Handle, Arc<BranchCell>)> {
-        if parent_cell.is_disposed() {
-            return Err(Error::BranchDisposed(parent.to_string()));
-        }
-        let (mut child_state, parent_seq, fork_head) = {
-            let p = parent_cell.lock();
-            (p.fork_copy(-1), p.seq, p.position)
-        };
-        if let Some(seed) = seed {
-            child_state.reseed(seed);
-        }
-        let lent = child_state.logits.is_lent();
-        let cell = BranchCell::new(child_state);
-        if lent {
-            // The child reads its parent's row in llama.cpp's output buffer too.
-            self.loans.record(&cell);
-        }
-        let (handle, seq) = self
-            .shared
-            .registry()
-            .fork(parent, fork_head as u32, cell.clone())?;
-        cell.lock().seq = seq as i32;
-        self.ctx.clear_seq(seq as i32)?;
-        self.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
-        Ok((handle, cell))
-    }
-
-    /// Empty the sequences of pruned branches (cells shared with others stay for them).
-    fn empty_seqs(&mut self, seqs: &[u32]) -> Result<()> {
-        for &seq in seqs {
-            self.ctx.seq_rm(seq as i32, 0, -1)?;
-        }
-        Ok(())
-    }
 }

@@ -178,12 +178,12 @@ impl Context {
             .check_seq(src)
             .and_then(|_| self.check_seq(dst))
             .and_then(|_| check_range(p0, p1));
-        self.queue_kv(checked, move |w| w.ctx.seq_cp(src, dst, p0, p1))
+        self.queue_kv(checked, move |w| w.kv_seq_copy(src, dst, p0, p1))
     }
 
     /// Remove every sequence but `seq` from the cache.
     pub fn kv_seq_keep(&self, seq: i32) -> Pending<()> {
-        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_keep(seq))
+        self.queue_kv(self.check_seq(seq), move |w| w.kv_seq_keep(seq))
     }
 
     /// Whether `kv_seq_remove(seq, p0, p1)` can succeed: always for a KV cache; a recurrent
@@ -196,18 +196,18 @@ impl Context {
     /// Remove `seq`'s cells in `[p0, p1)` (-1: open end); false when the model cannot.
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
         let checked = self.check_seq(seq).and_then(|_| check_range(p0, p1));
-        self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
+        self.queue_kv(checked, move |w| w.kv_seq_remove(seq, p0, p1))
     }
 
     /// The largest position `seq` holds, -1 when it is empty.
     pub fn kv_seq_pos_max(&self, seq: i32) -> Pending<i32> {
-        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_pos_max(seq))
+        self.queue_kv(self.check_seq(seq), move |w| w.kv_seq_pos_max(seq))
     }
 
     /// Empty the whole KV cache.
     pub fn kv_clear(&self) -> Pending<()> {
         self.queue_kv(Ok(()), |w| {
-            w.ctx.clear();
+            w.kv_clear();
             Ok(())
         })
     }

@@ -9,6 +9,11 @@ use crate::abort::AbortSignal;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
+/// llama.cpp's `LLAMA_POOLING_TYPE_NONE`: embeddings are one vector per token.
+pub(crate) const POOLING_NONE: i32 = 0;
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`: a reranker's scores per text.
+pub(crate) const POOLING_RANK: i32 = 4;
+
 /// KV cache element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheType {

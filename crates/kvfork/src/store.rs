@@ -109,16 +109,9 @@ impl BranchStore {
         }
         let handle = winner.handle();
         // The losers are already disposed: the rest always happens, even if cancelled.
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let seq = w
-                .shared
-                .registry()
-                .get(handle)
-                .map(|n| n.seq)
-                .ok_or(Error::BranchDisposed(handle.to_string()))?;
-            w.shared.registry().retain_only(handle)?;
-            w.ctx.seq_keep(seq as i32)
-        })
+        self.ctx
+            .engine()
+            .run_with(CancelPolicy::Never, move |w| w.retain_only(handle))
     }
 
     /// Sample every branch (in Rust, in parallel), commit all non-stop tokens in one decode.
@@ -129,21 +122,5 @@ impl BranchStore {
             Err(e) => return Pending::ready(Err(e)),
         };
         self.ctx.run(move |w| w.step(&cells))
-    }
-}
-
-impl crate::engine::Worker {
-    /// Sample each cell, then commit the non-stop tokens.
-    pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
-        let produced = self.sample_cells(cells);
-        let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
-        let items: Vec<(Arc<BranchCell>, Token)> = cells
-            .iter()
-            .zip(&produced)
-            .filter(|(_, p)| !p.is_stop)
-            .map(|(c, p)| (c.clone(), p.token))
-            .collect();
-        self.commit_now(&items)?;
-        Ok(produced)
     }
 }

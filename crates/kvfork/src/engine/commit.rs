@@ -9,6 +9,7 @@ use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitReply, CommitRequest, Worker};
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
+use crate::model::Token;
 use crate::produced::Produced;
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
@@ -69,7 +70,7 @@ impl Worker {
             if req.items.is_empty() {
                 continue;
             }
-            Stats::add(&self.shared.stats.commit_requests, 1);
+            Stats::add(&self.shared().stats.commit_requests, 1);
             match self.accept_all(&req.items) {
                 Ok(snaps) => accepted.push((i, snaps)),
                 Err(e) => results[i] = Err(e),
@@ -111,7 +112,7 @@ impl Worker {
     /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
     /// pay); nothing is accepted.
     pub(crate) fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
-        let model = self.shared.model.clone();
+        let model = self.shared().model.clone();
         let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
             if cell.is_disposed() {
                 return Err(Error::BranchDisposed("in step".into()));
@@ -126,10 +127,24 @@ impl Worker {
         }
     }
 
+    /// `BranchStore::step`: sample each cell, then commit the non-stop tokens.
+    pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
+        let produced = self.sample_cells(cells);
+        let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
+        let items: Vec<(Arc<BranchCell>, Token)> = cells
+            .iter()
+            .zip(&produced)
+            .filter(|(_, p)| !p.is_stop)
+            .map(|(c, p)| (c.clone(), p.token))
+            .collect();
+        self.commit_now(&items)?;
+        Ok(produced)
+    }
+
     /// Commit one group synchronously (BranchStore::commit, step).
     pub fn commit_now(&mut self, items: &[CommitItem]) -> Result<()> {
         if !items.is_empty() {
-            Stats::add(&self.shared.stats.commit_requests, 1);
+            Stats::add(&self.shared().stats.commit_requests, 1);
         }
         let snaps = self.accept_all(items)?;
         let refs: Vec<&CommitItem> = items.iter().collect();
@@ -143,17 +158,18 @@ impl Worker {
     /// Accept every token (snapshotting first); on any failure undo this request's accepts.
     fn accept_all(&mut self, items: &[CommitItem]) -> Result<Vec<Snapshot>> {
         let mut snaps = Vec::with_capacity(items.len());
-        let model = self.shared.model.clone();
+        let model = self.shared().model.clone();
         for (i, (cell, token)) in items.iter().enumerate() {
             let outcome = (|| {
                 if cell.is_disposed() {
                     return Err(Error::BranchDisposed("in commit".into()));
                 }
                 let mut st = cell.lock();
-                if st.position as u32 >= self.shared.n_ctx {
+                if st.position as u32 >= self.shared().n_ctx {
                     return Err(Error::KvCacheFull(format!(
                         "position {} reached n_ctx = {}",
-                        st.position, self.shared.n_ctx
+                        st.position,
+                        self.shared().n_ctx
                     )));
                 }
                 let snap = st.snapshot();
@@ -191,11 +207,11 @@ impl Worker {
                 "a branch appears twice in one decode".into(),
             ));
         }
-        self.loans.give_back_except(&cells);
-        let n_batch = self.ctx.n_batch as usize;
+        self.loans().give_back_except(&cells);
+        let n_batch = self.ctx().n_batch as usize;
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
-        let one_decode = items.len() <= n_batch && items.len() <= self.ctx.n_seq_max as usize;
+        let one_decode = items.len() <= n_batch && items.len() <= self.ctx().n_seq_max as usize;
         let places: Vec<(i32, i32)> = cells
             .iter()
             .map(|cell| {
@@ -229,8 +245,8 @@ impl Worker {
             }
         }
         drop(states);
-        self.loans.held_by(&cells);
-        self.shared.rows_landed.land();
+        self.loans().held_by(&cells);
+        self.shared().rows_landed.land();
         landed
     }
 
@@ -241,21 +257,21 @@ impl Worker {
         items: &[&CommitItem],
         places: &[(i32, i32)],
     ) -> Result<Vec<Vec<f32>>> {
-        let n_batch = self.ctx.n_batch as usize;
-        let base = self.ctx.output_base();
+        let n_batch = self.ctx().n_batch as usize;
+        let base = self.ctx().output_base();
         let mut kept: Vec<Vec<f32>> = Vec::new();
         for start in (0..items.len()).step_by(n_batch) {
             let end = (start + n_batch).min(items.len());
-            self.batch.clear();
+            let batch = self.start_batch();
             for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
-                self.batch.push(*token, pos, seq, true);
+                batch.push(*token, pos, seq, true);
             }
             if let Err(e) = self.decode_batch() {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
                 for &(seq, pos) in &places[..start] {
-                    let _ = self.ctx.seq_rm(seq, pos, -1);
+                    let _ = self.ctx_mut().seq_rm(seq, pos, -1);
                 }
-                if self.ctx.output_base() != base {
+                if self.ctx().output_base() != base {
                     // Never expected (see `loans.rs`); the old rows are gone, never read them.
                     for (cell, _) in items {
                         cell.lock().logits.forget_loan();
@@ -265,7 +281,7 @@ impl Worker {
             }
             if end < items.len() || start > 0 {
                 for k in 0..end - start {
-                    kept.push(self.ctx.logits_ith(k)?.to_vec());
+                    kept.push(self.ctx().logits_ith(k)?.to_vec());
                 }
             }
         }
@@ -278,7 +294,7 @@ impl Worker {
         let mut work = Vec::with_capacity(states.len());
         for (i, st) in states.iter_mut().enumerate() {
             let top_k = st.top_hint();
-            work.push((&mut **st, self.ctx.logits_ith(i)?, top_k));
+            work.push((&mut **st, self.ctx().logits_ith(i)?, top_k));
         }
         parallel::for_each_mut(&mut work, self.team_threads(), |(st, row, top_k)| {
             // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or

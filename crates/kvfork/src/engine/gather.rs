@@ -88,7 +88,7 @@ impl Worker {
                 Job::Clear(seq) if !group.members().seqs.contains(&seq) => self.clear_seq(seq),
                 job if group.accepts(&job) => group.add(job, self),
                 job => {
-                    self.stash = Some(job);
+                    self.run_next(job);
                     return;
                 }
             }

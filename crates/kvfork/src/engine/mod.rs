@@ -11,13 +11,19 @@
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
 
 mod commit;
+mod embed;
 mod gather;
+mod kv;
 mod load;
 mod loans;
 mod parallel;
 mod pending;
+mod persist;
 mod prefill;
+mod reseed;
 pub(crate) mod shared;
+mod speculate;
+mod tree;
 mod worker;
 
 use std::sync::atomic::Ordering;
@@ -28,6 +34,7 @@ use std::thread::JoinHandle;
 pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
+pub(crate) use tree::Prune;
 pub(crate) use worker::Worker;
 
 use crate::error::{Error, Result};
@@ -146,7 +153,8 @@ impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> 
             Err(payload) => {
                 let msg = panic_message(payload.as_ref());
                 // Closed before the caller hears of it, so it sees `closed` at once.
-                w.shared.fail(format!("panic on the engine thread: {msg}"));
+                w.shared()
+                    .fail(format!("panic on the engine thread: {msg}"));
                 reply.send(Err(Error::Internal(msg)));
             }
         }

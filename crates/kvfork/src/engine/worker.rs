@@ -1,6 +1,7 @@
 //! The engine thread's side: owns the llama context and the batch, takes jobs in order.
 //! Commits and prefills are gathered into groups (`gather.rs`) and run in `commit.rs` and
-//! `prefill.rs`.
+//! `prefill.rs`; every other operation has its file beside this one (see `mod.rs`). They
+//! reach the context, the batch and the loans through the few methods below.
 
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -17,11 +18,11 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
 
 pub(crate) struct Worker {
-    pub ctx: LlamaCtx,
-    pub(crate) batch: Batch,
-    pub shared: Arc<Shared>,
+    ctx: LlamaCtx,
+    batch: Batch,
+    shared: Arc<Shared>,
     /// A job pulled while gathering a group that could not join it: it runs next.
-    pub(super) stash: Option<Job>,
+    stash: Option<Job>,
     /// Tokens decoded by the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
@@ -31,7 +32,7 @@ pub(crate) struct Worker {
     /// Threads of the last multi-token decode: the team that per-branch work after it uses.
     threads_batch: usize,
     /// Snapshots reading their rows in llama.cpp's output buffer.
-    pub(crate) loans: RowLoans,
+    loans: RowLoans,
 }
 
 impl Drop for Worker {
@@ -110,6 +111,39 @@ impl Worker {
         }
     }
 
+    // ---- what the operations (this module's other files) use ----
+
+    /// The llama context: KV operations and the outputs of the last decode.
+    pub(super) fn ctx(&self) -> &LlamaCtx {
+        &self.ctx
+    }
+
+    /// The llama context, to change its KV cells.
+    pub(super) fn ctx_mut(&mut self) -> &mut LlamaCtx {
+        &mut self.ctx
+    }
+
+    /// What the engine shares with callers: the model, the branch registry, counters.
+    pub(super) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// The batch, emptied, to fill for the next `decode`.
+    pub(super) fn start_batch(&mut self) -> &mut Batch {
+        self.batch.clear();
+        &mut self.batch
+    }
+
+    /// The rows of the output buffer lent to snapshots (see `loans.rs`).
+    pub(super) fn loans(&mut self) -> &mut RowLoans {
+        &mut self.loans
+    }
+
+    /// A job pulled while gathering that could not join the group: it runs next.
+    pub(super) fn run_next(&mut self, job: Job) {
+        self.stash = Some(job);
+    }
+
     /// Threads for per-branch work right after a decode: the decode's own team.
     pub(super) fn team_threads(&self) -> usize {
         self.threads_batch
@@ -156,7 +190,7 @@ impl Worker {
 
     /// `llama_decode` of the current batch, counted. Every row lent to a snapshot is given
     /// back first (the decode overwrites them).
-    pub(crate) fn decode(&mut self) -> Result<()> {
+    pub(super) fn decode(&mut self) -> Result<()> {
         self.loans.give_back_all();
         self.decode_batch()
     }
