@@ -54,10 +54,9 @@ impl Branch {
         }
         let sampler = SamplerChain::new(params, ctx.model())?;
         let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
-        let cell = BranchCell::new(BranchState::new(-1, position, sampler, grammar));
-        let (handle, seq) = ctx.shared().registry().create_root(cell.clone())?;
-        cell.lock().seq = seq as i32;
-        ctx.engine().clear_seq(seq as i32);
+        let state = BranchState::new(position, sampler, grammar);
+        let (handle, cell) = ctx.shared().create_root(state)?;
+        ctx.engine().clear_seq(cell.seq());
         Ok(Branch {
             ctx: ctx.clone(),
             handle,
@@ -343,7 +342,8 @@ impl Branch {
 
     /// The KV sequence id this branch leases.
     pub fn seq_id(&self) -> Result<i32> {
-        self.state(|s| Ok(s.seq))
+        self.check_live()?;
+        Ok(self.cell.seq().id())
     }
 
     // ---- sampler control ----

@@ -29,7 +29,6 @@ struct FilteredCache {
 }
 
 pub(crate) struct BranchState {
-    pub seq: i32,
     pub position: i32,
     pub logits: LogitsSnapshot,
     /// Bumped on every change of sampler, grammar, bias or steer.
@@ -71,9 +70,8 @@ pub(crate) struct Snapshot {
 }
 
 impl BranchState {
-    pub fn new(seq: i32, position: i32, sampler: SamplerChain, grammar: Option<Grammar>) -> Self {
+    pub fn new(position: i32, sampler: SamplerChain, grammar: Option<Grammar>) -> Self {
         BranchState {
-            seq,
             position,
             logits: LogitsSnapshot::empty(),
             sampler_epoch: 0,
@@ -94,9 +92,8 @@ impl BranchState {
     }
 
     /// Copy for a fork: everything but steer (dynamic, per branch) and scratch space.
-    pub fn fork_copy(&self, seq: i32) -> Self {
+    pub fn fork_copy(&self) -> Self {
         BranchState {
-            seq,
             position: self.position,
             logits: self.logits.clone(),
             sampler_epoch: self.sampler_epoch + 1,

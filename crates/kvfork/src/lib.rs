@@ -20,6 +20,7 @@ pub mod model;
 mod persist;
 mod produced;
 pub mod sampling;
+mod seq;
 mod speculate;
 mod store;
 

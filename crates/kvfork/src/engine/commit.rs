@@ -11,6 +11,7 @@ use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::produced::Produced;
+use crate::seq::Seq;
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
@@ -212,7 +213,7 @@ impl Worker {
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
         let one_decode = items.len() <= n_batch && items.len() <= self.ctx().n_seq_max as usize;
-        let places: Vec<(i32, i32)> = cells
+        let places: Vec<(Seq, i32)> = cells
             .iter()
             .map(|cell| {
                 let mut st = cell.lock();
@@ -220,7 +221,7 @@ impl Worker {
                     st.logits.give_back();
                 }
                 st.logits.take_off();
-                (st.seq, st.position)
+                (cell.seq(), st.position)
             })
             .collect();
         let decoded = self.decode_places(items, &places);
@@ -255,7 +256,7 @@ impl Worker {
     fn decode_places(
         &mut self,
         items: &[&CommitItem],
-        places: &[(i32, i32)],
+        places: &[(Seq, i32)],
     ) -> Result<Vec<Vec<f32>>> {
         let n_batch = self.ctx().n_batch as usize;
         let base = self.ctx().output_base();

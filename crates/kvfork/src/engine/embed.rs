@@ -6,6 +6,7 @@ use super::Worker;
 use crate::error::Result;
 use crate::llama_ctx::POOLING_NONE;
 use crate::model::Token;
+use crate::seq::Seq;
 
 /// The vectors of one text: one when pooled, one per token without pooling
 /// (`kvfork::Embedding`).
@@ -42,9 +43,10 @@ impl Worker {
     /// One decode for `group` (text i on sequence i), then clear those sequences.
     fn embed_group(&mut self, group: &[&[Token]], normalize: bool) -> Result<Vec<Vectors>> {
         let batch = self.start_batch();
-        for (seq, text) in group.iter().enumerate() {
+        let seqs = || (0..group.len() as u32).map(Seq::new);
+        for (seq, text) in seqs().zip(group) {
             for (pos, &t) in text.iter().enumerate() {
-                batch.push(t, pos as i32, seq as i32, true);
+                batch.push(t, pos as i32, seq, true);
             }
         }
         let decoded = self.decode();
@@ -52,9 +54,9 @@ impl Worker {
         let mut rows = Vec::with_capacity(group.len());
         let mut first = 0;
         let result = decoded.and_then(|_| {
-            for (seq, text) in group.iter().enumerate() {
+            for (seq, text) in seqs().zip(group) {
                 let vectors = if pooled {
-                    vec![self.ctx().embeddings_seq(seq as i32)?.to_vec()]
+                    vec![self.ctx().embeddings_seq(seq)?.to_vec()]
                 } else {
                     (first..first + text.len())
                         .map(|i| self.ctx().embeddings_ith(i).map(<[f32]>::to_vec))
@@ -65,8 +67,8 @@ impl Worker {
             }
             Ok(())
         });
-        for seq in 0..group.len() {
-            self.ctx_mut().seq_rm(seq as i32, -1, -1)?;
+        for seq in seqs() {
+            self.ctx_mut().seq_rm(seq, -1, -1)?;
         }
         result?;
         if normalize {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::shared::BranchCell;
 use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
+use crate::seq::Seq;
 
 /// The longest pause between two arrivals for which a gathering keeps waiting.
 const GAP: Duration = Duration::from_millis(1);
@@ -101,7 +102,7 @@ impl Worker {
 #[derive(Default)]
 pub(super) struct Members {
     cells: HashSet<*const BranchCell>,
-    seqs: HashSet<i32>,
+    seqs: HashSet<Seq>,
 }
 
 impl Members {
@@ -112,7 +113,7 @@ impl Members {
     fn add<'a>(&mut self, cells: impl Iterator<Item = &'a Arc<BranchCell>>) {
         for c in cells {
             self.cells.insert(Arc::as_ptr(c));
-            self.seqs.insert(c.lock().seq);
+            self.seqs.insert(c.seq());
         }
     }
 }

@@ -41,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
 use crate::model::{Model, Token};
 use crate::produced::Produced;
+use crate::seq::Seq;
 
 /// Stack of the engine thread (virtual memory; pages are only touched when used).
 const ENGINE_STACK_BYTES: usize = 64 << 20;
@@ -101,7 +102,7 @@ pub(crate) enum Job {
     Prefill(PrefillRequest),
     /// Empty the sequence of a fresh lease (`Branch::create`). It touches no other sequence,
     /// so a gathering runs it in passing instead of stopping at it. Nobody waits for it.
-    Clear(i32),
+    Clear(Seq),
     /// Any other work, run in order.
     Run(Box<dyn RunJob>),
 }
@@ -306,7 +307,7 @@ impl Engine {
 
     /// Queue the emptying of a fresh lease's sequence (a failure can only be a closed
     /// context, which the next call reports).
-    pub fn clear_seq(&self, seq: i32) {
+    pub fn clear_seq(&self, seq: Seq) {
         let _ = self.send(Job::Clear(seq));
     }
 

@@ -16,6 +16,7 @@ use super::shared::BranchCell;
 use super::Worker;
 use crate::branch_state::{state_error, BranchState};
 use crate::error::{Error, Result};
+use crate::seq::Seq;
 
 /// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -80,12 +81,8 @@ impl Worker {
     /// `Branch::save`: the branch's record, then its sequence's KV cells.
     pub(crate) fn save_branch(&mut self, cell: &Arc<BranchCell>, path: &Path) -> Result<()> {
         let mut out = Writer::new();
-        let seq = {
-            let st = cell.lock();
-            st.write(&mut out);
-            st.seq
-        };
-        out.bytes(&self.ctx().kv_state(seq)?);
+        cell.lock().write(&mut out);
+        out.bytes(&self.ctx().kv_state(Some(cell.seq()))?);
         let model_id = self.shared().model.identity();
         write_atomically(
             path,
@@ -99,17 +96,15 @@ impl Worker {
         let model = self.shared().model.clone();
         let payload = persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
-        let state = BranchState::read(&mut r, &model, -1)?;
+        let state = BranchState::read(&mut r, &model)?;
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
         check_position(state.position, self.ctx().n_ctx)?;
-        let cell = BranchCell::new(state);
-        let (handle, seq) = self.shared().registry().create_root(cell.clone())?;
-        cell.lock().seq = seq as i32;
+        let (handle, cell) = self.shared().create_root(state)?;
         let ctx = self.ctx_mut();
         let restored = ctx
-            .clear_seq(seq as i32)
-            .and_then(|_| ctx.set_kv_state(seq as i32, kv));
+            .clear_seq(cell.seq())
+            .and_then(|_| ctx.set_kv_state(Some(cell.seq()), kv));
         if let Err(e) = restored {
             self.shared().registry().prune(handle)?;
             cell.mark_disposed();
@@ -129,7 +124,7 @@ impl Worker {
             out.i32(parent).u32(b.fork_head).u32(b.seq);
             b.cell.lock().write(&mut out);
         }
-        out.bytes(&self.ctx().kv_state(-1)?);
+        out.bytes(&self.ctx().kv_state(None)?);
         let model_id = self.shared().model.identity();
         write_atomically(
             path,
@@ -165,18 +160,18 @@ impl Worker {
                     self.ctx().n_seq_max
                 )));
             }
-            let state = BranchState::read(&mut r, &model, seq as i32)?;
+            let state = BranchState::read(&mut r, &model)?;
             check_position(state.position, self.ctx().n_ctx)?;
             saved.push((parent, fork_head, seq, state));
         }
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
-        self.ctx_mut().set_kv_state(-1, kv)?;
+        self.ctx_mut().set_kv_state(None, kv)?;
         let mut restored: Vec<(Handle, Arc<BranchCell>)> = Vec::with_capacity(saved.len());
         let mut reg = self.shared().registry();
         for (parent, fork_head, seq, state) in saved {
             let parent = usize::try_from(parent).ok().map(|i| restored[i].0);
-            let cell = BranchCell::new(state);
+            let cell = BranchCell::new(Seq::new(seq), state);
             let h = reg.restore(parent, fork_head, seq, cell.clone())?;
             restored.push((h, cell));
         }

@@ -9,6 +9,7 @@ use super::commit::may_be_one_request;
 use super::gather::start_run;
 use super::{PrefillItem, PrefillRequest, Worker};
 use crate::error::{Error, Result};
+use crate::seq::Seq;
 
 impl Worker {
     /// Run a gathered group and reply to each member.
@@ -84,7 +85,7 @@ impl Worker {
     }
 
     /// Where an item's tokens go, `(seq, first position)`, or why they cannot.
-    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(i32, i32)> {
+    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(Seq, i32)> {
         if cell.is_disposed() {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
@@ -97,7 +98,7 @@ impl Worker {
                 self.shared().n_ctx
             )));
         }
-        Ok((st.seq, st.position))
+        Ok((cell.seq(), st.position))
     }
 
     /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.

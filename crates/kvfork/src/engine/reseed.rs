@@ -21,7 +21,7 @@ impl Worker {
         let (seq, tokens) = {
             let st = cell.lock();
             let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
-            (st.seq, [sinks, kept].concat())
+            (cell.seq(), [sinks, kept].concat())
         };
         if tokens.is_empty() {
             return Err(Error::invalid(

@@ -40,7 +40,7 @@ impl Worker {
                 st.restore(snap);
                 return Err(e);
             }
-            (st.seq, st.position, snap)
+            (cell.seq(), st.position, snap)
         };
         let batch = self.start_batch();
         for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {

@@ -10,6 +10,7 @@ use kvfork_core::Handle;
 use super::shared::BranchCell;
 use super::Worker;
 use crate::error::{Error, Result};
+use crate::seq::Seq;
 
 /// Which branches a prune takes out of the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,26 +34,22 @@ impl Worker {
         if parent_cell.is_disposed() {
             return Err(Error::BranchDisposed(parent.to_string()));
         }
-        let (mut child_state, parent_seq, fork_head) = {
+        let (mut child_state, fork_head) = {
             let p = parent_cell.lock();
-            (p.fork_copy(-1), p.seq, p.position)
+            (p.fork_copy(), p.position)
         };
         if let Some(seed) = seed {
             child_state.reseed(seed);
         }
         let lent = child_state.logits.is_lent();
-        let cell = BranchCell::new(child_state);
+        let (handle, cell) = self.shared().fork(parent, fork_head as u32, child_state)?;
         if lent {
             // The child reads its parent's row in llama.cpp's output buffer too.
             self.loans().record(&cell);
         }
-        let (handle, seq) =
-            self.shared()
-                .registry()
-                .fork(parent, fork_head as u32, cell.clone())?;
-        cell.lock().seq = seq as i32;
-        self.ctx_mut().clear_seq(seq as i32)?;
-        self.ctx_mut().seq_cp(parent_seq, seq as i32, -1, -1)?;
+        self.ctx_mut().clear_seq(cell.seq())?;
+        self.ctx_mut()
+            .seq_cp(parent_cell.seq(), cell.seq(), -1, -1)?;
         Ok((handle, cell))
     }
 
@@ -73,7 +70,7 @@ impl Worker {
             }
         };
         for seq in seqs {
-            self.ctx_mut().seq_rm(seq as i32, 0, -1)?;
+            self.ctx_mut().seq_rm(Seq::new(seq), 0, -1)?;
         }
         Ok(())
     }
@@ -88,6 +85,6 @@ impl Worker {
             .map(|n| n.seq)
             .ok_or(Error::BranchDisposed(winner.to_string()))?;
         self.shared().registry().retain_only(winner)?;
-        self.ctx_mut().seq_keep(seq as i32)
+        self.ctx_mut().seq_keep(Seq::new(seq))
     }
 }

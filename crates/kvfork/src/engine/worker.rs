@@ -16,6 +16,7 @@ use super::shared::{Shared, Stats};
 use super::{panic_message, Job};
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
+use crate::seq::Seq;
 
 pub(crate) struct Worker {
     ctx: LlamaCtx,
@@ -167,7 +168,7 @@ impl Worker {
     }
 
     /// Empty a fresh lease's sequence. Nobody waits: a failure can only be a closed context.
-    pub(super) fn clear_seq(&mut self, seq: i32) {
+    pub(super) fn clear_seq(&mut self, seq: Seq) {
         let _ = self.ctx.clear_seq(seq);
     }
 
