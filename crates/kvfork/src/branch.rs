@@ -106,7 +106,7 @@ impl Branch {
             self.check_live()?;
             let seen = landed.count();
             let st = self.cell.lock();
-            if !st.logits.is_in_flight() {
+            if !st.logits().is_in_flight() {
                 break st;
             }
             drop(st);
@@ -160,12 +160,7 @@ impl Branch {
     /// commit of another token is refused while this one is pending.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.with_row(|s| {
-            let before = s.snapshot();
-            s.accept(&model, token).inspect_err(|_| s.restore(before))?;
-            s.accepted_undecoded = Some(token);
-            Ok(())
-        })
+        self.with_row(|s| s.accept_ahead(&model, token))
     }
 
     /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.
@@ -337,7 +332,7 @@ impl Branch {
 
     /// Tokens in this branch's sequence (its next token goes at this position).
     pub fn position(&self) -> Result<i32> {
-        self.state(|s| Ok(s.position))
+        self.state(|s| Ok(s.position()))
     }
 
     /// The KV sequence id this branch leases.
@@ -350,7 +345,7 @@ impl Branch {
 
     /// The parameters of the branch's sampler chain.
     pub fn sampler_params(&self) -> Result<SamplingParams> {
-        self.state(|s| Ok(s.sampler.params().clone()))
+        self.state(|s| Ok(s.sampler_params().clone()))
     }
 
     /// Restart the chain's RNG from `seed`; penalty history and Mirostat state carry on.
@@ -364,16 +359,7 @@ impl Branch {
     /// Rebuild the chain with new params; no-op when equal.
     pub fn set_sampler_params(&self, params: &SamplingParams) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.state(|s| {
-            if s.sampler.params() == params {
-                return Ok(());
-            }
-            let history = std::mem::take(&mut s.accepted);
-            let r = s.sampler.rebuild(params, &model, &history);
-            s.accepted = history;
-            s.touch_sampler();
-            r
-        })
+        self.state(|s| s.set_sampler_params(params, &model))
     }
 
     /// Replace (or remove, with `None`) the grammar.
@@ -390,12 +376,12 @@ impl Branch {
     /// The tokens decoded into the branch's sequence since it was created (or reseeded):
     /// prefills and commits in order, a fork's starting with its parent's. Not saved.
     pub fn history(&self) -> Result<Vec<Token>> {
-        self.state(|s| Ok(s.history.clone()))
+        self.state(|s| Ok(s.history().to_vec()))
     }
 
     /// The constraint set on the branch, as declared.
     pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
-        self.state(|s| Ok(s.grammar.as_ref().map(|g| g.spec().clone())))
+        self.state(|s| Ok(s.grammar_spec().cloned()))
     }
 
     /// Replace the logit bias (added to the raw logits before the chain; inherited by forks).
@@ -430,46 +416,46 @@ impl Branch {
 
     /// exp(mean model-level surprisal) of accepted tokens; ∞ before any accept.
     pub fn perplexity(&self) -> Result<f64> {
-        self.state(|s| Ok(s.ppl_model.value()))
+        self.state(|s| Ok(s.perplexity()))
     }
 
     /// Like `perplexity`, from the filtered (post-chain) distribution.
     pub fn sampling_perplexity(&self) -> Result<f64> {
-        self.state(|s| Ok(s.ppl_sampling.value()))
+        self.state(|s| Ok(s.sampling_perplexity()))
     }
 
     /// Entropy of the raw snapshot's distribution (softmax of the logits), in `base`.
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
-        self.with_row(|s| Ok(base.convert(s.logits.entropy()?)))
+        self.with_row(|s| Ok(base.convert(s.logits().entropy()?)))
     }
 
     /// Surprisal of `token` under the raw snapshot (minus its log-probability), in `base`.
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(base.convert(s.logits.surprisal(token)?)))
+        self.with_row(|s| Ok(base.convert(s.logits().surprisal(token)?)))
     }
 
     /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
     /// token whose logit is -inf.
     pub fn logprob(&self, token: Token) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(-s.logits.surprisal(token)?))
+        self.with_row(|s| Ok(-s.logits().surprisal(token)?))
     }
 
     /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
     /// best first.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
-        self.with_row(|s| s.logits.top_logprobs(k))
+        self.with_row(|s| s.logits().top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.with_row(|s| Ok(s.logits.row().map(<[f32]>::to_vec)))
+        self.with_row(|s| Ok(s.logits().row().map(<[f32]>::to_vec)))
     }
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.with_row(|s| Ok(s.logits.shared()))
+        self.with_row(|s| Ok(s.logits_shared()))
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -485,14 +471,14 @@ impl Branch {
             return Err(Error::invalid("logits", "contains NaN or +inf"));
         }
         self.with_row(|s| {
-            s.logits.set(logits);
+            s.set_logits(logits);
             Ok(())
         })
     }
 
     /// Tokens accepted so far.
     pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
-        self.state(|s| Ok(s.accepted.clone()))
+        self.state(|s| Ok(s.accepted().to_vec()))
     }
 }
 

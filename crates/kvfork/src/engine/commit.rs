@@ -166,10 +166,10 @@ impl Worker {
                     return Err(Error::BranchDisposed("in commit".into()));
                 }
                 let mut st = cell.lock();
-                if st.position as u32 >= self.shared().n_ctx {
+                if st.position() as u32 >= self.shared().n_ctx {
                     return Err(Error::KvCacheFull(format!(
                         "position {} reached n_ctx = {}",
-                        st.position,
+                        st.position(),
                         self.shared().n_ctx
                     )));
                 }
@@ -218,10 +218,10 @@ impl Worker {
             .map(|cell| {
                 let mut st = cell.lock();
                 if !one_decode {
-                    st.logits.give_back();
+                    st.give_back_row();
                 }
-                st.logits.take_off();
-                (cell.seq(), st.position)
+                st.take_off_row();
+                (cell.seq(), st.position())
             })
             .collect();
         let decoded = self.decode_places(items, &places);
@@ -230,19 +230,18 @@ impl Worker {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
             Ok(kept) => {
                 for (st, row) in states.iter_mut().zip(&kept) {
-                    st.logits.set(row);
+                    st.set_logits(row);
                 }
                 Ok(())
             }
             Err(e) => Err(e),
         };
         for st in &mut states {
-            st.logits.land();
+            st.land_row();
         }
         if landed.is_ok() {
             for (st, (_, token)) in states.iter_mut().zip(items) {
-                st.position += 1;
-                st.history.push(*token);
+                st.decoded(&[*token]);
             }
         }
         drop(states);
@@ -275,7 +274,7 @@ impl Worker {
                 if self.ctx().output_base() != base {
                     // Never expected (see `loans.rs`); the old rows are gone, never read them.
                     for (cell, _) in items {
-                        cell.lock().logits.forget_loan();
+                        cell.lock().forget_row_loan();
                     }
                 }
                 return Err(e);
@@ -302,7 +301,7 @@ impl Worker {
             // moves. Before every decode the worker gives back each loan except those of a
             // commit's members, which are in flight (never read) until the decode lands
             // (`loans.rs`); `decode_items` records these cells as the holders right after.
-            unsafe { st.logits.lend(row, *top_k) }
+            unsafe { st.lend_row(row, *top_k) }
         });
         Ok(())
     }

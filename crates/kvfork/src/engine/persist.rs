@@ -99,7 +99,7 @@ impl Worker {
         let state = BranchState::read(&mut r, &model)?;
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
-        check_position(state.position, self.ctx().n_ctx)?;
+        check_position(state.position(), self.ctx().n_ctx)?;
         let (handle, cell) = self.shared().create_root(state)?;
         let ctx = self.ctx_mut();
         let restored = ctx
@@ -161,7 +161,7 @@ impl Worker {
                 )));
             }
             let state = BranchState::read(&mut r, &model)?;
-            check_position(state.position, self.ctx().n_ctx)?;
+            check_position(state.position(), self.ctx().n_ctx)?;
             saved.push((parent, fork_head, seq, state));
         }
         let kv = r.bytes().map_err(state_error)?;

@@ -90,15 +90,15 @@ impl Worker {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
         let st = cell.lock();
-        if st.position as u64 + tokens.len() as u64 > self.shared().n_ctx as u64 {
+        if st.position() as u64 + tokens.len() as u64 > self.shared().n_ctx as u64 {
             return Err(Error::KvCacheFull(format!(
                 "prefill of {} tokens at position {} exceeds n_ctx = {}",
                 tokens.len(),
-                st.position,
+                st.position(),
                 self.shared().n_ctx
             )));
         }
-        Ok((cell.seq(), st.position))
+        Ok((cell.seq(), st.position()))
     }
 
     /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.

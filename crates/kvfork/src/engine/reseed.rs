@@ -20,7 +20,8 @@ impl Worker {
     ) -> Result<()> {
         let (seq, tokens) = {
             let st = cell.lock();
-            let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
+            let accepted = st.accepted();
+            let kept = &accepted[accepted.len().saturating_sub(tail)..];
             (cell.seq(), [sinks, kept].concat())
         };
         if tokens.is_empty() {
@@ -40,11 +41,7 @@ impl Worker {
             ));
         }
         self.ctx_mut().seq_rm(seq, -1, -1)?;
-        {
-            let mut st = cell.lock();
-            st.position = 0;
-            st.history.clear();
-        }
+        cell.lock().sequence_emptied();
         self.prefill(&[&(cell.clone(), tokens)])
     }
 }

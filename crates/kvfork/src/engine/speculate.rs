@@ -25,11 +25,11 @@ impl Worker {
         let model = self.shared().model.clone();
         let (seq, start, before) = {
             let mut st = cell.lock();
-            let room = self.shared().n_ctx as i32 - st.position;
+            let room = self.shared().n_ctx as i32 - st.position();
             if room < 1 {
                 return Err(Error::KvCacheFull(format!(
                     "position {} reached n_ctx = {}",
-                    st.position,
+                    st.position(),
                     self.shared().n_ctx
                 )));
             }
@@ -40,7 +40,7 @@ impl Worker {
                 st.restore(snap);
                 return Err(e);
             }
-            (cell.seq(), st.position, snap)
+            (cell.seq(), st.position(), snap)
         };
         let batch = self.start_batch();
         for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
@@ -61,7 +61,7 @@ impl Worker {
                 // or moves; `decode` gave back every loan before this one and gives this one
                 // back before the next (the cell is recorded below). The cell stays locked
                 // meanwhile.
-                unsafe { st.logits.lend(row, top_k) };
+                unsafe { st.lend_row(row, top_k) };
                 let produced = st.produce(&model)?;
                 let token = produced.token;
                 if i == draft.len() || token != draft[i] || produced.is_stop {
@@ -73,13 +73,13 @@ impl Worker {
             unreachable!("the last position returns")
         })();
         // The KV keeps `pending` and the accepted draft tokens; the rest of the guess goes.
-        let kept = start + 1 + accepted.len() as i32;
-        st.position = kept;
-        st.history.push(pending);
-        st.history.extend(accepted.iter().map(|p| p.token));
+        let kept: Vec<Token> = std::iter::once(pending)
+            .chain(accepted.iter().map(|p| p.token))
+            .collect();
+        st.decoded(&kept);
         drop(st);
         self.loans().record(cell);
-        self.ctx_mut().seq_rm(seq, kept, -1)?;
+        self.ctx_mut().seq_rm(seq, start + kept.len() as i32, -1)?;
         Ok((accepted, drawn?))
     }
 }

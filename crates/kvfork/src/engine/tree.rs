@@ -36,12 +36,12 @@ impl Worker {
         }
         let (mut child_state, fork_head) = {
             let p = parent_cell.lock();
-            (p.fork_copy(), p.position)
+            (p.fork_copy(), p.position())
         };
         if let Some(seed) = seed {
             child_state.reseed(seed);
         }
-        let lent = child_state.logits.is_lent();
+        let lent = child_state.logits().is_lent();
         let (handle, cell) = self.shared().fork(parent, fork_head as u32, child_state)?;
         if lent {
             // The child reads its parent's row in llama.cpp's output buffer too.
