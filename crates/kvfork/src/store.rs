@@ -116,11 +116,10 @@ impl BranchStore {
 
     /// Sample every branch (in Rust, in parallel), commit all non-stop tokens in one decode.
     pub fn step(&self, branches: &[Branch]) -> Pending<Vec<Produced>> {
-        let cells = match self.cells(branches.iter()) {
-            Ok(c) if c.is_empty() => return Pending::ready(Ok(Vec::new())),
-            Ok(c) => c,
-            Err(e) => return Pending::ready(Err(e)),
-        };
-        self.ctx.run(move |w| w.step(&cells))
+        match self.cells(branches.iter()) {
+            Ok(cells) if cells.is_empty() => Pending::ready(Ok(Vec::new())),
+            Ok(cells) => self.ctx.engine().step(cells),
+            Err(e) => Pending::ready(Err(e)),
+        }
     }
 }

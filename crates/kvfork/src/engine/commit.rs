@@ -1,15 +1,17 @@
 //! Commits: accept first, then decode one token per branch; a failed decode is rolled back.
 //! A gathered group shares its decode, and a failure is narrowed down to the request at
 //! fault by halving the group, so one caller's bad branch never fails its neighbours.
+//!
+//! Generation steps (`Branch::step`, `BranchStore::step`) take the same path: their tokens
+//! are sampled first (`sample_steps`), then committed with the rest of the group.
 
 use std::sync::{Arc, MutexGuard};
 
 use super::parallel;
 use super::shared::{BranchCell, Stats};
-use super::{CommitItem, CommitReply, CommitRequest, Worker};
+use super::{CommitItem, CommitRequest, Worker};
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
-use crate::model::Token;
 use crate::produced::Produced;
 use crate::seq::Seq;
 
@@ -23,9 +25,9 @@ impl Worker {
     /// A `produce`: sample now and reply (nothing to decode).
     pub(super) fn answer_sample(&mut self, req: CommitRequest) {
         let cell = req.items[0].0.clone();
-        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0).map(Some)]);
+        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0)]);
         req.ticket.finish();
-        req.reply.send(result.remove(0));
+        req.reply.send(result.remove(0).map(|p| vec![p]));
     }
 
     /// One decode for every request of the group (more when a failure must be narrowed
@@ -39,33 +41,12 @@ impl Worker {
     }
 
     /// Sample the tokens of generation steps, accept every request (a failing one alone is
-    /// refused), then decode all that remain. (A `produce` never gets here: it is answered
+    /// refused), then decode all that remain. Each request's result holds the tokens its
+    /// steps sampled (none for a plain commit). (A `produce` never gets here: it is answered
     /// on arrival.)
-    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
-        let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
-        let steps: Vec<usize> = (0..group.len())
-            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled { .. }))
-            .collect();
-        if !steps.is_empty() {
-            let cells: Vec<Arc<BranchCell>> =
-                steps.iter().map(|&i| group[i].items[0].0.clone()).collect();
-            for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
-                match produced {
-                    Ok(p) => {
-                        if p.is_stop {
-                            group[i].items.clear(); // reported, not committed
-                        } else {
-                            group[i].items[0].1 = p.token;
-                        }
-                        results[i] = Ok(Some(p));
-                    }
-                    Err(e) => {
-                        group[i].items.clear();
-                        results[i] = Err(e);
-                    }
-                }
-            }
-        }
+    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Vec<Produced>>> {
+        let mut results: Vec<Result<Vec<Produced>>> = vec![Ok(Vec::new()); group.len()];
+        self.sample_steps(group, &mut results);
         let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
         for (i, req) in group.iter().enumerate() {
             if req.items.is_empty() {
@@ -87,6 +68,48 @@ impl Worker {
             }
         }
         results
+    }
+
+    /// Sample the branches of every step in the group at once (across the cores when it pays).
+    /// A step's tokens become its items, except stop tokens: reported, not committed. A step
+    /// with a branch that cannot be sampled fails whole (its first error) and commits nothing.
+    fn sample_steps(&self, group: &mut [CommitRequest], results: &mut [Result<Vec<Produced>>]) {
+        let steps: Vec<usize> = (0..group.len())
+            .filter(|&i| group[i].reply.is_sampled())
+            .collect();
+        if steps.is_empty() {
+            return;
+        }
+        let cells: Vec<Arc<BranchCell>> = steps
+            .iter()
+            .flat_map(|&i| group[i].items.iter().map(|(cell, _)| cell.clone()))
+            .collect();
+        let mut sampled = self.sample_cells(&cells).into_iter();
+        for i in steps {
+            let items = &mut group[i].items;
+            let mut produced = Vec::with_capacity(items.len());
+            let mut failed = None;
+            for p in sampled.by_ref().take(items.len()) {
+                match p {
+                    Ok(p) => produced.push(p),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                items.clear();
+                results[i] = Err(e);
+                continue;
+            }
+            let mut drawn = produced.iter();
+            items.retain_mut(|(_, token)| {
+                let p = drawn.next().expect("one token per item");
+                *token = p.token;
+                !p.is_stop
+            });
+            results[i] = Ok(produced);
+        }
     }
 
     /// Decode the items of `members` (indices into `group`) together; when that fails and
@@ -112,7 +135,7 @@ impl Worker {
 
     /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
     /// pay); nothing is accepted.
-    pub(crate) fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+    fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
         let model = self.shared().model.clone();
         let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
             if cell.is_disposed() {
@@ -126,34 +149,6 @@ impl Worker {
         } else {
             cells.iter().map(sample).collect()
         }
-    }
-
-    /// `BranchStore::step`: sample each cell, then commit the non-stop tokens.
-    pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
-        let produced = self.sample_cells(cells);
-        let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
-        let items: Vec<(Arc<BranchCell>, Token)> = cells
-            .iter()
-            .zip(&produced)
-            .filter(|(_, p)| !p.is_stop)
-            .map(|(c, p)| (c.clone(), p.token))
-            .collect();
-        self.commit_now(&items)?;
-        Ok(produced)
-    }
-
-    /// Commit one group synchronously (BranchStore::commit, step).
-    pub fn commit_now(&mut self, items: &[CommitItem]) -> Result<()> {
-        if !items.is_empty() {
-            Stats::add(&self.shared().stats.commit_requests, 1);
-        }
-        let snaps = self.accept_all(items)?;
-        let refs: Vec<&CommitItem> = items.iter().collect();
-        let result = self.decode_items(&refs);
-        if result.is_err() {
-            restore(items, snaps);
-        }
-        result
     }
 
     /// Accept every token (snapshotting first); on any failure undo this request's accepts.

@@ -150,6 +150,9 @@ impl Gathering for CommitGathering {
 
     fn accepts(&self, job: &Job) -> bool {
         let Job::Commit(req) = job else { return false };
+        if req.runs_alone() {
+            return false;
+        }
         let fits = req.is_sample_only() || self.n_items + req.items.len() <= self.n_batch;
         fits && !self.members.touches(req.items.iter().map(|(c, _)| c))
     }

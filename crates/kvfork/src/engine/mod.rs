@@ -67,12 +67,28 @@ pub(crate) enum CommitReply {
         reply: Reply<Produced>,
         commit: bool,
     },
+    /// Every branch of a `BranchStore::step`: all sampled, then their tokens committed
+    /// together except stop tokens; all or nothing.
+    SampledAll(Reply<Vec<Produced>>),
+}
+
+impl CommitReply {
+    /// Whether the engine samples the tokens (a step or a `produce`).
+    fn is_sampled(&self) -> bool {
+        !matches!(self, CommitReply::Given(_))
+    }
 }
 
 impl CommitRequest {
     /// A `produce`: sample only, nothing to decode.
     fn is_sample_only(&self) -> bool {
         matches!(self.reply, CommitReply::Sampled { commit: false, .. })
+    }
+
+    /// A `BranchStore::step`: its caller gathered it already, so it runs as it comes and
+    /// alone, never waiting for or joining other commits (as before it took this path).
+    fn runs_alone(&self) -> bool {
+        matches!(self.reply, CommitReply::SampledAll(_))
     }
 }
 
@@ -87,12 +103,16 @@ pub(crate) struct PrefillRequest {
 }
 
 impl CommitReply {
-    fn send(self, result: Result<Option<Produced>>) {
+    /// Reply with the request's result: the tokens it sampled, if any.
+    fn send(self, result: Result<Vec<Produced>>) {
         match self {
-            CommitReply::Given(r) => r.send(result.map(|_| ())),
+            CommitReply::Given(r) => r.send(result.map(drop)),
             CommitReply::Sampled { reply, .. } => reply.send(result.and_then(|p| {
-                p.ok_or_else(|| Error::Internal("a sampled request produced no token".into()))
+                p.into_iter()
+                    .next()
+                    .ok_or_else(|| Error::Internal("a sampled request produced no token".into()))
             })),
+            CommitReply::SampledAll(reply) => reply.send(result),
         }
     }
 }
@@ -323,6 +343,13 @@ impl Engine {
             reply,
             commit,
         })
+    }
+
+    /// Queue a sample of every branch, then one commit of their tokens but stop tokens
+    /// (`BranchStore::step`: all or nothing).
+    pub fn step(&self, cells: Vec<Arc<BranchCell>>) -> Pending<Vec<Produced>> {
+        let items = cells.into_iter().map(|cell| (cell, -1)).collect();
+        self.queue_commit(items, CommitReply::SampledAll)
     }
 
     fn queue_commit<T>(

@@ -94,6 +94,7 @@ impl Worker {
                 }
                 Job::Clear(seq) => self.clear_seq(seq),
                 Job::Commit(first) if first.is_sample_only() => self.answer_sample(first),
+                Job::Commit(first) if first.runs_alone() => self.run_commits(vec![first]),
                 Job::Commit(first) => {
                     let mut group = CommitGathering::new(first, self.last_group, self.n_batch());
                     self.gather(&rx, &mut group, Window::new(self.last_decode));
