@@ -9,6 +9,10 @@
 //! Every job carries a [`Ticket`] (cancellation, see `pending.rs`). A panic inside a job is
 //! caught: its caller gets `Error::Internal` and the context closes (its state may be torn).
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
+//!
+//! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
+//! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
+//! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV).
 
 mod commit;
 mod embed;
