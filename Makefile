@@ -42,6 +42,7 @@ asan: setup
 lint:
 	cargo fmt --all -- --check
 	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
+	$(PY) scripts/check_cycles.py crates/kvfork/src
 	$(PY) -m ruff check python tests benchmarks examples scripts
 	$(PY) -m ruff format --check python tests benchmarks examples scripts
 	$(PY) -m mypy --strict python/kvfork examples tests scripts

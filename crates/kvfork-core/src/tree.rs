@@ -118,13 +118,22 @@ impl<T> Registry<T> {
 
     /// New parentless branch with its own sequence id.
     pub fn create_root(&mut self, data: T) -> Result<(Handle, u32), TenancyError> {
+        self.create_root_with(|_| data)
+    }
+
+    /// `create_root`, with the data made from the sequence id just leased (for data that
+    /// holds its own id). `data` is not called when no id is free.
+    pub fn create_root_with(
+        &mut self,
+        data: impl FnOnce(u32) -> T,
+    ) -> Result<(Handle, u32), TenancyError> {
         let seq = self.leases.acquire()?;
         let h = self.nodes.insert(Node {
             seq,
             parent: None,
             children: Vec::new(),
             fork_head: 0,
-            data,
+            data: data(seq),
         });
         Ok((h, seq))
     }
@@ -136,6 +145,17 @@ impl<T> Registry<T> {
         fork_head: u32,
         data: T,
     ) -> Result<(Handle, u32), TenancyError> {
+        self.fork_with(parent, fork_head, |_| data)
+    }
+
+    /// `fork`, with the data made from the sequence id just leased. On error nothing changes
+    /// and `data` is not called.
+    pub fn fork_with(
+        &mut self,
+        parent: Handle,
+        fork_head: u32,
+        data: impl FnOnce(u32) -> T,
+    ) -> Result<(Handle, u32), TenancyError> {
         self.node(parent)?;
         let seq = self.leases.acquire()?;
         let h = self.nodes.insert(Node {
@@ -143,7 +163,7 @@ impl<T> Registry<T> {
             parent: Some(parent),
             children: Vec::new(),
             fork_head,
-            data,
+            data: data(seq),
         });
         self.nodes
             .get_mut(parent)
@@ -406,6 +426,33 @@ mod tests {
         assert_eq!(r.prune(a).unwrap_err(), TenancyError::StaleHandle(a));
         assert_eq!(r.parent(a), None);
         assert_eq!(r.available(), 2);
+        r.check_invariants();
+    }
+
+    #[test]
+    fn data_made_with_the_leased_seq() {
+        let mut r = Registry::new(2);
+        let (root, s0) = r.create_root_with(|seq| seq * 10).unwrap();
+        let (child, s1) = r.fork_with(root, 3, |seq| seq * 10).unwrap();
+        assert_eq!(
+            (r.data(root), r.data(child)),
+            (Some(&(s0 * 10)), Some(&(s1 * 10)))
+        );
+        // No free id: the data is never made.
+        let made = std::cell::Cell::new(false);
+        assert!(r
+            .fork_with(root, 0, |seq| {
+                made.set(true);
+                seq
+            })
+            .is_err());
+        assert!(r
+            .create_root_with(|seq| {
+                made.set(true);
+                seq
+            })
+            .is_err());
+        assert!(!made.get());
         r.check_invariants();
     }
 

@@ -3,27 +3,17 @@
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
-use kvfork_core::{Handle, Registry};
+use kvfork_core::Handle;
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
-use crate::engine::{BranchCell, CancelPolicy, Pending, Worker};
+use crate::engine::{BranchCell, CancelPolicy, Pending, Prune};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
-
-/// A sampled token with its text and whether it ends generation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Produced {
-    /// The token id.
-    pub token: Token,
-    /// Complete UTF-8 text this token adds (an unfinished character waits for the next token).
-    pub text: String,
-    /// Whether the token ends generation (end-of-generation per the vocabulary).
-    pub is_stop: bool,
-}
 
 /// A handle to one branch. Clones refer to the same branch.
 #[derive(Clone)]
@@ -64,10 +54,9 @@ impl Branch {
         }
         let sampler = SamplerChain::new(params, ctx.model())?;
         let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
-        let cell = BranchCell::new(BranchState::new(-1, position, sampler, grammar));
-        let (handle, seq) = ctx.shared().registry().create_root(cell.clone())?;
-        cell.lock().seq = seq as i32;
-        ctx.engine().clear_seq(seq as i32);
+        let state = BranchState::new(position, sampler, grammar);
+        let (handle, cell) = ctx.shared().create_root(state)?;
+        ctx.engine().clear_seq(cell.seq());
         Ok(Branch {
             ctx: ctx.clone(),
             handle,
@@ -117,7 +106,7 @@ impl Branch {
             self.check_live()?;
             let seen = landed.count();
             let st = self.cell.lock();
-            if !st.logits.is_in_flight() {
+            if !st.logits().is_in_flight() {
                 break st;
             }
             drop(st);
@@ -171,12 +160,7 @@ impl Branch {
     /// commit of another token is refused while this one is pending.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.with_row(|s| {
-            let before = s.snapshot();
-            s.accept(&model, token).inspect_err(|_| s.restore(before))?;
-            s.accepted_undecoded = Some(token);
-            Ok(())
-        })
+        self.with_row(|s| s.accept_ahead(&model, token))
     }
 
     /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.
@@ -233,18 +217,13 @@ impl Branch {
             .map(|e| Pending::ready(Err(e)))
     }
 
-    /// The engine half of every prune: `remove` takes branches out of the tree and names
-    /// their sequences, which are then emptied (shared cells stay for their other owners).
-    /// `disposed` is already visible, so this always happens, even if the caller cancels.
-    fn release(
-        &self,
-        remove: impl FnOnce(&mut Registry<Arc<BranchCell>>, Handle) -> Result<Vec<u32>> + Send + 'static,
-    ) -> Pending<()> {
+    /// Queue the engine half of a prune (`engine/tree.rs`). `disposed` is already visible,
+    /// so it always happens, even if the caller cancels.
+    fn release(&self, how: Prune) -> Pending<()> {
         let handle = self.handle;
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let seqs = remove(&mut w.shared.registry(), handle)?;
-            w.empty_seqs(&seqs)
-        })
+        self.ctx
+            .engine()
+            .run_with(CancelPolicy::Never, move |w| w.prune(handle, how))
     }
 
     /// Dispose (RESTRICT: fails while live children exist). Frees the lease and the branch's
@@ -268,7 +247,7 @@ impl Branch {
             }
             self.cell.mark_disposed();
         }
-        self.release(|reg, h| Ok(vec![reg.prune(h)?.seq]))
+        self.release(Prune::Leaf)
     }
 
     /// Dispose this branch but not its children: its lease is freed at once, the children
@@ -280,7 +259,7 @@ impl Branch {
             return settled;
         }
         self.cell.mark_disposed();
-        self.release(|reg, h| Ok(vec![reg.prune_keep_children(h)?.seq]))
+        self.release(Prune::KeepChildren)
     }
 
     /// Dispose this branch and all its descendants (children first).
@@ -298,7 +277,7 @@ impl Branch {
                 }
             }
         }
-        self.release(|reg, h| Ok(reg.prune_subtree(h)?.into_iter().map(|p| p.seq).collect()))
+        self.release(Prune::Subtree)
     }
 
     fn wrap(&self, handle: Handle) -> Option<Branch> {
@@ -353,19 +332,20 @@ impl Branch {
 
     /// Tokens in this branch's sequence (its next token goes at this position).
     pub fn position(&self) -> Result<i32> {
-        self.state(|s| Ok(s.position))
+        self.state(|s| Ok(s.position()))
     }
 
     /// The KV sequence id this branch leases.
     pub fn seq_id(&self) -> Result<i32> {
-        self.state(|s| Ok(s.seq))
+        self.check_live()?;
+        Ok(self.cell.seq().id())
     }
 
     // ---- sampler control ----
 
     /// The parameters of the branch's sampler chain.
     pub fn sampler_params(&self) -> Result<SamplingParams> {
-        self.state(|s| Ok(s.sampler.params().clone()))
+        self.state(|s| Ok(s.sampler_params().clone()))
     }
 
     /// Restart the chain's RNG from `seed`; penalty history and Mirostat state carry on.
@@ -379,16 +359,7 @@ impl Branch {
     /// Rebuild the chain with new params; no-op when equal.
     pub fn set_sampler_params(&self, params: &SamplingParams) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.state(|s| {
-            if s.sampler.params() == params {
-                return Ok(());
-            }
-            let history = std::mem::take(&mut s.accepted);
-            let r = s.sampler.rebuild(params, &model, &history);
-            s.accepted = history;
-            s.touch_sampler();
-            r
-        })
+        self.state(|s| s.set_sampler_params(params, &model))
     }
 
     /// Replace (or remove, with `None`) the grammar.
@@ -405,12 +376,12 @@ impl Branch {
     /// The tokens decoded into the branch's sequence since it was created (or reseeded):
     /// prefills and commits in order, a fork's starting with its parent's. Not saved.
     pub fn history(&self) -> Result<Vec<Token>> {
-        self.state(|s| Ok(s.history.clone()))
+        self.state(|s| Ok(s.history().to_vec()))
     }
 
     /// The constraint set on the branch, as declared.
     pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
-        self.state(|s| Ok(s.grammar.as_ref().map(|g| g.spec().clone())))
+        self.state(|s| Ok(s.grammar_spec().cloned()))
     }
 
     /// Replace the logit bias (added to the raw logits before the chain; inherited by forks).
@@ -445,46 +416,46 @@ impl Branch {
 
     /// exp(mean model-level surprisal) of accepted tokens; ∞ before any accept.
     pub fn perplexity(&self) -> Result<f64> {
-        self.state(|s| Ok(s.ppl_model.value()))
+        self.state(|s| Ok(s.perplexity()))
     }
 
     /// Like `perplexity`, from the filtered (post-chain) distribution.
     pub fn sampling_perplexity(&self) -> Result<f64> {
-        self.state(|s| Ok(s.ppl_sampling.value()))
+        self.state(|s| Ok(s.sampling_perplexity()))
     }
 
     /// Entropy of the raw snapshot's distribution (softmax of the logits), in `base`.
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
-        self.with_row(|s| Ok(base.convert(s.logits.entropy()?)))
+        self.with_row(|s| Ok(base.convert(s.logits().entropy()?)))
     }
 
     /// Surprisal of `token` under the raw snapshot (minus its log-probability), in `base`.
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(base.convert(s.logits.surprisal(token)?)))
+        self.with_row(|s| Ok(base.convert(s.logits().surprisal(token)?)))
     }
 
     /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
     /// token whose logit is -inf.
     pub fn logprob(&self, token: Token) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(-s.logits.surprisal(token)?))
+        self.with_row(|s| Ok(-s.logits().surprisal(token)?))
     }
 
     /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
     /// best first.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
-        self.with_row(|s| s.logits.top_logprobs(k))
+        self.with_row(|s| s.logits().top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.with_row(|s| Ok(s.logits.row().map(<[f32]>::to_vec)))
+        self.with_row(|s| Ok(s.logits().row().map(<[f32]>::to_vec)))
     }
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.with_row(|s| Ok(s.logits.shared()))
+        self.with_row(|s| Ok(s.logits_shared()))
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -500,25 +471,15 @@ impl Branch {
             return Err(Error::invalid("logits", "contains NaN or +inf"));
         }
         self.with_row(|s| {
-            s.logits.set(logits);
+            s.set_logits(logits);
             Ok(())
         })
     }
 
     /// Tokens accepted so far.
     pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
-        self.state(|s| Ok(s.accepted.clone()))
+        self.state(|s| Ok(s.accepted().to_vec()))
     }
-}
-
-/// Sample and describe the token (the text is a preview: the UTF-8 carry is not consumed).
-pub(crate) fn produce(st: &mut BranchState, model: &crate::model::Model) -> Result<Produced> {
-    let token = st.sample()?;
-    Ok(Produced {
-        token,
-        text: st.token_text(model, token, false)?,
-        is_stop: model.is_eog(token),
-    })
 }
 
 pub(crate) fn check_tokens(ctx: &Context, tokens: &[Token]) -> Result<()> {
@@ -537,86 +498,4 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The engine-thread halves of the branch operations above.
-impl Worker {
-    /// `Branch::reseed_context`: empty the sequence, then prefill the sinks and the tail of the
-    /// accepted tokens from position 0.
-    fn reseed_context(
-        &mut self,
-        cell: &Arc<BranchCell>,
-        sinks: &[Token],
-        tail: usize,
-    ) -> Result<()> {
-        let (seq, tokens) = {
-            let st = cell.lock();
-            let kept = &st.accepted[st.accepted.len().saturating_sub(tail)..];
-            (st.seq, [sinks, kept].concat())
-        };
-        if tokens.is_empty() {
-            return Err(Error::invalid(
-                "sinks/tail",
-                "nothing to re-prefill: give sink tokens or a tail > 0",
-            ));
-        }
-        if tokens.len() >= self.shared.n_ctx as usize {
-            return Err(Error::invalid(
-                "sinks/tail",
-                format!(
-                    "{} sink + tail tokens leave no room in n_ctx = {}",
-                    tokens.len(),
-                    self.shared.n_ctx
-                ),
-            ));
-        }
-        self.ctx.seq_rm(seq, -1, -1)?;
-        {
-            let mut st = cell.lock();
-            st.position = 0;
-            st.history.clear();
-        }
-        self.prefill(&[&(cell.clone(), tokens)])
-    }
-
-    /// `Branch::fork`: a child on a fresh lease whose sequence shares the parent's cells.
-    fn fork(
-        &mut self,
-        parent: Handle,
-        parent_cell: &Arc<BranchCell>,
-        seed: Option<u32>,
-    ) -> Result<(Handle, Arc<BranchCell>)> {
-        if parent_cell.is_disposed() {
-            return Err(Error::BranchDisposed(parent.to_string()));
-        }
-        let (mut child_state, parent_seq, fork_head) = {
-            let p = parent_cell.lock();
-            (p.fork_copy(-1), p.seq, p.position)
-        };
-        if let Some(seed) = seed {
-            child_state.reseed(seed);
-        }
-        let lent = child_state.logits.is_lent();
-        let cell = BranchCell::new(child_state);
-        if lent {
-            // The child reads its parent's row in llama.cpp's output buffer too.
-            self.loans.record(&cell);
-        }
-        let (handle, seq) = self
-            .shared
-            .registry()
-            .fork(parent, fork_head as u32, cell.clone())?;
-        cell.lock().seq = seq as i32;
-        self.ctx.clear_seq(seq as i32)?;
-        self.ctx.seq_cp(parent_seq, seq as i32, -1, -1)?;
-        Ok((handle, cell))
-    }
-
-    /// Empty the sequences of pruned branches (cells shared with others stay for them).
-    fn empty_seqs(&mut self, seqs: &[u32]) -> Result<()> {
-        for &seq in seqs {
-            self.ctx.seq_rm(seq as i32, 0, -1)?;
-        }
-        Ok(())
-    }
 }

@@ -1,6 +1,8 @@
 //! Everything one branch owns besides its KV cells: logits snapshot, sampler chain,
 //! grammar, biases, perplexity trackers, accepted history. Guarded by one mutex per branch.
 
+use std::sync::Arc;
+
 use kvfork_core::metrics::Perplexity;
 use kvfork_core::{Biases, Utf8Carry};
 
@@ -14,9 +16,11 @@ use candidates::{biased_count, guided_window, legal_window, Candidates};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
+use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
-use crate::sampling::grammar::{Grammar, GrammarUndo};
+use crate::sampling::grammar::{Grammar, GrammarSpec, GrammarUndo};
 use crate::sampling::guidance::Guided;
+use crate::sampling::SamplingParams;
 
 /// The filtered candidates of the last `sample`, reused by the `accept` that follows so the
 /// chain runs once per token. Valid while the snapshot and the sampler state are unchanged.
@@ -27,30 +31,34 @@ struct FilteredCache {
     lse: f64,
 }
 
+/// One branch's state. Changed only through its methods: the engine thread moves it along the
+/// sequence (`decoded`, `prefilled`, `sequence_emptied`) and its logits row through the loan
+/// protocol (`take_off_row` ... `land_row`, see `engine/loans.rs`); callers change its sampler,
+/// grammar and biases.
 pub(crate) struct BranchState {
-    pub seq: i32,
-    pub position: i32,
-    pub logits: LogitsSnapshot,
+    /// Tokens in the branch's sequence: its next token goes at this position.
+    position: i32,
+    logits: LogitsSnapshot,
     /// Bumped on every change of sampler, grammar, bias or steer.
     sampler_epoch: u64,
-    pub sampler: SamplerChain,
-    pub grammar: Option<Grammar>,
+    sampler: SamplerChain,
+    grammar: Option<Grammar>,
     /// `accepted[grammar_since..]` are the tokens the grammar has accepted (persistence
     /// replays them to rebuild its parse state).
     grammar_since: usize,
     logit_bias: Biases,
     steer: Biases,
-    pub ppl_model: Perplexity,
-    pub ppl_sampling: Perplexity,
+    ppl_model: Perplexity,
+    ppl_sampling: Perplexity,
     /// Every accepted token, in order (penalty replay, persistence).
-    pub accepted: Vec<Token>,
+    accepted: Vec<Token>,
     /// Every token decoded into the branch's sequence since it was created or reseeded
     /// (prefills and commits, in order; a fork starts with its parent's). Draft sources read
-    /// it; it is not saved.
-    pub history: Vec<Token>,
+    /// it; it is saved since state format 2.
+    history: Vec<Token>,
     /// A token `Branch::accept` recorded that no commit has decoded yet: a `commit` of the
     /// same token absorbs it (so it is not counted twice), any other token is refused.
-    pub accepted_undecoded: Option<Token>,
+    accepted_undecoded: Option<Token>,
     /// An incomplete UTF-8 character carried to the next token's text.
     utf8: Utf8Carry,
     candidates: Candidates,
@@ -70,9 +78,8 @@ pub(crate) struct Snapshot {
 }
 
 impl BranchState {
-    pub fn new(seq: i32, position: i32, sampler: SamplerChain, grammar: Option<Grammar>) -> Self {
+    pub fn new(position: i32, sampler: SamplerChain, grammar: Option<Grammar>) -> Self {
         BranchState {
-            seq,
             position,
             logits: LogitsSnapshot::empty(),
             sampler_epoch: 0,
@@ -93,9 +100,8 @@ impl BranchState {
     }
 
     /// Copy for a fork: everything but steer (dynamic, per branch) and scratch space.
-    pub fn fork_copy(&self, seq: i32) -> Self {
+    pub fn fork_copy(&self) -> Self {
         BranchState {
-            seq,
             position: self.position,
             logits: self.logits.clone(),
             sampler_epoch: self.sampler_epoch + 1,
@@ -142,15 +148,128 @@ impl BranchState {
         self.sampler_epoch = s.sampler_epoch.max(self.sampler_epoch) + 1;
     }
 
-    /// After `tokens` were decoded into the branch (`row`: the last one's logits). A token
+    // ---- reading ----
+
+    /// Tokens in the branch's sequence (its next token goes at this position).
+    pub fn position(&self) -> i32 {
+        self.position
+    }
+
+    /// The tokens decoded into the sequence since it was created or reseeded.
+    pub fn history(&self) -> &[Token] {
+        &self.history
+    }
+
+    /// Every accepted token, in order.
+    pub fn accepted(&self) -> &[Token] {
+        &self.accepted
+    }
+
+    /// The logits snapshot, to read.
+    pub fn logits(&self) -> &LogitsSnapshot {
+        &self.logits
+    }
+
+    /// The parameters of the sampler chain.
+    pub fn sampler_params(&self) -> &SamplingParams {
+        self.sampler.params()
+    }
+
+    /// The constraint, as declared.
+    pub fn grammar_spec(&self) -> Option<&GrammarSpec> {
+        self.grammar.as_ref().map(Grammar::spec)
+    }
+
+    /// exp(mean model-level surprisal) of the accepted tokens.
+    pub fn perplexity(&self) -> f64 {
+        self.ppl_model.value()
+    }
+
+    /// exp(mean surprisal under the filtered distribution) of the accepted tokens.
+    pub fn sampling_perplexity(&self) -> f64 {
+        self.ppl_sampling.value()
+    }
+
+    // ---- the sequence (engine thread) ----
+
+    /// `tokens` were decoded into the branch's sequence after its last position.
+    pub fn decoded(&mut self, tokens: &[Token]) {
+        self.position += tokens.len() as i32;
+        self.history.extend_from_slice(tokens);
+    }
+
+    /// After `tokens` were prefilled into the branch (`row`: the last one's logits). A token
     /// `accept`ed before is no longer waiting for its decode: the prefill was it.
     pub fn prefilled(&mut self, tokens: &[Token], row: Option<&[f32]>) {
         if let Some(row) = row {
             self.logits.set(row);
         }
-        self.position += tokens.len() as i32;
-        self.history.extend_from_slice(tokens);
+        self.decoded(tokens);
         self.accepted_undecoded = None;
+    }
+
+    /// The branch's KV sequence was emptied: it starts again at position 0 (sampler,
+    /// grammar, biases and metrics carry on).
+    pub fn sequence_emptied(&mut self) {
+        self.position = 0;
+        self.history.clear();
+    }
+
+    // ---- the logits row ----
+
+    /// Replace the snapshot with a copy of `row`.
+    pub fn set_logits(&mut self, row: &[f32]) {
+        self.logits.set(row);
+    }
+
+    /// The snapshot as a buffer of its own (a lent row is copied out first).
+    pub fn logits_shared(&mut self) -> Option<Arc<[f32]>> {
+        self.logits.shared()
+    }
+
+    /// A decode of this branch is about to rewrite llama.cpp's output buffer: a lent row is
+    /// in flight (not read) until `land_row`.
+    pub fn take_off_row(&mut self) {
+        self.logits.take_off();
+    }
+
+    /// The decode is over: the row (new, or the old one of a failed decode) is readable.
+    pub fn land_row(&mut self) {
+        self.logits.land();
+    }
+
+    /// Read `row` where llama.cpp wrote it instead of copying it, summarized and with its
+    /// best `top_k` logits kept for the sampler.
+    ///
+    /// # Safety
+    /// As for `LogitsSnapshot::lend`: `row` stays valid, and unwritten while the snapshot is
+    /// not in flight, until the engine gives the loan back (`engine/loans.rs`).
+    pub unsafe fn lend_row(&mut self, row: &[f32], top_k: usize) {
+        // SAFETY: the caller keeps the contract of `lend`, which is this function's.
+        unsafe { self.logits.lend(row, top_k) }
+    }
+
+    /// A lent row becomes a copy of its own (before a decode overwrites it).
+    pub fn give_back_row(&mut self) {
+        self.logits.give_back();
+    }
+
+    /// Forget a lent row that is no longer valid: no logits until the next decode.
+    pub fn forget_row_loan(&mut self) {
+        self.logits.forget_loan();
+    }
+
+    // ---- sampler, grammar, biases ----
+
+    /// Rebuild the chain with new params (a no-op when equal); the penalty window is
+    /// replayed from the accepted tokens.
+    pub fn set_sampler_params(&mut self, params: &SamplingParams, model: &Model) -> Result<()> {
+        if self.sampler.params() == params {
+            return Ok(());
+        }
+        let r = self.sampler.rebuild(params, model, &self.accepted);
+        self.touch_sampler();
+        r
     }
 
     /// Replace (or remove) the grammar; it starts from the tokens accepted from now on.
@@ -159,8 +278,6 @@ impl BranchState {
         self.grammar_since = self.accepted.len();
         self.touch_sampler();
     }
-
-    // ---- biases ----
 
     pub fn set_logit_bias(&mut self, bias: Vec<(Token, f32)>) {
         self.logit_bias = Biases::new(bias);
@@ -187,7 +304,7 @@ impl BranchState {
     }
 
     /// Call after replacing the sampler or grammar.
-    pub fn touch_sampler(&mut self) {
+    fn touch_sampler(&mut self) {
         self.sampler_epoch += 1;
     }
 
@@ -289,6 +406,17 @@ impl BranchState {
         Ok(self.sampler.select(&mut cur))
     }
 
+    /// `sample`, with the token's text and whether it ends generation (the text is a
+    /// preview: the UTF-8 carry is not consumed).
+    pub fn produce(&mut self, model: &Model) -> Result<Produced> {
+        let token = self.sample()?;
+        Ok(Produced {
+            token,
+            text: self.token_text(model, token, false)?,
+            is_stop: model.is_eog(token),
+        })
+    }
+
     /// Surprisal of `token` under the filtered distribution (0 if one candidate, ∞ if filtered out).
     fn sampling_surprisal(&mut self, token: Token) -> Result<f64> {
         if self.cache.key != Some((self.logits.version(), self.sampler_epoch)) {
@@ -301,6 +429,16 @@ impl BranchState {
             Some(_) if finite == 1 => Ok(0.0),
             Some(c) => Ok(self.cache.lse - c.logit as f64),
         }
+    }
+
+    /// `Branch::accept`: accept `token` now, decode it later (a commit of the same token then
+    /// only decodes it). All or nothing: a refused token leaves the branch as it was.
+    pub fn accept_ahead(&mut self, model: &Model, token: Token) -> Result<()> {
+        let before = self.snapshot();
+        self.accept(model, token)
+            .inspect_err(|_| self.restore(before))?;
+        self.accepted_undecoded = Some(token);
+        Ok(())
     }
 
     /// The accept half of a commit: `accept`, unless `Branch::accept` already took this
@@ -341,7 +479,7 @@ impl BranchState {
     /// The text a token adds to this branch's output: complete UTF-8 characters only, with an
     /// unfinished multi-byte character carried over to the next token. `commit` says whether
     /// the carry is updated (accepted tokens) or left alone (a preview in `produce`).
-    pub fn token_text(&mut self, model: &Model, token: Token, commit: bool) -> Result<String> {
+    fn token_text(&mut self, model: &Model, token: Token, commit: bool) -> Result<String> {
         Ok(self.utf8.push(&model.token_to_bytes(token, false)?, commit))
     }
 }

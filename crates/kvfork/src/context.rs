@@ -4,8 +4,9 @@ use std::sync::Arc;
 
 use crate::engine::{CancelPolicy, Engine, Pending, Shared, Worker};
 use crate::error::Result;
-use crate::llama_ctx::{check_range, check_seq, ContextParams};
+use crate::llama_ctx::{check_range, ContextParams};
 use crate::model::{Model, Token};
+use crate::seq::Seq;
 
 /// Counters since the context was created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,33 +158,38 @@ impl Context {
     // Low-level KV operations; they bypass branch tenancy. Arguments are checked here, so a
     // caller may queue them without waiting (they run in order with all other engine work).
 
-    fn check_seq(&self, seq: i32) -> Result<()> {
-        check_seq(seq, self.n_seq_max())
+    /// A caller's sequence id, checked (the public API takes integers).
+    fn check_seq(&self, seq: i32) -> Result<Seq> {
+        Seq::checked(seq, self.n_seq_max())
     }
 
-    fn queue_kv<T: Send + 'static>(
+    /// Queue `f` with the arguments `checked` gave, unless they or the context failed.
+    fn queue_kv<A: Send + 'static, T: Send + 'static>(
         &self,
-        checked: Result<()>,
-        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+        checked: Result<A>,
+        f: impl FnOnce(&mut Worker, A) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
-        match checked.and_then(|_| self.shared().check_open()) {
-            Ok(()) => self.engine.run_with(CancelPolicy::Never, f),
+        match checked.and_then(|a| self.shared().check_open().map(|_| a)) {
+            Ok(a) => self.engine.run_with(CancelPolicy::Never, move |w| f(w, a)),
             Err(e) => Pending::ready(Err(e)),
         }
     }
 
     /// Tag the cells of `src` in `[p0, p1)` as also belonging to `dst` (-1: open end).
     pub fn kv_seq_copy(&self, src: i32, dst: i32, p0: i32, p1: i32) -> Pending<()> {
-        let checked = self
-            .check_seq(src)
-            .and_then(|_| self.check_seq(dst))
-            .and_then(|_| check_range(p0, p1));
-        self.queue_kv(checked, move |w| w.ctx.seq_cp(src, dst, p0, p1))
+        let checked = self.check_seq(src).and_then(|src| {
+            let dst = self.check_seq(dst)?;
+            check_range(p0, p1)?;
+            Ok((src, dst))
+        });
+        self.queue_kv(checked, move |w, (src, dst)| {
+            w.kv_seq_copy(src, dst, p0, p1)
+        })
     }
 
     /// Remove every sequence but `seq` from the cache.
     pub fn kv_seq_keep(&self, seq: i32) -> Pending<()> {
-        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_keep(seq))
+        self.queue_kv(self.check_seq(seq), |w, seq| w.kv_seq_keep(seq))
     }
 
     /// Whether `kv_seq_remove(seq, p0, p1)` can succeed: always for a KV cache; a recurrent
@@ -195,19 +201,21 @@ impl Context {
 
     /// Remove `seq`'s cells in `[p0, p1)` (-1: open end); false when the model cannot.
     pub fn kv_seq_remove(&self, seq: i32, p0: i32, p1: i32) -> Pending<bool> {
-        let checked = self.check_seq(seq).and_then(|_| check_range(p0, p1));
-        self.queue_kv(checked, move |w| w.ctx.seq_rm(seq, p0, p1))
+        let checked = self
+            .check_seq(seq)
+            .and_then(|seq| check_range(p0, p1).map(|_| seq));
+        self.queue_kv(checked, move |w, seq| w.kv_seq_remove(seq, p0, p1))
     }
 
     /// The largest position `seq` holds, -1 when it is empty.
     pub fn kv_seq_pos_max(&self, seq: i32) -> Pending<i32> {
-        self.queue_kv(self.check_seq(seq), move |w| w.ctx.seq_pos_max(seq))
+        self.queue_kv(self.check_seq(seq), |w, seq| w.kv_seq_pos_max(seq))
     }
 
     /// Empty the whole KV cache.
     pub fn kv_clear(&self) -> Pending<()> {
-        self.queue_kv(Ok(()), |w| {
-            w.ctx.clear();
+        self.queue_kv(Ok(()), |w, ()| {
+            w.kv_clear();
             Ok(())
         })
     }

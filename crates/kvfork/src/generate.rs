@@ -11,10 +11,11 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::branch::{Branch, Produced};
+use crate::branch::Branch;
 use crate::engine::Pending;
 use crate::error::Result;
 use crate::model::Token;
+use crate::produced::Produced;
 
 /// Why a stream of tokens ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,6 +5,7 @@
 //! [`BranchStore`] advances many branches in one `llama_decode`. Every call that runs the
 //! model returns a [`Pending`]: `.wait()` it, or `.await` it.
 
+mod abort;
 pub mod backend;
 mod branch;
 mod branch_state;
@@ -19,12 +20,14 @@ mod llama_ctx;
 pub mod model;
 mod persist;
 mod prefix_cache;
+mod produced;
 pub mod sampling;
+mod seq;
 mod speculate;
 mod store;
 
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
-pub use branch::{Branch, Produced};
+pub use branch::Branch;
 pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
 pub use embed::Embedding;
@@ -36,6 +39,7 @@ pub use kvfork_core::Handle;
 pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};
 pub use model::{Model, ModelParams, Token};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
+pub use produced::Produced;
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use speculate::Speculated;
 pub use store::BranchStore;

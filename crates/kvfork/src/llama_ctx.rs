@@ -5,9 +5,15 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::engine::AbortSignal;
+use crate::abort::AbortSignal;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
+use crate::seq::Seq;
+
+/// llama.cpp's `LLAMA_POOLING_TYPE_NONE`: embeddings are one vector per token.
+pub(crate) const POOLING_NONE: i32 = 0;
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`: a reranker's scores per text.
+pub(crate) const POOLING_RANK: i32 = 4;
 
 /// KV cache element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -355,8 +361,15 @@ impl LlamaCtx {
         unsafe { sys::llama_get_logits(self.ptr.as_ptr()) }.cast_const()
     }
 
-    fn check_seq(&self, seq: i32) -> Result<()> {
-        check_seq(seq, self.n_seq_max)
+    /// A `Seq` of this context is below its n_seq_max; checked again before llama.cpp sees
+    /// it, since an id out of range aborts the process.
+    fn check_seq(&self, seq: Seq) -> Result<i32> {
+        Seq::checked(seq.id(), self.n_seq_max).map(Seq::id)
+    }
+
+    /// `seq` as llama.cpp's state calls take it: its id, or -1 for every sequence.
+    fn check_seq_or_all(&self, seq: Option<Seq>) -> Result<i32> {
+        seq.map_or(Ok(-1), |seq| self.check_seq(seq))
     }
 
     /// Threads of single-token and of multi-token decodes from now on.
@@ -373,8 +386,8 @@ impl LlamaCtx {
 
     /// The pooled embedding of `seq` after the last decode (pooled contexts only): the
     /// model's output width, or the scores of a reranker (rank pooling).
-    pub fn embeddings_seq(&self, seq: i32) -> Result<&[f32]> {
-        self.check_seq(seq)?;
+    pub fn embeddings_seq(&self, seq: Seq) -> Result<&[f32]> {
+        let seq = self.check_seq(seq)?;
         // SAFETY: the context is live; llama.cpp looks `seq` up in its map of pooled results
         // and returns NULL when the last decode pooled none for it.
         let p = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), seq) };
@@ -402,9 +415,8 @@ impl LlamaCtx {
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_embd_out) })
     }
 
-    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        self.check_seq(src)?;
-        self.check_seq(dst)?;
+    pub fn seq_cp(&mut self, src: Seq, dst: Seq, p0: i32, p1: i32) -> Result<()> {
+        let (src, dst) = (self.check_seq(src)?, self.check_seq(dst)?);
         check_range(p0, p1)?;
         if src != dst {
             // SAFETY: `mem` belongs to the live context; both ids are in [0, n_seq_max) and
@@ -414,8 +426,8 @@ impl LlamaCtx {
         Ok(())
     }
 
-    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        self.check_seq(seq)?;
+    pub fn seq_rm(&mut self, seq: Seq, p0: i32, p1: i32) -> Result<bool> {
+        let seq = self.check_seq(seq)?;
         check_range(p0, p1)?;
         // SAFETY: `mem` belongs to the live context; the id and positions are checked above.
         Ok(unsafe { sys::llama_memory_seq_rm(self.mem, seq, p0, p1) })
@@ -423,22 +435,22 @@ impl LlamaCtx {
 
     /// Empty a freshly leased sequence. A free lease holds no cells unless raw `kv_*` calls
     /// put some there, so the O(n_ctx) scan of `seq_rm` is skipped when it is already empty.
-    pub fn clear_seq(&mut self, seq: i32) -> Result<()> {
+    pub fn clear_seq(&mut self, seq: Seq) -> Result<()> {
         if self.seq_pos_max(seq)? >= 0 {
             self.seq_rm(seq, 0, -1)?;
         }
         Ok(())
     }
 
-    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        self.check_seq(seq)?;
+    pub fn seq_keep(&mut self, seq: Seq) -> Result<()> {
+        let seq = self.check_seq(seq)?;
         // SAFETY: `mem` belongs to the live context; the id is checked above.
         unsafe { sys::llama_memory_seq_keep(self.mem, seq) };
         Ok(())
     }
 
-    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        self.check_seq(seq)?;
+    pub fn seq_pos_max(&self, seq: Seq) -> Result<i32> {
+        let seq = self.check_seq(seq)?;
         // SAFETY: `mem` belongs to the live context; the id is checked above.
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.mem, seq) })
     }
@@ -448,12 +460,10 @@ impl LlamaCtx {
         unsafe { sys::llama_memory_clear(self.mem, true) }
     }
 
-    /// The KV cells of `seq`, or of every sequence with `seq = -1` (shared cells once, with
-    /// all their sequence ids), in llama.cpp's own layout.
-    pub fn kv_state(&self, seq: i32) -> Result<Vec<u8>> {
-        if seq != -1 {
-            self.check_seq(seq)?;
-        }
+    /// The KV cells of `seq`, or of every sequence with `None` (shared cells once, with all
+    /// their sequence ids), in llama.cpp's own layout.
+    pub fn kv_state(&self, seq: Option<Seq>) -> Result<Vec<u8>> {
+        let seq = self.check_seq_or_all(seq)?;
         let ctx = self.ptr.as_ptr();
         // SAFETY: the context is live; `seq` is a checked id or -1 (every sequence).
         let size = unsafe { sys::llama_state_seq_get_size(ctx, seq) };
@@ -471,12 +481,10 @@ impl LlamaCtx {
     }
 
     /// Restore cells written by `kv_state` into `seq` (which must be empty), or replace every
-    /// sequence with `seq = -1`. Bytes must be kvfork-verified first: llama.cpp trusts them.
+    /// sequence with `None`. Bytes must be kvfork-verified first: llama.cpp trusts them.
     /// On failure the target is left empty.
-    pub fn set_kv_state(&mut self, seq: i32, data: &[u8]) -> Result<()> {
-        if seq != -1 {
-            self.check_seq(seq)?;
-        }
+    pub fn set_kv_state(&mut self, target: Option<Seq>, data: &[u8]) -> Result<()> {
+        let seq = self.check_seq_or_all(target)?;
         let ctx = self.ptr.as_ptr();
         // SAFETY: the context is live and `seq` checked (or -1); `data` is readable for the
         // `data.len()` bytes passed, and llama.cpp bounds every read by that length (a short
@@ -486,10 +494,11 @@ impl LlamaCtx {
             return Ok(());
         }
         // A failed restore can leave cells behind (iSWA models).
-        if seq == -1 {
-            self.clear();
-        } else {
-            self.seq_rm(seq, -1, -1)?;
+        match target {
+            None => self.clear(),
+            Some(seq) => {
+                self.seq_rm(seq, -1, -1)?;
+            }
         }
         Err(Error::State(
             "llama.cpp refused the saved KV cells (saved from a context with other cache \
@@ -497,17 +506,6 @@ impl LlamaCtx {
                 .into(),
         ))
     }
-}
-
-/// A sequence id must lie in [0, n_seq_max): llama.cpp aborts on ids outside [0, 256).
-pub(crate) fn check_seq(seq: i32, n_seq_max: u32) -> Result<()> {
-    if seq < 0 || seq as u32 >= n_seq_max {
-        return Err(Error::invalid(
-            "seq",
-            format!("sequence id {seq} is not in [0, n_seq_max = {n_seq_max})"),
-        ));
-    }
-    Ok(())
 }
 
 /// KV positions are >= 0, or -1 for an open end.
@@ -565,7 +563,7 @@ impl Batch {
     }
 
     /// Append one token. Callers keep `len() < capacity` (checked: a panic here is a bug).
-    pub fn push(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
+    pub fn push(&mut self, token: Token, pos: i32, seq: Seq, logits: bool) {
         let i = self.len();
         assert!(i < self.capacity, "batch overflow");
         // SAFETY: `i < capacity` (asserted above) and, by the type's invariant, every array has
@@ -574,7 +572,7 @@ impl Batch {
             *self.raw.token.add(i) = token;
             *self.raw.pos.add(i) = pos;
             *self.raw.n_seq_id.add(i) = 1;
-            *(*self.raw.seq_id.add(i)) = seq;
+            *(*self.raw.seq_id.add(i)) = seq.id();
             *self.raw.logits.add(i) = logits as i8;
         }
         self.raw.n_tokens += 1;

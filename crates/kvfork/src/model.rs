@@ -1,17 +1,17 @@
 //! A loaded GGUF model: weights plus vocabulary. Shared (`Arc<Model>`) by every context on it.
 
-use std::collections::BTreeMap;
+use std::any::{Any, TypeId};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, CString};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use llama_cpp_sys_2 as sys;
 
 use crate::backend::ensure_backend;
 use crate::error::{Error, Result};
-use crate::sampling::guidance::GuidanceVocab;
 
 /// A token id.
 pub type Token = i32;
@@ -40,8 +40,9 @@ pub struct Model {
     vocab: NonNull<sys::llama_vocab>,
     n_vocab: i32,
     path: PathBuf,
-    /// The vocabulary indexed for llguidance, built on first use (JSON schema, regex, Lark).
-    guidance: OnceLock<std::result::Result<Arc<GuidanceVocab>, String>>,
+    /// What other modules derive from the model once and keep with it (llguidance's index of
+    /// the vocabulary), one value per type: the model need not know those modules.
+    derived: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 // SAFETY: a loaded llama_model (vocabulary included) has no thread affinity and is only read
@@ -137,7 +138,7 @@ impl Model {
             vocab,
             n_vocab,
             path: path.to_path_buf(),
-            guidance: OnceLock::new(),
+            derived: Mutex::default(),
         }))
     }
 
@@ -149,16 +150,17 @@ impl Model {
         self.vocab.as_ptr()
     }
 
-    /// The vocabulary as llguidance reads it: indexed once per model, on first use.
-    pub(crate) fn guidance(&self) -> Result<Arc<GuidanceVocab>> {
-        self.guidance
-            .get_or_init(|| {
-                GuidanceVocab::build(self)
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(Error::Grammar)
+    /// The value of type `T` derived from this model: `build` runs on first use, later
+    /// calls share its result (concurrent first calls wait for the one build).
+    pub(crate) fn derived<T: Any + Send + Sync>(&self, build: impl FnOnce(&Model) -> T) -> Arc<T> {
+        let value = self
+            .derived
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(build(self)))
+            .clone();
+        value.downcast().expect("stored under its own type")
     }
 
     /// The GGUF file the model was loaded from.

@@ -1,48 +1,11 @@
-//! Saving and loading branches and whole contexts. A file is sealed by
-//! `kvfork_core::persist` (version, model identity, checksum) and is fully verified and
-//! parsed before anything reaches llama.cpp, which trusts the KV bytes it is given.
-//!
-//! - Branch file: the branch's record, then its sequence's KV cells.
-//! - Context file: every live branch (parents first: parent index, fork head, sequence id,
-//!   record), then the KV cells of all sequences at once, so shared prefixes stay shared.
+//! Saving and loading branches and whole contexts: the calls, queued on the engine thread,
+//! whose work (file format included) is in `engine/persist.rs`.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use kvfork_core::persist::{self, Kind, Reader, Writer};
-use kvfork_core::Handle;
+use std::path::PathBuf;
 
 use crate::branch::Branch;
-use crate::branch_state::{state_error, BranchState};
 use crate::context::Context;
-use crate::engine::{BranchCell, Pending, Worker};
-use crate::error::{Error, Result};
-
-/// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".kvfork-tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes)
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::io(path, e)
-        })
-}
-
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::io(path, e))
-}
-
-fn check_position(position: i32, n_ctx: u32) -> Result<()> {
-    if position as u32 >= n_ctx {
-        return Err(Error::State(format!(
-            "the saved branch is at position {position}, beyond this context's n_ctx = {n_ctx}"
-        )));
-    }
-    Ok(())
-}
+use crate::engine::Pending;
 
 impl Branch {
     /// Save the branch (KV cells, position, sampler params and RNG, grammar, biases, metrics)
@@ -69,39 +32,6 @@ impl Branch {
     }
 }
 
-/// A live branch as the context file lists it.
-struct Listed {
-    handle: Handle,
-    parent: Option<Handle>,
-    fork_head: u32,
-    seq: u32,
-    cell: Arc<BranchCell>,
-}
-
-/// Live branches, each after its parent.
-fn tree_order(w: &Worker) -> Vec<Listed> {
-    let reg = w.shared.registry();
-    let mut out = Vec::with_capacity(reg.len());
-    let mut stack: Vec<Handle> = reg
-        .iter()
-        .filter(|(_, n)| n.parent.is_none())
-        .map(|(h, _)| h)
-        .collect();
-    stack.reverse();
-    while let Some(h) = stack.pop() {
-        let n = reg.get(h).expect("listed as live");
-        out.push(Listed {
-            handle: h,
-            parent: n.parent,
-            fork_head: n.fork_head,
-            seq: n.seq,
-            cell: n.data.clone(),
-        });
-        stack.extend(n.children.iter().rev().copied());
-    }
-    out
-}
-
 impl Context {
     /// Save every live branch and the whole KV cache to `path` (shared prefixes once).
     pub fn save_state(&self, path: impl Into<PathBuf>) -> Pending<()> {
@@ -126,111 +56,5 @@ impl Context {
                 .map(|(h, cell)| Branch::from_parts(ctx.clone(), h, cell))
                 .collect())
         })
-    }
-}
-
-/// The engine-thread halves of saving and loading.
-impl Worker {
-    fn save_branch(&mut self, cell: &Arc<BranchCell>, path: &Path) -> Result<()> {
-        let mut out = Writer::new();
-        let seq = {
-            let st = cell.lock();
-            st.write(&mut out);
-            st.seq
-        };
-        out.bytes(&self.ctx.kv_state(seq)?);
-        let model_id = self.shared.model.identity();
-        write_atomically(
-            path,
-            &persist::seal(Kind::Branch, model_id, &out.into_bytes()),
-        )
-    }
-
-    /// A saved branch as a new root on a fresh lease.
-    fn load_branch(&mut self, path: &Path) -> Result<(Handle, Arc<BranchCell>)> {
-        let file = read_file(path)?;
-        let model = self.shared.model.clone();
-        let payload = persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
-        let mut r = Reader::new(payload);
-        let state = BranchState::read(&mut r, &model, -1)?;
-        let kv = r.bytes().map_err(state_error)?;
-        r.finish().map_err(state_error)?;
-        check_position(state.position, self.ctx.n_ctx)?;
-        let cell = BranchCell::new(state);
-        let (handle, seq) = self.shared.registry().create_root(cell.clone())?;
-        cell.lock().seq = seq as i32;
-        let restored = self
-            .ctx
-            .clear_seq(seq as i32)
-            .and_then(|_| self.ctx.set_kv_state(seq as i32, kv));
-        if let Err(e) = restored {
-            self.shared.registry().prune(handle)?;
-            cell.mark_disposed();
-            return Err(e);
-        }
-        Ok((handle, cell))
-    }
-
-    fn save_context(&mut self, path: &Path) -> Result<()> {
-        let branches = tree_order(self);
-        let index = |h: Handle| branches.iter().position(|b| b.handle == h);
-        let mut out = Writer::new();
-        out.u64(branches.len() as u64);
-        for b in &branches {
-            let parent = b.parent.and_then(index).map_or(-1, |i| i as i32);
-            out.i32(parent).u32(b.fork_head).u32(b.seq);
-            b.cell.lock().write(&mut out);
-        }
-        out.bytes(&self.ctx.kv_state(-1)?);
-        let model_id = self.shared.model.identity();
-        write_atomically(
-            path,
-            &persist::seal(Kind::Context, model_id, &out.into_bytes()),
-        )
-    }
-
-    /// The branches of a context file, each after its parent, on the sequences they had.
-    fn load_context(&mut self, path: &Path) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
-        if !self.shared.registry().is_empty() {
-            return Err(Error::Other(
-                "load_state needs a context without live branches: prune them first".into(),
-            ));
-        }
-        let file = read_file(path)?;
-        let model = self.shared.model.clone();
-        let payload = persist::open(&file, Kind::Context, model.identity()).map_err(state_error)?;
-        let mut r = Reader::new(payload);
-        let n = r.u64().map_err(state_error)?;
-        let mut saved = Vec::new();
-        let mut seqs = std::collections::HashSet::new();
-        for i in 0..n {
-            let parent = r.i32().map_err(state_error)?;
-            let fork_head = r.u32().map_err(state_error)?;
-            let seq = r.u32().map_err(state_error)?;
-            if parent >= i as i32 || parent < -1 {
-                return Err(Error::State("a branch's parent comes after it".into()));
-            }
-            if seq >= self.ctx.n_seq_max || !seqs.insert(seq) {
-                return Err(Error::State(format!(
-                    "the file needs sequence {seq}: this context has n_seq_max = {}",
-                    self.ctx.n_seq_max
-                )));
-            }
-            let state = BranchState::read(&mut r, &model, seq as i32)?;
-            check_position(state.position, self.ctx.n_ctx)?;
-            saved.push((parent, fork_head, seq, state));
-        }
-        let kv = r.bytes().map_err(state_error)?;
-        r.finish().map_err(state_error)?;
-        self.ctx.set_kv_state(-1, kv)?;
-        let mut restored: Vec<(Handle, Arc<BranchCell>)> = Vec::with_capacity(saved.len());
-        let mut reg = self.shared.registry();
-        for (parent, fork_head, seq, state) in saved {
-            let parent = usize::try_from(parent).ok().map(|i| restored[i].0);
-            let cell = BranchCell::new(state);
-            let h = reg.restore(parent, fork_head, seq, cell.clone())?;
-            restored.push((h, cell));
-        }
-        Ok(restored)
     }
 }

@@ -244,7 +244,7 @@ impl PrefixCache {
     }
 
     /// A branch at the end of `tokens`: `shared` tokens from `source`'s cells, the rest
-    /// prefilled. Falls back to prefilling everything when the source lost its cells.
+    /// prefilled (everything when the source lost its cells meanwhile).
     fn make(
         &self,
         source: Option<&Branch>,
@@ -252,30 +252,26 @@ impl PrefixCache {
         tokens: &[Token],
         params: &SamplingParams,
     ) -> Result<(Branch, usize)> {
-        if let Some(source) = source.filter(|_| shared > 0) {
-            let branch = Branch::create(&self.ctx, shared as i32, params, None)?;
-            if branch.share_prefix(source, &tokens[..shared]).wait()? {
-                match branch.prefill(tokens[shared..].to_vec()).wait() {
-                    Ok(()) => {
-                        self.count(shared, tokens.len() - shared);
-                        return Ok((branch, shared));
-                    }
+        let branch = Branch::create(&self.ctx, 0, params, None)?;
+        let shared = match source {
+            Some(source) if shared > 0 => {
+                match branch.share_prefix(source, &tokens[..shared]).wait() {
+                    Ok(true) => shared,
+                    Ok(false) => 0, // pruned or rewritten meanwhile: prefill it all
                     Err(e) => {
                         let _ = branch.prune().wait();
                         return Err(e);
                     }
                 }
             }
-            // The source was pruned or rewritten meanwhile: start over from nothing.
-            branch.prune().wait()?;
-        }
-        let branch = Branch::create(&self.ctx, 0, params, None)?;
-        if let Err(e) = branch.prefill(tokens.to_vec()).wait() {
+            _ => 0,
+        };
+        if let Err(e) = branch.prefill(tokens[shared..].to_vec()).wait() {
             let _ = branch.prune().wait();
             return Err(e);
         }
-        self.count(0, tokens.len());
-        Ok((branch, 0))
+        self.count(shared, tokens.len() - shared);
+        Ok((branch, shared))
     }
 
     fn count(&self, hit: usize, prefilled: usize) {
@@ -387,10 +383,10 @@ fn wait_done(done: &(Mutex<bool>, Condvar)) {
 }
 
 impl Branch {
-    /// Take over `source`'s first cells, those of `prefix`, into this branch's fresh sequence
-    /// (this branch was created at position `prefix.len()` and holds nothing yet): a fork at
-    /// a position inside `source`, which may be generating meanwhile. False when `source` was
-    /// pruned or no longer holds `prefix`; nothing happened then.
+    /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence
+    /// (created at position 0, nothing decoded yet): a fork at a position inside `source`,
+    /// which may be generating meanwhile. False when `source` was pruned or no longer holds
+    /// `prefix`, or this branch is not empty; nothing happened then.
     pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<bool> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));

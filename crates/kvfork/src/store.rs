@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::branch::{check_tokens, Branch, Produced};
+use crate::branch::{check_tokens, Branch};
 use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
 
 /// Batched operations over the branches of one context.
 #[derive(Clone)]
@@ -108,41 +109,17 @@ impl BranchStore {
         }
         let handle = winner.handle();
         // The losers are already disposed: the rest always happens, even if cancelled.
-        self.ctx.engine().run_with(CancelPolicy::Never, move |w| {
-            let seq = w
-                .shared
-                .registry()
-                .get(handle)
-                .map(|n| n.seq)
-                .ok_or(Error::BranchDisposed(handle.to_string()))?;
-            w.shared.registry().retain_only(handle)?;
-            w.ctx.seq_keep(seq as i32)
-        })
+        self.ctx
+            .engine()
+            .run_with(CancelPolicy::Never, move |w| w.retain_only(handle))
     }
 
     /// Sample every branch (in Rust, in parallel), commit all non-stop tokens in one decode.
     pub fn step(&self, branches: &[Branch]) -> Pending<Vec<Produced>> {
-        let cells = match self.cells(branches.iter()) {
-            Ok(c) if c.is_empty() => return Pending::ready(Ok(Vec::new())),
-            Ok(c) => c,
-            Err(e) => return Pending::ready(Err(e)),
-        };
-        self.ctx.run(move |w| w.step(&cells))
-    }
-}
-
-impl crate::engine::Worker {
-    /// Sample each cell, then commit the non-stop tokens.
-    pub(crate) fn step(&mut self, cells: &[Arc<BranchCell>]) -> Result<Vec<Produced>> {
-        let produced = self.sample_cells(cells);
-        let produced = produced.into_iter().collect::<Result<Vec<_>>>()?;
-        let items: Vec<(Arc<BranchCell>, Token)> = cells
-            .iter()
-            .zip(&produced)
-            .filter(|(_, p)| !p.is_stop)
-            .map(|(c, p)| (c.clone(), p.token))
-            .collect();
-        self.commit_now(&items)?;
-        Ok(produced)
+        match self.cells(branches.iter()) {
+            Ok(cells) if cells.is_empty() => Pending::ready(Ok(Vec::new())),
+            Ok(cells) => self.ctx.engine().step(cells),
+            Err(e) => Pending::ready(Err(e)),
+        }
     }
 }

@@ -53,9 +53,9 @@ impl BranchState {
         w.i32s(&self.history);
     }
 
-    /// Read a record written by `write`, for a branch on `seq`. Every value is checked
-    /// against the model; the chain and grammar are rebuilt from their history.
-    pub fn read(r: &mut Reader<'_>, model: &Model, seq: i32) -> Result<BranchState> {
+    /// Read a record written by `write`. Every value is checked against the model; the chain
+    /// and grammar are rebuilt from their history.
+    pub fn read(r: &mut Reader<'_>, model: &Model) -> Result<BranchState> {
         let position = r.i32().map_err(state_error)?;
         if position < 0 {
             return Err(malformed("negative position"));
@@ -106,7 +106,7 @@ impl BranchState {
                 )
             }
         };
-        let mut st = BranchState::new(seq, position, sampler, grammar);
+        let mut st = BranchState::new(position, sampler, grammar);
         st.grammar_since = grammar_since;
         if has_logits {
             st.logits.set(&logits);

@@ -1,15 +1,19 @@
 //! Commits: accept first, then decode one token per branch; a failed decode is rolled back.
 //! A gathered group shares its decode, and a failure is narrowed down to the request at
 //! fault by halving the group, so one caller's bad branch never fails its neighbours.
+//!
+//! Generation steps (`Branch::step`, `BranchStore::step`) take the same path: their tokens
+//! are sampled first (`sample_steps`), then committed with the rest of the group.
 
 use std::sync::{Arc, MutexGuard};
 
 use super::parallel;
 use super::shared::{BranchCell, Stats};
-use super::{CommitItem, CommitReply, CommitRequest, Worker};
-use crate::branch::Produced;
+use super::{CommitItem, CommitRequest, Worker};
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
+use crate::produced::Produced;
+use crate::seq::Seq;
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
@@ -21,9 +25,9 @@ impl Worker {
     /// A `produce`: sample now and reply (nothing to decode).
     pub(super) fn answer_sample(&mut self, req: CommitRequest) {
         let cell = req.items[0].0.clone();
-        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0).map(Some)]);
+        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0)]);
         req.ticket.finish();
-        req.reply.send(result.remove(0));
+        req.reply.send(result.remove(0).map(|p| vec![p]));
     }
 
     /// One decode for every request of the group (more when a failure must be narrowed
@@ -37,39 +41,18 @@ impl Worker {
     }
 
     /// Sample the tokens of generation steps, accept every request (a failing one alone is
-    /// refused), then decode all that remain. (A `produce` never gets here: it is answered
+    /// refused), then decode all that remain. Each request's result holds the tokens its
+    /// steps sampled (none for a plain commit). (A `produce` never gets here: it is answered
     /// on arrival.)
-    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Option<Produced>>> {
-        let mut results: Vec<Result<Option<Produced>>> = vec![Ok(None); group.len()];
-        let steps: Vec<usize> = (0..group.len())
-            .filter(|&i| matches!(group[i].reply, CommitReply::Sampled { .. }))
-            .collect();
-        if !steps.is_empty() {
-            let cells: Vec<Arc<BranchCell>> =
-                steps.iter().map(|&i| group[i].items[0].0.clone()).collect();
-            for (&i, produced) in steps.iter().zip(self.sample_cells(&cells)) {
-                match produced {
-                    Ok(p) => {
-                        if p.is_stop {
-                            group[i].items.clear(); // reported, not committed
-                        } else {
-                            group[i].items[0].1 = p.token;
-                        }
-                        results[i] = Ok(Some(p));
-                    }
-                    Err(e) => {
-                        group[i].items.clear();
-                        results[i] = Err(e);
-                    }
-                }
-            }
-        }
+    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Vec<Produced>>> {
+        let mut results: Vec<Result<Vec<Produced>>> = vec![Ok(Vec::new()); group.len()];
+        self.sample_steps(group, &mut results);
         let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
         for (i, req) in group.iter().enumerate() {
             if req.items.is_empty() {
                 continue;
             }
-            Stats::add(&self.shared.stats.commit_requests, 1);
+            Stats::add(&self.shared().stats.commit_requests, 1);
             match self.accept_all(&req.items) {
                 Ok(snaps) => accepted.push((i, snaps)),
                 Err(e) => results[i] = Err(e),
@@ -85,6 +68,48 @@ impl Worker {
             }
         }
         results
+    }
+
+    /// Sample the branches of every step in the group at once (across the cores when it pays).
+    /// A step's tokens become its items, except stop tokens: reported, not committed. A step
+    /// with a branch that cannot be sampled fails whole (its first error) and commits nothing.
+    fn sample_steps(&self, group: &mut [CommitRequest], results: &mut [Result<Vec<Produced>>]) {
+        let steps: Vec<usize> = (0..group.len())
+            .filter(|&i| group[i].reply.is_sampled())
+            .collect();
+        if steps.is_empty() {
+            return;
+        }
+        let cells: Vec<Arc<BranchCell>> = steps
+            .iter()
+            .flat_map(|&i| group[i].items.iter().map(|(cell, _)| cell.clone()))
+            .collect();
+        let mut sampled = self.sample_cells(&cells).into_iter();
+        for i in steps {
+            let items = &mut group[i].items;
+            let mut produced = Vec::with_capacity(items.len());
+            let mut failed = None;
+            for p in sampled.by_ref().take(items.len()) {
+                match p {
+                    Ok(p) => produced.push(p),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                items.clear();
+                results[i] = Err(e);
+                continue;
+            }
+            let mut drawn = produced.iter();
+            items.retain_mut(|(_, token)| {
+                let p = drawn.next().expect("one token per item");
+                *token = p.token;
+                !p.is_stop
+            });
+            results[i] = Ok(produced);
+        }
     }
 
     /// Decode the items of `members` (indices into `group`) together; when that fails and
@@ -110,13 +135,13 @@ impl Worker {
 
     /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
     /// pay); nothing is accepted.
-    pub(crate) fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
-        let model = self.shared.model.clone();
+    fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+        let model = self.shared().model.clone();
         let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
             if cell.is_disposed() {
                 return Err(Error::BranchDisposed("in step".into()));
             }
-            crate::branch::produce(&mut cell.lock(), &model)
+            cell.lock().produce(&model)
         };
         let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
         if heavy {
@@ -126,34 +151,21 @@ impl Worker {
         }
     }
 
-    /// Commit one group synchronously (BranchStore::commit, step).
-    pub fn commit_now(&mut self, items: &[CommitItem]) -> Result<()> {
-        if !items.is_empty() {
-            Stats::add(&self.shared.stats.commit_requests, 1);
-        }
-        let snaps = self.accept_all(items)?;
-        let refs: Vec<&CommitItem> = items.iter().collect();
-        let result = self.decode_items(&refs);
-        if result.is_err() {
-            restore(items, snaps);
-        }
-        result
-    }
-
     /// Accept every token (snapshotting first); on any failure undo this request's accepts.
     fn accept_all(&mut self, items: &[CommitItem]) -> Result<Vec<Snapshot>> {
         let mut snaps = Vec::with_capacity(items.len());
-        let model = self.shared.model.clone();
+        let model = self.shared().model.clone();
         for (i, (cell, token)) in items.iter().enumerate() {
             let outcome = (|| {
                 if cell.is_disposed() {
                     return Err(Error::BranchDisposed("in commit".into()));
                 }
                 let mut st = cell.lock();
-                if st.position as u32 >= self.shared.n_ctx {
+                if st.position() as u32 >= self.shared().n_ctx {
                     return Err(Error::KvCacheFull(format!(
                         "position {} reached n_ctx = {}",
-                        st.position, self.shared.n_ctx
+                        st.position(),
+                        self.shared().n_ctx
                     )));
                 }
                 let snap = st.snapshot();
@@ -191,20 +203,20 @@ impl Worker {
                 "a branch appears twice in one decode".into(),
             ));
         }
-        self.loans.give_back_except(&cells);
-        let n_batch = self.ctx.n_batch as usize;
+        self.loans().give_back_except(&cells);
+        let n_batch = self.ctx().n_batch as usize;
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
-        let one_decode = items.len() <= n_batch && items.len() <= self.ctx.n_seq_max as usize;
-        let places: Vec<(i32, i32)> = cells
+        let one_decode = items.len() <= n_batch && items.len() <= self.ctx().n_seq_max as usize;
+        let places: Vec<(Seq, i32)> = cells
             .iter()
             .map(|cell| {
                 let mut st = cell.lock();
                 if !one_decode {
-                    st.logits.give_back();
+                    st.give_back_row();
                 }
-                st.logits.take_off();
-                (st.seq, st.position)
+                st.take_off_row();
+                (cell.seq(), st.position())
             })
             .collect();
         let decoded = self.decode_places(items, &places);
@@ -213,24 +225,23 @@ impl Worker {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
             Ok(kept) => {
                 for (st, row) in states.iter_mut().zip(&kept) {
-                    st.logits.set(row);
+                    st.set_logits(row);
                 }
                 Ok(())
             }
             Err(e) => Err(e),
         };
         for st in &mut states {
-            st.logits.land();
+            st.land_row();
         }
         if landed.is_ok() {
             for (st, (_, token)) in states.iter_mut().zip(items) {
-                st.position += 1;
-                st.history.push(*token);
+                st.decoded(&[*token]);
             }
         }
         drop(states);
-        self.loans.held_by(&cells);
-        self.shared.rows_landed.land();
+        self.loans().held_by(&cells);
+        self.shared().rows_landed.land();
         landed
     }
 
@@ -239,33 +250,33 @@ impl Worker {
     fn decode_places(
         &mut self,
         items: &[&CommitItem],
-        places: &[(i32, i32)],
+        places: &[(Seq, i32)],
     ) -> Result<Vec<Vec<f32>>> {
-        let n_batch = self.ctx.n_batch as usize;
-        let base = self.ctx.output_base();
+        let n_batch = self.ctx().n_batch as usize;
+        let base = self.ctx().output_base();
         let mut kept: Vec<Vec<f32>> = Vec::new();
         for start in (0..items.len()).step_by(n_batch) {
             let end = (start + n_batch).min(items.len());
-            self.batch.clear();
+            let batch = self.start_batch();
             for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
-                self.batch.push(*token, pos, seq, true);
+                batch.push(*token, pos, seq, true);
             }
             if let Err(e) = self.decode_batch() {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
                 for &(seq, pos) in &places[..start] {
-                    let _ = self.ctx.seq_rm(seq, pos, -1);
+                    let _ = self.ctx_mut().seq_rm(seq, pos, -1);
                 }
-                if self.ctx.output_base() != base {
+                if self.ctx().output_base() != base {
                     // Never expected (see `loans.rs`); the old rows are gone, never read them.
                     for (cell, _) in items {
-                        cell.lock().logits.forget_loan();
+                        cell.lock().forget_row_loan();
                     }
                 }
                 return Err(e);
             }
             if end < items.len() || start > 0 {
                 for k in 0..end - start {
-                    kept.push(self.ctx.logits_ith(k)?.to_vec());
+                    kept.push(self.ctx().logits_ith(k)?.to_vec());
                 }
             }
         }
@@ -278,14 +289,14 @@ impl Worker {
         let mut work = Vec::with_capacity(states.len());
         for (i, st) in states.iter_mut().enumerate() {
             let top_k = st.top_hint();
-            work.push((&mut **st, self.ctx.logits_ith(i)?, top_k));
+            work.push((&mut **st, self.ctx().logits_ith(i)?, top_k));
         }
         parallel::for_each_mut(&mut work, self.team_threads(), |(st, row, top_k)| {
             // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
             // moves. Before every decode the worker gives back each loan except those of a
             // commit's members, which are in flight (never read) until the decode lands
             // (`loans.rs`); `decode_items` records these cells as the holders right after.
-            unsafe { st.logits.lend(row, *top_k) }
+            unsafe { st.lend_row(row, *top_k) }
         });
         Ok(())
     }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::shared::BranchCell;
 use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
+use crate::seq::Seq;
 
 /// The longest pause between two arrivals for which a gathering keeps waiting.
 const GAP: Duration = Duration::from_millis(1);
@@ -88,7 +89,7 @@ impl Worker {
                 Job::Clear(seq) if !group.members().seqs.contains(&seq) => self.clear_seq(seq),
                 job if group.accepts(&job) => group.add(job, self),
                 job => {
-                    self.stash = Some(job);
+                    self.run_next(job);
                     return;
                 }
             }
@@ -101,7 +102,7 @@ impl Worker {
 #[derive(Default)]
 pub(super) struct Members {
     cells: HashSet<*const BranchCell>,
-    seqs: HashSet<i32>,
+    seqs: HashSet<Seq>,
 }
 
 impl Members {
@@ -112,7 +113,7 @@ impl Members {
     fn add<'a>(&mut self, cells: impl Iterator<Item = &'a Arc<BranchCell>>) {
         for c in cells {
             self.cells.insert(Arc::as_ptr(c));
-            self.seqs.insert(c.lock().seq);
+            self.seqs.insert(c.seq());
         }
     }
 }
@@ -149,6 +150,9 @@ impl Gathering for CommitGathering {
 
     fn accepts(&self, job: &Job) -> bool {
         let Job::Commit(req) = job else { return false };
+        if req.runs_alone() {
+            return false;
+        }
         let fits = req.is_sample_only() || self.n_items + req.items.len() <= self.n_batch;
         fits && !self.members.touches(req.items.iter().map(|(c, _)| c))
     }

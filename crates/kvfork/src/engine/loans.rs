@@ -47,7 +47,7 @@ impl RowLoans {
             if keep.contains(&Arc::as_ptr(cell)) {
                 return true;
             }
-            cell.lock().logits.give_back();
+            cell.lock().give_back_row();
             false
         });
     }

@@ -9,16 +9,26 @@
 //! Every job carries a [`Ticket`] (cancellation, see `pending.rs`). A panic inside a job is
 //! caught: its caller gets `Error::Internal` and the context closes (its state may be torn).
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
+//!
+//! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
+//! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
+//! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV).
 
 mod commit;
+mod embed;
 mod gather;
+mod kv;
 mod load;
 mod loans;
 mod parallel;
 mod pending;
+mod persist;
 mod prefill;
+mod reseed;
 mod share;
 pub(crate) mod shared;
+mod speculate;
+mod tree;
 mod worker;
 
 use std::sync::atomic::Ordering;
@@ -26,15 +36,17 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-pub(crate) use pending::{next_run_id, AbortSignal, CancelPolicy, Reply, Ticket};
+pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
+pub(crate) use tree::Prune;
 pub(crate) use worker::Worker;
 
-use crate::branch::Produced;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
 use crate::model::{Model, Token};
+use crate::produced::Produced;
+use crate::seq::Seq;
 
 /// Stack of the engine thread (virtual memory; pages are only touched when used).
 const ENGINE_STACK_BYTES: usize = 64 << 20;
@@ -60,12 +72,28 @@ pub(crate) enum CommitReply {
         reply: Reply<Produced>,
         commit: bool,
     },
+    /// Every branch of a `BranchStore::step`: all sampled, then their tokens committed
+    /// together except stop tokens; all or nothing.
+    SampledAll(Reply<Vec<Produced>>),
+}
+
+impl CommitReply {
+    /// Whether the engine samples the tokens (a step or a `produce`).
+    fn is_sampled(&self) -> bool {
+        !matches!(self, CommitReply::Given(_))
+    }
 }
 
 impl CommitRequest {
     /// A `produce`: sample only, nothing to decode.
     fn is_sample_only(&self) -> bool {
         matches!(self.reply, CommitReply::Sampled { commit: false, .. })
+    }
+
+    /// A `BranchStore::step`: its caller gathered it already, so it runs as it comes and
+    /// alone, never waiting for or joining other commits (as before it took this path).
+    fn runs_alone(&self) -> bool {
+        matches!(self.reply, CommitReply::SampledAll(_))
     }
 }
 
@@ -80,12 +108,16 @@ pub(crate) struct PrefillRequest {
 }
 
 impl CommitReply {
-    fn send(self, result: Result<Option<Produced>>) {
+    /// Reply with the request's result: the tokens it sampled, if any.
+    fn send(self, result: Result<Vec<Produced>>) {
         match self {
-            CommitReply::Given(r) => r.send(result.map(|_| ())),
+            CommitReply::Given(r) => r.send(result.map(drop)),
             CommitReply::Sampled { reply, .. } => reply.send(result.and_then(|p| {
-                p.ok_or_else(|| Error::Internal("a sampled request produced no token".into()))
+                p.into_iter()
+                    .next()
+                    .ok_or_else(|| Error::Internal("a sampled request produced no token".into()))
             })),
+            CommitReply::SampledAll(reply) => reply.send(result),
         }
     }
 }
@@ -95,7 +127,7 @@ pub(crate) enum Job {
     Prefill(PrefillRequest),
     /// Empty the sequence of a fresh lease (`Branch::create`). It touches no other sequence,
     /// so a gathering runs it in passing instead of stopping at it. Nobody waits for it.
-    Clear(i32),
+    Clear(Seq),
     /// Any other work, run in order.
     Run(Box<dyn RunJob>),
 }
@@ -147,7 +179,8 @@ impl<T: Send, F: FnOnce(&mut Worker) -> Result<T> + Send> RunJob for Task<T, F> 
             Err(payload) => {
                 let msg = panic_message(payload.as_ref());
                 // Closed before the caller hears of it, so it sees `closed` at once.
-                w.shared.fail(format!("panic on the engine thread: {msg}"));
+                w.shared()
+                    .fail(format!("panic on the engine thread: {msg}"));
                 reply.send(Err(Error::Internal(msg)));
             }
         }
@@ -299,7 +332,7 @@ impl Engine {
 
     /// Queue the emptying of a fresh lease's sequence (a failure can only be a closed
     /// context, which the next call reports).
-    pub fn clear_seq(&self, seq: i32) {
+    pub fn clear_seq(&self, seq: Seq) {
         let _ = self.send(Job::Clear(seq));
     }
 
@@ -315,6 +348,13 @@ impl Engine {
             reply,
             commit,
         })
+    }
+
+    /// Queue a sample of every branch, then one commit of their tokens but stop tokens
+    /// (`BranchStore::step`: all or nothing).
+    pub fn step(&self, cells: Vec<Arc<BranchCell>>) -> Pending<Vec<Produced>> {
+        let items = cells.into_iter().map(|cell| (cell, -1)).collect();
+        self.queue_commit(items, CommitReply::SampledAll)
     }
 
     fn queue_commit<T>(
@@ -339,7 +379,7 @@ impl Engine {
     /// Idempotent.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        self.shared.abort.closing.store(true, Ordering::Relaxed);
+        self.shared.abort.close();
         drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = thread {

@@ -13,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use crate::abort::AbortSignal;
 use crate::error::{Error, Result};
 
 // ---- the reply slot ----
@@ -87,26 +88,6 @@ pub(crate) enum CancelPolicy {
     Never,
 }
 
-/// Which job the engine is running and which one a caller wants aborted; read by llama.cpp's
-/// abort callback between graph nodes.
-#[derive(Default)]
-pub(crate) struct AbortSignal {
-    pub current: AtomicU64,
-    target: AtomicU64,
-    /// Set by `close()`: abort whatever runs.
-    pub closing: AtomicBool,
-}
-
-impl AbortSignal {
-    pub fn should_abort(&self) -> bool {
-        if self.closing.load(Ordering::Relaxed) {
-            return true;
-        }
-        let current = self.current.load(Ordering::Relaxed);
-        current != 0 && self.target.load(Ordering::Relaxed) == current
-    }
-}
-
 /// One job's life: queued → running → done, or queued → cancelled.
 pub(crate) struct Ticket {
     id: u64,
@@ -177,8 +158,7 @@ impl Ticket {
             CANCELLED => Cancel::Prevented,
             RUNNING if self.policy == CancelPolicy::DropOrAbort => {
                 self.abort_requested.store(true, Ordering::Release);
-                let run = self.run.load(Ordering::Acquire);
-                self.signal.target.store(run, Ordering::Relaxed);
+                self.signal.abort(self.run.load(Ordering::Acquire));
                 Cancel::Aborting
             }
             _ => Cancel::Completing,
@@ -378,7 +358,7 @@ mod tests {
             let t = ticket(policy);
             let (_tx, p) = Pending::<()>::channel(Some(t.clone()));
             assert!(t.start());
-            t.signal.current.store(t.id(), Ordering::Relaxed);
+            t.signal.set_running(t.id());
             assert_eq!(p.cancel(), want);
             assert_eq!(t.signal.should_abort(), want == Cancel::Aborting);
         }

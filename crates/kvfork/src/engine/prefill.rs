@@ -3,14 +3,13 @@
 //! narrowed down (a cancelled member leaves, the rest run again; otherwise halves are tried)
 //! so that only the request at fault fails.
 
-use std::sync::atomic::Ordering;
-
 use kvfork_core::packer::{logits_index, plan_prefill};
 
 use super::commit::may_be_one_request;
 use super::gather::start_run;
 use super::{PrefillItem, PrefillRequest, Worker};
 use crate::error::{Error, Result};
+use crate::seq::Seq;
 
 impl Worker {
     /// Run a gathered group and reply to each member.
@@ -61,10 +60,10 @@ impl Worker {
             return;
         }
         let run = start_run(members.iter().map(|&i| &*group[i].ticket));
-        self.shared.abort.current.store(run, Ordering::Relaxed);
+        self.shared().abort.set_running(run);
         let items: Vec<&PrefillItem> = members.iter().flat_map(|&i| &group[i].items).collect();
         let outcome = self.prefill(&items);
-        self.shared.abort.current.store(0, Ordering::Relaxed);
+        self.shared().abort.set_running(0);
         match outcome {
             Ok(()) => members.iter().for_each(|&i| results[i] = Some(Ok(()))),
             Err(e) if members.len() == 1 => results[members[0]] = Some(Err(e)),
@@ -86,25 +85,25 @@ impl Worker {
     }
 
     /// Where an item's tokens go, `(seq, first position)`, or why they cannot.
-    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(i32, i32)> {
+    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(Seq, i32)> {
         if cell.is_disposed() {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
         let st = cell.lock();
-        if st.position as u64 + tokens.len() as u64 > self.shared.n_ctx as u64 {
+        if st.position() as u64 + tokens.len() as u64 > self.shared().n_ctx as u64 {
             return Err(Error::KvCacheFull(format!(
                 "prefill of {} tokens at position {} exceeds n_ctx = {}",
                 tokens.len(),
-                st.position,
-                self.shared.n_ctx
+                st.position(),
+                self.shared().n_ctx
             )));
         }
-        Ok((st.seq, st.position))
+        Ok((cell.seq(), st.position()))
     }
 
     /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.
     /// All or nothing: on failure the KV written so far is removed and no state changes.
-    pub fn prefill(&mut self, items: &[&PrefillItem]) -> Result<()> {
+    pub(super) fn prefill(&mut self, items: &[&PrefillItem]) -> Result<()> {
         let mut starts = Vec::with_capacity(items.len());
         let mut seqs = Vec::with_capacity(items.len());
         for &item in items {
@@ -114,25 +113,26 @@ impl Worker {
         }
         let lens: Vec<usize> = items.iter().map(|(_, t)| t.len()).collect();
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
-        for chunk in plan_prefill(&lens, self.ctx.n_batch as usize) {
-            self.batch.clear();
+        for chunk in plan_prefill(&lens, self.ctx().n_batch as usize) {
+            let batch = self.start_batch();
             for span in &chunk.spans {
                 let tokens = &items[span.item].1[span.start..span.start + span.len];
                 for (j, &t) in tokens.iter().enumerate() {
                     let wants_logits = span.is_last && j + 1 == span.len;
                     let pos = starts[span.item] + (span.start + j) as i32;
-                    self.batch.push(t, pos, seqs[span.item], wants_logits);
+                    batch.push(t, pos, seqs[span.item], wants_logits);
                 }
             }
             if let Err(e) = self.decode() {
                 for (i, &seq) in seqs.iter().enumerate() {
-                    let _ = self.ctx.seq_rm(seq, starts[i], -1);
+                    let _ = self.ctx_mut().seq_rm(seq, starts[i], -1);
                 }
                 return Err(e);
             }
             for (k, span) in chunk.spans.iter().enumerate() {
                 if span.is_last {
-                    rows[span.item] = Some(self.ctx.logits_ith(logits_index(&chunk, k))?.to_vec());
+                    rows[span.item] =
+                        Some(self.ctx().logits_ith(logits_index(&chunk, k))?.to_vec());
                 }
             }
         }

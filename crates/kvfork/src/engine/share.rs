@@ -8,10 +8,10 @@ use crate::error::Result;
 use crate::model::Token;
 
 impl Worker {
-    /// Copy `source`'s cells for `prefix` into `target`'s (empty) sequence and record them
-    /// as `target`'s history. False, with nothing done, when `source` was pruned or no longer
-    /// holds `prefix` (it was reseeded): the caller then prefills instead. Runs between
-    /// decodes, so the cells copied are exactly those `source` held for these tokens.
+    /// Copy `source`'s cells for `prefix` into `target`'s empty sequence, which then holds
+    /// them. False, with nothing done, when `source` was pruned or no longer holds `prefix`
+    /// (it was reseeded), or `target` is not empty. Runs between decodes, so the cells
+    /// copied are exactly those `source` held for these tokens.
     pub(crate) fn share_prefix(
         &mut self,
         source: &Arc<BranchCell>,
@@ -21,18 +21,19 @@ impl Worker {
         if source.is_disposed() || target.is_disposed() {
             return Ok(false);
         }
-        let src_seq = {
+        {
             let src = source.lock();
-            if !src.history.starts_with(prefix) || (src.position as usize) < prefix.len() {
+            if !src.history().starts_with(prefix) || (src.position() as usize) < prefix.len() {
                 return Ok(false);
             }
-            src.seq
-        };
-        let dst_seq = target.lock().seq;
-        self.ctx.seq_cp(src_seq, dst_seq, 0, prefix.len() as i32)?;
+        }
         let mut dst = target.lock();
-        dst.history = prefix.to_vec();
-        dst.position = prefix.len() as i32;
+        if dst.position() != 0 {
+            return Ok(false);
+        }
+        self.ctx_mut()
+            .seq_cp(source.seq(), target.seq(), 0, prefix.len() as i32)?;
+        dst.decoded(prefix);
         Ok(true)
     }
 }

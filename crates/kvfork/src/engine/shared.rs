@@ -4,26 +4,36 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvfork_core::Registry;
+use kvfork_core::{Handle, Registry};
 
-use super::AbortSignal;
+use crate::abort::AbortSignal;
 use crate::branch_state::BranchState;
 use crate::error::{Error, Result};
 use crate::llama_ctx::ContextParams;
 use crate::model::Model;
+use crate::seq::Seq;
 
-/// One branch's state behind its own lock, plus the flag `prune` sets at once.
+/// One branch's state behind its own lock, plus its sequence and the flag `prune` sets at
+/// once (both read without the lock).
 pub(crate) struct BranchCell {
+    /// The KV sequence the branch leases, for its whole life.
+    seq: Seq,
     state: Mutex<BranchState>,
     disposed: AtomicBool,
 }
 
 impl BranchCell {
-    pub fn new(state: BranchState) -> Arc<Self> {
+    pub fn new(seq: Seq, state: BranchState) -> Arc<Self> {
         Arc::new(BranchCell {
+            seq,
             state: Mutex::new(state),
             disposed: AtomicBool::new(false),
         })
+    }
+
+    /// The KV sequence the branch leases.
+    pub fn seq(&self) -> Seq {
+        self.seq
     }
 
     /// Lock the state (a panic elsewhere never poisons kvfork for good).
@@ -136,6 +146,28 @@ impl RowsLanded {
 impl Shared {
     pub fn registry(&self) -> MutexGuard<'_, Registry<Arc<BranchCell>>> {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new root branch holding `state`, on a fresh lease.
+    pub fn create_root(&self, state: BranchState) -> Result<(Handle, Arc<BranchCell>)> {
+        let mut registry = self.registry();
+        let (handle, _) = registry.create_root_with(|seq| BranchCell::new(Seq::new(seq), state))?;
+        Ok((handle, registry.data(handle).expect("just created").clone()))
+    }
+
+    /// A new child of `parent` holding `state`, on a fresh lease (its KV cells are the
+    /// caller's business).
+    pub fn fork(
+        &self,
+        parent: Handle,
+        fork_head: u32,
+        state: BranchState,
+    ) -> Result<(Handle, Arc<BranchCell>)> {
+        let mut registry = self.registry();
+        let (handle, _) = registry.fork_with(parent, fork_head, |seq| {
+            BranchCell::new(Seq::new(seq), state)
+        })?;
+        Ok((handle, registry.data(handle).expect("just created").clone()))
     }
 
     pub fn check_open(&self) -> Result<()> {

@@ -1,8 +1,8 @@
 //! The engine thread's side: owns the llama context and the batch, takes jobs in order.
 //! Commits and prefills are gathered into groups (`gather.rs`) and run in `commit.rs` and
-//! `prefill.rs`.
+//! `prefill.rs`; every other operation has its file beside this one (see `mod.rs`). They
+//! reach the context, the batch and the loans through the few methods below.
 
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,13 +16,14 @@ use super::shared::{Shared, Stats};
 use super::{panic_message, Job};
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
+use crate::seq::Seq;
 
 pub(crate) struct Worker {
-    pub ctx: LlamaCtx,
-    pub(crate) batch: Batch,
-    pub shared: Arc<Shared>,
+    ctx: LlamaCtx,
+    batch: Batch,
+    shared: Arc<Shared>,
     /// A job pulled while gathering a group that could not join it: it runs next.
-    pub(super) stash: Option<Job>,
+    stash: Option<Job>,
     /// Tokens decoded by the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
@@ -32,7 +33,7 @@ pub(crate) struct Worker {
     /// Threads of the last multi-token decode: the team that per-branch work after it uses.
     threads_batch: usize,
     /// Snapshots reading their rows in llama.cpp's output buffer.
-    pub(crate) loans: RowLoans,
+    loans: RowLoans,
 }
 
 impl Drop for Worker {
@@ -86,16 +87,14 @@ impl Worker {
             match job {
                 Job::Run(task) => {
                     let ticket = task.ticket().clone();
-                    self.shared
-                        .abort
-                        .current
-                        .store(ticket.id(), Ordering::Relaxed);
+                    self.shared.abort.set_running(ticket.id());
                     task.run(&mut self);
-                    self.shared.abort.current.store(0, Ordering::Relaxed);
+                    self.shared.abort.set_running(0);
                     ticket.finish();
                 }
                 Job::Clear(seq) => self.clear_seq(seq),
                 Job::Commit(first) if first.is_sample_only() => self.answer_sample(first),
+                Job::Commit(first) if first.runs_alone() => self.run_commits(vec![first]),
                 Job::Commit(first) => {
                     let mut group = CommitGathering::new(first, self.last_group, self.n_batch());
                     self.gather(&rx, &mut group, Window::new(self.last_decode));
@@ -112,6 +111,39 @@ impl Worker {
                 }
             }
         }
+    }
+
+    // ---- what the operations (this module's other files) use ----
+
+    /// The llama context: KV operations and the outputs of the last decode.
+    pub(super) fn ctx(&self) -> &LlamaCtx {
+        &self.ctx
+    }
+
+    /// The llama context, to change its KV cells.
+    pub(super) fn ctx_mut(&mut self) -> &mut LlamaCtx {
+        &mut self.ctx
+    }
+
+    /// What the engine shares with callers: the model, the branch registry, counters.
+    pub(super) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// The batch, emptied, to fill for the next `decode`.
+    pub(super) fn start_batch(&mut self) -> &mut Batch {
+        self.batch.clear();
+        &mut self.batch
+    }
+
+    /// The rows of the output buffer lent to snapshots (see `loans.rs`).
+    pub(super) fn loans(&mut self) -> &mut RowLoans {
+        &mut self.loans
+    }
+
+    /// A job pulled while gathering that could not join the group: it runs next.
+    pub(super) fn run_next(&mut self, job: Job) {
+        self.stash = Some(job);
     }
 
     /// Threads for per-branch work right after a decode: the decode's own team.
@@ -137,7 +169,7 @@ impl Worker {
     }
 
     /// Empty a fresh lease's sequence. Nobody waits: a failure can only be a closed context.
-    pub(super) fn clear_seq(&mut self, seq: i32) {
+    pub(super) fn clear_seq(&mut self, seq: Seq) {
         let _ = self.ctx.clear_seq(seq);
     }
 
@@ -160,7 +192,7 @@ impl Worker {
 
     /// `llama_decode` of the current batch, counted. Every row lent to a snapshot is given
     /// back first (the decode overwrites them).
-    pub(crate) fn decode(&mut self) -> Result<()> {
+    pub(super) fn decode(&mut self) -> Result<()> {
         self.loans.give_back_all();
         self.decode_batch()
     }
@@ -172,9 +204,7 @@ impl Worker {
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         self.last_decode = t0.elapsed();
-        if matches!(r, Err(Error::Cancelled(_)))
-            && self.shared.abort.closing.load(Ordering::Relaxed)
-        {
+        if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         self.tune_threads();

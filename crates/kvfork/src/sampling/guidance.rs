@@ -17,7 +17,7 @@ const JSON_SPACE: &str = r"(\x20|\x0A{1,2}[\x20\x09]{0,20})";
 /// Marks a control token in llguidance's vocabulary: grammar text never matches it.
 const SPECIAL: u8 = TokTrie::SPECIAL_TOKEN_MARKER;
 
-/// One model's vocabulary as llguidance sees it, built once per model (see `Model::guidance`).
+/// One model's vocabulary as llguidance sees it, built once per model (`GuidanceVocab::of`).
 pub(crate) struct GuidanceVocab {
     factory: ParserFactory,
     /// End-of-generation tokens (llguidance's "EOS" set), sorted.
@@ -26,7 +26,7 @@ pub(crate) struct GuidanceVocab {
 
 impl GuidanceVocab {
     /// Token bytes from llama.cpp; end-of-generation tokens are all "EOS" to the grammar.
-    pub fn build(model: &Model) -> Result<Self> {
+    fn build(model: &Model) -> Result<Self> {
         let n_vocab = model.vocab_size();
         let mut words = Vec::with_capacity(n_vocab);
         let mut eog = Vec::new();
@@ -61,6 +61,17 @@ impl GuidanceVocab {
         factory.quiet();
         Ok(GuidanceVocab { factory, eog })
     }
+
+    /// The vocabulary of `model` as llguidance reads it: indexed once per model, on first use,
+    /// and kept with the model (a failure too).
+    fn of(model: &Model) -> Result<Arc<GuidanceVocab>> {
+        let built = model.derived(|model| {
+            GuidanceVocab::build(model)
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        });
+        (*built).clone().map_err(Error::Grammar)
+    }
 }
 
 /// Which llguidance front end reads the constraint.
@@ -86,7 +97,7 @@ pub(crate) struct Guided {
 
 impl Guided {
     pub fn new(model: &Model, kind: GuidanceKind, source: &str) -> Result<Self> {
-        let vocab = model.guidance()?;
+        let vocab = GuidanceVocab::of(model)?;
         let grammar = match kind {
             GuidanceKind::JsonSchema => {
                 let mut value: serde_json::Value = serde_json::from_str(source).map_err(|e| {

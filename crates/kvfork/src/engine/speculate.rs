@@ -1,0 +1,85 @@
+//! `Branch::speculate` on the engine thread: `pending` and the draft in one decode, then the
+//! branch's chain samples position by position and keeps the draft while it agrees; the KV
+//! cells of the rejected draft tokens are removed.
+
+use std::sync::Arc;
+
+use super::shared::BranchCell;
+use super::Worker;
+use crate::error::{Error, Result};
+use crate::model::Token;
+use crate::produced::Produced;
+
+impl Worker {
+    /// One round: accept `pending`, decode it with `draft`, keep the draft while the chain
+    /// agrees. Returns the accepted draft tokens and the token drawn after them.
+    pub(crate) fn speculate(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        pending: Token,
+        mut draft: Vec<Token>,
+    ) -> Result<(Vec<Produced>, Produced)> {
+        if cell.is_disposed() {
+            return Err(Error::BranchDisposed("in speculate".into()));
+        }
+        let model = self.shared().model.clone();
+        let (seq, start, before) = {
+            let mut st = cell.lock();
+            let room = self.shared().n_ctx as i32 - st.position();
+            if room < 1 {
+                return Err(Error::KvCacheFull(format!(
+                    "position {} reached n_ctx = {}",
+                    st.position(),
+                    self.shared().n_ctx
+                )));
+            }
+            let fits = (room as usize).min(self.ctx().n_batch as usize);
+            draft.truncate(fits - 1);
+            let snap = st.snapshot();
+            if let Err(e) = st.accept_for_commit(&model, pending) {
+                st.restore(snap);
+                return Err(e);
+            }
+            (cell.seq(), st.position(), snap)
+        };
+        let batch = self.start_batch();
+        for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
+            batch.push(t, start + i as i32, seq, true);
+        }
+        if let Err(e) = self.decode() {
+            cell.lock().restore(before);
+            return Err(e);
+        }
+        let mut st = cell.lock();
+        let mut accepted = Vec::new();
+        // Position by position, as plain generation would: snapshot, sample, accept.
+        let drawn: Result<Produced> = (|| {
+            for i in 0..=draft.len() {
+                let top_k = st.top_hint();
+                let row = self.ctx().logits_ith(i)?;
+                // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites
+                // or moves; `decode` gave back every loan before this one and gives this one
+                // back before the next (the cell is recorded below). The cell stays locked
+                // meanwhile.
+                unsafe { st.lend_row(row, top_k) };
+                let produced = st.produce(&model)?;
+                let token = produced.token;
+                if i == draft.len() || token != draft[i] || produced.is_stop {
+                    return Ok(produced);
+                }
+                st.accept(&model, token)?;
+                accepted.push(produced);
+            }
+            unreachable!("the last position returns")
+        })();
+        // The KV keeps `pending` and the accepted draft tokens; the rest of the guess goes.
+        let kept: Vec<Token> = std::iter::once(pending)
+            .chain(accepted.iter().map(|p| p.token))
+            .collect();
+        st.decoded(&kept);
+        drop(st);
+        self.loans().record(cell);
+        self.ctx_mut().seq_rm(seq, start + kept.len() as i32, -1)?;
+        Ok((accepted, drawn?))
+    }
+}
