@@ -374,7 +374,7 @@ impl Branch {
     }
 
     /// The tokens decoded into the branch's sequence since it was created (or reseeded):
-    /// prefills and commits in order, a fork's starting with its parent's. Not saved.
+    /// prefills and commits in order, a fork's starting with its parent's. Saved by `save`.
     pub fn history(&self) -> Result<Vec<Token>> {
         self.state(|s| Ok(s.history().to_vec()))
     }
