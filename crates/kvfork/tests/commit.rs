@@ -1,36 +1,12 @@
 //! Commits on the real default model, from Rust: a failed commit rolls every member back,
 //! and commits issued at the same time from several threads are gathered into one decode.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::{Arc, Barrier};
 
-use kvfork::{
-    Branch, BranchStore, Context, ContextParams, Error, Model, ModelParams, SamplingParams,
-};
-
-fn context(n_ctx: u32, n_seq_max: u32) -> Context {
-    let path = std::env::var_os("KVFORK_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap())
-                .join(".cache/kvfork/gemma-3-270m-q4_k_m.gguf")
-        });
-    let model: Arc<Model> = Model::load(&path, &ModelParams::default()).expect("load model");
-    let params = ContextParams {
-        n_ctx,
-        n_seq_max,
-        ..Default::default()
-    };
-    Context::new(model, params).unwrap()
-}
-
-fn root(ctx: &Context, text: &str) -> Branch {
-    let b = Branch::create(ctx, 0, &SamplingParams::greedy(), None).unwrap();
-    b.prefill(ctx.tokenize(text, true, false).unwrap())
-        .wait()
-        .unwrap();
-    b
-}
+use common::{context, root};
+use kvfork::{Branch, BranchStore, Error};
 
 /// What a rollback must restore: position, history, both perplexities and the snapshot.
 fn state(b: &Branch) -> (i32, Vec<i32>, String, Option<Vec<f32>>) {

@@ -1,38 +1,14 @@
 //! Generation from Rust: the token stream's stop rules and exact speculative decoding, on the
 //! real default model (KVFORK_MODEL, else the Python package's cache).
 
-use std::path::PathBuf;
-use std::sync::Arc;
+mod common;
 
-use kvfork::{
-    Branch, Context, ContextParams, Drafter, Model, ModelParams, SamplingParams, StopReason, Token,
-};
+use common::root;
+use kvfork::{Drafter, StopReason, Token};
 
-fn context(n_ctx: u32) -> Context {
-    let path = std::env::var_os("KVFORK_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap())
-                .join(".cache/kvfork/gemma-3-270m-q4_k_m.gguf")
-        });
-    let model: Arc<Model> = Model::load(&path, &ModelParams::default()).expect("load model");
-    Context::new(
-        model,
-        ContextParams {
-            n_ctx,
-            n_seq_max: 4,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn root(ctx: &Context, text: &str) -> Branch {
-    let b = Branch::create(ctx, 0, &SamplingParams::greedy(), None).unwrap();
-    b.prefill(ctx.tokenize(text, true, false).unwrap())
-        .wait()
-        .unwrap();
-    b
+/// A context of `n_ctx` cells and 4 sequences.
+fn context(n_ctx: u32) -> kvfork::Context {
+    common::context(n_ctx, 4)
 }
 
 const COUNTING: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,";

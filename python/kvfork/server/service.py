@@ -8,7 +8,7 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,16 +207,11 @@ class Service:
             except ValueError:
                 await branches[0].prune_subtree()
 
-    async def _run_choice(
-        self,
-        branch: Branch,
-        choice: Choice,
-        sampling: Sampling,
-        out: asyncio.Queue[Event | BaseException],
-    ) -> None:
-        """Generate one choice, putting its pieces on `out` (or the error that ended it)."""
+    @staticmethod
+    async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseException]) -> None:
+        """Run `work`; the error that ends it goes on `out` for the request's task to raise."""
         try:
-            await self._generate_choice(branch, choice, sampling, out)
+            await work
         except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
             await out.put(exc)
 
@@ -228,36 +223,33 @@ class Service:
         out: asyncio.Queue[Event | BaseException],
     ) -> None:
         """Every choice advanced by `BranchStore.step`: one decode per step for all."""
-        try:
-            store = BranchStore(self.ctx)
-            limit = min(sampling.max_tokens, self.ctx.n_ctx - branches[0].position)
-            active = list(zip(branches, choices))
-            for _ in range(limit):
-                if not active:
-                    break
-                tokens = await store.step([b for b, _ in active])
-                still = []
-                for (branch, choice), tok in zip(active, tokens):
-                    finish = None
-                    if tok.is_stop:
+        store = BranchStore(self.ctx)
+        limit = min(sampling.max_tokens, self.ctx.n_ctx - branches[0].position)
+        active = list(zip(branches, choices))
+        for _ in range(limit):
+            if not active:
+                break
+            tokens = await store.step([b for b, _ in active])
+            still = []
+            for (branch, choice), tok in zip(active, tokens):
+                finish = None
+                if tok.is_stop:
+                    finish = "stop"
+                else:
+                    choice.tokens += 1
+                    if choice.text.add(tok.text):
                         finish = "stop"
-                    else:
-                        choice.tokens += 1
-                        if choice.text.add(tok.text):
-                            finish = "stop"
-                        elif piece := choice.text.take():
-                            await out.put(Event(choice.index, piece, []))
-                    if finish is None:
-                        still.append((branch, choice))
-                    else:
-                        choice.finish_reason = finish
-                        await out.put(Event(choice.index, choice.text.take(final=True), [], finish))
-                active = still
-            for _, choice in active:
-                choice.finish_reason = "length"
-                await out.put(Event(choice.index, choice.text.take(final=True), [], "length"))
-        except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
-            await out.put(exc)
+                    elif piece := choice.text.take():
+                        await out.put(Event(choice.index, piece, []))
+                if finish is None:
+                    still.append((branch, choice))
+                else:
+                    choice.finish_reason = finish
+                    await out.put(Event(choice.index, choice.text.take(final=True), [], finish))
+            active = still
+        for _, choice in active:
+            choice.finish_reason = "length"
+            await out.put(Event(choice.index, choice.text.take(final=True), [], "length"))
 
     async def _generate_choice(
         self,
@@ -307,10 +299,13 @@ class Service:
             out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
             if len(branches) > 1 and not sampling.logprobs:
                 # n choices of one request: one decode per step for all of them.
-                tasks = [asyncio.create_task(self._run_together(branches, choices, sampling, out))]
+                together = self._run_together(branches, choices, sampling, out)
+                tasks = [asyncio.create_task(self._reporting(together, out))]
             else:
                 tasks = [
-                    asyncio.create_task(self._run_choice(b, c, sampling, out))
+                    asyncio.create_task(
+                        self._reporting(self._generate_choice(b, c, sampling, out), out)
+                    )
                     for b, c in zip(branches, choices)
                 ]
             try:
