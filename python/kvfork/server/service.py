@@ -28,6 +28,9 @@ from .errors import APIError, bad_request
 from .metrics import Metrics
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 
+#: The longest a prefilled request waits for the prefills of requests that arrived with it.
+PREFILL_BURST_WAIT = 2.0
+
 
 class Admission:
     """Leases for live requests: a request needs `n` (one per choice); past the free ones it
@@ -131,6 +134,8 @@ class Service:
         self.metrics = metrics or Metrics()
         self.metrics.watch(self)
         self.created = int(time.time())
+        self.prefilling = 0  # requests between admission and a prefilled branch
+        self.prefills_done = asyncio.Event()
 
     # ---- prompts ----
 
@@ -292,7 +297,20 @@ class Service:
         request's prompt field in errors."""
         self.check_room(tokens, prompt_param)
         async with self.admission.leases(sampling.n):
-            branches, cached = await self._choices(tokens, sampling)
+            self.prefilling += 1
+            try:
+                branches, cached = await self._choices(tokens, sampling)
+            finally:
+                self.prefilling -= 1
+                if self.prefilling == 0:
+                    self.prefills_done.set()
+            # Requests that arrived together prefill together: a prefill decode packs up to
+            # n_batch tokens of all of them, where a generation step between them would be a
+            # decode of its own. Generation starts once the burst's prefills are done.
+            if self.prefilling:
+                self.prefills_done.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.prefills_done.wait(), PREFILL_BURST_WAIT)
             choices = [
                 Choice(i, StopStrings([*stop, *sampling.stop])) for i in range(len(branches))
             ]
