@@ -137,6 +137,8 @@ def test_bad_calls_raise(ctx: kvfork.Context) -> None:
         cache.branch_sync([ctx.vocab_size], GREEDY)
     with pytest.raises(TypeError, match="ctx"):
         kvfork.PrefixCache(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="branch"):
+        cache.release(None)  # type: ignore[arg-type]
     stranger = kvfork.Branch.create(ctx, 0, GREEDY)
     with pytest.raises(ValueError, match="not a live branch of this cache"):
         cache.release(stranger)

@@ -370,6 +370,15 @@ impl<'a> Parser<'a> {
         place(self.chars, at)
     }
 
+    /// The input ended inside `what`, opened at `open`, where `expected` should have come.
+    fn unclosed<T>(&self, open: usize, what: &str, expected: &str) -> Result<T, Failure> {
+        let opened = self.place(open);
+        self.fail(
+            self.pos,
+            format!("unexpected end of input in {what} opened at {opened} (expected {expected})"),
+        )
+    }
+
     /// What stands at `at`, for "found ...": a whole word, a character, or an end.
     fn found(&self, at: usize) -> String {
         match self.at(at) {
@@ -557,14 +566,7 @@ impl<'a> Parser<'a> {
         let mut empty = true;
         while self.peek() != '"' {
             if self.peek() == END {
-                let opened = self.place(open);
-                return self.fail(
-                    self.pos,
-                    format!(
-                        "unexpected end of input in the string literal opened at {opened} \
-                         (expected a closing '\"')"
-                    ),
-                );
+                return self.unclosed(open, "the string literal", "a closing '\"'");
             }
             self.character()?;
             empty = false;
@@ -583,27 +585,17 @@ impl<'a> Parser<'a> {
         let mut empty = true;
         while self.peek() != ']' {
             if self.peek() == END {
-                let opened = self.place(open);
-                return self.fail(
-                    self.pos,
-                    format!(
-                        "unexpected end of input in the character class opened at {opened} \
-                         (expected a closing ']')"
-                    ),
-                );
+                return self.unclosed(open, "the character class", "a closing ']'");
             }
             self.character()?;
             empty = false;
             if self.peek() == '-' && self.at(self.pos + 1) != ']' {
                 self.pos += 1;
                 if self.peek() == END {
-                    let opened = self.place(open);
-                    return self.fail(
-                        self.pos,
-                        format!(
-                            "unexpected end of input in a range of the character class opened \
-                             at {opened} (expected the character that ends the range, then ']')"
-                        ),
+                    return self.unclosed(
+                        open,
+                        "a range of the character class",
+                        "the character that ends the range, then ']'",
                     );
                 }
                 self.character()?;
@@ -686,14 +678,7 @@ impl<'a> Parser<'a> {
                 self.pos += 1;
             }
             if self.peek() == END {
-                let opened = self.place(open);
-                return self.fail(
-                    self.pos,
-                    format!(
-                        "unexpected end of input in the token opened at {opened} \
-                         (expected a closing '>')"
-                    ),
-                );
+                return self.unclosed(open, "the token", "a closing '>'");
             }
             self.pos += 1;
         }

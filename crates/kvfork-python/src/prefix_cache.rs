@@ -40,14 +40,14 @@ impl PyPrefixCache {
     /// Hand back a branch `branch` made: its KV stays as an entry for later requests (the
     /// caller's handle is spent: use it no more). ValueError for a branch the cache did not
     /// make or already has.
-    fn release(&self, branch: &Bound<'_, PyBranch>) -> PyResult<()> {
-        self.inner.release(&branch.get().inner).py()
+    fn release(&self, branch: Arg<Bound<'_, PyBranch>>) -> PyResult<()> {
+        self.inner.release(&branch.0.get().inner).py()
     }
 
     /// How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
     /// not prefilled); None for a branch the cache did not make or no longer holds.
-    fn shared_tokens(&self, branch: &Bound<'_, PyBranch>) -> Option<usize> {
-        self.inner.shared_tokens(&branch.get().inner)
+    fn shared_tokens(&self, branch: Arg<Bound<'_, PyBranch>>) -> Option<usize> {
+        self.inner.shared_tokens(&branch.0.get().inner)
     }
 
     /// Prune every entry (branches handed out stay).

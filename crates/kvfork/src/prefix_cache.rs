@@ -404,6 +404,10 @@ impl State {
     fn refresh(&mut self) {
         let mut gone = Vec::new();
         for (&handle, holder) in self.holders.iter_mut() {
+            // Unchanged since the last look (the common case): no copy of its history.
+            if holder.branch.position().ok() == Some(holder.tokens.len() as i32) {
+                continue;
+            }
             match holder.branch.history() {
                 Ok(history) if history.starts_with(&holder.tokens) => {
                     if history.len() > holder.tokens.len() {

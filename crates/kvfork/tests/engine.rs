@@ -1,48 +1,17 @@
 //! The Rust API on the real default model (no Python). The model path comes from
 //! KVFORK_MODEL, else the cache used by the Python package (`make test` sets it).
 
-use std::path::PathBuf;
-use std::sync::Arc;
+mod common;
 
-use kvfork::{
-    Branch, BranchStore, Context, ContextParams, Error, Model, ModelParams, SamplingParams,
-};
-
-fn model() -> Arc<Model> {
-    let path = std::env::var_os("KVFORK_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap())
-                .join(".cache/kvfork/gemma-3-270m-q4_k_m.gguf")
-        });
-    assert!(
-        path.exists(),
-        "model {path:?} not found: run `make setup` or set KVFORK_MODEL"
-    );
-    Model::load(&path, &ModelParams::default()).expect("load model")
-}
+use common::model;
+use kvfork::{Branch, BranchStore, Context, ContextParams, Error, SamplingParams};
 
 fn context(n_seq_max: u32) -> Context {
-    Context::new(
-        model(),
-        ContextParams {
-            n_ctx: 1024,
-            n_seq_max,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    common::context(1024, n_seq_max)
 }
 
 fn greedy_root(ctx: &Context) -> Branch {
-    let b = Branch::create(ctx, 0, &SamplingParams::greedy(), None).unwrap();
-    b.prefill(
-        ctx.tokenize("The history of the printing press begins with", true, false)
-            .unwrap(),
-    )
-    .wait()
-    .unwrap();
-    b
+    common::root(ctx, "The history of the printing press begins with")
 }
 
 fn continue_greedy(b: &Branch, n: usize) -> Vec<i32> {
