@@ -2,9 +2,12 @@
 //! it, so independent callers (one asyncio task per request, say) share one `llama_decode`.
 //!
 //! The window adapts to the traffic. It stays open while the group is smaller than the last
-//! one (commits) and requests keep arriving less than [`GAP`] apart, never longer than a
+//! one (commits) and requests keep arriving less than a gap apart, never longer than a
 //! quarter of the last decode nor [`MAX_LINGER`] (one gap before the first decode); time
-//! spent handling an arrival does not count against the gap. A caller alone waits at most
+//! spent handling an arrival does not count against the gap. The gap is [`GAP`], or a
+//! sixteenth of the last decode when that is longer: callers that are slow to come back (a
+//! server streaming each token to its client) then still meet the others' next decode
+//! instead of running one of their own, out of phase for good. A caller alone waits at most
 //! one gap. Branches just prefilled together count as the last group (their tasks are about
 //! to step together). `produce` requests met on the way are answered at once (they decode
 //! nothing), so their callers' commits can still join.
@@ -18,7 +21,7 @@ use super::shared::BranchCell;
 use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
 use crate::seq::Seq;
 
-/// The longest pause between two arrivals for which a gathering keeps waiting.
+/// The longest pause between two arrivals for which a gathering keeps waiting (at least).
 const GAP: Duration = Duration::from_millis(1);
 /// The longest a gathering waits in all, whatever the decode time.
 const MAX_LINGER: Duration = Duration::from_millis(20);
@@ -27,6 +30,7 @@ const MAX_LINGER: Duration = Duration::from_millis(20);
 pub(super) struct Window {
     opened: Instant,
     last_arrival: Instant,
+    gap: Duration,
     cap: Duration,
 }
 
@@ -42,12 +46,13 @@ impl Window {
         Window {
             opened: now,
             last_arrival: now,
+            gap: GAP.max(last_decode / 16).min(cap),
             cap,
         }
     }
 
     fn remaining(&self) -> Duration {
-        let end = (self.opened + self.cap).min(self.last_arrival + GAP);
+        let end = (self.opened + self.cap).min(self.last_arrival + self.gap);
         end.saturating_duration_since(Instant::now())
     }
 
@@ -222,4 +227,25 @@ pub(super) fn start_run<'a>(tickets: impl Iterator<Item = &'a super::Ticket>) ->
         t.join_run(run);
     }
     run
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gap_grows_with_the_decode_and_stays_inside_the_cap() {
+        let ms = Duration::from_millis;
+        // Before any decode: one minimal gap, which is also the cap.
+        let w = Window::new(Duration::ZERO);
+        assert_eq!((w.gap, w.cap), (GAP, GAP));
+        // Short decodes keep the minimal gap.
+        assert_eq!(Window::new(ms(8)).gap, GAP);
+        // A 16-branch step of ~80 ms: callers get 5 ms to come back.
+        let w = Window::new(ms(80));
+        assert_eq!((w.gap, w.cap), (ms(5), ms(20)));
+        // Long decodes: the gap grows, never past the linger cap.
+        let w = Window::new(ms(1000));
+        assert!(w.gap <= w.cap && w.cap == MAX_LINGER);
+    }
 }

@@ -17,6 +17,10 @@ use kvfork_core::threads::{others_busy, others_running, CpuTimes};
 
 /// Readings closer together than this are skipped (a read costs ~20 µs; a decode ~10 ms).
 const READ_EVERY: Duration = Duration::from_millis(25);
+/// A window longer than this is mostly time the engine sat idle: what other processes did
+/// then says little about the decode about to run, and neither does an instant count taken
+/// while the client that woke us is still sending. The reading is the lesser of the two.
+const STALE_WINDOW: Duration = Duration::from_millis(500);
 /// Counts of runnable tasks taken for the instant reading.
 const INSTANT_SAMPLES: usize = 5;
 
@@ -82,13 +86,26 @@ impl LoadMeter {
     }
 
     /// Cores other processes kept busy since the window began, once the window is long
-    /// enough to tell; then a new window starts.
+    /// enough to tell (an instant count after an idle stretch); then a new window starts.
     pub fn others_busy(&mut self) -> Option<f64> {
-        if self.last_read.elapsed() < READ_EVERY {
+        let since = self.last_read.elapsed();
+        if since < READ_EVERY {
             return None;
         }
         self.last_read = Instant::now();
         let now = read_times(&self.allowed, self.count_niced)?;
+        if since > STALE_WINDOW && self.whole_machine {
+            // Both readings must show the load: a neighbour that keeps cores busy does, where
+            // a client's burst of requests (busy just now, idle while we decode) shows only in
+            // the instant count, and what ran during the idle stretch only in the window.
+            let window = self.start.and_then(|start| others_busy(&start, &now));
+            self.start = Some(now);
+            let instant = self.others_now();
+            return match (window, instant) {
+                (Some(w), Some(i)) => Some(w.min(i)),
+                (w, i) => w.or(i),
+            };
+        }
         let Some(start) = self.start else {
             self.start = Some(now);
             return None;

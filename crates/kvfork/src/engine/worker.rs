@@ -34,6 +34,9 @@ pub(crate) struct Worker {
     threads_batch: usize,
     /// Snapshots reading their rows in llama.cpp's output buffer.
     loans: RowLoans,
+    /// One line on stderr per decode (`KVFORK_TRACE_DECODES` set): when, how many tokens, how
+    /// long, how many threads — to see how requests share decodes.
+    trace: bool,
 }
 
 impl Drop for Worker {
@@ -69,6 +72,7 @@ impl Worker {
             stash: None,
             last_group: 0,
             last_decode: Duration::ZERO,
+            trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
         };
         worker.apply_threads(max as u32);
         worker
@@ -207,6 +211,9 @@ impl Worker {
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
+        if self.trace {
+            self.trace_decode(r.is_ok());
+        }
         self.tune_threads();
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
@@ -215,6 +222,19 @@ impl Worker {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
         }
         r
+    }
+
+    fn trace_decode(&self, ok: bool) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        eprintln!(
+            "kvfork decode: t={:.3} tokens={} ms={:.1} threads={} ok={ok}",
+            now.as_secs_f64(),
+            self.batch.len(),
+            self.last_decode.as_secs_f64() * 1e3,
+            self.threads_batch,
+        );
     }
 
     /// Feed the decode just timed to the tuner; apply the count it wants next.
