@@ -19,6 +19,7 @@ __all__ = [
     "BranchStore",
     "ChatTemplateError",
     "Context",
+    "ControlVector",
     "DecodeError",
     "FormattedChat",
     "GrammarError",
@@ -26,6 +27,7 @@ __all__ = [
     "KvforkError",
     "KvforkWarning",
     "LeaseExhaustedError",
+    "LoraAdapter",
     "Model",
     "ModelLoadError",
     "Operation",
@@ -140,6 +142,47 @@ class Model:
     @property
     def chat_template(self) -> str | None:
         """The GGUF's Jinja chat template (`tokenizer.chat_template`), or None when it has none."""
+    @property
+    def n_layer(self) -> int:
+        """Transformer blocks (layers)."""
+    def load_lora(self, path: str | PathLike[str]) -> LoraAdapter:
+        """Load a LoRA adapter (GGUF) for this model (blocking). Raises ModelLoadError for a
+        file of another architecture, with shapes that do not fit, truncated, or not a LoRA.
+        """
+    def load_control_vector(self, source: str | PathLike[str] | npt.ArrayLike) -> ControlVector:
+        """A control vector from a GGUF file (llama.cpp's `direction.N` tensors) or from an
+        array of shape `(n_layer, n_embd)`.
+        """
+
+@final
+class LoraAdapter:
+    """A LoRA adapter (GGUF) loaded for one model: `model.load_lora(path)`. Apply it to branches
+    with `branch.set_adapters({adapter: scale})`; it lives as long as its model.
+    """
+    @property
+    def path(self) -> Path:
+        """The file it was loaded from."""
+    @property
+    def fingerprint(self) -> int:
+        """A checksum of the file's bytes (saved with the branches that use it)."""
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class ControlVector:
+    """A control vector (activation steering): one direction per layer, shape
+    `(n_layer, n_embd)`, row r added to the output of llama.cpp's layer r + 1 (its layer 0
+    takes none). `model.load_control_vector(path_or_array)`; apply it with
+    `branch.set_control_vector(cv, scale, layers=(start, end))`.
+    """
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(n_layer, n_embd)`."""
+    def to_numpy(self) -> npt.NDArray[np.float32]:
+        """The directions as a float32 numpy array of `shape` (a copy)."""
+    @property
+    def path(self) -> Path | None:
+        """The file it was loaded from, or None (made from an array)."""
 
 @final
 class SamplingParams:
@@ -780,6 +823,25 @@ class Branch:
     ) -> None:
         """Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
         words, ints are token ids; `patterns`: regexes matched from the start of the output.
+        """
+    def set_adapters(self, adapters: dict[LoraAdapter, float]) -> None:
+        """Decode under these LoRA adapters from now on: `{adapter: scale}` replaces the set
+        (scale 0 is the same as leaving the adapter out). Inherited on fork. A commit or step
+        over branches with different sets decodes one group per distinct set.
+        """
+    def clear_adapters(self) -> None:
+        """Back to the base model: no LoRA adapter and no control vector (for this branch and the
+        forks made after).
+        """
+    @property
+    def adapters(self) -> dict[LoraAdapter, float]:
+        """`{adapter: scale}` of the LoRA adapters this branch decodes under."""
+    def set_control_vector(
+        self, cv: ControlVector | None, scale: float = 1.0, layers: tuple[int, int] | None = None
+    ) -> None:
+        """Add `cv` × `scale` to the outputs of the rows `layers = (start, end)` (0-based, end
+        exclusive; all when None) from now on; `cv=None` removes the control vector.
+        Inherited on fork; grouped like adapters.
         """
     def set_logit_bias(self, bias: dict[int, float]) -> None:
         """Static biases {token: bias} added to the logits (-inf bans); inherited on fork."""

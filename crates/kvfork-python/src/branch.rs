@@ -5,9 +5,10 @@ use std::path::PathBuf;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
+use pyo3::types::{PyDict, PyType};
 use pyo3::IntoPyObjectExt;
 
+use crate::adapter::{PyControlVector, PyLoraAdapter};
 use crate::context::{token_id, PyContext};
 use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
@@ -361,6 +362,58 @@ impl PyBranch {
             tokens,
         };
         self.inner.set_grammar(Some(spec)).py()
+    }
+
+    /// Decode under these LoRA adapters from now on: `{adapter: scale}` replaces the set
+    /// (scale 0 is the same as leaving the adapter out). Inherited on fork. A commit or step
+    /// over branches with different sets decodes one group per distinct set.
+    fn set_adapters(&self, adapters: &Bound<'_, PyAny>) -> PyResult<()> {
+        let dict = adapters.cast::<PyDict>().map_err(|_| {
+            crate::errors::type_error("adapters must be a dict {LoraAdapter: scale}")
+        })?;
+        let mut set = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            let adapter = k.cast::<PyLoraAdapter>().map_err(|_| {
+                crate::errors::type_error("adapters must be a dict {LoraAdapter: scale}")
+            })?;
+            let scale: f32 = v
+                .extract()
+                .map_err(|_| crate::errors::type_error("an adapter's scale must be a number"))?;
+            set.push((adapter.get().inner.clone(), scale));
+        }
+        self.inner.set_adapters(set).py()
+    }
+
+    /// Back to the base model: no LoRA adapter and no control vector (for this branch and the
+    /// forks made after).
+    fn clear_adapters(&self) -> PyResult<()> {
+        self.inner.clear_adapters().py()
+    }
+
+    /// `{adapter: scale}` of the LoRA adapters this branch decodes under.
+    #[getter]
+    fn adapters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (a, scale) in self.inner.adapters().py()?.loras() {
+            out.set_item(PyLoraAdapter { inner: a.clone() }, *scale)?;
+        }
+        Ok(out)
+    }
+
+    /// Add `cv` × `scale` to the outputs of the rows `layers = (start, end)` (0-based, end
+    /// exclusive; all when None) from now on; `cv=None` removes the control vector.
+    /// Inherited on fork; grouped like adapters.
+    #[pyo3(signature = (cv, scale=Arg(1.0), layers=None),
+           text_signature = "($self, cv, scale=1.0, layers=None)")]
+    fn set_control_vector(
+        &self,
+        cv: Option<PyRef<'_, PyControlVector>>,
+        scale: Arg<f32>,
+        layers: Option<Arg<(u32, u32)>>,
+    ) -> PyResult<()> {
+        self.inner
+            .set_control_vector(cv.map(|c| c.inner.clone()), scale.0, layers.map(|l| l.0))
+            .py()
     }
 
     /// Static biases {token: bias} added to the logits (-inf bans); inherited on fork.

@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
+mod adapter;
 mod awaitable;
 mod branch;
 mod chat;
@@ -89,6 +90,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<model::PyModel>()?;
+    m.add_class::<adapter::PyLoraAdapter>()?;
+    m.add_class::<adapter::PyControlVector>()?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<params::PySamplingParams>()?;
     m.add_class::<token::PyToken>()?;

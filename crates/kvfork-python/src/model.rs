@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
+use crate::adapter::{self, PyControlVector, PyLoraAdapter};
 use crate::convert::Arg;
 use crate::errors::IntoPyResult;
 
@@ -88,6 +89,28 @@ impl PyModel {
     #[getter]
     fn chat_template(&self) -> Option<String> {
         self.inner.chat_template()
+    }
+
+    /// Transformer blocks (layers).
+    #[getter]
+    fn n_layer(&self) -> usize {
+        self.inner.n_layer()
+    }
+
+    /// Load a LoRA adapter (GGUF) for this model (blocking). Raises ModelLoadError for a
+    /// file of another architecture, with shapes that do not fit, truncated, or not a LoRA.
+    fn load_lora(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<PyLoraAdapter> {
+        adapter::load_lora(py, &self.inner, path.0)
+    }
+
+    /// A control vector from a GGUF file (llama.cpp's `direction.N` tensors) or from an
+    /// array of shape `(n_layer, n_embd)`.
+    fn load_control_vector(
+        &self,
+        py: Python<'_>,
+        source: &Bound<'_, PyAny>,
+    ) -> PyResult<PyControlVector> {
+        adapter::load_control_vector(py, &self.inner, source)
     }
 
     fn __repr__(&self) -> String {

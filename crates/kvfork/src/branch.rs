@@ -1,5 +1,6 @@
 //! `Branch`: one decode sequence (a KV lease) with its own sampler, grammar, biases and metrics.
 
+use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
@@ -391,6 +392,92 @@ impl Branch {
             s.set_logit_bias(bias);
             Ok(())
         })
+    }
+
+    /// Decode under these LoRA adapters and scales from now on (replacing the set; a scale of
+    /// 0 is the same as leaving the adapter out). Forks inherit the set. Tokens already
+    /// decoded keep the KV computed under the adapters of their time.
+    pub fn set_adapters(&self, adapters: Vec<(Arc<LoraAdapter>, f32)>) -> Result<()> {
+        let model = &self.ctx.shared().model;
+        for (a, scale) in &adapters {
+            if !Arc::ptr_eq(a.model(), model) {
+                return Err(Error::InvalidArgument {
+                    name: "adapters",
+                    message: format!(
+                        "{} was loaded for another model object than this context's",
+                        a.path().display()
+                    ),
+                });
+            }
+            if !scale.is_finite() {
+                return Err(Error::InvalidArgument {
+                    name: "adapters",
+                    message: format!("the scale of {} is {scale}", a.path().display()),
+                });
+            }
+        }
+        self.state(|s| {
+            s.adapters_mut().set_loras(adapters);
+            Ok(())
+        })
+    }
+
+    /// Add `vector` × `scale` to the outputs of its rows `layers` (0-based, end exclusive;
+    /// all rows when `None`) from now on; `None` removes the control vector. Inherited by forks.
+    pub fn set_control_vector(
+        &self,
+        vector: Option<Arc<ControlVector>>,
+        scale: f32,
+        layers: Option<(u32, u32)>,
+    ) -> Result<()> {
+        let model = &self.ctx.shared().model;
+        let steering = match vector {
+            None => None,
+            Some(vector) => {
+                if vector.n_embd() != model.n_embd() || vector.n_layers() != model.n_layer() {
+                    return Err(Error::InvalidArgument {
+                        name: "vector",
+                        message: format!(
+                            "shape ({}, {}), this model takes ({}, {})",
+                            vector.n_layers(),
+                            vector.n_embd(),
+                            model.n_layer(),
+                            model.n_embd()
+                        ),
+                    });
+                }
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument {
+                        name: "scale",
+                        message: format!("{scale} is not finite"),
+                    });
+                }
+                let layers = layers.unwrap_or((0, model.n_layer() as u32));
+                check_layers(model, layers)?;
+                Some(SteeringVector {
+                    vector,
+                    scale,
+                    layers,
+                })
+            }
+        };
+        self.state(|s| {
+            s.adapters_mut().set_cvec(steering);
+            Ok(())
+        })
+    }
+
+    /// Back to the base model: no LoRA adapter, no control vector.
+    pub fn clear_adapters(&self) -> Result<()> {
+        self.state(|s| {
+            *s.adapters_mut() = Adapters::default();
+            Ok(())
+        })
+    }
+
+    /// The adapters and control vector the branch decodes under.
+    pub fn adapters(&self) -> Result<Adapters> {
+        self.state(|s| Ok(s.adapters().clone()))
     }
 
     /// The logit bias, sorted by token.

@@ -14,6 +14,7 @@ pub(crate) use snapshot::LogitsSnapshot;
 
 use candidates::{biased_count, guided_window, legal_window, Candidates};
 
+use crate::adapter::Adapters;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 use crate::produced::Produced;
@@ -63,6 +64,8 @@ pub(crate) struct BranchState {
     utf8: Utf8Carry,
     candidates: Candidates,
     cache: FilteredCache,
+    /// LoRA adapters and control vector its tokens are decoded under (inherited by forks).
+    adapters: Adapters,
 }
 
 /// What `commit` restores when the decode fails.
@@ -96,6 +99,7 @@ impl BranchState {
             utf8: Utf8Carry::default(),
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
+            adapters: Adapters::default(),
         }
     }
 
@@ -118,7 +122,17 @@ impl BranchState {
             utf8: self.utf8.clone(),
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
+            adapters: self.adapters.clone(),
         }
+    }
+
+    /// The adapters its decodes run under.
+    pub fn adapters(&self) -> &Adapters {
+        &self.adapters
+    }
+
+    pub fn adapters_mut(&mut self) -> &mut Adapters {
+        &mut self.adapters
     }
 
     pub fn snapshot(&self) -> Snapshot {

@@ -15,7 +15,7 @@ const MAX_LAYERS: u32 = 512;
 
 /// An open `gguf_context` (metadata only, no tensor data). Invariant: the pointer is a live,
 /// non-NULL context from `gguf_init_from_file`, owned by this value (freed in `Drop`).
-struct Gguf(*mut sys::gguf_context);
+pub(crate) struct Gguf(*mut sys::gguf_context);
 
 impl Drop for Gguf {
     fn drop(&mut self) {
@@ -25,7 +25,7 @@ impl Drop for Gguf {
 }
 
 impl Gguf {
-    fn open(path: &Path) -> Option<Gguf> {
+    pub(crate) fn open(path: &Path) -> Option<Gguf> {
         let c_path = CString::new(path.to_string_lossy().as_bytes()).ok()?;
         let params = sys::gguf_init_params {
             no_alloc: true,
@@ -48,7 +48,7 @@ impl Gguf {
         (id >= 0).then(|| (id, unsafe { sys::gguf_get_kv_type(self.0, id) }))
     }
 
-    fn string(&self, name: &str) -> Option<String> {
+    pub(crate) fn string(&self, name: &str) -> Option<String> {
         match self.key(name)? {
             (id, sys::GGUF_TYPE_STRING) => {
                 // SAFETY: `id` is a key of type string (matched: ggml asserts on a getter of
@@ -109,6 +109,42 @@ impl Gguf {
                     .collect(),
             )
         }
+    }
+
+    /// Each tensor's name, type and first two dimensions.
+    pub(crate) fn tensors_with_shape(
+        &self,
+    ) -> impl Iterator<Item = (String, sys::ggml_type, [i64; 2])> + '_ {
+        self.tensors().enumerate().map(|(i, (name, ty))| {
+            // SAFETY: `i` is below the tensor count of the live context; the returned array
+            // holds GGML_MAX_DIMS (4) dimensions and lives as long as the context.
+            let ne =
+                unsafe { std::slice::from_raw_parts(sys::gguf_get_tensor_ne(self.0, i as i64), 4) };
+            (name, ty, [ne[0], ne[1]])
+        })
+    }
+
+    /// Where tensor `i`'s data starts in the file (None past the addressable).
+    pub(crate) fn tensor_data_offset(&self, i: usize) -> Option<usize> {
+        // SAFETY: getters of the live context; `i` is below its tensor count (callers take
+        // it from `tensors_with_shape`).
+        let (base, offset) = unsafe {
+            (
+                sys::gguf_get_data_offset(self.0),
+                sys::gguf_get_tensor_offset(self.0, i as i64),
+            )
+        };
+        base.checked_add(offset)
+    }
+
+    /// The first tensor whose data does not fit in a file of `len` bytes.
+    pub(crate) fn tensor_past_end(&self, len: usize) -> Option<String> {
+        self.tensors().enumerate().find_map(|(i, (name, _))| {
+            // SAFETY: `i` is below the tensor count of the live context.
+            let size = unsafe { sys::gguf_get_tensor_size(self.0, i as i64) };
+            let end = self.tensor_data_offset(i).and_then(|o| o.checked_add(size));
+            end.is_none_or(|end| end > len).then_some(name)
+        })
     }
 
     fn tensors(&self) -> impl Iterator<Item = (String, sys::ggml_type)> + '_ {

@@ -6,6 +6,7 @@
 //! model returns a [`Pending`]: `.wait()` it, or `.await` it.
 
 mod abort;
+pub mod adapter;
 pub mod backend;
 mod branch;
 mod branch_state;
@@ -26,6 +27,7 @@ mod seq;
 mod speculate;
 mod store;
 
+pub use adapter::{Adapters, ControlVector, LoraAdapter, SteeringVector};
 pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
 pub use branch::Branch;
 pub use chat::{format_chat, FormattedChat};

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use crate::abort::AbortSignal;
+use crate::adapter::LoraAdapter;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 use crate::seq::Seq;
@@ -376,6 +377,63 @@ impl LlamaCtx {
     pub fn set_threads(&mut self, threads: i32, threads_batch: i32) {
         // SAFETY: the context is live; the counts are plain values read at the next decode.
         unsafe { sys::llama_set_n_threads(self.ptr.as_ptr(), threads, threads_batch) }
+    }
+
+    /// Replace the LoRA adapters applied to every decode from now on (none: `adapters` empty).
+    pub fn set_loras(&mut self, adapters: &[(&LoraAdapter, f32)]) -> Result<()> {
+        if adapters
+            .iter()
+            .any(|(a, _)| !Arc::ptr_eq(a.model(), &self._model))
+        {
+            return Err(Error::Internal("an adapter of another model".into()));
+        }
+        let mut ptrs: Vec<*mut sys::llama_adapter_lora> =
+            adapters.iter().map(|(a, _)| a.as_ptr()).collect();
+        let mut scales: Vec<f32> = adapters.iter().map(|(_, s)| *s).collect();
+        // SAFETY: the context is live; every pointer is an adapter of this context's model
+        // (checked), alive for as long as the model (see `adapter.rs`); both arrays hold
+        // `len` elements and llama.cpp copies what it keeps.
+        let code = unsafe {
+            sys::llama_set_adapters_lora(
+                self.ptr.as_ptr(),
+                ptrs.as_mut_ptr(),
+                ptrs.len(),
+                scales.as_mut_ptr(),
+            )
+        };
+        if code != 0 {
+            return Err(Error::Decode(format!(
+                "llama.cpp refused the adapters (code {code})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Apply a control vector to every decode from now on: `rows` (layers 1.. of llama.cpp,
+    /// `n_embd` values each) on llama.cpp's layers `il_start..=il_end`; `None` removes it.
+    pub fn set_control_vector(&mut self, cvec: Option<(&[f32], i32, i32)>) -> Result<()> {
+        let n_embd = self._model.n_embd();
+        let (ptr, len, start, end) = match cvec {
+            Some((rows, start, end)) => {
+                if n_embd == 0 || rows.len() % n_embd != 0 {
+                    return Err(Error::Internal("a control vector of another width".into()));
+                }
+                (rows.as_ptr(), rows.len(), start, end)
+            }
+            None => (std::ptr::null(), 0, -1, -1),
+        };
+        // SAFETY: the context is live; `ptr` is NULL (remove) or `len` floats alive for the
+        // call, a whole number of rows of the model's width (checked: llama.cpp reads only
+        // whole rows inside `len` and copies them into its own tensors).
+        let code = unsafe {
+            sys::llama_set_adapter_cvec(self.ptr.as_ptr(), ptr, len, n_embd as i32, start, end)
+        };
+        if code != 0 {
+            return Err(Error::Decode(format!(
+                "llama.cpp refused the control vector (code {code})"
+            )));
+        }
+        Ok(())
     }
 
     /// The pooling llama.cpp applies to embeddings (`LLAMA_POOLING_TYPE_*`).

@@ -185,6 +185,12 @@ impl Model {
         unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as usize
     }
 
+    /// Transformer blocks (layers).
+    pub fn n_layer(&self) -> usize {
+        // SAFETY: a getter of the loaded model.
+        unsafe { sys::llama_model_n_layer(self.as_ptr()) }.max(0) as usize
+    }
+
     /// The width of the embeddings llama.cpp returns (`embedding_length_out`, else `n_embd`).
     pub fn n_embd_out(&self) -> usize {
         // SAFETY: a getter of the loaded model, which lives as long as `self`.

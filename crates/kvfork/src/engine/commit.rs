@@ -7,9 +7,11 @@
 
 use std::sync::{Arc, MutexGuard};
 
+use super::adapters::group_by_adapters;
 use super::parallel;
 use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitRequest, Worker};
+use crate::adapter::Adapters;
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
 use crate::produced::Produced;
@@ -203,11 +205,29 @@ impl Worker {
                 "a branch appears twice in one decode".into(),
             ));
         }
+        // Branches under different adapters decode apart: the items in one run per set.
+        let groups = group_by_adapters(&cells);
+        let (items, sets): (Vec<&CommitItem>, Vec<(Adapters, usize)>) = if groups.len() == 1 {
+            let (set, _) = groups.into_iter().next().expect("one group");
+            (items.to_vec(), vec![(set, items.len())])
+        } else {
+            let mut ordered = Vec::with_capacity(items.len());
+            let mut sets = Vec::with_capacity(groups.len());
+            for (set, members) in groups {
+                sets.push((set, members.len()));
+                ordered.extend(members.iter().map(|&i| items[i]));
+            }
+            (ordered, sets)
+        };
+        let items = &items[..];
+        let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
         self.loans().give_back_except(&cells);
         let n_batch = self.ctx().n_batch as usize;
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
-        let one_decode = items.len() <= n_batch && items.len() <= self.ctx().n_seq_max as usize;
+        let one_decode = sets.len() == 1
+            && items.len() <= n_batch
+            && items.len() <= self.ctx().n_seq_max as usize;
         let places: Vec<(Seq, i32)> = cells
             .iter()
             .map(|cell| {
@@ -219,7 +239,7 @@ impl Worker {
                 (cell.seq(), st.position())
             })
             .collect();
-        let decoded = self.decode_places(items, &places);
+        let decoded = self.decode_places(items, &places, &sets, !one_decode);
         let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
         let landed = match decoded {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
@@ -245,23 +265,37 @@ impl Worker {
         landed
     }
 
-    /// The decodes of `decode_items`: the rows of every decode but the last copied aside
-    /// (empty for one decode, whose rows stay in the output buffer).
+    /// The decodes of `decode_items`: one run per adapter set (`sets`: each set and how many
+    /// items in a row use it), n_batch items a decode. With `copy_rows` every row is copied
+    /// aside (more than one decode); otherwise the rows stay in the output buffer.
     fn decode_places(
         &mut self,
         items: &[&CommitItem],
         places: &[(Seq, i32)],
+        sets: &[(Adapters, usize)],
+        copy_rows: bool,
     ) -> Result<Vec<Vec<f32>>> {
         let n_batch = self.ctx().n_batch as usize;
         let base = self.ctx().output_base();
         let mut kept: Vec<Vec<f32>> = Vec::new();
-        for start in (0..items.len()).step_by(n_batch) {
-            let end = (start + n_batch).min(items.len());
-            let batch = self.start_batch();
-            for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
-                batch.push(*token, pos, seq, true);
+        let mut chunks = Vec::new();
+        let mut first = 0;
+        for (set, n) in sets {
+            for start in (first..first + n).step_by(n_batch) {
+                chunks.push((set, start, (start + n_batch).min(first + n)));
             }
-            if let Err(e) = self.decode_batch() {
+            first += n;
+        }
+        for (set, start, end) in chunks {
+            let applied = self.use_adapters(set);
+            let decoded = applied.and_then(|()| {
+                let batch = self.start_batch();
+                for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
+                    batch.push(*token, pos, seq, true);
+                }
+                self.decode_batch()
+            });
+            if let Err(e) = decoded {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
                 for &(seq, pos) in &places[..start] {
                     let _ = self.ctx_mut().seq_rm(seq, pos, -1);
@@ -274,7 +308,7 @@ impl Worker {
                 }
                 return Err(e);
             }
-            if end < items.len() || start > 0 {
+            if copy_rows {
                 for k in 0..end - start {
                     kept.push(self.ctx().logits_ith(k)?.to_vec());
                 }

@@ -42,6 +42,7 @@ impl Worker {
 
     /// One decode for `group` (text i on sequence i), then clear those sequences.
     fn embed_group(&mut self, group: &[&[Token]], normalize: bool) -> Result<Vec<Vectors>> {
+        self.use_no_adapters()?;
         let batch = self.start_batch();
         let seqs = || (0..group.len() as u32).map(Seq::new);
         for (seq, text) in seqs().zip(group) {

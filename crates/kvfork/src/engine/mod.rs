@@ -14,6 +14,7 @@
 //! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
 //! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV).
 
+mod adapters;
 mod commit;
 mod embed;
 mod gather;

@@ -5,6 +5,7 @@
 
 use kvfork_core::packer::{logits_index, plan_prefill};
 
+use super::adapters::group_by_adapters;
 use super::commit::may_be_one_request;
 use super::gather::start_run;
 use super::{PrefillItem, PrefillRequest, Worker};
@@ -111,28 +112,36 @@ impl Worker {
             starts.push(start);
             seqs.push(seq);
         }
-        let lens: Vec<usize> = items.iter().map(|(_, t)| t.len()).collect();
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
-        for chunk in plan_prefill(&lens, self.ctx().n_batch as usize) {
-            let batch = self.start_batch();
-            for span in &chunk.spans {
-                let tokens = &items[span.item].1[span.start..span.start + span.len];
-                for (j, &t) in tokens.iter().enumerate() {
-                    let wants_logits = span.is_last && j + 1 == span.len;
-                    let pos = starts[span.item] + (span.start + j) as i32;
-                    batch.push(t, pos, seqs[span.item], wants_logits);
+        // Branches under different adapters are packed apart, one plan per set.
+        let cells: Vec<_> = items.iter().map(|(cell, _)| cell).collect();
+        for (set, members) in group_by_adapters(&cells) {
+            let lens: Vec<usize> = members.iter().map(|&i| items[i].1.len()).collect();
+            for chunk in plan_prefill(&lens, self.ctx().n_batch as usize) {
+                let decoded = self.use_adapters(&set).and_then(|()| {
+                    let batch = self.start_batch();
+                    for span in &chunk.spans {
+                        let item = members[span.item];
+                        let tokens = &items[item].1[span.start..span.start + span.len];
+                        for (j, &t) in tokens.iter().enumerate() {
+                            let wants_logits = span.is_last && j + 1 == span.len;
+                            let pos = starts[item] + (span.start + j) as i32;
+                            batch.push(t, pos, seqs[item], wants_logits);
+                        }
+                    }
+                    self.decode()
+                });
+                if let Err(e) = decoded {
+                    for (i, &seq) in seqs.iter().enumerate() {
+                        let _ = self.ctx_mut().seq_rm(seq, starts[i], -1);
+                    }
+                    return Err(e);
                 }
-            }
-            if let Err(e) = self.decode() {
-                for (i, &seq) in seqs.iter().enumerate() {
-                    let _ = self.ctx_mut().seq_rm(seq, starts[i], -1);
-                }
-                return Err(e);
-            }
-            for (k, span) in chunk.spans.iter().enumerate() {
-                if span.is_last {
-                    rows[span.item] =
-                        Some(self.ctx().logits_ith(logits_index(&chunk, k))?.to_vec());
+                for (k, span) in chunk.spans.iter().enumerate() {
+                    if span.is_last {
+                        rows[members[span.item]] =
+                            Some(self.ctx().logits_ith(logits_index(&chunk, k))?.to_vec());
+                    }
                 }
             }
         }

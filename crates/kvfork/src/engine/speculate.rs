@@ -42,11 +42,15 @@ impl Worker {
             }
             (cell.seq(), st.position(), snap)
         };
-        let batch = self.start_batch();
-        for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
-            batch.push(t, start + i as i32, seq, true);
-        }
-        if let Err(e) = self.decode() {
+        let adapters = cell.lock().adapters().clone();
+        let decoded = self.use_adapters(&adapters).and_then(|()| {
+            let batch = self.start_batch();
+            for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
+                batch.push(t, start + i as i32, seq, true);
+            }
+            self.decode()
+        });
+        if let Err(e) = decoded {
             cell.lock().restore(before);
             return Err(e);
         }

@@ -14,6 +14,7 @@ use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
 use super::{panic_message, Job};
+use crate::adapter::AdapterKey;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
 use crate::seq::Seq;
@@ -34,6 +35,8 @@ pub(crate) struct Worker {
     threads_batch: usize,
     /// Snapshots reading their rows in llama.cpp's output buffer.
     loans: RowLoans,
+    /// The adapter set the context holds (see `adapters.rs`).
+    adapters: AdapterKey,
     /// One line on stderr per decode (`KVFORK_TRACE_DECODES` set): when, how many tokens, how
     /// long, how many threads — to see how requests share decodes.
     trace: bool,
@@ -73,6 +76,7 @@ impl Worker {
             last_group: 0,
             last_decode: Duration::ZERO,
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
+            adapters: AdapterKey::default(),
         };
         worker.apply_threads(max as u32);
         worker
@@ -143,6 +147,15 @@ impl Worker {
     /// The rows of the output buffer lent to snapshots (see `loans.rs`).
     pub(super) fn loans(&mut self) -> &mut RowLoans {
         &mut self.loans
+    }
+
+    /// The adapter set the context holds.
+    pub(super) fn applied_adapters(&self) -> &AdapterKey {
+        &self.adapters
+    }
+
+    pub(super) fn set_applied_adapters(&mut self, key: AdapterKey) {
+        self.adapters = key;
     }
 
     /// A job pulled while gathering that could not join the group: it runs next.
@@ -225,10 +238,13 @@ impl Worker {
     }
 
     fn trace_decode(&self, ok: bool) {
+        use std::io::Write;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        eprintln!(
+        // Asked for by the user (`KVFORK_TRACE_DECODES`); a failed write is not worth a panic.
+        let _ = writeln!(
+            std::io::stderr(),
             "kvfork decode: t={:.3} tokens={} ms={:.1} threads={} ok={ok}",
             now.as_secs_f64(),
             self.batch.len(),

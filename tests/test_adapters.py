@@ -1,0 +1,235 @@
+"""LoRA adapters and control vectors per branch: what they do to the logits, that a step over
+branches with different sets equals each branch decoded alone (one decode per distinct set),
+inheritance on fork, and the files and arguments that are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import kvfork
+import numpy as np
+import pytest
+
+from .adapter_files import write_control_vector, write_lora
+from .conftest import GREEDY, assert_same_greedy, greedy_with_margins
+
+PROMPT = "The capital of France is"
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def lora_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("lora")
+    return write_lora(d / "a.gguf", seed=1), write_lora(d / "b.gguf", seed=2, layers=(3, 4))
+
+
+@pytest.fixture
+def wide(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    ctx = kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=8)
+    yield ctx
+    ctx.close()
+
+
+def prefilled(ctx: kvfork.Context, setup: object = None) -> kvfork.Branch:
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    if callable(setup):
+        setup(b)
+    b.prefill_sync(ctx.tokenize(PROMPT))
+    return b
+
+
+def logits_with(ctx: kvfork.Context, setup: object = None) -> np.ndarray:
+    b = prefilled(ctx, setup)
+    row = np.array(b.logits())
+    b.prune_sync()
+    return row
+
+
+def test_an_adapter_changes_the_logits_more_with_a_larger_scale(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    base = logits_with(wide)
+    changes = []
+    for scale in (0.0, 0.25, 0.5, 1.0):
+        row = logits_with(wide, lambda b, s=scale: b.set_adapters({a: s}))
+        changes.append(float(np.abs(row - base).max()))
+    # Scale 0 is exactly no adapter; the change grows with the scale.
+    assert changes[0] == 0.0
+    assert 0.0 < changes[1] < changes[2] < changes[3], changes
+    # Back to the base model.
+    b = prefilled(wide, lambda b: b.set_adapters({a: 1.0}))
+    b.clear_adapters()
+    assert b.adapters == {}
+    b.prune_sync()
+    assert np.array_equal(logits_with(wide, lambda b: b.clear_adapters()), base)
+
+
+def test_a_step_over_mixed_sets_equals_each_branch_alone(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a, b = (model.load_lora(p) for p in lora_paths)
+    sets = [{}, {a: 1.0}, {b: 1.0}, {a: 0.5, b: 1.0}, {a: 1.0}]
+    alone = []
+    for s in sets:
+        br = prefilled(wide, lambda x, s=s: x.set_adapters(s))
+        alone.append(greedy_with_margins(br, STEPS))
+        br.prune_sync()
+    # The reference runs differ: the adapters do something to the tokens.
+    assert len({tuple(t) for t, _ in alone}) >= 3
+    branches = [prefilled(wide, lambda x, s=s: x.set_adapters(s)) for s in sets]
+    store = kvfork.BranchStore(wide)
+    before = wide.stats()["decode_calls"]
+    got: list[list[int]] = [[] for _ in sets]
+    for _ in range(STEPS):
+        for i, tok in enumerate(store.step_sync(branches)):
+            got[i].append(tok.token)
+    # One decode per distinct set (4: the two {a: 1.0} branches share theirs).
+    assert wide.stats()["decode_calls"] - before == STEPS * 4
+    for i, (tokens, margins) in enumerate(alone):
+        assert_same_greedy(got[i], tokens, margins)
+
+
+async def test_concurrent_prefills_with_different_adapters_equal_alone(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    alone = [logits_with(wide), logits_with(wide, lambda b: b.set_adapters({a: 1.0}))]
+    plain = kvfork.Branch.create(wide, 0, GREEDY)
+    adapted = kvfork.Branch.create(wide, 0, GREEDY)
+    adapted.set_adapters({a: 1.0})
+    store = kvfork.BranchStore(wide)
+    tokens = wide.tokenize(PROMPT)
+    await store.prefill([(plain, tokens), (adapted, tokens)])
+    for b, ref in zip((plain, adapted), alone, strict=True):
+        # Packed with another branch's tokens: equal up to batching noise, far below what
+        # the adapter changes.
+        assert float(np.abs(np.array(b.logits()) - ref).max()) < 0.5
+
+
+def test_a_fork_inherits_the_adapters_and_their_kv(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    parent = prefilled(wide, lambda b: b.set_adapters({a: 1.0}))
+    child = parent.fork_sync()
+    assert child.adapters == {a: 1.0}
+    expected, margins = greedy_with_margins(parent, STEPS)
+    got, _ = greedy_with_margins(child, STEPS)
+    assert_same_greedy(got, expected, margins)
+
+
+def test_a_control_vector_steers_and_zero_does_nothing(
+    model: kvfork.Model, wide: kvfork.Context, tmp_path: Path
+) -> None:
+    shape = (model.n_layer, model.n_embd)
+    zero = model.load_control_vector(np.zeros(shape, dtype=np.float32))
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+    cv = model.load_control_vector(rows)
+    assert cv.shape == shape
+    base = logits_with(wide)
+    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(zero)), base)
+    small = logits_with(wide, lambda b: b.set_control_vector(cv, 0.5))
+    large = logits_with(wide, lambda b: b.set_control_vector(cv, 2.0))
+    d_small, d_large = (float(np.abs(x - base).max()) for x in (small, large))
+    assert 0.0 < d_small < d_large
+    # Only some layers: a different, smaller change than all of them.
+    some = logits_with(wide, lambda b: b.set_control_vector(cv, 2.0, layers=(4, 8)))
+    assert float(np.abs(some - base).max()) > 0.0
+    assert not np.array_equal(some, large)
+    # The same vector from llama.cpp's file format.
+    loaded = model.load_control_vector(write_control_vector(tmp_path / "cv.gguf", rows))
+    assert np.array_equal(loaded.to_numpy(), rows)
+    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(loaded, 2.0)), large)
+    # None removes it.
+    b = prefilled(wide, lambda b: b.set_control_vector(cv, 2.0))
+    b.set_control_vector(None)
+    b.prune_sync()
+    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(None)), base)
+
+
+def test_a_step_mixing_control_vectors_and_adapters_equals_alone(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    rows = (np.random.default_rng(4).standard_normal((model.n_layer, model.n_embd)) * 0.5).astype(
+        np.float32
+    )
+    cv = model.load_control_vector(rows)
+
+    def steer(b: kvfork.Branch) -> None:
+        b.set_control_vector(cv, 1.5)
+
+    def both(b: kvfork.Branch) -> None:
+        b.set_adapters({a: 1.0})
+        b.set_control_vector(cv, 1.5)
+
+    setups = [None, steer, both]
+    alone = []
+    for s in setups:
+        br = prefilled(wide, s)
+        alone.append(greedy_with_margins(br, STEPS))
+        br.prune_sync()
+    branches = [prefilled(wide, s) for s in setups]
+    store = kvfork.BranchStore(wide)
+    got: list[list[int]] = [[] for _ in setups]
+    for _ in range(STEPS):
+        for i, tok in enumerate(store.step_sync(branches)):
+            got[i].append(tok.token)
+    for i, (tokens, margins) in enumerate(alone):
+        assert_same_greedy(got[i], tokens, margins)
+
+
+def test_bad_adapter_files_raise_model_load_error(
+    model: kvfork.Model, lora_paths: tuple[Path, Path], tmp_path: Path
+) -> None:
+    wrong_arch = write_lora(tmp_path / "llama.gguf", arch="llama")
+    wrong_shape = write_lora(tmp_path / "shape.gguf", shapes={"attn_q": (600, 1024)})
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(lora_paths[0].read_bytes()[:5000])
+    cut_data = tmp_path / "cut_data.gguf"
+    whole = lora_paths[0].read_bytes()
+    cut_data.write_bytes(whole[: len(whole) - 1000])
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    for path, words in [
+        (wrong_arch, "architecture"),
+        (wrong_shape, "refused"),
+        (truncated, "readable|truncated"),
+        (cut_data, "truncated"),
+        (not_gguf, "GGUF"),
+        (kvfork.default_model_path(), "not a LoRA"),
+        (tmp_path / "missing.gguf", "No such file"),
+    ]:
+        with pytest.raises(kvfork.ModelLoadError, match=words):
+            model.load_lora(path)
+
+
+def test_bad_arguments_are_refused(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
+) -> None:
+    b = kvfork.Branch.create(wide, 0, GREEDY)
+    a = model.load_lora(lora_paths[0])
+    with pytest.raises(TypeError):
+        b.set_adapters([a])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        b.set_adapters({"a.gguf": 1.0})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="scale"):
+        b.set_adapters({a: float("nan")})
+    other = kvfork.Model.load(kvfork.default_model_path())
+    with pytest.raises(ValueError, match="another model"):
+        b.set_adapters({other.load_lora(lora_paths[0]): 1.0})
+    shape = (model.n_layer, model.n_embd)
+    with pytest.raises(ValueError, match="shape"):
+        model.load_control_vector(np.zeros((3, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match="finite"):
+        model.load_control_vector(np.full(shape, np.inf, dtype=np.float32))
+    cv = model.load_control_vector(np.zeros(shape, dtype=np.float32))
+    for layers in [(5, 5), (8, 2), (0, model.n_layer + 1)]:
+        with pytest.raises(ValueError, match="layers"):
+            b.set_control_vector(cv, 1.0, layers=layers)
+    with pytest.raises(kvfork.ModelLoadError):
+        model.load_control_vector(lora_paths[0])  # a LoRA is not a control vector
+    b.prune_sync()
