@@ -342,7 +342,12 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     if args.actors < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--actors and --threads must be at least 1")
     path = resolve_model(args.model)
-    threads = {} if args.threads is None else {"n_threads": args.threads}
+    # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
+    threads = (
+        {}
+        if args.threads is None
+        else dict.fromkeys(("n_threads", "n_threads_batch"), args.threads)
+    )
     cluster = None
     if args.ray is None:
         ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **threads)
@@ -546,7 +551,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also serve /v1/embeddings (a second, embedding context)",
     )
     serve.add_argument(
-        "--threads", type=int, default=None, help="threads of each context (default: llama.cpp's)"
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of each context, batches included (default: adaptive)",
     )
     serve.add_argument(
         "--ray",

@@ -230,8 +230,8 @@ async def open_cluster(
     """`actors` actors on `model_path` (each a context of `n_ctx` cells, `n_seq_max`
     sequences and `threads` threads, reserving as many CPUs), loaded, behind a router."""
     options: dict[str, Any] = {"n_ctx": n_ctx, "n_seq_max": n_seq_max}
-    if threads is not None:
-        options["n_threads"] = threads
+    if threads is not None:  # both pinned: actors share the machine's cores
+        options.update(n_threads=threads, n_threads_batch=threads)
     pool = ActorSet(model_path, options, actors=actors, num_cpus=threads or 1, max_queue=max_queue)
     await pool.ready()
     router = Router(actors, route, capacity_tokens=n_ctx)
