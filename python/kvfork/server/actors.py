@@ -45,9 +45,11 @@ class Failure:
 
     @classmethod
     def of(cls, exc: APIError) -> Failure:
+        """The crossing form of `exc`."""
         return cls(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     def error(self) -> APIError:
+        """The `APIError` again, on the front."""
         return APIError(
             self.status,
             self.message,
@@ -201,5 +203,6 @@ class ActorSet:
         return list(await asyncio.gather(*(one(h) for h in self.handles)))
 
     def shutdown(self) -> None:
+        """Kill every actor (their contexts go with their processes)."""
         for handle in self.handles:
             ray.kill(handle, no_restart=True)

@@ -58,24 +58,31 @@ class ClusterService:
 
     @property
     def max_choices(self) -> int:
+        """The largest `n`: an actor's sequences."""
         return self.n_seq_max
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
+        """`Service.chat_prompt`, on the front's context."""
         return self.front.chat_prompt(req)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        """`Service.completion_prompt`, on the front's context."""
         return self.front.completion_prompt(req)
 
     async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
+        """`Service.embed`, on the front's embedding context."""
         return await self.front.embed(req)
 
     def tool_calls(self, req: ChatRequest, text: str) -> list[dict[str, Any]]:
+        """`Service.tool_calls`."""
         return self.front.tool_calls(req, text)
 
     def constrain_tools(self, req: ChatRequest) -> None:
+        """`Service.constrain_tools`."""
         self.front.constrain_tools(req)
 
     async def metrics_text(self) -> bytes:
+        """The front's counters and every actor's numbers, read now."""
         self.snapshots = await self.actors.snapshots()
         return self.metrics.text()
 
@@ -124,6 +131,7 @@ class ClusterService:
                     ray.cancel(stream)
 
     def shutdown(self) -> None:
+        """Kill the actors."""
         self.actors.shutdown()
 
 

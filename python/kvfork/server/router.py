@@ -57,6 +57,7 @@ class PrefixIndex:
         self._keys: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
+        """Blocks held."""
         return len(self._keys)
 
     def match(self, keys: Sequence[int]) -> int:
@@ -78,6 +79,7 @@ class PrefixIndex:
             self._keys.popitem(last=False)
 
     def clear(self) -> None:
+        """Forget everything (the actor was replaced)."""
         self._keys.clear()
 
 
@@ -128,6 +130,7 @@ class Router:
 
     @property
     def actors(self) -> int:
+        """How many actors the router spreads over."""
         return len(self.loads)
 
     def bound(self, exclude: Collection[int] = ()) -> int:
