@@ -46,9 +46,12 @@ class Server:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
 
-    def metric(self, name: str) -> float:
+    def metrics_text(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+            return str(resp.read().decode())
+
+    def metric(self, name: str) -> float:
+        text = self.metrics_text()
         match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         assert match, f"{name} not in /metrics"
         return float(match.group(1))

@@ -5,7 +5,8 @@
     kvfork chat [MODEL]                 interactive multi-turn chat (or one turn per stdin line)
     kvfork embed MODEL [TEXT ...]       embeddings as JSON lines, or --rank QUERY
     kvfork bench [MODEL]                a quick throughput check: one sequence against N forks
-    kvfork serve MODEL                  an OpenAI-compatible server (kvfork[server])
+    kvfork serve MODEL                  an OpenAI-compatible server (kvfork[server]); with
+                                        --ray, over Ray actors routed by prefix
     kvfork info [MODEL]                 metadata, chat template, system info (no MODEL: where
                                         the embedded models are)
 
@@ -326,32 +327,56 @@ def _chat_template(arg: str | None) -> str | None:
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
-    """An OpenAI-compatible server; concurrent requests share prefixes and decodes."""
+    """An OpenAI-compatible server; concurrent requests share prefixes and decodes. With
+    ``--ray``, each request runs on one of ``--actors`` Ray actors, routed by prefix."""
     try:
         import uvicorn
 
         from .server import Service, create_app
+        from .server.backend import Backend
         from .server.metrics import Metrics
     except ImportError as exc:
         raise CliError(
             f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
         ) from exc
+    if args.actors < 1 or (args.threads is not None and args.threads < 1):
+        raise CliError("--actors and --threads must be at least 1")
     path = resolve_model(args.model)
-    ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max)
+    # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
+    threads = (
+        {}
+        if args.threads is None
+        else dict.fromkeys(("n_threads", "n_threads_batch"), args.threads)
+    )
+    cluster = None
+    if args.ray is None:
+        ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **threads)
+    else:
+        ctx = await open_context(path, n_ctx=512, n_seq_max=1)  # the front's tokenizer
     embed_ctx = None
     if args.embeddings:
         embed_ctx = await open_context(
             path, n_ctx=4096, n_seq_max=8, embeddings=True, pooling="mean"
         )
+    metrics = Metrics()
     service = Service(
         ctx,
         model_id=path.stem,
         max_queue=args.max_queue,
         chat_template=_chat_template(args.chat_template),
         embed_ctx=embed_ctx,
-        metrics=Metrics(),
+        metrics=metrics if args.ray is None else Metrics(),
     )
-    app = create_app(service, api_key=args.api_key)
+    backend: Backend = service
+    where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
+    if args.ray is not None:
+        cluster = await _open_cluster(args, path, service, metrics)
+        backend = cluster
+        where = (
+            f"{args.actors} Ray actors routed by {args.route}, each n_ctx {args.n_ctx}, "
+            f"{args.n_seq_max} sequences"
+        )
+    app = create_app(backend, api_key=args.api_key)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
     logging.getLogger("kvfork.server").addHandler(handler)
@@ -360,18 +385,43 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     print(
-        f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 "
-        f"(n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences)",
+        f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 ({where})",
         file=sys.stderr,
         flush=True,
     )
     try:
         await server.serve()
     finally:
+        if cluster is not None:
+            cluster.shutdown()
         ctx.close()
         if embed_ctx is not None:
             embed_ctx.close()
     return 0
+
+
+async def _open_cluster(args: argparse.Namespace, path: Path, front: Any, metrics: Any) -> Any:
+    """`kvfork serve --ray`: join (or start) the cluster, load the actors."""
+    try:
+        from .server.cluster import connect, open_cluster
+    except ImportError as exc:
+        raise CliError(f"kvfork serve --ray needs Ray: pip install 'kvfork[ray]' ({exc})") from exc
+    try:
+        connect(args.ray, args.actors * (args.threads or 1))
+    except (ConnectionError, RuntimeError) as exc:
+        raise CliError(f"cannot reach the Ray cluster at {args.ray!r}: {exc}") from exc
+    with Progress(f"starting {args.actors} actors on {path.name}"):
+        return await open_cluster(
+            str(path),
+            front,
+            actors=args.actors,
+            threads=args.threads,
+            route=args.route,
+            n_ctx=args.n_ctx,
+            n_seq_max=args.n_seq_max,
+            max_queue=args.max_queue,
+            metrics=metrics,
+        )
 
 
 def _info_without_model(args: argparse.Namespace) -> int:
@@ -499,6 +549,29 @@ def _parser() -> argparse.ArgumentParser:
         "--embeddings",
         action="store_true",
         help="also serve /v1/embeddings (a second, embedding context)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of each context, batches included (default: adaptive)",
+    )
+    serve.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run requests on Ray actors: a cluster address, 'auto' (the cluster on this "
+        "machine) or 'local' (start one here); needs kvfork[ray]",
+    )
+    serve.add_argument(
+        "--actors", type=int, default=2, help="with --ray: actors, each its own context"
+    )
+    serve.add_argument(
+        "--route",
+        choices=["affinity", "hash", "random"],
+        default="affinity",
+        help="with --ray: by the longest prefix an actor holds (default), a consistent hash "
+        "of the prompt's leading block, or at random",
     )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(run=cmd_serve)

@@ -20,10 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .backend import Backend
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .requests import parse_chat, parse_completion, parse_embeddings, parse_json
-from .service import Event, Outcome, Service
+from .service import Event, Outcome
 
 log = logging.getLogger("kvfork.server")
 
@@ -60,9 +61,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 
 
 class Endpoints:
-    """The routes over one `Service`."""
+    """The routes over one backend (a `Service`, or a `ClusterService` of Ray actors)."""
 
-    def __init__(self, service: Service, api_key: str | None) -> None:
+    def __init__(self, service: Backend, api_key: str | None) -> None:
         self.service = service
         self.api_key = api_key
 
@@ -106,7 +107,7 @@ class Endpoints:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.service.metrics.text(), media_type=CONTENT_TYPE)
+        return Response(await self.service.metrics_text(), media_type=CONTENT_TYPE)
 
     async def embeddings(self, request: Request) -> Response:
         s = self.service
@@ -124,7 +125,7 @@ class Endpoints:
 
     async def completions(self, request: Request) -> Response:
         s = self.service
-        req = parse_completion(parse_json(await request.body()), s.ctx.vocab_size, s.ctx.n_seq_max)
+        req = parse_completion(parse_json(await request.body()), s.ctx.vocab_size, s.max_choices)
         tokens = s.completion_prompt(req)
         prefix = req.prompt if isinstance(req.prompt, str) else s.ctx.detokenize(req.prompt)
         head = {
@@ -184,7 +185,7 @@ class Endpoints:
 
     async def chat(self, request: Request) -> Response:
         s = self.service
-        req = parse_chat(parse_json(await request.body()), s.ctx.vocab_size, s.ctx.n_seq_max)
+        req = parse_chat(parse_json(await request.body()), s.ctx.vocab_size, s.max_choices)
         s.constrain_tools(req)
         tokens, stop = s.chat_prompt(req)
         head = {
@@ -322,8 +323,8 @@ def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def create_app(service: Service, *, api_key: str | None = None) -> Starlette:
-    """The ASGI app serving `service`."""
+def create_app(service: Backend, *, api_key: str | None = None) -> Starlette:
+    """The ASGI app serving `service` (a `Service`, or a `ClusterService`)."""
     e = Endpoints(service, api_key)
     routes = [
         Route("/v1/chat/completions", e.guarded("chat", e.chat), methods=["POST"]),

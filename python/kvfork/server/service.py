@@ -137,6 +137,15 @@ class Service:
         self.prefilling = 0  # requests between admission and a prefilled branch
         self.prefills_done = asyncio.Event()
 
+    @property
+    def max_choices(self) -> int:
+        """The largest `n` a request may ask for: one lease per choice."""
+        return self.ctx.n_seq_max
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text of `GET /metrics`."""
+        return self.metrics.text()
+
     # ---- prompts ----
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:

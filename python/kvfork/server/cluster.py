@@ -1,0 +1,246 @@
+"""``kvfork serve --ray``: the same endpoints, each generation run on one of N Ray actors.
+
+The front (this process) builds prompts on a small context of its own (the tokenizer and the
+chat template; the embedding context too, with ``--embeddings``), picks an actor with the
+`Router` from the prompt's tokens, and streams the actor's events back. Each actor is a
+`Service` of its own: a context, its `PrefixCache`, its admission queue. An actor that dies
+fails the requests it had started (503, or an SSE error event once a stream began); one that
+had not started on it is retried on another actor, and the dead one is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any, ClassVar
+
+import ray
+import ray.exceptions
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .._native import Context
+from .actors import ActorSet, Failure
+from .errors import APIError
+from .metrics import Metrics
+from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
+from .router import Policy, Router
+from .service import Event, Outcome, Service
+
+log = logging.getLogger("kvfork.server")
+
+
+class ClusterService:
+    """The endpoints' backend over `actors`: prompts from `front` (a `Service` on the front's
+    tokenizer context, whose own generation is unused), generations on the routed actor."""
+
+    def __init__(
+        self,
+        front: Service,
+        actors: ActorSet,
+        router: Router,
+        *,
+        n_seq_max: int,
+        metrics: Metrics,
+    ) -> None:
+        self.front = front
+        self.actors = actors
+        self.router = router
+        self.ctx: Context = front.ctx
+        self.embed_ctx: Context | None = front.embed_ctx
+        self.model_id = front.model_id
+        self.created = front.created
+        self.n_seq_max = n_seq_max
+        self.metrics = metrics
+        self.retries = 0  # requests moved to another actor after theirs died
+        self.snapshots: list[dict[str, float] | None] = []
+        metrics.registry.register(_ActorsLive(self))
+
+    @property
+    def max_choices(self) -> int:
+        """The largest `n`: an actor's sequences."""
+        return self.n_seq_max
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
+        """`Service.chat_prompt`, on the front's context."""
+        return self.front.chat_prompt(req)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        """`Service.completion_prompt`, on the front's context."""
+        return self.front.completion_prompt(req)
+
+    async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
+        """`Service.embed`, on the front's embedding context."""
+        return await self.front.embed(req)
+
+    def tool_calls(self, req: ChatRequest, text: str) -> list[dict[str, Any]]:
+        """`Service.tool_calls`."""
+        return self.front.tool_calls(req, text)
+
+    def constrain_tools(self, req: ChatRequest) -> None:
+        """`Service.constrain_tools`."""
+        self.front.constrain_tools(req)
+
+    async def metrics_text(self) -> bytes:
+        """The front's counters and every actor's numbers, read now."""
+        self.snapshots = await self.actors.snapshots()
+        return self.metrics.text()
+
+    async def generate(
+        self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
+    ) -> AsyncGenerator[Event | Outcome, None]:
+        """The routed actor's events, then the Outcome; closing this generator cancels the
+        actor's generation (its leases come back there)."""
+        tried: list[int] = []
+        while True:
+            index = self.router.pick(tokens, exclude=tried).actor
+            handle = self.actors.handles[index]
+            stream = handle.generate.remote(tokens, sampling, stop, prompt_param)
+            started = ended = False
+            try:
+                async for ref in stream:
+                    item = await ref
+                    if isinstance(item, Failure):
+                        ended = True
+                        raise item.error()
+                    started = True
+                    for event in item:
+                        if isinstance(event, Outcome):
+                            ended = True
+                            self.metrics.finished(event)
+                        yield event
+                return
+            except ray.exceptions.RayActorError as exc:
+                ended = True
+                if self.actors.replace(index, handle):
+                    self.router.forget(index)
+                    log.warning("actor %d died (%s); replaced", index, type(exc).__name__)
+                tried.append(index)
+                if started or len(tried) >= len(self.actors):
+                    raise APIError(
+                        503,
+                        "the worker serving this request died; it is being replaced, try again",
+                        type="server_error",
+                        code="worker_died",
+                        headers={"Retry-After": "1"},
+                    ) from None
+                self.retries += 1  # it had not started there: run it on another actor
+            finally:
+                self.router.done(index)
+                if not ended:  # the client went away: stop the actor's work
+                    ray.cancel(stream)
+
+    def shutdown(self) -> None:
+        """Kill the actors."""
+        self.actors.shutdown()
+
+
+class _ActorsLive(Collector):
+    """The actors' numbers at scrape time: each under its ``actor`` label, and their sum
+    (without the label) for the engine's gauges and counters."""
+
+    SUMMED: ClassVar[dict[str, tuple[str, str, str]]] = {
+        "decode_calls": ("counter", "kvfork_decode_calls", "llama_decode calls of the actors"),
+        "leases_in_use": ("gauge", "kvfork_leases_in_use", "KV sequences held by requests"),
+        "queue_length": ("gauge", "kvfork_queue_length", "requests waiting for a sequence"),
+        "prefix_cache_entries": (
+            "gauge",
+            "kvfork_prefix_cache_entries",
+            "finished requests kept as prefix-cache entries",
+        ),
+        "prefix_cache_evictions": (
+            "counter",
+            "kvfork_prefix_cache_evictions",
+            "prefix-cache entries evicted",
+        ),
+    }
+    PER_ACTOR: ClassVar[dict[str, tuple[str, str]]] = {
+        "requests": ("kvfork_actor_requests", "requests finished by the actor"),
+        "prompt_tokens": ("kvfork_actor_prompt_tokens", "prompt tokens on the actor"),
+        "cached_tokens": (
+            "kvfork_actor_prompt_tokens_cached",
+            "prompt tokens the actor's prefix cache served",
+        ),
+        "completion": ("kvfork_actor_completion_tokens", "tokens the actor generated"),
+    }
+
+    def __init__(self, cluster: ClusterService) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[Any]:
+        c = self.cluster
+        rows = list(enumerate(c.snapshots))
+        live = [(i, row) for i, row in rows if row is not None]
+        for key, (kind, name, doc) in self.SUMMED.items():
+            family: CounterMetricFamily | GaugeMetricFamily = (
+                CounterMetricFamily(name, doc, labels=["actor"])
+                if kind == "counter"
+                else GaugeMetricFamily(name, doc, labels=["actor"])
+            )
+            for i, row in live:
+                family.add_metric([str(i)], row[key])
+            family.add_metric([], sum(row[key] for _, row in live))
+            yield family
+        for key, (name, doc) in self.PER_ACTOR.items():
+            counter = CounterMetricFamily(name, doc, labels=["actor"])
+            for i, row in live:
+                counter.add_metric([str(i)], row[key])
+            yield counter
+        up = GaugeMetricFamily("kvfork_actor_up", "1 if the actor answered", labels=["actor"])
+        pid = GaugeMetricFamily("kvfork_actor_pid", "the actor's process id", labels=["actor"])
+        for i, maybe in rows:
+            up.add_metric([str(i)], 0 if maybe is None else 1)
+            if maybe is not None:
+                pid.add_metric([str(i)], maybe["pid"])
+        yield up
+        yield pid
+        in_flight = GaugeMetricFamily(
+            "kvfork_actor_in_flight", "requests the front has routed to the actor", labels=["actor"]
+        )
+        replaced = CounterMetricFamily(
+            "kvfork_actor_replaced", "times the actor died and was replaced", labels=["actor"]
+        )
+        for i in range(len(c.actors)):
+            in_flight.add_metric([str(i)], c.router.loads[i])
+            replaced.add_metric([str(i)], c.actors.replaced[i])
+        yield in_flight
+        yield replaced
+        yield CounterMetricFamily(
+            "kvfork_route_retries",
+            "requests run on another actor after theirs died before they started",
+            value=c.retries,
+        )
+
+
+def connect(address: str, cpus: int) -> None:
+    """Join the Ray cluster at `address` (``auto``: the one this machine runs), or with
+    ``local`` start one in this process with `cpus` CPUs (it ends with the process)."""
+    if ray.is_initialized():
+        return
+    if address == "local":
+        ray.init(num_cpus=cpus, include_dashboard=False)
+    else:
+        ray.init(address=address)
+
+
+async def open_cluster(
+    model_path: str,
+    front: Service,
+    *,
+    actors: int,
+    threads: int | None,
+    route: Policy,
+    n_ctx: int,
+    n_seq_max: int,
+    max_queue: int,
+    metrics: Metrics,
+) -> ClusterService:
+    """`actors` actors on `model_path` (each a context of `n_ctx` cells, `n_seq_max`
+    sequences and `threads` threads, reserving as many CPUs), loaded, behind a router."""
+    options: dict[str, Any] = {"n_ctx": n_ctx, "n_seq_max": n_seq_max}
+    if threads is not None:  # both pinned: actors share the machine's cores
+        options.update(n_threads=threads, n_threads_batch=threads)
+    pool = ActorSet(model_path, options, actors=actors, num_cpus=threads or 1, max_queue=max_queue)
+    await pool.ready()
+    router = Router(actors, route, capacity_tokens=n_ctx)
+    return ClusterService(front, pool, router, n_seq_max=n_seq_max, metrics=metrics)
