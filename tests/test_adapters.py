@@ -233,3 +233,41 @@ def test_bad_arguments_are_refused(
     with pytest.raises(kvfork.ModelLoadError):
         model.load_control_vector(lora_paths[0])  # a LoRA is not a control vector
     b.prune_sync()
+
+
+async def test_the_prefix_cache_shares_only_under_the_same_adapters(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    cache = kvfork.PrefixCache(wide)
+    doc = wide.tokenize("A long shared document about rivers and bridges. " * 8)
+    q1 = wide.tokenize(" First?", add_special=False)
+    q2 = wide.tokenize(" Second?", add_special=False)
+    plain = await cache.branch(doc + q1, GREEDY)
+    adapted = await cache.branch(doc + q2, GREEDY, adapters={a: 1.0})
+    # The plain branch's KV is not what the adapted branch would compute: nothing shared.
+    assert cache.shared_tokens(adapted) == 0
+    assert adapted.adapters == {a: 1.0}
+    again = await cache.branch(doc + q1, GREEDY, adapters={a: 1.0})
+    assert cache.shared_tokens(again) == len(doc)
+    # Its logits are those of a branch prefilled from scratch under the adapter (up to
+    # batching noise, far below the adapter's own effect, which the plain branch shows).
+    fresh = kvfork.Branch.create(wide, 0, GREEDY)
+    fresh.set_adapters({a: 1.0})
+    await fresh.prefill(doc + q1)
+    ref = np.array(fresh.logits())
+    noise = float(np.abs(np.array(again.logits()) - ref).max())
+    effect = float(np.abs(np.array(plain.logits()) - ref).max())
+    assert noise < 0.2 * effect, (noise, effect)
+    plain_again = await cache.branch(doc + q2, GREEDY)
+    assert cache.shared_tokens(plain_again) == len(doc)
+    # A branch whose adapters changed after it was made is not kept as an entry.
+    plain.set_adapters({a: 1.0})
+    entries = cache.stats()["entries"]
+    cache.release(plain)
+    assert cache.stats()["entries"] == entries
+    for b in (adapted, again, plain_again):
+        cache.release(b)
+    await fresh.prune()
+    with pytest.raises(TypeError):
+        await cache.branch(q1, GREEDY, adapters=[a])  # type: ignore[arg-type]

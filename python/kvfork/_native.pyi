@@ -909,15 +909,24 @@ class PrefixCache:
     """
     def __new__(cls, ctx: Context, *, max_cached_tokens: int | None = None) -> Self: ...
     def branch(
-        self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
+        self,
+        tokens: _Tokens,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        adapters: dict[LoraAdapter, float] | None = None,
     ) -> Operation[Branch]:
         """A new root branch positioned at the end of `tokens` with fresh logits, sharing the
         longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
         every lease is held by branches handed out; ValueError for tokens that leave no room
-        in the context.
+        in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
+        and shares only prefixes computed under the same set.
         """
     def branch_sync(
-        self, tokens: _Tokens, params: SamplingParams | dict[str, Any] | None = None
+        self,
+        tokens: _Tokens,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        adapters: dict[LoraAdapter, float] | None = None,
     ) -> Branch:
         """Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a started call \\
         completes (the branch is made), then KeyboardInterrupt is raised.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::IntoPyResult;
@@ -83,6 +84,21 @@ impl PyControlVector {
             self.inner.path()
         )
     }
+}
+
+/// `{LoraAdapter: scale}` as the engine takes it.
+pub fn lora_set(adapters: &Bound<'_, PyAny>) -> PyResult<Vec<(Arc<kvfork::LoraAdapter>, f32)>> {
+    let wrong = || crate::errors::type_error("adapters must be a dict {LoraAdapter: scale}");
+    let dict = adapters.cast::<PyDict>().map_err(|_| wrong())?;
+    let mut set = Vec::with_capacity(dict.len());
+    for (k, v) in dict.iter() {
+        let adapter = k.cast::<PyLoraAdapter>().map_err(|_| wrong())?;
+        let scale: f32 = v
+            .extract()
+            .map_err(|_| crate::errors::type_error("an adapter's scale must be a number"))?;
+        set.push((adapter.get().inner.clone(), scale));
+    }
+    Ok(set)
 }
 
 /// Load a LoRA adapter for `model` (blocking).

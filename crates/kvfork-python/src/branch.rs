@@ -8,7 +8,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
 use pyo3::IntoPyObjectExt;
 
-use crate::adapter::{PyControlVector, PyLoraAdapter};
+use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
 use crate::context::{token_id, PyContext};
 use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
@@ -368,20 +368,7 @@ impl PyBranch {
     /// (scale 0 is the same as leaving the adapter out). Inherited on fork. A commit or step
     /// over branches with different sets decodes one group per distinct set.
     fn set_adapters(&self, adapters: &Bound<'_, PyAny>) -> PyResult<()> {
-        let dict = adapters.cast::<PyDict>().map_err(|_| {
-            crate::errors::type_error("adapters must be a dict {LoraAdapter: scale}")
-        })?;
-        let mut set = Vec::with_capacity(dict.len());
-        for (k, v) in dict.iter() {
-            let adapter = k.cast::<PyLoraAdapter>().map_err(|_| {
-                crate::errors::type_error("adapters must be a dict {LoraAdapter: scale}")
-            })?;
-            let scale: f32 = v
-                .extract()
-                .map_err(|_| crate::errors::type_error("an adapter's scale must be a number"))?;
-            set.push((adapter.get().inner.clone(), scale));
-        }
-        self.inner.set_adapters(set).py()
+        self.inner.set_adapters(lora_set(adapters)?).py()
     }
 
     /// Back to the base model: no LoRA adapter and no control vector (for this branch and the

@@ -77,18 +77,28 @@ twins! {
         /// A new root branch positioned at the end of `tokens` with fresh logits, sharing the
         /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
         /// every lease is held by branches handed out; ValueError for tokens that leave no room
-        /// in the context.
+        /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
+        /// and shares only prefixes computed under the same set.
         #[sync_doc = "returns the Branch. Waits without the GIL; on Ctrl-C a started call \\
                       completes (the branch is made), then KeyboardInterrupt is raised."]
-        #[pyo3(signature = (tokens, params=None))]
+        #[pyo3(signature = (tokens, params=None, *, adapters=None))]
         fn branch / branch_sync(
             &self,
             py,
             tokens: &Bound<'_, PyAny>,
             params: Option<&Bound<'_, PyAny>>,
+            adapters: Option<&Bound<'_, PyAny>>,
         ) -> PyBranch {
             let tokens = convert::tokens(tokens, "tokens")?;
-            self.inner.branch(tokens, params::extract(params)?)
+            let adapters = match adapters {
+                None => kvfork::Adapters::default(),
+                Some(a) => kvfork::Adapters::from_loras(
+                    self.inner.context().model(),
+                    crate::adapter::lora_set(a)?,
+                )
+                .py()?,
+            };
+            self.inner.branch_under(tokens, params::extract(params)?, adapters)
         } => |b| Ok(wrap(b));
     }
 }

@@ -321,6 +321,31 @@ impl AdapterKey {
 }
 
 impl Adapters {
+    /// A set of LoRA adapters for branches of `model` (each loaded for that model object,
+    /// each scale finite); see [`Adapters::set_loras`] for duplicates and zero scales.
+    pub fn from_loras(model: &Arc<Model>, loras: Vec<(Arc<LoraAdapter>, f32)>) -> Result<Adapters> {
+        for (a, scale) in &loras {
+            if !Arc::ptr_eq(a.model(), model) {
+                return Err(Error::InvalidArgument {
+                    name: "adapters",
+                    message: format!(
+                        "{} was loaded for another model object than this context's",
+                        a.path().display()
+                    ),
+                });
+            }
+            if !scale.is_finite() {
+                return Err(Error::InvalidArgument {
+                    name: "adapters",
+                    message: format!("the scale of {} is {scale}", a.path().display()),
+                });
+            }
+        }
+        let mut set = Adapters::default();
+        set.set_loras(loras);
+        Ok(set)
+    }
+
     /// Set the LoRA adapters (an adapter given twice keeps its last scale; scale 0 drops it,
     /// which decodes exactly as without it).
     pub(crate) fn set_loras(&mut self, loras: Vec<(Arc<LoraAdapter>, f32)>) {

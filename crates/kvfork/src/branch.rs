@@ -398,26 +398,12 @@ impl Branch {
     /// 0 is the same as leaving the adapter out). Forks inherit the set. Tokens already
     /// decoded keep the KV computed under the adapters of their time.
     pub fn set_adapters(&self, adapters: Vec<(Arc<LoraAdapter>, f32)>) -> Result<()> {
-        let model = &self.ctx.shared().model;
-        for (a, scale) in &adapters {
-            if !Arc::ptr_eq(a.model(), model) {
-                return Err(Error::InvalidArgument {
-                    name: "adapters",
-                    message: format!(
-                        "{} was loaded for another model object than this context's",
-                        a.path().display()
-                    ),
-                });
-            }
-            if !scale.is_finite() {
-                return Err(Error::InvalidArgument {
-                    name: "adapters",
-                    message: format!("the scale of {} is {scale}", a.path().display()),
-                });
-            }
-        }
+        let set = Adapters::from_loras(&self.ctx.shared().model, adapters)?;
         self.state(|s| {
-            s.adapters_mut().set_loras(adapters);
+            let cvec = s.adapters().control_vector().cloned();
+            let mut set = set;
+            set.set_cvec(cvec);
+            *s.adapters_mut() = set;
             Ok(())
         })
     }
@@ -471,6 +457,15 @@ impl Branch {
     pub fn clear_adapters(&self) -> Result<()> {
         self.state(|s| {
             *s.adapters_mut() = Adapters::default();
+            Ok(())
+        })
+    }
+
+    /// Replace the whole adapter set (LoRA adapters and control vector) with `adapters`,
+    /// checked already (a set read from another branch of the same context).
+    pub(crate) fn set_all_adapters(&self, adapters: Adapters) -> Result<()> {
+        self.state(|s| {
+            *s.adapters_mut() = adapters;
             Ok(())
         })
     }

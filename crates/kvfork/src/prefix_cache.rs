@@ -14,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use kvfork_core::prefix_trie::PrefixTrie;
 use kvfork_core::Handle;
 
+use crate::adapter::{AdapterKey, Adapters};
 use crate::branch::Branch;
 use crate::context::Context;
 use crate::engine::Pending;
@@ -43,6 +44,8 @@ pub struct PrefixCacheStats {
 /// One branch the cache made: handed out (`live`) or handed back (an entry).
 struct Holder {
     branch: Branch,
+    /// Its adapter set's token in the trie (None: no adapter), see [`State::sentinel`].
+    sentinel: Option<Token>,
     /// The tokens its KV holds, as far as the cache has seen (refreshed from its history).
     tokens: Vec<Token>,
     live: bool,
@@ -53,6 +56,7 @@ struct Holder {
 /// A prompt being prefilled now: requests that share a long prefix with it wait for it and
 /// fork, rather than prefill the same tokens at the same time.
 struct Prefilling {
+    /// As the trie keys them (the adapter set's sentinel first).
     tokens: Vec<Token>,
     done: Done,
 }
@@ -74,6 +78,10 @@ const WORTH_WAITING: usize = 64;
 
 struct State {
     holders: HashMap<Handle, Holder>,
+    /// Adapter sets seen so far: set `i` is keyed in the trie by the token `-(i + 1)` before
+    /// its prompt, so branches under different adapters never share a prefix (their KV
+    /// differs). Branches without adapters have no such token.
+    adapter_sets: Vec<AdapterKey>,
     prefilling: Vec<Prefilling>,
     trie: PrefixTrie<Handle>,
     stats: PrefixCacheStats,
@@ -102,6 +110,7 @@ impl PrefixCache {
                 holders: HashMap::new(),
                 prefilling: Vec::new(),
                 trie: PrefixTrie::new(),
+                adapter_sets: Vec::new(),
                 stats: PrefixCacheStats::default(),
             })),
         }
@@ -121,6 +130,17 @@ impl PrefixCache {
     /// prefilled (at least one token). Waits for leases and cells freed by evicting entries;
     /// LeaseExhaustedError when every lease is held by live branches.
     pub fn branch(&self, tokens: Vec<Token>, params: SamplingParams) -> Pending<Branch> {
+        self.branch_under(tokens, params, Adapters::default())
+    }
+
+    /// [`PrefixCache::branch`] for a branch that decodes under `adapters`: only prefixes
+    /// computed under the same set are shared.
+    pub fn branch_under(
+        &self,
+        tokens: Vec<Token>,
+        params: SamplingParams,
+        adapters: Adapters,
+    ) -> Pending<Branch> {
         if tokens.is_empty() {
             return Pending::ready(Err(Error::invalid("tokens", "at least one token")));
         }
@@ -142,31 +162,37 @@ impl PrefixCache {
         }
         let cache = self.clone();
         Pending::spawn("kvfork-prefix", move || {
-            cache.branch_blocking(&tokens, &params)
+            cache.branch_blocking(&tokens, &params, &adapters)
         })
     }
 
-    fn branch_blocking(&self, tokens: &[Token], params: &SamplingParams) -> Result<Branch> {
+    fn branch_blocking(
+        &self,
+        tokens: &[Token],
+        params: &SamplingParams,
+        adapters: &Adapters,
+    ) -> Result<Branch> {
+        let sentinel = self.lock().sentinel(&adapters.key());
         loop {
-            let (source, shared) = self.lookup(tokens)?;
+            let (source, shared) = self.lookup(sentinel, tokens)?;
             if self.ctx.available() == 0 {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
                 continue;
             }
-            let done = match self.turn_to_prefill(tokens, shared) {
+            let done = match self.turn_to_prefill(sentinel, tokens, shared) {
                 Turn::Mine(done) => done,
                 Turn::WaitFor(other) => {
                     wait_done(&other);
                     continue;
                 }
             };
-            let made = self.make(source.as_ref(), shared, tokens, params);
+            let made = self.make(source.as_ref(), shared, tokens, params, adapters);
             let retry = match &made {
                 Err(Error::KvCacheFull(_)) => self.evict_one(None).is_ok(),
                 _ => false,
             };
             if let Ok((branch, shared)) = &made {
-                self.hold(branch, tokens, *shared);
+                self.hold(branch, sentinel, tokens, *shared);
             }
             // Who waits for this prefill looks again, and finds the new holder.
             self.finished(&done);
@@ -178,14 +204,15 @@ impl PrefixCache {
     }
 
     /// Record a branch just made as a live holder of `tokens`.
-    fn hold(&self, branch: &Branch, tokens: &[Token], shared: usize) {
+    fn hold(&self, branch: &Branch, sentinel: Option<Token>, tokens: &[Token], shared: usize) {
         let mut st = self.lock();
         let handle = branch.handle();
-        st.trie.insert(handle, tokens);
+        st.trie.insert(handle, &keyed(sentinel, tokens));
         st.holders.insert(
             handle,
             Holder {
                 branch: branch.clone(),
+                sentinel,
                 tokens: tokens.to_vec(),
                 live: true,
                 shared,
@@ -198,13 +225,20 @@ impl PrefixCache {
     /// another request's prefill that shares more of them than the KV holds already
     /// (`shared`), by enough to be worth it. One lock: two requests never both decide to
     /// prefill the same long prefix.
-    fn turn_to_prefill(&self, tokens: &[Token], shared: usize) -> Turn {
+    fn turn_to_prefill(&self, sentinel: Option<Token>, tokens: &[Token], shared: usize) -> Turn {
         let mut st = self.lock();
         let worth = WORTH_WAITING.min(tokens.len() / 2).max(1);
+        let keyed_tokens = keyed(sentinel, tokens);
+        let skip = usize::from(sentinel.is_some());
         let other = st
             .prefilling
             .iter()
-            .map(|p| (common_prefix(&p.tokens, tokens), p))
+            .map(|p| {
+                (
+                    common_prefix(&p.tokens, &keyed_tokens).saturating_sub(skip),
+                    p,
+                )
+            })
             .filter(|&(len, _)| len > shared && len - shared >= worth)
             .max_by_key(|&(len, _)| len)
             .map(|(_, p)| p.done.clone());
@@ -213,7 +247,7 @@ impl PrefixCache {
         }
         let done = Arc::new((Mutex::new(false), Condvar::new()));
         st.prefilling.push(Prefilling {
-            tokens: tokens.to_vec(),
+            tokens: keyed_tokens,
             done: done.clone(),
         });
         Turn::Mine(done)
@@ -231,14 +265,18 @@ impl PrefixCache {
 
     /// The holder sharing the longest prefix with `tokens`, and how many tokens to share
     /// (at most all but the last: the new branch needs fresh logits).
-    fn lookup(&self, tokens: &[Token]) -> Result<(Option<Branch>, usize)> {
+    fn lookup(&self, sentinel: Option<Token>, tokens: &[Token]) -> Result<(Option<Branch>, usize)> {
         let mut st = self.lock();
         st.refresh();
         // All but the last token: the new branch prefills at least one, for fresh logits.
-        let Some(found) = st.trie.longest_prefix(&tokens[..tokens.len() - 1]) else {
+        let keyed_tokens = keyed(sentinel, &tokens[..tokens.len() - 1]);
+        let Some(found) = st.trie.longest_prefix(&keyed_tokens) else {
             return Ok((None, 0));
         };
-        let shared = found.len;
+        let shared = found.len - usize::from(sentinel.is_some());
+        if shared == 0 {
+            return Ok((None, 0));
+        }
         st.trie.touch(found.key);
         Ok((st.holders.get(&found.key).map(|h| h.branch.clone()), shared))
     }
@@ -251,8 +289,13 @@ impl PrefixCache {
         shared: usize,
         tokens: &[Token],
         params: &SamplingParams,
+        adapters: &Adapters,
     ) -> Result<(Branch, usize)> {
         let branch = Branch::create(&self.ctx, 0, params, None)?;
+        if let Err(e) = branch.set_all_adapters(adapters.clone()) {
+            let _ = branch.prune().wait();
+            return Err(e);
+        }
         let shared = match source {
             Some(source) if shared > 0 => {
                 match branch.share_prefix(source, &tokens[..shared]).wait() {
@@ -324,6 +367,16 @@ impl PrefixCache {
             if !holder.live {
                 return Err(Error::invalid("branch", "already released"));
             }
+            let sentinel = holder.sentinel;
+            let adapters = branch.adapters().map(|a| a.key()).unwrap_or_default();
+            if st.sentinel(&adapters) != sentinel {
+                // Its adapters changed since it was made: its KV is not what the trie says.
+                let holder = st.holders.remove(&handle).expect("found above");
+                st.trie.remove(handle);
+                drop(st);
+                return holder.branch.prune_subtree().wait();
+            }
+            let holder = st.holders.get_mut(&handle).expect("found above");
             holder.live = false;
             st.refresh();
             st.trie.set_evictable(handle, true);
@@ -369,6 +422,11 @@ impl PrefixCache {
         stats.live = st.holders.values().filter(|h| h.live).count();
         stats
     }
+}
+
+/// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
+fn keyed(sentinel: Option<Token>, tokens: &[Token]) -> Vec<Token> {
+    sentinel.into_iter().chain(tokens.iter().copied()).collect()
 }
 
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
@@ -418,7 +476,7 @@ impl State {
                 Ok(history) => {
                     // Rewritten (reseeded): index what it holds now.
                     self.trie.remove(handle);
-                    self.trie.insert(handle, &history);
+                    self.trie.insert(handle, &keyed(holder.sentinel, &history));
                     self.trie.set_evictable(handle, !holder.live);
                     holder.tokens = history;
                 }
@@ -429,6 +487,21 @@ impl State {
             self.trie.remove(handle);
             self.holders.remove(&handle);
         }
+    }
+
+    /// The trie token of an adapter set (None for no adapter), registered on first use.
+    fn sentinel(&mut self, key: &AdapterKey) -> Option<Token> {
+        if key.is_empty() {
+            return None;
+        }
+        let i = match self.adapter_sets.iter().position(|k| k == key) {
+            Some(i) => i,
+            None => {
+                self.adapter_sets.push(key.clone());
+                self.adapter_sets.len() - 1
+            }
+        };
+        Some(-(i as Token) - 1)
     }
 
     /// KV cells only entries hold (what evicting them all would free; shared cells once).
