@@ -46,12 +46,6 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("create params int", lambda: kvfork.Branch.create(ctx, 0, 5), TypeError, "params"),
         ("create params key", lambda: kvfork.Branch.create(ctx, 0, {"tmp": 1}), ValueError, ""),
         (
-            "create empty grammar",
-            lambda: kvfork.Branch.create(ctx, 0, grammar=""),
-            kvfork.GrammarError,
-            "",
-        ),
-        (
             "create bad grammar",
             lambda: kvfork.Branch.create(ctx, 0, grammar="root ::= foo"),
             kvfork.GrammarError,
@@ -90,7 +84,7 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("grammar undefined rule", lambda: b.set_grammar("root ::= foo"), kvfork.GrammarError, ""),
         ("grammar syntax", lambda: b.set_grammar("root ::= (("), kvfork.GrammarError, ""),
         ("grammar NUL", lambda: b.set_grammar('root ::= "a\0"'), kvfork.GrammarError, "NUL"),
-        ("grammar whitespace", lambda: b.set_grammar("   "), kvfork.GrammarError, "empty"),
+        ("lazy grammar blank", lambda: b.set_grammar_lazy("  ", ["x"]), kvfork.GrammarError, "empty"),
         ("grammar int", lambda: b.set_grammar(5), TypeError, ""),
         (
             "lazy bad regex",
