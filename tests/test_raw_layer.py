@@ -158,9 +158,9 @@ async def best_of_n_idiom(ctx: kvfork.Context, tokens: list[int]) -> tuple[list[
     root = kvfork.Branch.create(ctx, 0, {"temperature": 0.8})
     await root.prefill(tokens)
     candidates = [await root.fork(seed=1000 + i) for i in range(5)]
-    outputs = [
-        [t.token async for t in c.generate(max_tokens=BEST_OF_N_STEPS)] for c in candidates
-    ]
+    outputs: list[list[int]] = []
+    for c in candidates:
+        outputs.append([t.token async for t in c.generate(max_tokens=BEST_OF_N_STEPS)])
     best = min(candidates, key=lambda b: b.perplexity)
     return outputs, candidates.index(best)
 
@@ -242,7 +242,7 @@ def test_model_entropy_and_surprisal_equal_the_branch_s_after_the_same_decode(
         assert six.model_entropy() == b.entropy()
         assert six.model_surprisal(7, "bits") == b.surprisal(7, "bits")
     with pytest.raises(ValueError, match="base"):
-        six.model_entropy("decibans")
+        six.model_entropy("decibans")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="token"):
         six.model_surprisal(six.vocab_size)
 
@@ -255,7 +255,9 @@ def test_create_with_seq_id_takes_that_sequence_s_cells_over(six: kvfork.Context
     six.decode_sync(prompt, 0, 3)
     available = six.n_seq_max
     end = len(prompt) - 1
-    with pytest.raises(ValueError, match=f"cells end at position {end}.*starts at {end + 1} .*not 5"):
+    with pytest.raises(
+        ValueError, match=f"cells end at position {end}.*starts at {end + 1} .*not 5"
+    ):
         kvfork.Branch.create(six, 5, GREEDY, seq_id=3)
     with pytest.raises(ValueError, match="cells end at position -1"):
         kvfork.Branch.create(six, 4, GREEDY, seq_id=4)  # an empty sequence: position 0 only

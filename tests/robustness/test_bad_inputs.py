@@ -84,7 +84,12 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("grammar undefined rule", lambda: b.set_grammar("root ::= foo"), kvfork.GrammarError, ""),
         ("grammar syntax", lambda: b.set_grammar("root ::= (("), kvfork.GrammarError, ""),
         ("grammar NUL", lambda: b.set_grammar('root ::= "a\0"'), kvfork.GrammarError, "NUL"),
-        ("lazy grammar blank", lambda: b.set_grammar_lazy("  ", ["x"]), kvfork.GrammarError, "empty"),
+        (
+            "lazy grammar blank",
+            lambda: b.set_grammar_lazy("  ", ["x"]),
+            kvfork.GrammarError,
+            "empty",
+        ),
         ("grammar int", lambda: b.set_grammar(5), TypeError, ""),
         (
             "lazy bad regex",
@@ -174,7 +179,12 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("create seq_id range", lambda: kvfork.Branch.create(ctx, 0, seq_id=99), ValueError, ""),
         ("fork seq_id range", lambda: b.fork_sync(seq_id=2**31), ValueError, "seq_id"),
         ("fork seq_id held", lambda: b.fork_sync(seq_id=b.seq_id), kvfork.LeaseExhaustedError, ""),
-        ("capture none", lambda: kvfork.Branch.create(ctx).capture_logits(), kvfork.KvforkError, ""),
+        (
+            "capture none",
+            lambda: kvfork.Branch.create(ctx).capture_logits(),
+            kvfork.KvforkError,
+            "",
+        ),
         ("decode one token", lambda: b.decode_and_capture_one_sync(vocab), ValueError, "token"),
         ("model_entropy base", lambda: ctx.model_entropy("dB"), ValueError, "base"),
         ("model_surprisal token", lambda: ctx.model_surprisal(-1), ValueError, "token"),

@@ -116,7 +116,8 @@ impl PyBranch {
             return Ok(wrap(branch));
         }
         let py = ctx.py();
-        let over = kvfork::Branch::create_over(&ctx.get().inner, position, &params, grammar, seq_id);
+        let over =
+            kvfork::Branch::create_over(&ctx.get().inner, position, &params, grammar, seq_id);
         let created = wait(py, over)?;
         if position > 0 && !created.kept_cells {
             warn_nothing_behind(py, position)?;

@@ -50,7 +50,10 @@ impl Context {
             self.shared().check_open()?;
             let seq = self::seq_id(self, seq_id)?;
             if position < 0 {
-                return Err(Error::invalid("position", format!("{position} is negative")));
+                return Err(Error::invalid(
+                    "position",
+                    format!("{position} is negative"),
+                ));
             }
             if tokens.is_empty() {
                 return Err(Error::invalid("tokens", "nothing to decode"));
@@ -174,7 +177,8 @@ impl Branch {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
-        let (ctx, parent, parent_cell) = (self.context().clone(), self.handle(), self.cell().clone());
+        let (ctx, parent, parent_cell) =
+            (self.context().clone(), self.handle(), self.cell().clone());
         self.context().run(move |w| {
             let (handle, cell) = w.fork(parent, &parent_cell, seed, on)?;
             Ok(Branch::from_parts(ctx, handle, cell))

@@ -40,9 +40,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+pub(crate) use outputs::LastOutput;
 pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
-pub(crate) use outputs::LastOutput;
 pub(crate) use raw::check_unleased;
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use tree::Prune;

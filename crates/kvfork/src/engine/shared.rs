@@ -165,7 +165,11 @@ impl Shared {
 
     /// A new root branch holding `state` on the lease of `seq` itself (the raw layer's
     /// takeover); `SeqLeased` when a live branch holds it.
-    pub fn create_root_on(&self, seq: Seq, state: BranchState) -> Result<(Handle, Arc<BranchCell>)> {
+    pub fn create_root_on(
+        &self,
+        seq: Seq,
+        state: BranchState,
+    ) -> Result<(Handle, Arc<BranchCell>)> {
         let cell = BranchCell::new(seq, state);
         let handle = self.lease_exact(None, 0, seq, cell.clone())?;
         Ok((handle, cell))
