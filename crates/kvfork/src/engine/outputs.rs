@@ -87,3 +87,34 @@ impl Outputs {
         self.last.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row_of(o: &Outputs, seq: u32) -> Option<Vec<f32>> {
+        o.row(Seq::new(seq))
+            .and_then(|s| s.row())
+            .map(<[f32]>::to_vec)
+    }
+
+    #[test]
+    fn a_raw_row_lives_until_its_sequence_is_decoded_into_or_emptied() {
+        let mut o = Outputs::default();
+        o.raw(Seq::new(1), &[1.0, 2.0]);
+        o.raw(Seq::new(2), &[3.0, 4.0]);
+        assert!(matches!(o.last(), LastOutput::Raw(_)));
+        // A branch decode into sequence 1 (its last output) supersedes 1's row only.
+        o.decoded([Seq::new(1)].into_iter(), Seq::new(1));
+        assert_eq!(row_of(&o, 1), None);
+        assert_eq!(row_of(&o, 2), Some(vec![3.0, 4.0]));
+        assert!(matches!(o.last(), LastOutput::Branch(s) if s == Seq::new(1)));
+        o.emptied(Seq::new(1));
+        assert!(matches!(o.last(), LastOutput::None));
+        o.keep(Seq::new(3), o.row(Seq::new(2)).cloned().expect("row 2"));
+        o.keep_only(Seq::new(3));
+        assert_eq!((row_of(&o, 2), row_of(&o, 3)), (None, Some(vec![3.0, 4.0])));
+        o.clear();
+        assert_eq!(row_of(&o, 3), None);
+    }
+}
