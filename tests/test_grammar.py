@@ -12,7 +12,7 @@ import jsonschema
 import kvfork
 import pytest
 
-from .conftest import GREEDY, PERSON_SCHEMA, root
+from .conftest import GREEDY, PERSON_SCHEMA, PROMPT, root
 
 
 def test_gbnf_grammar(ctx: kvfork.Context) -> None:
@@ -79,7 +79,7 @@ def test_grammar_without_a_legal_token_raises_on_sample(ctx: kvfork.Context) -> 
 
 
 def test_bad_grammars_raise(ctx: kvfork.Context) -> None:
-    for bad in ["root ::= undefined_rule", "root ::= (", "not a grammar", ""]:
+    for bad in ["root ::= undefined_rule", "root ::= (", "not a grammar"]:
         with pytest.raises(kvfork.GrammarError):
             kvfork.Branch.create(ctx, 0, grammar=bad)
     with pytest.raises(kvfork.GrammarError):
@@ -90,6 +90,21 @@ def test_bad_grammars_raise(ctx: kvfork.Context) -> None:
         b.commit_sync(ctx.tokenize("zzz", add_special=False)[0])
     b.set_grammar(None)
     b.commit_sync(b.sample())
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_blank_grammar_removes_the_constraint(ctx: kvfork.Context, blank: str) -> None:
+    free = root(ctx)
+    expected = free.produce_sync().token
+    b = root(ctx)
+    b.set_grammar('root ::= "zzz"')
+    assert b.produce_sync().token != expected  # constrained
+    b.set_grammar(blank)  # as the reference's setGrammar(""): no constraint
+    assert b.produce_sync().token == expected
+    b.commit_sync(expected)
+    created = kvfork.Branch.create(ctx, 0, GREEDY, grammar=blank)
+    created.prefill_sync(ctx.tokenize(PROMPT))
+    assert created.produce_sync().token == expected
 
 
 def test_errors_say_why(ctx: kvfork.Context) -> None:

@@ -440,6 +440,42 @@ class Context:
         """Blocking twin of `kv_seq_pos_max`: returns the position. Waits without the GIL; Ctrl-C cancels it all-or-nothing and raises KeyboardInterrupt."""
     def kv_clear(self) -> None:
         """Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting."""
+    def decode(self, tokens: _Tokens, position: int, seq_id: int) -> Awaitable[None]:
+        """Raw decode (the reference's `ctx.decode(tokens, position, seqId)`): `tokens` into
+        sequence `seq_id` from `position`, in ceil(n / n_batch) decodes, keeping the last
+        token's logits as the sequence's output (`Branch.create(ctx, position, params,
+        seq_id=...)` then `capture_logits()` takes both over). `position` must follow the
+        sequence's cells when it has any. ValueError for a sequence a branch holds (decode
+        through the branch), a bad id, position or token, or no tokens; KvCacheFullError
+        past n_ctx. All or nothing; cancelled, it either never ran or completed.
+        """
+    def decode_sync(self, tokens: _Tokens, position: int, seq_id: int) -> None:
+        """Blocking twin of `decode`: returns None once the tokens are decoded. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    def model_entropy(self, base: _Base = "nats") -> float:
+        """Entropy of the context's last output (the logits of the last `decode`, or the
+        snapshot of the branch whose decode ran last), in nats (or bits with `base="bits"`).
+        KvforkError before any decode; ValueError for another `base`.
+        """
+    def model_surprisal(self, token: int, base: _Base = "nats") -> float:
+        """-log p(`token`) under the context's last output (see `model_entropy`), in nats (or
+        bits with `base="bits"`); inf for a masked token. KvforkError before any decode;
+        ValueError for a token id out of range or another `base`.
+        """
+    def snapshot(self) -> Awaitable[bytes]:
+        """Every live branch and the whole KV cache as bytes, after queued work: what
+        `save_state` writes to a file (the same framing and checks), kept in memory.
+        """
+    def snapshot_sync(self) -> bytes:
+        """Blocking twin of `snapshot`: returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    def restore(self, data: bytes | bytearray) -> Awaitable[list[Branch]]:
+        """Return to a `snapshot` (or a `save_state` file's bytes): the bytes are checked
+        first, and a corrupt, truncated or foreign snapshot raises StateFileError,
+        changing nothing. Then every live branch is disposed (its handles raise
+        BranchDisposedError), the whole KV cache is replaced, and the snapshot's branches
+        come back as new Branch objects, each after its parent, on the sequences they had.
+        """
+    def restore_sync(self, data: bytes | bytearray) -> list[Branch]:
+        """Blocking twin of `restore`: returns the restored branches, each after its parent; StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     def save_state(self, path: str | PathLike[str]) -> Awaitable[None]:
         """Save every live branch (its record and tree links) and the whole KV cache to
         `path`, after queued work. Shared prefixes are stored once.
@@ -625,11 +661,26 @@ class Branch:
     """
     @classmethod
     def create(
-        cls, ctx: Context, position: int = 0, params: _Params = None, *, grammar: str | None = None
+        cls,
+        ctx: Context,
+        position: int = 0,
+        params: _Params = None,
+        *,
+        grammar: str | None = None,
+        seq_id: int | None = None,
     ) -> Branch:
-        """A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
-        for the engine (emptying the lease is queued ahead of the branch's own work).
-        LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a bad argument.
+        """A new root branch on a fresh KV lease. At position 0 (the usual start: prefill the
+        prompt next) it is cheap and non-blocking: no decode, and no wait for the engine
+        (emptying the lease is queued ahead of the branch's own work).
+
+        Past 0 or with `seq_id` it takes cells over (the raw layer: after
+        `await ctx.decode(prompt, 0, seq)`), waiting without the GIL for the engine to check
+        them after queued work. `seq_id` leases that very sequence, whose cells must end at
+        `position - 1` (ValueError otherwise; LeaseExhaustedError when a branch holds it).
+        Without `seq_id` the lowest free lease is taken, its cells kept when they end at
+        `position - 1`, else emptied with a KvforkWarning (nothing would be behind the
+        branch). LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a
+        bad argument. A blank `grammar` means none.
         """
     def prefill(self, tokens: _Tokens) -> Awaitable[None]:
         """Decode external tokens at the branch's position (no accept); captures the last
@@ -697,16 +748,17 @@ class Branch:
         prefills and commits in order, a fork's starting with its parent's. Saved by `save`.
         """
     def __aiter__(self) -> AsyncIterator[Token]: ...
-    def fork(self, *, seed: int | None = None) -> Awaitable[Branch]:
+    def fork(self, *, seed: int | None = None, seq_id: int | None = None) -> Awaitable[Branch]:
         """A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
         grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
         ran (no lease taken) or completed (the child exists, as a child of this branch).
 
         Without `seed` the child samples exactly like its parent until reseeded: forks made
         for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
-        is free.
+        is free. `seq_id` (the reference's `fork(newSeqId)`) puts the child on that very
+        sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
         """
-    def fork_sync(self, *, seed: int | None = None) -> Branch:
+    def fork_sync(self, *, seed: int | None = None, seq_id: int | None = None) -> Branch:
         """Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists), then KeyboardInterrupt is raised."""
     def save(self, path: str | PathLike[str]) -> Awaitable[None]:
         """Save the branch to `path` (its KV cells, position, history, sampler params and RNG
@@ -725,6 +777,48 @@ class Branch:
         """Blocking twin of `load`: returns the restored Branch; StateFileError for a corrupt,
         truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as
         an await would, and raises KeyboardInterrupt.
+        """
+    def snapshot(self) -> Awaitable[bytes]:
+        """The branch as bytes, after queued work on it: what `save` writes to a file (its
+        KV cells, position, history, sampler and RNG state, grammar, biases, metrics; the
+        same framing and checks), kept in memory. `Branch.restore(ctx, data)` brings it
+        back.
+        """
+    def snapshot_sync(self) -> bytes:
+        """Blocking twin of `snapshot`: returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    @classmethod
+    def restore(cls, ctx: Context, data: bytes | bytearray) -> Awaitable[Branch]:
+        """A new root branch on a fresh lease of `ctx` (any context of the same model), restored
+        from `snapshot()` bytes (or a `save` file's): it continues exactly as the snapshot's
+        branch would have. StateFileError for corrupt, truncated or foreign bytes.
+        """
+    @classmethod
+    def restore_sync(cls, ctx: Context, data: bytes | bytearray) -> Branch:
+        """Blocking twin of `restore`: returns the restored Branch; StateFileError for corrupt,
+        truncated or foreign bytes. Waits without the GIL; Ctrl-C cancels it all-or-nothing,
+        as an await would, and raises KeyboardInterrupt.
+        """
+    def capture_logits(self) -> None:
+        """The context's last output for this branch's sequence becomes its logits snapshot
+        (the reference's `captureLogits()`): the logits a `ctx.decode` into the sequence left
+        before this branch took it over. A branch that decoded since already holds that
+        output (nothing changes). KvforkError when the sequence has no output at all.
+        """
+    def decode_and_capture_one(self, token: int | Token) -> Awaitable[None]:
+        """Decode `token` (an int or a Token) at the branch's position and capture its
+        logits, without accepting it (penalties, grammar and perplexity untouched; the
+        reference's `decodeAndCaptureOne`). A token `accept`ed just before is decoded by
+        it (`accept` + this = `commit`). Cancelled, it either never ran or was aborted
+        and rolled back.
+        """
+    def decode_and_capture_one_sync(self, token: int | Token) -> None:
+        """Blocking twin of `decode_and_capture_one`: returns None once the token is decoded. Waits without the GIL; Ctrl-C aborts and rolls it back, then raises KeyboardInterrupt."""
+    def destroy(self) -> None:
+        """Release the handle and the KV lease but keep the cells (the reference's `destroy()`:
+        carry on with `ctx.decode` on `seq_id`, or take the cells over again with
+        `Branch.create(ctx, position, params, seq_id=...)`). RESTRICT like `prune`:
+        KvforkError while it has live children. `disposed` is True at once; a second call is
+        a no-op.
         """
     def reseed_context(self, sinks: _Tokens, tail: int) -> Awaitable[None]:
         """Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
@@ -804,7 +898,9 @@ class Branch:
         new seed. ValueError (naming the field) for a bad value.
         """
     def set_grammar(self, gbnf: str | None) -> None:
-        """Replace (or with None remove) the GBNF grammar."""
+        """Replace the GBNF grammar, or remove it with None or "" (a blank grammar, as the
+        reference's `setGrammar("")`).
+        """
     def set_json_schema(self, schema: dict[str, Any] | str) -> None:
         """Constrain the output to a JSON schema (a dict, or its JSON text), through llguidance:
         the same slot as `set_grammar` (one constraint at a time), cloned on fork. The first

@@ -46,12 +46,6 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("create params int", lambda: kvfork.Branch.create(ctx, 0, 5), TypeError, "params"),
         ("create params key", lambda: kvfork.Branch.create(ctx, 0, {"tmp": 1}), ValueError, ""),
         (
-            "create empty grammar",
-            lambda: kvfork.Branch.create(ctx, 0, grammar=""),
-            kvfork.GrammarError,
-            "",
-        ),
-        (
             "create bad grammar",
             lambda: kvfork.Branch.create(ctx, 0, grammar="root ::= foo"),
             kvfork.GrammarError,
@@ -90,7 +84,12 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("grammar undefined rule", lambda: b.set_grammar("root ::= foo"), kvfork.GrammarError, ""),
         ("grammar syntax", lambda: b.set_grammar("root ::= (("), kvfork.GrammarError, ""),
         ("grammar NUL", lambda: b.set_grammar('root ::= "a\0"'), kvfork.GrammarError, "NUL"),
-        ("grammar whitespace", lambda: b.set_grammar("   "), kvfork.GrammarError, "empty"),
+        (
+            "lazy grammar blank",
+            lambda: b.set_grammar_lazy("  ", ["x"]),
+            kvfork.GrammarError,
+            "empty",
+        ),
         ("grammar int", lambda: b.set_grammar(5), TypeError, ""),
         (
             "lazy bad regex",
@@ -166,6 +165,32 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
         ("kv remove p0<-1", lambda: ctx.kv_seq_remove(0, -5), ValueError, "p0"),
         ("kv keep range", lambda: ctx.kv_seq_keep(10**6), ValueError, "seq"),
         ("kv pos_max range", lambda: ctx.kv_seq_pos_max_sync(ctx.n_seq_max), ValueError, "seq"),
+        # the raw layer and snapshots
+        ("decode str", lambda: ctx.decode_sync("abc", 0, 1), TypeError, "tokens"),
+        ("decode seq_id str", lambda: ctx.decode_sync([1], 0, "1"), TypeError, "seq_id"),
+        ("decode seq_id range", lambda: ctx.decode_sync([1], 0, 256), ValueError, "seq_id"),
+        ("decode seq_id huge", lambda: ctx.decode_sync([1], 0, big), ValueError, "seq_id"),
+        ("decode position huge", lambda: ctx.decode_sync([1], big, 1), ValueError, "position"),
+        ("decode token<0", lambda: ctx.decode_sync([-1], 0, 1), ValueError, "token"),
+        ("decode empty", lambda: ctx.decode_sync([], 0, 1), ValueError, "tokens"),
+        ("decode held", lambda: ctx.decode_sync([1], 0, b.seq_id), ValueError, "held"),
+        ("create seq_id<0", lambda: kvfork.Branch.create(ctx, 0, seq_id=-1), ValueError, "seq_id"),
+        ("create seq_id str", lambda: kvfork.Branch.create(ctx, 0, seq_id="0"), TypeError, ""),
+        ("create seq_id range", lambda: kvfork.Branch.create(ctx, 0, seq_id=99), ValueError, ""),
+        ("fork seq_id range", lambda: b.fork_sync(seq_id=2**31), ValueError, "seq_id"),
+        ("fork seq_id held", lambda: b.fork_sync(seq_id=b.seq_id), kvfork.LeaseExhaustedError, ""),
+        (
+            "capture none",
+            lambda: kvfork.Branch.create(ctx).capture_logits(),
+            kvfork.KvforkError,
+            "",
+        ),
+        ("decode one token", lambda: b.decode_and_capture_one_sync(vocab), ValueError, "token"),
+        ("model_entropy base", lambda: ctx.model_entropy("dB"), ValueError, "base"),
+        ("model_surprisal token", lambda: ctx.model_surprisal(-1), ValueError, "token"),
+        ("restore str", lambda: ctx.restore_sync("x"), TypeError, "data"),
+        ("restore junk", lambda: ctx.restore_sync(b"\xff" * 99), kvfork.StateFileError, ""),
+        ("branch restore None", lambda: kvfork.Branch.restore_sync(ctx, None), TypeError, "data"),
         # module
         ("schema not JSON", lambda: kvfork.json_schema_to_grammar("{"), kvfork.GrammarError, ""),
         ("schema type", lambda: kvfork.json_schema_to_grammar(5), TypeError, "schema"),
@@ -217,6 +242,10 @@ def test_disposed_branch_raises_on_every_use(ctx: kvfork.Context) -> None:
         lambda: b.sample(),
         lambda: b.accept(1),
         lambda: b.fork_sync(),
+        lambda: b.fork_sync(seq_id=5),
+        lambda: b.capture_logits(),
+        lambda: b.decode_and_capture_one_sync(1),
+        lambda: b.snapshot_sync(),
         lambda: b.position,
         lambda: b.perplexity,
         lambda: b.entropy(),
@@ -231,6 +260,7 @@ def test_disposed_branch_raises_on_every_use(ctx: kvfork.Context) -> None:
         with pytest.raises(kvfork.BranchDisposedError):
             use()
     b.prune_sync()  # a second prune is a no-op
+    b.destroy()  # and so is a destroy after it
 
 
 def test_closed_context_raises_on_every_use(model: kvfork.Model) -> None:
@@ -244,6 +274,10 @@ def test_closed_context_raises_on_every_use(model: kvfork.Model) -> None:
         lambda: ctx.tokenize("x"),
         lambda: ctx.kv_clear(),
         lambda: ctx.kv_seq_pos_max_sync(0),
+        lambda: ctx.decode_sync([1], 0, 1),
+        lambda: ctx.model_entropy(),
+        lambda: ctx.snapshot_sync(),
+        lambda: kvfork.Branch.create(ctx, 3, seq_id=1),
         lambda: kvfork.BranchStore(ctx).step_sync([b]),
     ]
     for use in uses:

@@ -26,7 +26,7 @@ pub struct PyBranch {
     pub inner: kvfork::Branch,
 }
 
-fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
+pub(crate) fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
     kvfork::LogBase::from_name(base).ok_or_else(|| {
         PyValueError::new_err(format!("base must be 'nats' or 'bits', not {base:?}"))
     })
@@ -82,28 +82,47 @@ impl PyBranch {
         ))
     }
 
-    /// A new root branch on a fresh KV lease. Cheap and non-blocking: no decode, and no wait
-    /// for the engine (emptying the lease is queued ahead of the branch's own work).
-    /// LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a bad argument.
+    /// A new root branch on a fresh KV lease. At position 0 (the usual start: prefill the
+    /// prompt next) it is cheap and non-blocking: no decode, and no wait for the engine
+    /// (emptying the lease is queued ahead of the branch's own work).
+    ///
+    /// Past 0 or with `seq_id` it takes cells over (the raw layer: after
+    /// `await ctx.decode(prompt, 0, seq)`), waiting without the GIL for the engine to check
+    /// them after queued work. `seq_id` leases that very sequence, whose cells must end at
+    /// `position - 1` (ValueError otherwise; LeaseExhaustedError when a branch holds it).
+    /// Without `seq_id` the lowest free lease is taken, its cells kept when they end at
+    /// `position - 1`, else emptied with a KvforkWarning (nothing would be behind the
+    /// branch). LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a
+    /// bad argument. A blank `grammar` means none.
     #[classmethod]
-    #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None),
-           text_signature = "($cls, ctx, position=0, params=None, *, grammar=None)")]
+    #[pyo3(signature = (ctx, position=Int(Some(0)), params=None, *, grammar=None, seq_id=None),
+           text_signature = "($cls, ctx, position=0, params=None, *, grammar=None, seq_id=None)")]
     fn create(
         _cls: &Bound<'_, PyType>,
         ctx: Arg<Bound<'_, PyContext>>,
         position: Int,
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<Arg<String>>,
+        seq_id: Option<Int>,
     ) -> PyResult<Self> {
         let position = position.i32("position", 0)?;
+        let seq_id = seq_id.map(|s| s.i32("seq_id", 0)).transpose()?;
         let params = params::extract(params)?;
         let grammar = grammar.map(|Arg(gbnf)| kvfork::GrammarSpec::Eager { gbnf });
         let ctx = ctx.0;
-        let branch = kvfork::Branch::create(&ctx.get().inner, position, &params, grammar).py()?;
-        if position > 0 {
-            warn_nothing_behind(ctx.py(), position)?;
+        if position == 0 && seq_id.is_none() {
+            let branch =
+                kvfork::Branch::create(&ctx.get().inner, position, &params, grammar).py()?;
+            return Ok(wrap(branch));
         }
-        Ok(wrap(branch))
+        let py = ctx.py();
+        let over =
+            kvfork::Branch::create_over(&ctx.get().inner, position, &params, grammar, seq_id);
+        let created = wait(py, over)?;
+        if position > 0 && !created.kept_cells {
+            warn_nothing_behind(py, position)?;
+        }
+        Ok(wrap(created.branch))
     }
 
     // ---- decoding ----
@@ -296,7 +315,8 @@ impl PyBranch {
         self.inner.set_sampler_params(&params).py()
     }
 
-    /// Replace (or with None remove) the GBNF grammar.
+    /// Replace the GBNF grammar, or remove it with None or "" (a blank grammar, as the
+    /// reference's `setGrammar("")`).
     #[pyo3(signature = (gbnf))]
     fn set_grammar(&self, gbnf: Option<Arg<String>>) -> PyResult<()> {
         self.inner
@@ -563,13 +583,18 @@ twins! {
         ///
         /// Without `seed` the child samples exactly like its parent until reseeded: forks made
         /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
-        /// is free.
+        /// is free. `seq_id` (the reference's `fork(newSeqId)`) puts the child on that very
+        /// sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
         #[sync_doc = "returns the child Branch; LeaseExhaustedError when no lease is free. \
                       Waits without the GIL; on Ctrl-C a started fork completes (the child \
                       exists), then KeyboardInterrupt is raised."]
-        #[pyo3(signature = (*, seed=None))]
-        fn fork / fork_sync(&self, py, seed: Option<Int>) -> PyBranch {
-            self.inner.fork(seed.map(|s| s.u32("seed", 0)).transpose()?)
+        #[pyo3(signature = (*, seed=None, seq_id=None))]
+        fn fork / fork_sync(&self, py, seed: Option<Int>, seq_id: Option<Int>) -> PyBranch {
+            let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+            match seq_id {
+                None => self.inner.fork(seed),
+                Some(s) => self.inner.fork_on(seed, Some(s.i32("seq_id", 0)?)),
+            }
         } => |b| Ok(wrap(b));
 
         /// Save the branch to `path` (its KV cells, position, history, sampler params and RNG
@@ -661,14 +686,15 @@ fn speculative_stream(
     Ok(class.bind(py).call1((branch, max_tokens, draft))?.unbind())
 }
 
-/// A fresh lease holds no cells: a branch created past 0 would generate from an empty cache
-/// (lloyal.node users write `Branch.create(ctx, len(prompt), params)` after decoding the prompt
-/// on the context; here the branch prefills its own prompt).
+/// The lease taken holds no cells ending at `position - 1`: a branch created there would
+/// generate from an empty cache (lloyal.node users write `Branch.create(ctx, len(prompt),
+/// params)` after decoding the prompt on the context, which `ctx.decode` does here too).
 fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
     let msg = format!(
         "Branch.create at position {position}: the branch's sequence is empty, so it would \
          generate from nothing behind it; create it at 0 and prefill the prompt \
-         (`b = Branch.create(ctx, 0, params); await b.prefill(tokens)`)"
+         (`b = Branch.create(ctx, 0, params); await b.prefill(tokens)`), or decode the \
+         prompt into a sequence first (`await ctx.decode(tokens, 0, seq_id)`)"
     );
     let msg = std::ffi::CString::new(msg).unwrap_or_default();
     let category = py.get_type::<crate::errors::KvforkWarning>();

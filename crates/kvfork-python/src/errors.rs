@@ -132,7 +132,7 @@ pub fn to_py(err: kvfork::Error) -> PyErr {
         E::ModelLoad { .. } => ModelLoadError::new_err(msg),
         E::Decode(_) => DecodeError::new_err(msg),
         E::KvCacheFull(_) => KvCacheFullError::new_err(msg),
-        E::LeaseExhausted { .. } => LeaseExhaustedError::new_err(msg),
+        E::LeaseExhausted { .. } | E::SeqLeased { .. } => LeaseExhaustedError::new_err(msg),
         E::BranchDisposed(_) => BranchDisposedError::new_err(msg),
         E::Grammar(_) => GrammarError::new_err(msg),
         E::ChatTemplate(_) => ChatTemplateError::new_err(msg),

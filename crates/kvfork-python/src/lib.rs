@@ -17,6 +17,7 @@ mod generate;
 mod model;
 mod params;
 mod prefix_cache;
+mod raw;
 mod store;
 mod token;
 mod twins;

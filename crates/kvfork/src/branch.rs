@@ -54,7 +54,10 @@ impl Branch {
             ));
         }
         let sampler = SamplerChain::new(params, ctx.model())?;
-        let grammar = grammar.map(|g| Grammar::new(ctx.model(), g)).transpose()?;
+        let grammar = grammar
+            .filter(|g| !g.is_blank())
+            .map(|g| Grammar::new(ctx.model(), g))
+            .transpose()?;
         let state = BranchState::new(position, sampler, grammar);
         let (handle, cell) = ctx.shared().create_root(state)?;
         ctx.engine().clear_seq(cell.seq());
@@ -201,7 +204,7 @@ impl Branch {
         }
         let (ctx, parent, parent_cell) = (self.ctx.clone(), self.handle, self.cell.clone());
         self.ctx.run(move |w| {
-            let (handle, cell) = w.fork(parent, &parent_cell, seed)?;
+            let (handle, cell) = w.fork(parent, &parent_cell, seed, None)?;
             Ok(Branch { ctx, handle, cell })
         })
     }
@@ -363,9 +366,11 @@ impl Branch {
         self.state(|s| s.set_sampler_params(params, &model))
     }
 
-    /// Replace (or remove, with `None`) the grammar.
+    /// Replace (or remove, with `None` or a blank GBNF grammar, as llama.cpp reads "") the
+    /// grammar.
     pub fn set_grammar(&self, grammar: Option<GrammarSpec>) -> Result<()> {
         let grammar = grammar
+            .filter(|g| !g.is_blank())
             .map(|g| Grammar::new(self.ctx.model(), g))
             .transpose()?;
         self.state(|s| {

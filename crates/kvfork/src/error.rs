@@ -29,6 +29,12 @@ pub enum Error {
         /// The number of sequences of the context.
         n_seq_max: u32,
     },
+    /// A sequence asked for by its id is leased by a live branch.
+    #[error("KV sequence {seq} is held by a live branch: prune or destroy that branch first")]
+    SeqLeased {
+        /// The sequence id asked for.
+        seq: i32,
+    },
     /// The branch was pruned (or its handle is stale).
     #[error("branch {0} is disposed")]
     BranchDisposed(String),

@@ -583,6 +583,8 @@ pub(crate) fn check_range(p0: i32, p1: i32) -> Result<()> {
 pub(crate) struct Batch {
     raw: sys::llama_batch,
     capacity: usize,
+    /// The sequence of the last entry pushed with `logits` (the decode's last output).
+    last_output: Option<Seq>,
 }
 
 impl Drop for Batch {
@@ -609,7 +611,11 @@ impl Batch {
                 // SAFETY: `seq_id` (not NULL) has `capacity` + 1 entries.
                 && (0..capacity).all(|i| !unsafe { *raw.seq_id.add(i) }.is_null()));
         assert!(allocated, "out of memory allocating a llama_batch");
-        Batch { raw, capacity }
+        Batch {
+            raw,
+            capacity,
+            last_output: None,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -618,6 +624,22 @@ impl Batch {
 
     pub fn clear(&mut self) {
         self.raw.n_tokens = 0;
+        self.last_output = None;
+    }
+
+    /// The sequence of the last token marked for output, if any.
+    pub fn last_output(&self) -> Option<Seq> {
+        self.last_output
+    }
+
+    /// The sequences of the tokens marked for output (with repeats), in batch order.
+    pub fn output_seqs(&self) -> impl Iterator<Item = Seq> + '_ {
+        (0..self.len()).filter_map(|i| {
+            // SAFETY: `i < len() <= capacity` and, by the type's invariant, the first `len()`
+            // entries of `logits` and `seq_id` (each with its one id) are written.
+            let (wants, seq) = unsafe { (*self.raw.logits.add(i), **self.raw.seq_id.add(i)) };
+            (wants != 0).then(|| Seq::new(seq as u32))
+        })
     }
 
     /// Append one token. Callers keep `len() < capacity` (checked: a panic here is a bug).
@@ -634,5 +656,8 @@ impl Batch {
             *self.raw.logits.add(i) = logits as i8;
         }
         self.raw.n_tokens += 1;
+        if logits {
+            self.last_output = Some(seq);
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! Saving and loading branches and whole contexts: the calls, queued on the engine thread,
-//! whose work (file format included) is in `engine/persist.rs`.
+//! Saving and loading branches and whole contexts, to files or in-memory snapshots (the same
+//! bytes): the calls, queued on the engine thread, whose work (format included) is in
+//! `engine/persist.rs`.
 
 use std::path::PathBuf;
 
@@ -32,7 +33,60 @@ impl Branch {
     }
 }
 
+impl Branch {
+    /// The branch as bytes, after the work already queued on it: exactly what `save` writes
+    /// to a file (the same framing and checks), kept in memory.
+    pub fn snapshot(&self) -> Pending<Vec<u8>> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell().clone();
+        self.context().run(move |w| w.branch_bytes(&cell))
+    }
+
+    /// A new root branch on a fresh lease of `ctx`, restored from `snapshot` bytes (or a
+    /// file's contents): `load` without the file.
+    pub fn restore(ctx: &Context, data: Vec<u8>) -> Pending<Branch> {
+        if let Err(e) = ctx.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        let ctx2 = ctx.clone();
+        ctx.run(move |w| {
+            let (handle, cell) = w.restore_branch(&data)?;
+            Ok(Branch::from_parts(ctx2, handle, cell))
+        })
+    }
+}
+
 impl Context {
+    /// Every live branch and the whole KV cache as bytes, after the work already queued:
+    /// exactly what `save_state` writes to a file, kept in memory.
+    pub fn snapshot(&self) -> Pending<Vec<u8>> {
+        if let Err(e) = self.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        self.run(|w| w.context_bytes())
+    }
+
+    /// Return to a `snapshot` (or a `save_state` file's contents): the bytes are checked
+    /// first (a bad snapshot changes nothing); then every live branch is disposed, the whole
+    /// cache replaced, and the snapshot's branches come back as new branches, each after its
+    /// parent, on the sequences they had. Should llama.cpp refuse the cells after all, the
+    /// context is left empty.
+    pub fn restore(&self, data: Vec<u8>) -> Pending<Vec<Branch>> {
+        if let Err(e) = self.shared().check_open() {
+            return Pending::ready(Err(e));
+        }
+        let ctx = self.clone();
+        self.run(move |w| {
+            let restored = w.restore_context(&data)?;
+            Ok(restored
+                .into_iter()
+                .map(|(h, cell)| Branch::from_parts(ctx.clone(), h, cell))
+                .collect())
+        })
+    }
+
     /// Save every live branch and the whole KV cache to `path` (shared prefixes once).
     pub fn save_state(&self, path: impl Into<PathBuf>) -> Pending<()> {
         if let Err(e) = self.shared().check_open() {

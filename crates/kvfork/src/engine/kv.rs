@@ -13,6 +13,7 @@ impl Worker {
 
     /// `Context::kv_seq_keep`: remove every sequence but `seq`.
     pub(crate) fn kv_seq_keep(&mut self, seq: Seq) -> Result<()> {
+        self.shared().outputs().keep_only(seq);
         self.ctx_mut().seq_keep(seq)
     }
 
@@ -29,6 +30,7 @@ impl Worker {
 
     /// `Context::kv_clear`: empty the whole cache.
     pub(crate) fn kv_clear(&mut self) {
+        self.shared().outputs().clear();
         self.ctx_mut().clear();
     }
 }

@@ -12,7 +12,8 @@
 //!
 //! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
 //! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
-//! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV).
+//! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV),
+//! `raw.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
 mod commit;
@@ -21,10 +22,12 @@ mod gather;
 mod kv;
 mod load;
 mod loans;
+mod outputs;
 mod parallel;
 mod pending;
 mod persist;
 mod prefill;
+mod raw;
 mod reseed;
 mod share;
 pub(crate) mod shared;
@@ -37,8 +40,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+pub(crate) use outputs::LastOutput;
 pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
+pub(crate) use raw::check_unleased;
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use tree::Prune;
 pub(crate) use worker::Worker;
@@ -263,6 +268,7 @@ impl Engine {
                     pooling: ctx.pooling(),
                     threads: Default::default(),
                     rows_landed: Default::default(),
+                    outputs: Default::default(),
                     params: params.clone(),
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 });

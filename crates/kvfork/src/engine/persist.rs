@@ -5,6 +5,9 @@
 //! - Branch file: the branch's record, then its sequence's KV cells.
 //! - Context file: every live branch (parents first: parent index, fork head, sequence id,
 //!   record), then the KV cells of all sequences at once, so shared prefixes stay shared.
+//!
+//! In-memory snapshots (`Branch::snapshot`, `Context::snapshot`) are the same bytes a file
+//! holds, and restoring them runs the same checks.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -80,31 +83,37 @@ fn tree_order(w: &Worker) -> Vec<Listed> {
 impl Worker {
     /// `Branch::save`: the branch's record, then its sequence's KV cells.
     pub(crate) fn save_branch(&mut self, cell: &Arc<BranchCell>, path: &Path) -> Result<()> {
+        write_atomically(path, &self.branch_bytes(cell)?)
+    }
+
+    /// `Branch::snapshot`: what `save_branch` writes, sealed, in memory.
+    pub(crate) fn branch_bytes(&mut self, cell: &Arc<BranchCell>) -> Result<Vec<u8>> {
         let mut out = Writer::new();
         cell.lock().write(&mut out);
         out.bytes(&self.ctx().kv_state(Some(cell.seq()))?);
         let model_id = self.shared().model.identity();
-        write_atomically(
-            path,
-            &persist::seal(Kind::Branch, model_id, &out.into_bytes()),
-        )
+        Ok(persist::seal(Kind::Branch, model_id, &out.into_bytes()))
     }
 
     /// `Branch::load`: a saved branch as a new root on a fresh lease.
     pub(crate) fn load_branch(&mut self, path: &Path) -> Result<(Handle, Arc<BranchCell>)> {
-        let file = read_file(path)?;
+        self.restore_branch(&read_file(path)?)
+    }
+
+    /// `Branch::restore`: the branch of sealed bytes (a snapshot or a file's contents) as a
+    /// new root on a fresh lease.
+    pub(crate) fn restore_branch(&mut self, file: &[u8]) -> Result<(Handle, Arc<BranchCell>)> {
         let model = self.shared().model.clone();
-        let payload = persist::open(&file, Kind::Branch, model.identity()).map_err(state_error)?;
+        let payload = persist::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
         let state = BranchState::read(&mut r, &model)?;
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
         check_position(state.position(), self.ctx().n_ctx)?;
         let (handle, cell) = self.shared().create_root(state)?;
-        let ctx = self.ctx_mut();
-        let restored = ctx
-            .clear_seq(cell.seq())
-            .and_then(|_| ctx.set_kv_state(Some(cell.seq()), kv));
+        let restored = self
+            .empty_seq(cell.seq())
+            .and_then(|_| self.ctx_mut().set_kv_state(Some(cell.seq()), kv));
         if let Err(e) = restored {
             self.shared().registry().prune(handle)?;
             cell.mark_disposed();
@@ -115,6 +124,11 @@ impl Worker {
 
     /// `Context::save_state`: every live branch, parents first, then all KV cells at once.
     pub(crate) fn save_context(&mut self, path: &Path) -> Result<()> {
+        write_atomically(path, &self.context_bytes()?)
+    }
+
+    /// `Context::snapshot`: what `save_context` writes, sealed, in memory.
+    pub(crate) fn context_bytes(&mut self) -> Result<Vec<u8>> {
         let branches = tree_order(self);
         let index = |h: Handle| branches.iter().position(|b| b.handle == h);
         let mut out = Writer::new();
@@ -126,23 +140,29 @@ impl Worker {
         }
         out.bytes(&self.ctx().kv_state(None)?);
         let model_id = self.shared().model.identity();
-        write_atomically(
-            path,
-            &persist::seal(Kind::Context, model_id, &out.into_bytes()),
-        )
+        Ok(persist::seal(Kind::Context, model_id, &out.into_bytes()))
     }
 
     /// `Context::load_state`: the branches of a context file, each after its parent, on the
-    /// sequences they had.
+    /// sequences they had. The context must have no live branch.
     pub(crate) fn load_context(&mut self, path: &Path) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
         if !self.shared().registry().is_empty() {
             return Err(Error::Other(
                 "load_state needs a context without live branches: prune them first".into(),
             ));
         }
-        let file = read_file(path)?;
+        self.restore_context(&read_file(path)?)
+    }
+
+    /// `Context::restore`: the branches of sealed bytes (a snapshot or a file's contents),
+    /// each after its parent, on the sequences they had. Everything is checked first; then
+    /// every live branch is disposed and the whole cache replaced.
+    pub(crate) fn restore_context(
+        &mut self,
+        file: &[u8],
+    ) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
         let model = self.shared().model.clone();
-        let payload = persist::open(&file, Kind::Context, model.identity()).map_err(state_error)?;
+        let payload = persist::open(file, Kind::Context, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
         let n = r.u64().map_err(state_error)?;
         let mut saved = Vec::new();
@@ -166,6 +186,8 @@ impl Worker {
         }
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
+        self.dispose_all();
+        self.shared().outputs().clear();
         self.ctx_mut().set_kv_state(None, kv)?;
         let mut restored: Vec<(Handle, Arc<BranchCell>)> = Vec::with_capacity(saved.len());
         let mut reg = self.shared().registry();
@@ -176,5 +198,21 @@ impl Worker {
             restored.push((h, cell));
         }
         Ok(restored)
+    }
+
+    /// Dispose every live branch (their cells are about to be replaced): each handle turns
+    /// disposed at once, and work queued on them fails.
+    fn dispose_all(&mut self) {
+        let mut reg = self.shared().registry();
+        let roots: Vec<Handle> = reg
+            .iter()
+            .filter(|(_, n)| n.parent.is_none())
+            .map(|(h, _)| h)
+            .collect();
+        for root in roots {
+            for pruned in reg.prune_subtree(root).unwrap_or_default() {
+                pruned.data.mark_disposed();
+            }
+        }
     }
 }

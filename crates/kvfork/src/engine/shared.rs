@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kvfork_core::{Handle, Registry};
 
+use super::outputs::Outputs;
 use crate::abort::AbortSignal;
 use crate::branch_state::BranchState;
 use crate::error::{Error, Result};
@@ -111,6 +112,8 @@ pub(crate) struct Shared {
     pub id: u64,
     /// Signals the end of each commit decode to readers waiting for a member's new row.
     pub rows_landed: RowsLanded,
+    /// The raw layer's outputs: rows of `Context::decode` and the last decode's output.
+    pub outputs: Mutex<Outputs>,
 }
 
 /// A counter of commit decodes whose members hold their rows again, with a condition
@@ -148,11 +151,67 @@ impl Shared {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The raw layer's outputs (see `outputs.rs`).
+    pub fn outputs(&self) -> MutexGuard<'_, Outputs> {
+        self.outputs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A new root branch holding `state`, on a fresh lease.
     pub fn create_root(&self, state: BranchState) -> Result<(Handle, Arc<BranchCell>)> {
         let mut registry = self.registry();
         let (handle, _) = registry.create_root_with(|seq| BranchCell::new(Seq::new(seq), state))?;
         Ok((handle, registry.data(handle).expect("just created").clone()))
+    }
+
+    /// A new root branch holding `state` on the lease of `seq` itself (the raw layer's
+    /// takeover); `SeqLeased` when a live branch holds it.
+    pub fn create_root_on(
+        &self,
+        seq: Seq,
+        state: BranchState,
+    ) -> Result<(Handle, Arc<BranchCell>)> {
+        let cell = BranchCell::new(seq, state);
+        let handle = self.lease_exact(None, 0, seq, cell.clone())?;
+        Ok((handle, cell))
+    }
+
+    /// A new child of `parent` holding `state` on the lease of `seq` itself (`fork(seq_id=)`).
+    pub fn fork_on(
+        &self,
+        parent: Handle,
+        fork_head: u32,
+        seq: Seq,
+        state: BranchState,
+    ) -> Result<(Handle, Arc<BranchCell>)> {
+        let cell = BranchCell::new(seq, state);
+        let handle = self.lease_exact(Some(parent), fork_head, seq, cell.clone())?;
+        Ok((handle, cell))
+    }
+
+    fn lease_exact(
+        &self,
+        parent: Option<Handle>,
+        fork_head: u32,
+        seq: Seq,
+        cell: Arc<BranchCell>,
+    ) -> Result<Handle> {
+        let mut registry = self.registry();
+        if self.holder_of(&registry, seq).is_some() {
+            return Err(Error::SeqLeased { seq: seq.id() });
+        }
+        Ok(registry.restore(parent, fork_head, seq.id() as u32, cell)?)
+    }
+
+    /// The live branch leasing `seq`, if any (a scan: at most n_seq_max branches).
+    pub fn holder_of(
+        &self,
+        registry: &Registry<Arc<BranchCell>>,
+        seq: Seq,
+    ) -> Option<(Handle, Arc<BranchCell>)> {
+        registry
+            .iter()
+            .find(|(_, n)| n.seq as i32 == seq.id())
+            .map(|(h, n)| (h, n.data.clone()))
     }
 
     /// A new child of `parent` holding `state`, on a fresh lease (its KV cells are the

@@ -24,12 +24,14 @@ pub(crate) enum Prune {
 }
 
 impl Worker {
-    /// `Branch::fork`: a child on a fresh lease whose sequence shares the parent's cells.
+    /// `Branch::fork`: a child on a fresh lease (the lowest free, or `on`) whose sequence
+    /// shares the parent's cells.
     pub(crate) fn fork(
         &mut self,
         parent: Handle,
         parent_cell: &Arc<BranchCell>,
         seed: Option<u32>,
+        on: Option<Seq>,
     ) -> Result<(Handle, Arc<BranchCell>)> {
         if parent_cell.is_disposed() {
             return Err(Error::BranchDisposed(parent.to_string()));
@@ -42,12 +44,17 @@ impl Worker {
             child_state.reseed(seed);
         }
         let lent = child_state.logits().is_lent();
-        let (handle, cell) = self.shared().fork(parent, fork_head as u32, child_state)?;
+        let (handle, cell) = match on {
+            Some(seq) => self
+                .shared()
+                .fork_on(parent, fork_head as u32, seq, child_state)?,
+            None => self.shared().fork(parent, fork_head as u32, child_state)?,
+        };
         if lent {
             // The child reads its parent's row in llama.cpp's output buffer too.
             self.loans().record(&cell);
         }
-        self.ctx_mut().clear_seq(cell.seq())?;
+        self.empty_seq(cell.seq())?;
         self.ctx_mut()
             .seq_cp(parent_cell.seq(), cell.seq(), -1, -1)?;
         Ok((handle, cell))
@@ -70,6 +77,7 @@ impl Worker {
             }
         };
         for seq in seqs {
+            self.shared().outputs().emptied(Seq::new(seq));
             self.ctx_mut().seq_rm(Seq::new(seq), 0, -1)?;
         }
         Ok(())
@@ -85,6 +93,7 @@ impl Worker {
             .map(|n| n.seq)
             .ok_or(Error::BranchDisposed(winner.to_string()))?;
         self.shared().registry().retain_only(winner)?;
+        self.shared().outputs().keep_only(Seq::new(seq));
         self.ctx_mut().seq_keep(Seq::new(seq))
     }
 }

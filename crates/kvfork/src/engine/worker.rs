@@ -187,7 +187,13 @@ impl Worker {
 
     /// Empty a fresh lease's sequence. Nobody waits: a failure can only be a closed context.
     pub(super) fn clear_seq(&mut self, seq: Seq) {
-        let _ = self.ctx.clear_seq(seq);
+        let _ = self.empty_seq(seq);
+    }
+
+    /// Empty `seq` (a new lease's), with the raw output it had.
+    pub(super) fn empty_seq(&mut self, seq: Seq) -> Result<()> {
+        self.shared.outputs().emptied(seq);
+        self.ctx.clear_seq(seq)
     }
 
     /// Run `f` for a group of `n` requests; a panic closes the context and fails them all.
@@ -233,6 +239,11 @@ impl Worker {
         Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
+            if let Some(last) = self.batch.last_output() {
+                self.shared
+                    .outputs()
+                    .decoded(self.batch.output_seqs(), last);
+            }
         }
         r
     }

@@ -48,6 +48,12 @@ pub enum GrammarSpec {
 }
 
 impl GrammarSpec {
+    /// An eager GBNF grammar of nothing but whitespace: no constraint at all (llama.cpp reads
+    /// "" as "no grammar"), so setting it removes the branch's constraint.
+    pub fn is_blank(&self) -> bool {
+        matches!(self, GrammarSpec::Eager { gbnf } if gbnf.trim().is_empty())
+    }
+
     /// The llguidance front end and source text, for the constraints it reads.
     fn guidance(&self) -> Option<(GuidanceKind, &str)> {
         match self {

@@ -1,0 +1,391 @@
+"""The raw context layer (the reference library's low level): the reference's README example
+and 1.0.7's best-of-N example ported line by line, giving the tokens kvfork's own idiom gives;
+`ctx.decode`, `Branch.create` over a sequence's cells, `fork(seq_id=)`, `capture_logits`,
+`decode_and_capture_one`, `destroy`, and the context-level metrics of the last output, with
+every rule they refuse by."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import kvfork
+import numpy as np
+import pytest
+
+from .conftest import GREEDY, PROMPT, greedy_tokens
+
+# The README example's prompt and its four reasoning prefixes.
+QUESTION = "Explain quantum entanglement"
+PREFIXES = [
+    "Think of it like two coins...",
+    "In quantum mechanics, the...",
+    "What happens when you measure...",
+    "Imagine two particles...",
+]
+# The README's `{ temperature: 0.8 }`, seeded so that two runs can be compared.
+PARAMS = kvfork.SamplingParams(temperature=0.8, seed=11)
+STEPS = 12  # the README loops until every branch stops; a test stops after STEPS tokens
+
+
+@pytest.fixture
+def six(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=6) as c:
+        yield c
+
+
+async def readme_ported(ctx: kvfork.Context) -> tuple[list[list[int]], int, int]:
+    """The reference README's first example, line by line (async calls awaited)."""
+    store = kvfork.BranchStore(ctx)
+
+    prompt = ctx.tokenize(QUESTION)
+    await ctx.decode(prompt, 0, 0)
+
+    root = kvfork.Branch.create(ctx, len(prompt), PARAMS)
+    root.capture_logits()
+
+    analogy = await root.fork()
+    formal = await root.fork()
+    socratic = await root.fork()
+    visual = await root.fork()
+
+    await store.prefill(
+        [
+            (analogy, ctx.tokenize(PREFIXES[0])),
+            (formal, ctx.tokenize(PREFIXES[1])),
+            (socratic, ctx.tokenize(PREFIXES[2])),
+            (visual, ctx.tokenize(PREFIXES[3])),
+        ]
+    )
+
+    branches = [analogy, formal, socratic, visual]
+    committed: dict[kvfork.Branch, list[int]] = {b: [] for b in branches}
+    for _ in range(STEPS):
+        live = [b for b in branches if not b.disposed]
+        if not live:
+            break
+        produced = [(b, await b.produce()) for b in live]
+
+        for b, p in produced:
+            if p.is_stop:
+                await b.prune()
+
+        items = [(b, p.token) for b, p in produced if not p.is_stop]
+        for b, t in items:
+            b.accept(t)
+            committed[b].append(t)
+        await store.commit(items)
+
+    winner = min((b for b in branches if not b.disposed), key=lambda b: b.perplexity)
+    await store.retain_only(winner)
+    return [committed[b] for b in branches], branches.index(winner), store.available
+
+
+async def readme_idiom(ctx: kvfork.Context) -> tuple[list[list[int]], int, int]:
+    """The same program as kvfork writes it: the root prefills its prompt, steps are
+    `store.step`."""
+    store = kvfork.BranchStore(ctx)
+    root = kvfork.Branch.create(ctx, 0, PARAMS)
+    await root.prefill(ctx.tokenize(QUESTION))
+    branches = [await root.fork() for _ in PREFIXES]
+    await store.prefill([(b, ctx.tokenize(p)) for b, p in zip(branches, PREFIXES, strict=True)])
+    committed: list[list[int]] = [[] for _ in branches]
+    live = list(branches)
+    for _ in range(STEPS):
+        if not live:
+            break
+        tokens = await store.step(live)
+        for b, tok in zip(live, tokens, strict=True):
+            if tok.is_stop:
+                await b.prune()
+            else:
+                committed[branches.index(b)].append(tok.token)
+        live = [b for b in live if not b.disposed]
+    winner = min(live, key=lambda b: b.perplexity)
+    await store.retain_only(winner)
+    return committed, branches.index(winner), store.available
+
+
+async def test_the_readme_example_ported_gives_the_idiom_s_tokens(model: kvfork.Model) -> None:
+    runs = []
+    for program in (readme_ported, readme_idiom):
+        async with await kvfork.create_context(model, n_ctx=1024, n_seq_max=6) as ctx:
+            runs.append(await program(ctx))
+    (ported, ported_winner, available), (idiom, idiom_winner, _) = runs
+    assert ported == idiom
+    assert len({tuple(t) for t in ported}) > 1  # the prefixes made the branches diverge
+    assert ported_winner == idiom_winner
+    assert available == 6 - 1  # store.available === nSeqMax - 1
+
+
+BEST_OF_N_STEPS = 50
+
+
+async def best_of_n_ported(ctx: kvfork.Context, tokens: list[int]) -> tuple[list[list[int]], int]:
+    """1.0.7's Branch best-of-N example, line by line, after the prefill it assumes
+    (`ctx.decode(tokens, 0, 0)`). Its calls are sync there and awaited here."""
+    await ctx.decode(tokens, 0, 0)
+    committed: dict[kvfork.Branch, list[int]] = {}
+
+    root = kvfork.Branch.create(ctx, len(tokens), {"temperature": 0.8}, seq_id=0)
+    root.capture_logits()
+
+    candidates = []
+    for i, seq_id in enumerate([1, 2, 3, 4, 5]):
+        branch = await root.fork(seq_id=seq_id)
+        branch.reseed_sampler(1000 + i)
+        candidates.append(branch)
+        committed[branch] = []
+
+    for _ in range(BEST_OF_N_STEPS):
+        for branch in candidates:
+            token, _, is_stop = await branch.produce()
+            if is_stop:
+                continue
+            await branch.commit(token)
+            committed[branch].append(token)
+
+    best = min(candidates, key=lambda b: b.perplexity)
+    for c in candidates:
+        if c != best:
+            await c.prune()
+    assert [c.seq_id for c in candidates if not c.disposed] == [best.seq_id]
+    return [committed[c] for c in candidates], candidates.index(best)
+
+
+async def best_of_n_idiom(ctx: kvfork.Context, tokens: list[int]) -> tuple[list[list[int]], int]:
+    """The same as kvfork writes it: prefill the root, fork with `seed=`, generate."""
+    root = kvfork.Branch.create(ctx, 0, {"temperature": 0.8})
+    await root.prefill(tokens)
+    candidates = [await root.fork(seed=1000 + i) for i in range(5)]
+    outputs: list[list[int]] = []
+    for c in candidates:
+        outputs.append([t.token async for t in c.generate(max_tokens=BEST_OF_N_STEPS)])
+    best = min(candidates, key=lambda b: b.perplexity)
+    return outputs, candidates.index(best)
+
+
+async def test_the_best_of_n_example_ported_gives_the_idiom_s_tokens(model: kvfork.Model) -> None:
+    runs = []
+    for program in (best_of_n_ported, best_of_n_idiom):
+        async with await kvfork.create_context(model, n_ctx=1024, n_seq_max=6) as ctx:
+            runs.append(await program(ctx, ctx.tokenize(PROMPT)))
+    (ported, ported_best), (idiom, idiom_best) = runs
+    for p, i in zip(ported, idiom, strict=True):
+        # The idiom's stream ends at a stop token; the reference loop draws again instead.
+        assert p[: len(i)] == i
+        assert len(i) == BEST_OF_N_STEPS or len(p) > len(i) or i == p
+    if all(len(i) == BEST_OF_N_STEPS for i in idiom):
+        assert ported_best == idiom_best
+    assert len({tuple(p) for p in ported}) == 5  # the reseeds made them diverge
+
+
+# ---- ctx.decode ----
+
+
+def test_decode_keeps_the_last_output_and_refuses_a_branch_s_sequence(six: kvfork.Context) -> None:
+    prompt = six.tokenize(PROMPT)
+    six.decode_sync(prompt[:3], 0, 2)
+    six.decode_sync(prompt[3:], 3, 2)  # continues the sequence's cells
+    assert six.kv_seq_pos_max_sync(2) == len(prompt) - 1
+    held = kvfork.Branch.create(six, 0, GREEDY)
+    held.prefill_sync(prompt)
+    assert six.model_entropy() == held.entropy()  # the branch's decode ran last
+    with pytest.raises(ValueError, match="seq_id.*held by branch"):
+        six.decode_sync(prompt, 0, held.seq_id)
+    assert six.kv_seq_pos_max_sync(held.seq_id) == len(prompt) - 1  # untouched
+    end = len(prompt) - 1
+    with pytest.raises(ValueError, match=f"cells end at position {end}: the next token goes at"):
+        six.decode_sync(prompt, 0, 2)
+    with pytest.raises(ValueError, match="seq_id"):
+        six.decode_sync(prompt, 0, 6)
+    with pytest.raises(ValueError, match="seq_id"):
+        six.decode_sync(prompt, 0, -1)
+    with pytest.raises(ValueError, match="position"):
+        six.decode_sync(prompt, -1, 3)
+    with pytest.raises(ValueError, match="tokens"):
+        six.decode_sync([], 0, 3)
+    with pytest.raises(ValueError, match="token"):
+        six.decode_sync([six.vocab_size], 0, 3)
+    with pytest.raises(kvfork.KvCacheFullError):
+        six.decode_sync(prompt, six.n_ctx - 2, 3)
+    assert six.kv_seq_pos_max_sync(3) == -1  # nothing was written by the refused calls
+
+
+def test_a_long_raw_decode_is_chunked_like_a_prefill(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=512, n_batch=8, n_seq_max=2) as c:
+        toks = c.tokenize(PROMPT * 3)
+        before = c.stats()["decode_calls"]
+        c.decode_sync(toks, 0, 1)
+        assert c.stats()["decode_calls"] - before == -(-len(toks) // 8)
+        b = kvfork.Branch.create(c, 0, GREEDY)
+        b.prefill_sync(toks)
+        raw = kvfork.Branch.create(c, len(toks), GREEDY, seq_id=1)
+        raw.capture_logits()
+        assert np.array_equal(raw.logits(), b.logits())
+        assert greedy_tokens(raw, 6) == greedy_tokens(b, 6)
+
+
+def test_model_entropy_and_surprisal_equal_the_branch_s_after_the_same_decode(
+    six: kvfork.Context,
+) -> None:
+    with pytest.raises(kvfork.KvforkError, match="no output"):
+        six.model_entropy()
+    prompt = six.tokenize(PROMPT)
+    six.decode_sync(prompt, 0, 0)
+    raw = (six.model_entropy(), six.model_entropy("bits"), six.model_surprisal(prompt[1]))
+    b = kvfork.Branch.create(six, 0, GREEDY)
+    b.prefill_sync(prompt)  # the same decode, on another sequence
+    assert raw == (b.entropy(), b.entropy("bits"), b.surprisal(prompt[1]))
+    for _ in range(3):  # after a branch's commit, the last output is its snapshot
+        b.commit_sync(b.produce_sync())
+        assert six.model_entropy() == b.entropy()
+        assert six.model_surprisal(7, "bits") == b.surprisal(7, "bits")
+    with pytest.raises(ValueError, match="base"):
+        six.model_entropy("decibans")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token"):
+        six.model_surprisal(six.vocab_size)
+
+
+# ---- Branch.create over a sequence's cells ----
+
+
+def test_create_with_seq_id_takes_that_sequence_s_cells_over(six: kvfork.Context) -> None:
+    prompt = six.tokenize(PROMPT)
+    six.decode_sync(prompt, 0, 3)
+    available = six.n_seq_max
+    end = len(prompt) - 1
+    with pytest.raises(
+        ValueError, match=f"cells end at position {end}.*starts at {end + 1} .*not 5"
+    ):
+        kvfork.Branch.create(six, 5, GREEDY, seq_id=3)
+    with pytest.raises(ValueError, match="cells end at position -1"):
+        kvfork.Branch.create(six, 4, GREEDY, seq_id=4)  # an empty sequence: position 0 only
+    with pytest.raises(ValueError, match="seq_id"):
+        kvfork.Branch.create(six, 8, GREEDY, seq_id=6)
+    assert kvfork.BranchStore(six).available == available  # the refusals leased nothing
+    assert six.kv_seq_pos_max_sync(3) == len(prompt) - 1  # nor touched the cells
+    b = kvfork.Branch.create(six, len(prompt), GREEDY, seq_id=3)
+    assert (b.seq_id, b.position) == (3, len(prompt))
+    with pytest.raises(kvfork.LeaseExhaustedError, match="sequence 3 is held"):
+        kvfork.Branch.create(six, len(prompt), GREEDY, seq_id=3)
+    empty = kvfork.Branch.create(six, 0, GREEDY, seq_id=5)
+    assert empty.seq_id == 5
+    b.capture_logits()
+    plain = kvfork.Branch.create(six, 0, GREEDY)
+    plain.prefill_sync(prompt)
+    assert greedy_tokens(b, 6) == greedy_tokens(plain, 6)
+
+
+def test_create_past_zero_keeps_the_lowest_free_lease_s_cells_when_they_fit(
+    six: kvfork.Context,
+) -> None:
+    prompt = six.tokenize(PROMPT)
+    six.decode_sync(prompt, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept: no warning
+        b = kvfork.Branch.create(six, len(prompt), GREEDY)
+    assert b.seq_id == 0 and six.kv_seq_pos_max_sync(0) == len(prompt) - 1
+    six.decode_sync(prompt, 0, 1)  # the next free lease's cells end elsewhere
+    with pytest.warns(kvfork.KvforkWarning, match="position 3.*sequence is empty"):
+        other = kvfork.Branch.create(six, 3, GREEDY)
+    assert other.seq_id == 1 and six.kv_seq_pos_max_sync(1) == -1  # emptied
+    rest = [kvfork.Branch.create(six, 0, GREEDY) for _ in range(six.n_seq_max - 2)]
+    assert sorted(r.seq_id for r in rest) == [2, 3, 4, 5]
+    with pytest.raises(kvfork.LeaseExhaustedError):
+        kvfork.Branch.create(six, len(prompt), GREEDY)
+
+
+def test_fork_onto_a_given_sequence(six: kvfork.Context) -> None:
+    prompt = six.tokenize(PROMPT)
+    parent = kvfork.Branch.create(six, 0, GREEDY)
+    parent.prefill_sync(prompt)
+    six.decode_sync(six.tokenize("Some other text"), 0, 4)  # raw cells, replaced by the fork
+    child = parent.fork_sync(seq_id=4)
+    assert child.seq_id == 4 and child.parent == parent
+    assert six.kv_seq_pos_max_sync(4) == len(prompt) - 1
+    with pytest.raises(kvfork.LeaseExhaustedError, match="sequence 4 is held"):
+        parent.fork_sync(seq_id=4)
+    with pytest.raises(kvfork.LeaseExhaustedError):
+        parent.fork_sync(seq_id=parent.seq_id)
+    with pytest.raises(ValueError, match="seq_id"):
+        parent.fork_sync(seq_id=99)
+    assert greedy_tokens(child, 5) == greedy_tokens(parent, 5)
+
+
+# ---- capture_logits, decode_and_capture_one, destroy ----
+
+
+def test_capture_logits(six: kvfork.Context) -> None:
+    prompt = six.tokenize(PROMPT)
+    b = kvfork.Branch.create(six, 0, GREEDY, seq_id=2)
+    with pytest.raises(kvfork.KvforkError, match="sequence 2 has no output"):
+        b.capture_logits()
+    b.prefill_sync(prompt)
+    before = b.logits()
+    b.capture_logits()  # its own decode is the sequence's last output: nothing changes
+    assert np.array_equal(b.logits(), before)
+
+
+def test_decode_and_capture_one_decodes_without_accepting(six: kvfork.Context) -> None:
+    prompt = six.tokenize(PROMPT)
+    committed = kvfork.Branch.create(six, 0, GREEDY)
+    committed.prefill_sync(prompt)
+    low = kvfork.Branch.create(six, 0, GREEDY)
+    low.prefill_sync(prompt)
+    t = committed.produce_sync().token
+    committed.commit_sync(t)
+    low.decode_and_capture_one_sync(t)
+    assert low.position == committed.position and low.history == committed.history
+    assert np.array_equal(low.logits(), committed.logits())
+    assert low.perplexity == float("inf")  # not accepted
+    split = kvfork.Branch.create(six, 0, GREEDY)
+    split.prefill_sync(prompt)
+    split.accept(t)  # the reference's commit: accept, then decodeAndCaptureOne
+    split.decode_and_capture_one_sync(t)
+    assert split.perplexity == committed.perplexity
+    with pytest.raises(ValueError, match="token"):
+        low.decode_and_capture_one_sync(-1)
+
+
+async def test_destroy_keeps_the_cells_for_raw_use_and_a_new_takeover(
+    six: kvfork.Context,
+) -> None:
+    prompt = six.tokenize(PROMPT)
+    twin = kvfork.Branch.create(six, 0, GREEDY)
+    await twin.prefill(prompt)
+    b = kvfork.Branch.create(six, 0, GREEDY)
+    await b.prefill(prompt)
+    child = await b.fork()
+    with pytest.raises(kvfork.KvforkError, match="live children"):
+        b.destroy()
+    assert not b.disposed
+    await child.prune()
+    store = kvfork.BranchStore(six)
+    available, seq, position = store.available, b.seq_id, b.position
+    b.destroy()
+    assert b.disposed and not b.is_active and store.available == available + 1
+    b.destroy()  # a second call is a no-op
+    with pytest.raises(kvfork.BranchDisposedError):
+        b.sample()
+    assert await six.kv_seq_pos_max(seq) == position - 1  # the cells stay
+    # Carry on with raw ops on the sequence, then take it over again.
+    t = twin.produce_sync().token
+    await twin.commit(t)
+    await six.decode([t], position, seq)
+    again = kvfork.Branch.create(six, position + 1, GREEDY, seq_id=seq)
+    again.capture_logits()
+    assert np.array_equal(again.logits(), twin.logits())
+    assert greedy_tokens(again, 5) == greedy_tokens(twin, 5)
+
+
+def test_a_destroyed_branch_s_snapshot_is_captured_by_the_next_takeover(
+    six: kvfork.Context,
+) -> None:
+    b = kvfork.Branch.create(six, 0, GREEDY)
+    b.prefill_sync(six.tokenize(PROMPT))
+    logits, seq, position = b.logits(), b.seq_id, b.position
+    b.destroy()
+    again = kvfork.Branch.create(six, position, GREEDY, seq_id=seq)
+    again.capture_logits()
+    assert np.array_equal(again.logits(), logits)
