@@ -56,6 +56,8 @@ impl Worker {
                 tokens.len()
             )));
         }
+        // A raw sequence belongs to no branch: it decodes under no adapter.
+        self.use_no_adapters()?;
         let n_batch = self.ctx().n_batch as usize;
         let chunks = tokens.len().div_ceil(n_batch);
         let mut at = position;
