@@ -271,3 +271,43 @@ async def test_the_prefix_cache_shares_only_under_the_same_adapters(
     await fresh.prune()
     with pytest.raises(TypeError):
         await cache.branch(q1, GREEDY, adapters=[a])  # type: ignore[arg-type]
+
+
+def test_a_saved_branch_keeps_its_adapters(
+    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a = model.load_lora(lora_paths[0])
+    assert model.load_lora(lora_paths[0]) == a  # the same file: the same adapter
+    rows = (np.random.default_rng(5).standard_normal((model.n_layer, model.n_embd)) * 0.5).astype(
+        np.float32
+    )
+    cv = model.load_control_vector(rows)
+
+    def setup(b: kvfork.Branch) -> None:
+        b.set_adapters({a: 0.75})
+        b.set_control_vector(cv, 1.5, layers=(2, 10))
+
+    b = prefilled(wide, setup)
+    b.save_sync(tmp_path / "b.kvfork")
+    data = b.snapshot_sync()
+    expected, margins = greedy_with_margins(b, STEPS)
+    for restored in (
+        kvfork.Branch.load_sync(wide, tmp_path / "b.kvfork"),
+        kvfork.Branch.restore_sync(wide, data),
+    ):
+        assert restored.adapters == {a: 0.75}
+        got, _ = greedy_with_margins(restored, STEPS)
+        assert_same_greedy(got, expected, margins)
+        restored.prune_sync()
+    # The adapter file changed since: the load says so.
+    write_lora(tmp_path / "changed.gguf", seed=9)
+    moved = tmp_path / "moved.gguf"
+    moved.write_bytes(lora_paths[0].read_bytes())
+    c = prefilled(wide, lambda x: x.set_adapters({model.load_lora(moved): 1.0}))
+    c.save_sync(tmp_path / "c.kvfork")
+    moved.write_bytes((tmp_path / "changed.gguf").read_bytes())
+    with pytest.raises(kvfork.StateFileError, match="changed"):
+        kvfork.Branch.load_sync(wide, tmp_path / "c.kvfork")
+    moved.unlink()
+    with pytest.raises(kvfork.StateFileError, match="cannot be loaded"):
+        kvfork.Branch.load_sync(wide, tmp_path / "c.kvfork")

@@ -7,8 +7,9 @@ use std::fmt;
 
 /// First bytes of every kvfork state file.
 pub const MAGIC: [u8; 8] = *b"KVFORK\0S";
-/// Bumped whenever the payload layout changes (2: a branch's record ends with its history).
-pub const VERSION: u32 = 2;
+/// Bumped whenever the payload layout changes (2: a branch's record holds its history; 3: and
+/// its adapters).
+pub const VERSION: u32 = 3;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8 + 8;
 
 /// What a state file holds.

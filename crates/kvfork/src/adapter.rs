@@ -54,13 +54,25 @@ impl std::fmt::Debug for LoraAdapter {
 }
 
 impl LoraAdapter {
-    /// Load `path` for `model`. A file of another architecture, with tensors whose shapes do
-    /// not fit the model, truncated, or not an adapter is refused with [`Error::ModelLoad`].
+    /// Load `path` for `model` (the adapter already loaded from the same unchanged file, if
+    /// any). A file of another architecture, with tensors whose shapes do not fit the model,
+    /// truncated, or not an adapter is refused with [`Error::ModelLoad`].
     pub fn load(model: &Arc<Model>, path: impl AsRef<Path>) -> Result<Arc<LoraAdapter>> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| load_error(path, e.to_string()))?;
         if !bytes.starts_with(b"GGUF") {
             return Err(load_error(path, "not a GGUF file (bad magic)"));
+        }
+        let fingerprint = kvfork_core::persist::checksum(&bytes);
+        let registry = model.derived(|_| LoadedLoras::default());
+        let mut loaded = registry.0.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|w| w.strong_count() > 0);
+        if let Some(same) = loaded
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .find(|a| a.path == path && a.fingerprint == fingerprint)
+        {
+            return Ok(same);
         }
         check_lora(model, path, bytes.len())?;
         let c_path = CString::new(path.to_string_lossy().as_bytes())
@@ -75,13 +87,15 @@ impl LoraAdapter {
                 "llama.cpp refused the adapter (see the kvfork log): is it for this model?",
             )
         })?;
-        Ok(Arc::new(LoraAdapter {
+        let adapter = Arc::new(LoraAdapter {
             ptr,
             model: model.clone(),
             path: path.to_path_buf(),
-            fingerprint: kvfork_core::persist::checksum(&bytes),
+            fingerprint,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-        }))
+        });
+        loaded.push(Arc::downgrade(&adapter));
+        Ok(adapter)
     }
 
     /// The file it was loaded from.
@@ -103,6 +117,12 @@ impl LoraAdapter {
         self.ptr.as_ptr()
     }
 }
+
+/// The adapters loaded for a model, by file: loading the same unchanged file again (a saved
+/// branch restored, say) gives the same adapter, so its branches decode in the same group.
+/// Weak: the model must not keep its adapters (each keeps the model) alive.
+#[derive(Default)]
+struct LoadedLoras(std::sync::Mutex<Vec<std::sync::Weak<LoraAdapter>>>);
 
 /// Tensor types an adapter's matrices may have (what llama.cpp's converter writes).
 const LORA_TYPES: [sys::ggml_type; 4] = [

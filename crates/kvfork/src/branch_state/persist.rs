@@ -3,7 +3,11 @@
 use kvfork_core::persist::{Reader, StateError, Writer};
 use kvfork_core::{Biases, Perplexity, Utf8Carry};
 
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use super::BranchState;
+use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 use crate::sampling::chain::{DrawState, SamplerChain};
@@ -51,11 +55,12 @@ impl BranchState {
         // Prefilled and accepted tokens (what `Branch::history` answers, e.g. for a
         // prompt-lookup drafter after a load).
         w.i32s(&self.history);
+        write_adapters(w, &self.adapters);
     }
 
     /// Read a record written by `write`. Every value is checked against the model; the chain
     /// and grammar are rebuilt from their history.
-    pub fn read(r: &mut Reader<'_>, model: &Model) -> Result<BranchState> {
+    pub fn read(r: &mut Reader<'_>, model: &Arc<Model>) -> Result<BranchState> {
         let position = r.i32().map_err(state_error)?;
         if position < 0 {
             return Err(malformed("negative position"));
@@ -90,6 +95,7 @@ impl BranchState {
             return Err(malformed("UTF-8 carry longer than a character"));
         }
         let history = read_tokens(r, model)?;
+        let adapters = read_adapters(r, model)?;
 
         let sampler =
             SamplerChain::restore(&params, DrawState { seed, rng, mu }, model, &accepted)?;
@@ -118,8 +124,60 @@ impl BranchState {
         st.accepted = accepted;
         st.history = history;
         st.utf8 = Utf8Carry::from_pending(utf8_carry);
+        st.adapters = adapters;
         Ok(st)
     }
+}
+
+/// LoRA adapters by path, fingerprint and scale (loaded again on read, the same file or an
+/// error); the control vector by value (it may have been made from an array).
+fn write_adapters(w: &mut Writer, adapters: &Adapters) {
+    w.u32(adapters.loras().len() as u32);
+    for (a, scale) in adapters.loras() {
+        w.str(&a.path().to_string_lossy()).u64(a.fingerprint()).f32(*scale);
+    }
+    match adapters.control_vector() {
+        None => {
+            w.bool(false);
+        }
+        Some(c) => {
+            w.bool(true);
+            w.f32s(c.vector.data()).f32(c.scale).u32(c.layers.0).u32(c.layers.1);
+        }
+    }
+}
+
+fn read_adapters(r: &mut Reader<'_>, model: &Arc<Model>) -> Result<Adapters> {
+    let n = r.u32().map_err(state_error)?;
+    let mut loras = Vec::new();
+    for _ in 0..n {
+        let path = PathBuf::from(r.str().map_err(state_error)?);
+        let fingerprint = r.u64().map_err(state_error)?;
+        let scale = r.f32().map_err(state_error)?;
+        let adapter = LoraAdapter::load(model, &path).map_err(|e| {
+            Error::State(format!("the branch's LoRA adapter cannot be loaded again: {e}"))
+        })?;
+        if adapter.fingerprint() != fingerprint {
+            return Err(Error::State(format!(
+                "the LoRA adapter {} changed since the branch was saved",
+                path.display()
+            )));
+        }
+        loras.push((adapter, scale));
+    }
+    let mut adapters = Adapters::from_loras(model, loras).map_err(|e| Error::State(e.to_string()))?;
+    if r.bool().map_err(state_error)? {
+        let data = r.f32s().map_err(state_error)?;
+        let scale = r.f32().map_err(state_error)?;
+        let layers = (r.u32().map_err(state_error)?, r.u32().map_err(state_error)?);
+        let vector = ControlVector::from_rows(model, data).map_err(|e| Error::State(e.to_string()))?;
+        check_layers(model, layers).map_err(|e| Error::State(e.to_string()))?;
+        if !scale.is_finite() {
+            return Err(malformed("the control vector's scale is not finite"));
+        }
+        adapters.set_cvec(Some(SteeringVector { vector, scale, layers }));
+    }
+    Ok(adapters)
 }
 
 /// (token, bias) pairs as one i32 list: token, bias bits, token, bias bits, …
