@@ -578,6 +578,7 @@ class _ContextOptions(TypedDict, total=False):
     embeddings: bool
     pooling: str | None
     n_gpu_layers: int | None
+    park: bool
 
 def create_context(
     path_or_model: str | PathLike[str] | Model,

@@ -252,7 +252,10 @@ impl ParkLedger {
 
     /// `h` (active) is parked as `record`; its lease is free again and returned.
     pub fn park(&mut self, h: Handle, record: Parked) -> Result<u32, TenancyError> {
-        let e = self.entries.get_mut(&h).ok_or(TenancyError::StaleHandle(h))?;
+        let e = self
+            .entries
+            .get_mut(&h)
+            .ok_or(TenancyError::StaleHandle(h))?;
         let Place::Active(seq) = e.place else {
             return Err(TenancyError::StaleHandle(h));
         };
@@ -291,7 +294,11 @@ impl ParkLedger {
         for c in self.entries.values_mut() {
             if c.parent == Some(h) {
                 c.parent = e.parent;
-                c.head = if e.parent.is_some() { c.head.min(e.head) } else { 0 };
+                c.head = if e.parent.is_some() {
+                    c.head.min(e.head)
+                } else {
+                    0
+                };
             }
         }
         match e.place {
@@ -315,7 +322,11 @@ impl ParkLedger {
         for c in self.entries.values_mut() {
             if c.parent == Some(h) {
                 c.parent = parent;
-                c.head = if parent.is_some() { c.head.min(head) } else { 0 };
+                c.head = if parent.is_some() {
+                    c.head.min(head)
+                } else {
+                    0
+                };
             }
         }
         let e = self.entries.get_mut(&h).expect("checked above");
