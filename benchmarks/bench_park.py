@@ -56,7 +56,9 @@ def main(rounds: int = 20) -> None:
     print(f"| unpark of a branch with 64 own tokens (fork of it, no decode) | {u:.2f} ms |")
     print(f"| one single-branch decode step (commit) | {s:.2f} ms |")
     print(f"| unpark / step | {u / s:.2f} |")
-    print(f"| host bytes per parked branch / its own cells' K+V bytes | {statistics.median(ratios):.3f} |")
+    print(
+        f"| host bytes per parked branch / its own cells' K+V bytes | {statistics.median(ratios):.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def test_retain_only_a_parked_winner(model: kvfork.Model) -> None:
         expected = greedy_tokens(reference, 4)
         reference.prune_sync()
         kvfork.BranchStore(ctx).retain_only_sync(winner)
-        assert winner.is_active and all(b.disposed for b in kids[1:] + [root])
+        assert winner.is_active and all(b.disposed for b in [*kids[1:], root])
         assert ctx.stats()["parked_branches"] == 0
         assert greedy_tokens(winner, 4) == expected
 
