@@ -58,10 +58,15 @@ def tree_search(
     return [b.history for b in branches], [margin[b.handle] for b in branches]
 
 
+# Why this xfails: not parking's bookkeeping (the 8-branch tree's odd branch holds exactly
+# the reference's cells, same positions and bytes, before its decode), but cell order: a cell
+# llama.cpp puts in a hole below a branch's other cells changes its logits by ~1 on this model
+# (flash attention sums V in f16, in cell order). Parking frees cells, so holes appear; see
+# test_a_hole_below_a_branchs_cells_keeps_its_logits, which shows it without parking.
 @pytest.mark.xfail(
     strict=True,
-    reason="known defect: from 8 live branches on 4 leases one branch's logits differ by ~0.9 "
-    "(every smaller tree and every single park/unpark path tested here is bit-exact)",
+    reason="cell order: llama.cpp's attention depends on where the cells lie (see "
+    "test_a_hole_below_a_branchs_cells_keeps_its_logits); parking leaves holes",
 )
 def test_tree_search_with_4_leases_equals_64_leases(model: kvfork.Model) -> None:
     with open_ctx(model, 64, park=False) as wide:
@@ -243,3 +248,27 @@ def test_logits_of_a_branch_unparked_equal_those_it_had(model: kvfork.Model) -> 
             r.prefill_sync(ref_ctx.tokenize(" in the", add_special=False))
             r.commit_sync(17)
             np.testing.assert_allclose(probe.logits(), r.logits(), atol=1e-3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="llama.cpp's CPU flash attention sums V in f16 in cell order: a new cell in a hole "
+    "below the branch's others changes its logits by ~1 on this model (the 64-branch tree "
+    "search above fails on this; no kvfork-side fix yet)",
+)
+def test_a_hole_below_a_branchs_cells_keeps_its_logits(model: kvfork.Model) -> None:
+    """No parking at all: the same branch, the same cells and contents, only a hole at the
+    bottom of the cache (a pruned branch's 30 cells) where its next token's cell lands."""
+
+    def run(hole: bool) -> np.ndarray:
+        with open_ctx(model, 4, park=False) as ctx:
+            low = kvfork.Branch.create(ctx, 0, GREEDY)
+            low.prefill_sync(list(range(1000, 1030)))  # the lowest cells
+            b = kvfork.Branch.create(ctx, 0, GREEDY)
+            b.prefill_sync(ctx.tokenize(PROMPT))
+            if hole:
+                low.prune_sync()  # llama.cpp's next search for a cell starts at the bottom
+            b.commit_sync(506)
+            return b.logits().copy()
+
+    np.testing.assert_allclose(run(True), run(False), atol=0.05)
