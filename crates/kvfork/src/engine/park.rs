@@ -24,7 +24,10 @@
 //!   later ones into the scratch sequence, then `seq_cp` into `L`), then the anchor's cells
 //!   `[0, k)` are tagged with `L` (`seq_cp(a, L, 0, k)`, no tensor copy), then `L` is cut at
 //!   `end` (a rolled-back decode). The cells, their positions and contents are those the
-//!   branch had: results equal those with enough leases.
+//!   branch had, but not necessarily their order in the buffer (a restored cell may land in
+//!   a hole below older ones, as a new cell may after any prune): llama.cpp's attention
+//!   sums in cell order, so results equal those with enough leases up to that noise
+//!   (tokens up to the first near-tie, as everywhere in kvfork).
 //! - **Who is evicted.** Every operation that needs KV admits its branches first
 //!   (`Worker::give_leases`); its own branches are never evicted while it runs. An operation over
 //!   more branches than leases (a `BranchStore` step or prefill) runs in groups that fit,
