@@ -545,7 +545,10 @@ class Context:
         - `decode_seconds`: wall time spent inside `llama_decode`;
         - `commit_requests`: commit requests served — each `commit` or generation step, and
           each `store.commit` / `store.step` (one request for all its branches); concurrent
-          requests coalesced into one decode each count.
+          requests coalesced into one decode each count;
+        - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
+          of KV cells they hold there (`park=True` contexts; 0 otherwise);
+        - `parks`, `unparks`: times a branch was moved to host memory and brought back.
         """
     def close(self) -> None:
         """Free the context (after queued work). Idempotent; later use raises KvforkError."""
@@ -578,6 +581,7 @@ class _ContextOptions(TypedDict, total=False):
     embeddings: bool
     pooling: str | None
     n_gpu_layers: int | None
+    park: bool
 
 def create_context(
     path_or_model: str | PathLike[str] | Model,

@@ -70,6 +70,12 @@ def create_context(
       None uses the model's own.
     - `n_gpu_layers=None`: layers to offload to the GPU when `path_or_model` is a path
       (None: all on a GPU build, else 0); a loaded `Model` keeps its own.
+    - `park=False`: True lets branches outnumber leases: `fork` and `Branch.create` with no
+      free lease return a parked branch (`is_active` False, its own KV cells in host
+      memory) instead of raising LeaseExhaustedError, and any operation that needs a parked
+      branch's KV brings it back, parking the least recently used idle branch. Results equal
+      those with enough leases. `n_seq_max` then counts leases (at most 255), not branches;
+      `save_state`/`load_state` are refused (save branches one by one).
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

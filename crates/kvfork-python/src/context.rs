@@ -62,6 +62,7 @@ fn options(
     embeddings: Arg<bool>,
     pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
+    park: Arg<bool>,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
@@ -82,6 +83,7 @@ fn options(
         type_v: kvfork::CacheType::from_name(type_v.0).py()?,
         embeddings: embeddings.0,
         pooling: pooling_type(pooling.map(|p| p.0))?,
+        park: park.0,
     };
     params.validate().py()?;
     Ok(Options {
@@ -116,11 +118,11 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
                     n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
-                    embeddings=Arg(false), pooling=None, n_gpu_layers=None),
+                    embeddings=Arg(false), pooling=None, n_gpu_layers=None, park=Arg(false)),
        // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
        text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
                          n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
-                         pooling=None, n_gpu_layers=None)")]
+                         pooling=None, n_gpu_layers=None, park=False)")]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context<'py>(
     py: Python<'py>,
@@ -135,6 +137,7 @@ pub fn create_context<'py>(
     embeddings: Arg<bool>,
     pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
+    park: Arg<bool>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let o = options(
         path_or_model,
@@ -148,6 +151,7 @@ pub fn create_context<'py>(
         embeddings,
         pooling,
         n_gpu_layers,
+        park,
     )?;
     let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
     let op = Operation::new(pending, OnCancel::Detach, |py, ctx| {
@@ -160,11 +164,11 @@ pub fn create_context<'py>(
 #[pyfunction]
 #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
                     n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
-                    embeddings=Arg(false), pooling=None, n_gpu_layers=None),
+                    embeddings=Arg(false), pooling=None, n_gpu_layers=None, park=Arg(false)),
        // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
        text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
                          n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
-                         pooling=None, n_gpu_layers=None)")]
+                         pooling=None, n_gpu_layers=None, park=False)")]
 #[allow(clippy::too_many_arguments)]
 pub fn create_context_sync(
     py: Python<'_>,
@@ -179,6 +183,7 @@ pub fn create_context_sync(
     embeddings: Arg<bool>,
     pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
+    park: Arg<bool>,
 ) -> PyResult<PyContext> {
     let o = options(
         path_or_model,
@@ -192,6 +197,7 @@ pub fn create_context_sync(
         embeddings,
         pooling,
         n_gpu_layers,
+        park,
     )?;
     Ok(PyContext {
         inner: wait(
@@ -490,7 +496,10 @@ impl PyContext {
     /// - `decode_seconds`: wall time spent inside `llama_decode`;
     /// - `commit_requests`: commit requests served — each `commit` or generation step, and
     ///   each `store.commit` / `store.step` (one request for all its branches); concurrent
-    ///   requests coalesced into one decode each count.
+    ///   requests coalesced into one decode each count;
+    /// - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
+    ///   of KV cells they hold there (`park=True` contexts; 0 otherwise);
+    /// - `parks`, `unparks`: times a branch was moved to host memory and brought back.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = self.inner.stats();
         let mut d: BTreeMap<&str, Py<PyAny>> = BTreeMap::new();
@@ -501,6 +510,10 @@ impl PyContext {
             (s.decode_ns as f64 / 1e9).into_py_any(py)?,
         );
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
+        d.insert("parked_branches", s.parked_branches.into_py_any(py)?);
+        d.insert("parked_bytes", s.parked_bytes.into_py_any(py)?);
+        d.insert("parks", s.parks.into_py_any(py)?);
+        d.insert("unparks", s.unparks.into_py_any(py)?);
         d.into_bound_py_any(py)
     }
 

@@ -60,7 +60,18 @@ impl Branch {
             .transpose()?;
         let state = BranchState::new(position, sampler, grammar);
         let (handle, cell) = ctx.shared().create_root(state)?;
-        ctx.engine().clear_seq(cell.seq());
+        if ctx.shared().park.is_some() {
+            // The lease may move before a queued clear runs: empty it only if still held.
+            if !cell.is_parked() {
+                let (held, seq) = (cell.clone(), cell.seq());
+                drop(ctx.engine().run_with(CancelPolicy::Never, move |w| {
+                    w.clear_if_held(&held, seq);
+                    Ok(())
+                }));
+            }
+        } else {
+            ctx.engine().clear_seq(cell.seq());
+        }
         Ok(Branch {
             ctx: ctx.clone(),
             handle,
@@ -313,9 +324,12 @@ impl Branch {
             .is_none_or(|n| n.children.is_empty())
     }
 
-    /// True while the branch holds a KV lease.
+    /// True while the branch holds a KV lease (false once pruned, and while parked in host
+    /// memory on a `park` context).
     pub fn is_active(&self) -> bool {
-        !self.cell.is_disposed() && self.ctx.shared().registry().contains(self.handle)
+        !self.cell.is_disposed()
+            && !self.cell.is_parked()
+            && self.ctx.shared().registry().contains(self.handle)
     }
 
     /// Whether the branch was pruned (true as soon as `prune` is called).
@@ -339,9 +353,12 @@ impl Branch {
         self.state(|s| Ok(s.position()))
     }
 
-    /// The KV sequence id this branch leases.
+    /// The KV sequence id this branch leases; -1 while it is parked (a `park` context).
     pub fn seq_id(&self) -> Result<i32> {
         self.check_live()?;
+        if self.cell.is_parked() {
+            return Ok(-1);
+        }
         Ok(self.cell.seq().id())
     }
 

@@ -19,6 +19,14 @@ pub struct ContextStats {
     pub decode_ns: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
+    /// Branches parked in host memory now (`park` contexts).
+    pub parked_branches: u64,
+    /// Bytes of KV cells those branches hold in host memory now.
+    pub parked_bytes: u64,
+    /// Times a branch was parked (moved to host memory).
+    pub parks: u64,
+    /// Times a parked branch was brought back onto a lease.
+    pub unparks: u64,
 }
 
 /// A llama context with a unified KV cache, owned by its engine thread. Cheap to clone.
@@ -98,14 +106,24 @@ impl Context {
 
     /// Leases free now.
     pub fn available(&self) -> u32 {
-        self.shared().registry().available()
+        self.shared().available()
+    }
+
+    /// Whether branches without a free lease are parked in host memory (`park=True`).
+    pub fn parks(&self) -> bool {
+        self.shared().park.is_some()
     }
 
     /// Counters since the context was created.
     pub fn stats(&self) -> ContextStats {
         use crate::engine::shared::Stats;
         let s = &self.shared().stats;
+        let (parked, bytes) = self.shared().ledger().map_or((0, 0), |l| l.parked_totals());
         ContextStats {
+            parked_branches: parked as u64,
+            parked_bytes: bytes as u64,
+            parks: Stats::get(&s.parks),
+            unparks: Stats::get(&s.unparks),
             decode_calls: Stats::get(&s.decode_calls),
             decoded_tokens: Stats::get(&s.decoded_tokens),
             decode_ns: Stats::get(&s.decode_ns),

@@ -82,6 +82,9 @@ pub struct ContextParams {
     pub embeddings: bool,
     /// llama.cpp pooling type for embeddings (`None`: the model's).
     pub pooling: Option<i32>,
+    /// More branches than leases: a branch without a lease is parked in host memory
+    /// (`engine/park.rs`). llama.cpp then gets one more sequence, the engine's scratch.
+    pub park: bool,
 }
 
 impl Default for ContextParams {
@@ -96,6 +99,7 @@ impl Default for ContextParams {
             type_v: CacheType::F16,
             embeddings: false,
             pooling: None,
+            park: false,
         }
     }
 }
@@ -106,10 +110,18 @@ pub const MAX_SEQUENCES: u32 = 256;
 impl ContextParams {
     /// Reject values llama.cpp would assert on.
     pub fn validate(&self) -> Result<()> {
-        if self.n_seq_max == 0 || self.n_seq_max > MAX_SEQUENCES {
+        // With `park`, llama.cpp gets one more sequence (the scratch) than branches lease.
+        let most = MAX_SEQUENCES - self.park as u32;
+        if self.n_seq_max == 0 || self.n_seq_max > most {
             return Err(Error::invalid(
                 "n_seq_max",
-                format!("{} is not in [1, {MAX_SEQUENCES}]", self.n_seq_max),
+                format!("{} is not in [1, {most}]", self.n_seq_max),
+            ));
+        }
+        if self.park && self.embeddings {
+            return Err(Error::invalid(
+                "park",
+                "parking is for generation contexts, not embeddings=True",
             ));
         }
         if self.n_ctx < 16 || self.n_ctx > 1 << 24 {
@@ -150,6 +162,11 @@ impl ContextParams {
         std::thread::available_parallelism()
             .map(|n| n.get().min(8) as i32)
             .unwrap_or(4)
+    }
+
+    /// Sequences llama.cpp holds: the leases, plus the scratch sequence of `park`.
+    pub fn llama_seqs(&self) -> u32 {
+        self.n_seq_max + self.park as u32
     }
 
     /// Whether either thread count adapts to the machine's load.
@@ -228,8 +245,8 @@ impl LlamaCtx {
         cp.n_ubatch = n_batch;
         // llama.cpp reserves outputs for max(batch outputs, n_seq_max) rows and asserts that
         // this fits n_outputs_max (default n_batch): n_seq_max > n_batch would abort.
-        cp.n_outputs_max = n_batch.max(p.n_seq_max);
-        cp.n_seq_max = p.n_seq_max;
+        cp.n_outputs_max = n_batch.max(p.llama_seqs());
+        cp.n_seq_max = p.llama_seqs();
         let max_threads = ContextParams::max_threads();
         let (threads, threads_batch) = p.threads_with(max_threads);
         cp.n_threads = threads;

@@ -179,6 +179,12 @@ impl Model {
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
     }
 
+    /// The window of the model's sliding-window attention layers, 0 without such layers.
+    pub fn n_swa(&self) -> u32 {
+        // SAFETY: a getter of the loaded model, which lives as long as `self`.
+        unsafe { sys::llama_model_n_swa(self.as_ptr()) }.max(0) as u32
+    }
+
     /// The hidden size (`embedding_length`).
     pub fn n_embd(&self) -> usize {
         // SAFETY: a getter of the loaded model, which lives as long as `self`.

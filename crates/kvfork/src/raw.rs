@@ -40,6 +40,19 @@ pub struct Created {
     pub kept_cells: bool,
 }
 
+/// The raw layer names sequences and leaves cells on them for later: a `park` context's
+/// ledger moves its branches between sequences and reuses every free one, so it refuses
+/// these calls (forks with `seq_id` are refused by the lease itself).
+fn refuse_park(ctx: &Context, call: &str) -> Result<()> {
+    if ctx.shared().park.is_some() {
+        return Err(Error::Other(format!(
+            "{call} is not available on a park=True context: its sequences belong to the \
+             parking ledger"
+        )));
+    }
+    Ok(())
+}
+
 impl Context {
     /// Decode `tokens` into sequence `seq_id` (which no branch may hold) from `position`, in
     /// ceil(n / n_batch) decodes, keeping the last token's logits as the sequence's output
@@ -48,6 +61,7 @@ impl Context {
     pub fn decode(&self, tokens: Vec<Token>, position: i32, seq_id: i32) -> Pending<()> {
         let checked = (|| {
             self.shared().check_open()?;
+            refuse_park(self, "Context.decode")?;
             let seq = self::seq_id(self, seq_id)?;
             if position < 0 {
                 return Err(Error::invalid(
@@ -119,6 +133,7 @@ impl Branch {
     ) -> Pending<Created> {
         let checked = (|| {
             ctx.shared().check_open()?;
+            refuse_park(ctx, "Branch.create_over")?;
             if position < 0 || position as u32 >= ctx.n_ctx() {
                 return Err(Error::invalid(
                     "position",
@@ -202,6 +217,7 @@ impl Branch {
         if self.disposed() {
             return Ok(());
         }
+        refuse_park(self.context(), "Branch.destroy")?;
         // Read first (waiting for a decode of it in flight to land): the snapshot is the
         // sequence's last output, for whoever takes its cells over next.
         let snapshot = self.logits_shared()?;

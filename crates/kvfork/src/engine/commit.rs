@@ -222,13 +222,13 @@ impl Worker {
         let items = &items[..];
         let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
         self.loans().give_back_except(&cells);
-        let n_batch = self.ctx().n_batch as usize;
         // One decode of at most n_seq_max outputs: llama.cpp neither moves its output buffer
         // nor writes it unless the decode succeeds, so the members' loans survive a failure.
+        // (With `park`, a decode holds at most as many branches as there are leases.)
         let one_decode = sets.len() == 1
-            && items.len() <= n_batch
+            && items.len() <= self.decode_room()
             && items.len() <= self.ctx().n_seq_max as usize;
-        let places: Vec<(Seq, i32)> = cells
+        let places: Vec<i32> = cells
             .iter()
             .map(|cell| {
                 let mut st = cell.lock();
@@ -236,7 +236,7 @@ impl Worker {
                     st.give_back_row();
                 }
                 st.take_off_row();
-                (cell.seq(), st.position())
+                st.position()
             })
             .collect();
         let decoded = self.decode_places(items, &places, &sets, !one_decode);
@@ -266,39 +266,53 @@ impl Worker {
     }
 
     /// The decodes of `decode_items`: one run per adapter set (`sets`: each set and how many
-    /// items in a row use it), n_batch items a decode. With `copy_rows` every row is copied
-    /// aside (more than one decode); otherwise the rows stay in the output buffer.
+    /// items in a row use it), at most `decode_room` items a decode (admitted first: with
+    /// `park` a later decode may park an earlier one's branches), one rollback unit. With
+    /// `copy_rows` every row is copied aside (more than one decode); otherwise the rows stay
+    /// in the output buffer.
     fn decode_places(
         &mut self,
         items: &[&CommitItem],
-        places: &[(Seq, i32)],
+        places: &[i32],
         sets: &[(Adapters, usize)],
         copy_rows: bool,
     ) -> Result<Vec<Vec<f32>>> {
-        let n_batch = self.ctx().n_batch as usize;
+        let room = self.decode_room();
         let base = self.ctx().output_base();
         let mut kept: Vec<Vec<f32>> = Vec::new();
         let mut chunks = Vec::new();
         let mut first = 0;
         for (set, n) in sets {
-            for start in (first..first + n).step_by(n_batch) {
-                chunks.push((set, start, (start + n_batch).min(first + n)));
+            for start in (first..first + n).step_by(room) {
+                chunks.push((set, start, (start + room).min(first + n)));
             }
             first += n;
         }
         for (set, start, end) in chunks {
-            let applied = self.use_adapters(set);
-            let decoded = applied.and_then(|()| {
-                let batch = self.start_batch();
-                for (&(seq, pos), (_, token)) in places[start..end].iter().zip(&items[start..end]) {
-                    batch.push(*token, pos, seq, true);
-                }
-                self.decode_batch()
+            let group: Vec<&Arc<BranchCell>> =
+                items[start..end].iter().map(|(cell, _)| cell).collect();
+            let admitted = self.give_leases(&group).and_then(|_| {
+                group
+                    .iter()
+                    .zip(&places[start..end])
+                    .try_for_each(|(cell, &pos)| self.guard_window(cell, pos))
             });
+            let decoded = admitted
+                .and_then(|()| self.use_adapters(set))
+                .and_then(|()| {
+                    let seqs: Vec<Seq> = group.iter().map(|cell| cell.seq()).collect();
+                    let batch = self.start_batch();
+                    for ((seq, &pos), (_, token)) in
+                        seqs.iter().zip(&places[start..end]).zip(&items[start..end])
+                    {
+                        batch.push(*token, pos, *seq, true);
+                    }
+                    self.decode_batch()
+                });
             if let Err(e) = decoded {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
-                for &(seq, pos) in &places[..start] {
-                    let _ = self.ctx_mut().seq_rm(seq, pos, -1);
+                for ((cell, _), &pos) in items[..start].iter().zip(places) {
+                    self.truncate(cell, pos);
                 }
                 if self.ctx().output_base() != base {
                     // Never expected (see `loans.rs`); the old rows are gone, never read them.

@@ -12,8 +12,9 @@
 //!
 //! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
 //! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
-//! retain_only), `reseed.rs`, `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV),
-//! `raw.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
+//! retain_only), `park.rs` (parked branches of a `park` context), `reseed.rs`,
+//! `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV), `raw.rs` (the raw layer:
+//! `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
 mod commit;
@@ -24,6 +25,7 @@ mod load;
 mod loans;
 mod outputs;
 mod parallel;
+mod park;
 mod pending;
 mod persist;
 mod prefill;
@@ -257,14 +259,22 @@ impl Engine {
                 };
                 let shared = Arc::new(Shared {
                     model: thread_model,
-                    registry: Mutex::new(kvfork_core::Registry::new(ctx.n_seq_max)),
+                    // With `park`, branches outnumber leases: the registry's ids are slots.
+                    registry: Mutex::new(kvfork_core::Registry::new(if params.park {
+                        park::SLOTS
+                    } else {
+                        params.n_seq_max
+                    })),
+                    park: params
+                        .park
+                        .then(|| Mutex::new(kvfork_core::ParkLedger::new(params.n_seq_max))),
                     stats: Default::default(),
                     closed: Default::default(),
                     failure: Default::default(),
                     abort: Default::default(),
                     n_ctx: ctx.n_ctx,
                     n_batch: ctx.n_batch,
-                    n_seq_max: ctx.n_seq_max,
+                    n_seq_max: params.n_seq_max,
                     pooling: ctx.pooling(),
                     threads: Default::default(),
                     rows_landed: Default::default(),

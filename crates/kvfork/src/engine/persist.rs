@@ -88,6 +88,7 @@ impl Worker {
 
     /// `Branch::snapshot`: what `save_branch` writes, sealed, in memory.
     pub(crate) fn branch_bytes(&mut self, cell: &Arc<BranchCell>) -> Result<Vec<u8>> {
+        self.give_leases(&[cell])?;
         let mut out = Writer::new();
         cell.lock().write(&mut out);
         out.bytes(&self.ctx().kv_state(Some(cell.seq()))?);
@@ -111,24 +112,40 @@ impl Worker {
         r.finish().map_err(state_error)?;
         check_position(state.position(), self.ctx().n_ctx)?;
         let (handle, cell) = self.shared().create_root(state)?;
-        let restored = self
-            .empty_seq(cell.seq())
-            .and_then(|_| self.ctx_mut().set_kv_state(Some(cell.seq()), kv));
+        let restored = self.give_leases(&[&cell]).and_then(|_| {
+            self.empty_seq(cell.seq())
+                .and_then(|_| self.ctx_mut().set_kv_state(Some(cell.seq()), kv))
+        });
         if let Err(e) = restored {
             self.shared().registry().prune(handle)?;
+            self.forget(handle);
             cell.mark_disposed();
             return Err(e);
         }
         Ok((handle, cell))
     }
 
+    /// Whole-context files record each branch's sequence: a `park` context's branches have
+    /// none while parked.
+    fn refuse_parking(&self, call: &str) -> Result<()> {
+        if self.shared().park.is_some() {
+            return Err(Error::Other(format!(
+                "{call} is not available on a park=True context; save branches one by one \
+                 (Branch.save / Branch.load)"
+            )));
+        }
+        Ok(())
+    }
+
     /// `Context::save_state`: every live branch, parents first, then all KV cells at once.
     pub(crate) fn save_context(&mut self, path: &Path) -> Result<()> {
+        self.refuse_parking("save_state")?;
         write_atomically(path, &self.context_bytes()?)
     }
 
     /// `Context::snapshot`: what `save_context` writes, sealed, in memory.
     pub(crate) fn context_bytes(&mut self) -> Result<Vec<u8>> {
+        self.refuse_parking("snapshot")?;
         let branches = tree_order(self);
         let index = |h: Handle| branches.iter().position(|b| b.handle == h);
         let mut out = Writer::new();
@@ -146,6 +163,7 @@ impl Worker {
     /// `Context::load_state`: the branches of a context file, each after its parent, on the
     /// sequences they had. The context must have no live branch.
     pub(crate) fn load_context(&mut self, path: &Path) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
+        self.refuse_parking("load_state")?;
         if !self.shared().registry().is_empty() {
             return Err(Error::Other(
                 "load_state needs a context without live branches: prune them first".into(),
@@ -161,6 +179,7 @@ impl Worker {
         &mut self,
         file: &[u8],
     ) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
+        self.refuse_parking("restore")?;
         let model = self.shared().model.clone();
         let payload = persist::open(file, Kind::Context, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
@@ -193,8 +212,9 @@ impl Worker {
         let mut reg = self.shared().registry();
         for (parent, fork_head, seq, state) in saved {
             let parent = usize::try_from(parent).ok().map(|i| restored[i].0);
-            let cell = BranchCell::new(Seq::new(seq), state);
+            let cell = BranchCell::new(Some(Seq::new(seq)), state);
             let h = reg.restore(parent, fork_head, seq, cell.clone())?;
+            cell.set_handle(h);
             restored.push((h, cell));
         }
         Ok(restored)

@@ -85,8 +85,8 @@ impl Worker {
         }
     }
 
-    /// Where an item's tokens go, `(seq, first position)`, or why they cannot.
-    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<(Seq, i32)> {
+    /// The first position of an item's tokens, or why they cannot go there.
+    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<i32> {
         if cell.is_disposed() {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
@@ -99,44 +99,73 @@ impl Worker {
                 self.shared().n_ctx
             )));
         }
-        Ok((cell.seq(), st.position()))
+        Ok(st.position())
     }
 
-    /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes.
-    /// All or nothing: on failure the KV written so far is removed and no state changes.
+    /// Decode external tokens into each branch, packed into ceil(total / n_batch) decodes
+    /// (with `park`, for at most as many branches at a time as there are leases). All or
+    /// nothing: on failure the KV written so far is removed and no state changes.
     pub(super) fn prefill(&mut self, items: &[&PrefillItem]) -> Result<()> {
         let mut starts = Vec::with_capacity(items.len());
-        let mut seqs = Vec::with_capacity(items.len());
         for &item in items {
-            let (seq, start) = self.prefill_place(item)?;
-            starts.push(start);
-            seqs.push(seq);
+            starts.push(self.prefill_place(item)?);
         }
+        let room = if self.parks() {
+            self.shared().n_seq_max as usize
+        } else {
+            items.len().max(1)
+        };
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
+        for first in (0..items.len()).step_by(room) {
+            let end = (first + room).min(items.len());
+            if let Err(e) = self.prefill_group(
+                &items[first..end],
+                &starts[first..end],
+                &mut rows[first..end],
+            ) {
+                for (&(cell, _), &start) in items[..end].iter().zip(&starts) {
+                    self.truncate(cell, start);
+                }
+                return Err(e);
+            }
+        }
+        for (i, (cell, tokens)) in items.iter().copied().enumerate() {
+            cell.lock().prefilled(tokens, rows[i].as_deref());
+        }
+        Ok(())
+    }
+
+    /// The decodes of `prefill` for branches that all hold a lease at once; each item's last
+    /// logits row goes to `rows`. On failure the caller removes what was written.
+    fn prefill_group(
+        &mut self,
+        items: &[&PrefillItem],
+        starts: &[i32],
+        rows: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        let cells: Vec<&std::sync::Arc<super::BranchCell>> =
+            items.iter().map(|(cell, _)| cell).collect();
+        self.give_leases(&cells)?;
+        for ((cell, tokens), &start) in items.iter().copied().zip(starts) {
+            self.guard_window(cell, start + tokens.len() as i32 - 1)?;
+        }
+        let seqs: Vec<Seq> = cells.iter().map(|cell| cell.seq()).collect();
         // Branches under different adapters are packed apart, one plan per set.
-        let cells: Vec<_> = items.iter().map(|(cell, _)| cell).collect();
         for (set, members) in group_by_adapters(&cells) {
             let lens: Vec<usize> = members.iter().map(|&i| items[i].1.len()).collect();
             for chunk in plan_prefill(&lens, self.ctx().n_batch as usize) {
-                let decoded = self.use_adapters(&set).and_then(|()| {
-                    let batch = self.start_batch();
-                    for span in &chunk.spans {
-                        let item = members[span.item];
-                        let tokens = &items[item].1[span.start..span.start + span.len];
-                        for (j, &t) in tokens.iter().enumerate() {
-                            let wants_logits = span.is_last && j + 1 == span.len;
-                            let pos = starts[item] + (span.start + j) as i32;
-                            batch.push(t, pos, seqs[item], wants_logits);
-                        }
+                self.use_adapters(&set)?;
+                let batch = self.start_batch();
+                for span in &chunk.spans {
+                    let item = members[span.item];
+                    let tokens = &items[item].1[span.start..span.start + span.len];
+                    for (j, &t) in tokens.iter().enumerate() {
+                        let wants_logits = span.is_last && j + 1 == span.len;
+                        let pos = starts[item] + (span.start + j) as i32;
+                        batch.push(t, pos, seqs[item], wants_logits);
                     }
-                    self.decode()
-                });
-                if let Err(e) = decoded {
-                    for (i, &seq) in seqs.iter().enumerate() {
-                        let _ = self.ctx_mut().seq_rm(seq, starts[i], -1);
-                    }
-                    return Err(e);
                 }
+                self.decode()?;
                 for (k, span) in chunk.spans.iter().enumerate() {
                     if span.is_last {
                         rows[members[span.item]] =
@@ -144,9 +173,6 @@ impl Worker {
                     }
                 }
             }
-        }
-        for (i, (cell, tokens)) in items.iter().copied().enumerate() {
-            cell.lock().prefilled(tokens, rows[i].as_deref());
         }
         Ok(())
     }

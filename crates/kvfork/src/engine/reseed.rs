@@ -18,11 +18,11 @@ impl Worker {
         sinks: &[Token],
         tail: usize,
     ) -> Result<()> {
-        let (seq, tokens) = {
+        let tokens = {
             let st = cell.lock();
             let accepted = st.accepted();
             let kept = &accepted[accepted.len().saturating_sub(tail)..];
-            (cell.seq(), [sinks, kept].concat())
+            [sinks, kept].concat()
         };
         if tokens.is_empty() {
             return Err(Error::invalid(
@@ -40,7 +40,11 @@ impl Worker {
                 ),
             ));
         }
-        self.ctx_mut().seq_rm(seq, -1, -1)?;
+        self.give_leases(&[cell])?;
+        // Parked branches anchored on the cells about to go move off them first.
+        self.before_cells_go(cell)?;
+        self.ctx_mut().seq_rm(cell.seq(), -1, -1)?;
+        self.sever(cell);
         cell.lock().sequence_emptied();
         self.prefill(&[&(cell.clone(), tokens)])
     }

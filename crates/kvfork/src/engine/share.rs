@@ -27,10 +27,11 @@ impl Worker {
                 return Ok(false);
             }
         }
-        let mut dst = target.lock();
-        if dst.position() != 0 {
+        if target.lock().position() != 0 {
             return Ok(false);
         }
+        self.give_leases(&[source, target])?;
+        let mut dst = target.lock();
         self.ctx_mut()
             .seq_cp(source.seq(), target.seq(), 0, prefix.len() as i32)?;
         dst.decoded(prefix);

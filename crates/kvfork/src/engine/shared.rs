@@ -1,10 +1,10 @@
 //! State shared between the engine thread and callers: the branch registry, branch cells, counters.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use kvfork_core::{Handle, Registry};
+use kvfork_core::{Handle, ParkLedger, Registry};
 
 use super::outputs::Outputs;
 use crate::abort::AbortSignal;
@@ -14,27 +14,57 @@ use crate::llama_ctx::ContextParams;
 use crate::model::Model;
 use crate::seq::Seq;
 
+/// `BranchCell::seq` of a parked branch (no sequence; llama.cpp would refuse this id).
+const PARKED: u32 = u32::MAX;
+
 /// One branch's state behind its own lock, plus its sequence and the flag `prune` sets at
 /// once (both read without the lock).
 pub(crate) struct BranchCell {
-    /// The KV sequence the branch leases, for its whole life.
-    seq: Seq,
+    /// The KV sequence the branch leases: for its whole life, except on a `park` context,
+    /// where the engine thread moves it (`PARKED` while parked).
+    seq: AtomicU32,
+    /// The branch's handle, set once it is in the registry (the ledger of `park` uses it).
+    handle: OnceLock<Handle>,
     state: Mutex<BranchState>,
     disposed: AtomicBool,
 }
 
 impl BranchCell {
-    pub fn new(seq: Seq, state: BranchState) -> Arc<Self> {
+    /// A cell on `seq`, or parked with `None`.
+    pub fn new(seq: Option<Seq>, state: BranchState) -> Arc<Self> {
         Arc::new(BranchCell {
-            seq,
+            seq: AtomicU32::new(seq.map_or(PARKED, |s| s.id() as u32)),
+            handle: OnceLock::new(),
             state: Mutex::new(state),
             disposed: AtomicBool::new(false),
         })
     }
 
-    /// The KV sequence the branch leases.
+    /// The KV sequence the branch leases. On the engine thread, valid once the operation
+    /// admitted the branch (`Worker::give_leases`); a parked branch's id is out of range, so
+    /// llama.cpp is never handed it (`LlamaCtx` checks every id).
     pub fn seq(&self) -> Seq {
+        Seq::new(self.seq.load(Ordering::Acquire))
+    }
+
+    /// Whether the branch's KV is parked in host memory.
+    pub fn is_parked(&self) -> bool {
+        self.seq.load(Ordering::Acquire) == PARKED
+    }
+
+    /// The branch now holds `seq`, or is parked with `None` (engine thread).
+    pub fn set_seq(&self, seq: Option<Seq>) {
         self.seq
+            .store(seq.map_or(PARKED, |s| s.id() as u32), Ordering::Release)
+    }
+
+    /// The branch's handle (set when it entered the registry).
+    pub fn handle(&self) -> Option<Handle> {
+        self.handle.get().copied()
+    }
+
+    pub fn set_handle(&self, h: Handle) {
+        let _ = self.handle.set(h);
     }
 
     /// Lock the state (a panic elsewhere never poisons kvfork for good).
@@ -58,6 +88,10 @@ pub(crate) struct Stats {
     pub decoded_tokens: AtomicU64,
     pub decode_ns: AtomicU64,
     pub commit_requests: AtomicU64,
+    /// Branches moved to host memory (`park` contexts).
+    pub parks: AtomicU64,
+    /// Branches brought back from host memory.
+    pub unparks: AtomicU64,
 }
 
 impl Stats {
@@ -94,6 +128,8 @@ impl ThreadsInUse {
 pub(crate) struct Shared {
     pub model: Arc<Model>,
     pub registry: Mutex<Registry<Arc<BranchCell>>>,
+    /// Leases and parked branches of a `park` context (locked after the registry).
+    pub park: Option<Mutex<ParkLedger>>,
     pub stats: Stats,
     pub closed: AtomicBool,
     /// Why the engine stopped on its own (a caught panic), for every later caller.
@@ -156,11 +192,34 @@ impl Shared {
         self.outputs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A new root branch holding `state`, on a fresh lease.
+    /// The ledger of a `park` context (`None` otherwise).
+    pub fn ledger(&self) -> Option<MutexGuard<'_, ParkLedger>> {
+        self.park
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Leases free now.
+    pub fn available(&self) -> u32 {
+        match self.ledger() {
+            Some(l) => l.available(),
+            None => self.registry().available(),
+        }
+    }
+
+    /// A new root branch holding `state`, on a fresh lease (parked when none is free on a
+    /// `park` context).
     pub fn create_root(&self, state: BranchState) -> Result<(Handle, Arc<BranchCell>)> {
         let mut registry = self.registry();
-        let (handle, _) = registry.create_root_with(|seq| BranchCell::new(Seq::new(seq), state))?;
-        Ok((handle, registry.data(handle).expect("just created").clone()))
+        let park = self.park.is_some();
+        let (handle, _) = registry
+            .create_root_with(|slot| BranchCell::new((!park).then(|| Seq::new(slot)), state))?;
+        let cell = registry.data(handle).expect("just created").clone();
+        cell.set_handle(handle);
+        if let Some(mut ledger) = self.ledger() {
+            cell.set_seq(ledger.add_root(handle).map(Seq::new));
+        }
+        Ok((handle, cell))
     }
 
     /// A new root branch holding `state` on the lease of `seq` itself (the raw layer's
@@ -170,7 +229,7 @@ impl Shared {
         seq: Seq,
         state: BranchState,
     ) -> Result<(Handle, Arc<BranchCell>)> {
-        let cell = BranchCell::new(seq, state);
+        let cell = BranchCell::new(Some(seq), state);
         let handle = self.lease_exact(None, 0, seq, cell.clone())?;
         Ok((handle, cell))
     }
@@ -183,7 +242,7 @@ impl Shared {
         seq: Seq,
         state: BranchState,
     ) -> Result<(Handle, Arc<BranchCell>)> {
-        let cell = BranchCell::new(seq, state);
+        let cell = BranchCell::new(Some(seq), state);
         let handle = self.lease_exact(Some(parent), fork_head, seq, cell.clone())?;
         Ok((handle, cell))
     }
@@ -195,14 +254,24 @@ impl Shared {
         seq: Seq,
         cell: Arc<BranchCell>,
     ) -> Result<Handle> {
+        if self.park.is_some() {
+            // The ledger moves a `park` context's branches between sequences itself.
+            return Err(Error::invalid(
+                "seq_id",
+                "a park=True context assigns its branches' sequences itself".to_string(),
+            ));
+        }
         let mut registry = self.registry();
         if self.holder_of(&registry, seq).is_some() {
             return Err(Error::SeqLeased { seq: seq.id() });
         }
-        Ok(registry.restore(parent, fork_head, seq.id() as u32, cell)?)
+        let handle = registry.restore(parent, fork_head, seq.id() as u32, cell.clone())?;
+        cell.set_handle(handle);
+        Ok(handle)
     }
 
-    /// The live branch leasing `seq`, if any (a scan: at most n_seq_max branches).
+    /// The live branch leasing `seq`, if any (a scan over the live branches; with `park`
+    /// the registry's ids are slots, so the branches' own sequences are compared).
     pub fn holder_of(
         &self,
         registry: &Registry<Arc<BranchCell>>,
@@ -210,12 +279,15 @@ impl Shared {
     ) -> Option<(Handle, Arc<BranchCell>)> {
         registry
             .iter()
-            .find(|(_, n)| n.seq as i32 == seq.id())
+            .find(|(_, n)| match self.park {
+                Some(_) => !n.data.is_parked() && n.data.seq() == seq,
+                None => n.seq as i32 == seq.id(),
+            })
             .map(|(h, n)| (h, n.data.clone()))
     }
 
-    /// A new child of `parent` holding `state`, on a fresh lease (its KV cells are the
-    /// caller's business).
+    /// A new child of `parent` holding `state`, on a fresh lease, or parked on a `park`
+    /// context when none is free (its KV cells are the caller's business).
     pub fn fork(
         &self,
         parent: Handle,
@@ -223,10 +295,16 @@ impl Shared {
         state: BranchState,
     ) -> Result<(Handle, Arc<BranchCell>)> {
         let mut registry = self.registry();
-        let (handle, _) = registry.fork_with(parent, fork_head, |seq| {
-            BranchCell::new(Seq::new(seq), state)
+        let park = self.park.is_some();
+        let (handle, _) = registry.fork_with(parent, fork_head, |slot| {
+            BranchCell::new((!park).then(|| Seq::new(slot)), state)
         })?;
-        Ok((handle, registry.data(handle).expect("just created").clone()))
+        let cell = registry.data(handle).expect("just created").clone();
+        cell.set_handle(handle);
+        if let Some(mut ledger) = self.ledger() {
+            cell.set_seq(ledger.add_child(handle, parent, fork_head).map(Seq::new));
+        }
+        Ok((handle, cell))
     }
 
     pub fn check_open(&self) -> Result<()> {

@@ -22,6 +22,9 @@ impl Worker {
         if cell.is_disposed() {
             return Err(Error::BranchDisposed("in speculate".into()));
         }
+        self.give_leases(&[cell])?;
+        let last = cell.lock().position() + draft.len() as i32;
+        self.guard_window(cell, last)?;
         let model = self.shared().model.clone();
         let (seq, start, before) = {
             let mut st = cell.lock();

@@ -36,6 +36,7 @@ impl Worker {
         if parent_cell.is_disposed() {
             return Err(Error::BranchDisposed(parent.to_string()));
         }
+        self.give_leases(&[parent_cell])?;
         let (mut child_state, fork_head) = {
             let p = parent_cell.lock();
             (p.fork_copy(), p.position())
@@ -54,6 +55,10 @@ impl Worker {
             // The child reads its parent's row in llama.cpp's output buffer too.
             self.loans().record(&cell);
         }
+        if cell.is_parked() {
+            // No lease free (`park`): the child starts parked on its parent's cells.
+            return Ok((handle, cell));
+        }
         self.empty_seq(cell.seq())?;
         self.ctx_mut()
             .seq_cp(parent_cell.seq(), cell.seq(), -1, -1)?;
@@ -64,21 +69,35 @@ impl Worker {
     /// sequences they leased (cells shared with others stay for them). Their cells are
     /// already marked disposed.
     pub(crate) fn prune(&mut self, handle: Handle, how: Prune) -> Result<()> {
-        let seqs: Vec<u32> = {
+        if how == Prune::KeepChildren && self.parks() {
+            // Parked descendants anchored on this branch's cells move off them first.
+            let cell = self.shared().registry().data(handle).cloned();
+            if let Some(cell) = cell {
+                self.before_cells_go(&cell)?;
+            }
+        }
+        let pruned: Vec<(Handle, u32)> = {
             let mut registry = self.shared().registry();
             match how {
-                Prune::Leaf => vec![registry.prune(handle)?.seq],
-                Prune::KeepChildren => vec![registry.prune_keep_children(handle)?.seq],
-                Prune::Subtree => registry
-                    .prune_subtree(handle)?
-                    .into_iter()
-                    .map(|p| p.seq)
-                    .collect(),
+                Prune::Leaf => vec![registry.prune(handle)?],
+                Prune::KeepChildren => vec![registry.prune_keep_children(handle)?],
+                Prune::Subtree => registry.prune_subtree(handle)?,
             }
+            .into_iter()
+            .map(|p| (p.handle, p.seq))
+            .collect()
         };
-        for seq in seqs {
-            self.shared().outputs().emptied(Seq::new(seq));
-            self.ctx_mut().seq_rm(Seq::new(seq), 0, -1)?;
+        for (h, seq) in pruned {
+            // With `park` the registry's ids are slots: the ledger knows the sequence.
+            let seq = if self.parks() {
+                self.forget(h)
+            } else {
+                Some(Seq::new(seq))
+            };
+            if let Some(seq) = seq {
+                self.shared().outputs().emptied(seq);
+                self.ctx_mut().seq_rm(seq, 0, -1)?;
+            }
         }
         Ok(())
     }
@@ -86,14 +105,23 @@ impl Worker {
     /// `BranchStore::retain_only`: every branch but `winner` leaves the tree (their cells are
     /// already marked disposed) and the KV cache keeps only the winner's sequence.
     pub(crate) fn retain_only(&mut self, winner: Handle) -> Result<()> {
-        let seq = self
+        let (slot, cell) = self
             .shared()
             .registry()
             .get(winner)
-            .map(|n| n.seq)
+            .map(|n| (n.seq, n.data.clone()))
             .ok_or(Error::BranchDisposed(winner.to_string()))?;
+        // A parked winner comes back first (its cells may lean on a loser's).
+        self.give_leases(&[&cell])?;
         self.shared().registry().retain_only(winner)?;
-        self.shared().outputs().keep_only(Seq::new(seq));
-        self.ctx_mut().seq_keep(Seq::new(seq))
+        let seq = match self.shared().ledger() {
+            Some(mut l) => {
+                l.retain_only(winner)?;
+                cell.seq()
+            }
+            None => Seq::new(slot),
+        };
+        self.shared().outputs().keep_only(seq);
+        self.ctx_mut().seq_keep(seq)
     }
 }
