@@ -134,7 +134,9 @@ impl BranchState {
 fn write_adapters(w: &mut Writer, adapters: &Adapters) {
     w.u32(adapters.loras().len() as u32);
     for (a, scale) in adapters.loras() {
-        w.str(&a.path().to_string_lossy()).u64(a.fingerprint()).f32(*scale);
+        w.str(&a.path().to_string_lossy())
+            .u64(a.fingerprint())
+            .f32(*scale);
     }
     match adapters.control_vector() {
         None => {
@@ -142,7 +144,10 @@ fn write_adapters(w: &mut Writer, adapters: &Adapters) {
         }
         Some(c) => {
             w.bool(true);
-            w.f32s(c.vector.data()).f32(c.scale).u32(c.layers.0).u32(c.layers.1);
+            w.f32s(c.vector.data())
+                .f32(c.scale)
+                .u32(c.layers.0)
+                .u32(c.layers.1);
         }
     }
 }
@@ -155,7 +160,9 @@ fn read_adapters(r: &mut Reader<'_>, model: &Arc<Model>) -> Result<Adapters> {
         let fingerprint = r.u64().map_err(state_error)?;
         let scale = r.f32().map_err(state_error)?;
         let adapter = LoraAdapter::load(model, &path).map_err(|e| {
-            Error::State(format!("the branch's LoRA adapter cannot be loaded again: {e}"))
+            Error::State(format!(
+                "the branch's LoRA adapter cannot be loaded again: {e}"
+            ))
         })?;
         if adapter.fingerprint() != fingerprint {
             return Err(Error::State(format!(
@@ -165,17 +172,23 @@ fn read_adapters(r: &mut Reader<'_>, model: &Arc<Model>) -> Result<Adapters> {
         }
         loras.push((adapter, scale));
     }
-    let mut adapters = Adapters::from_loras(model, loras).map_err(|e| Error::State(e.to_string()))?;
+    let mut adapters =
+        Adapters::from_loras(model, loras).map_err(|e| Error::State(e.to_string()))?;
     if r.bool().map_err(state_error)? {
         let data = r.f32s().map_err(state_error)?;
         let scale = r.f32().map_err(state_error)?;
         let layers = (r.u32().map_err(state_error)?, r.u32().map_err(state_error)?);
-        let vector = ControlVector::from_rows(model, data).map_err(|e| Error::State(e.to_string()))?;
+        let vector =
+            ControlVector::from_rows(model, data).map_err(|e| Error::State(e.to_string()))?;
         check_layers(model, layers).map_err(|e| Error::State(e.to_string()))?;
         if !scale.is_finite() {
             return Err(malformed("the control vector's scale is not finite"));
         }
-        adapters.set_cvec(Some(SteeringVector { vector, scale, layers }));
+        adapters.set_cvec(Some(SteeringVector {
+            vector,
+            scale,
+            layers,
+        }));
     }
     Ok(adapters)
 }
