@@ -25,8 +25,9 @@ const DECAY: f64 = 0.125;
 /// Rounds without a guess fade the acceptance counts too, more slowly: after a long rest a
 /// probe's outcome outweighs what was measured before it.
 const REST_DECAY: f64 = 0.02;
-/// Weight of a new time in a width's running mean cost.
-const COST_WEIGHT: f64 = 0.3;
+/// Times kept per width; its cost is their median (a round that waited for a busy core
+/// now and then does not make a width look dear, or one-token rounds look cheap to beat).
+const TIMES_KEPT: usize = 8;
 /// A guess must promise this many more tokens per second than no guess (timing noise).
 const GAIN_MARGIN: f64 = 1.05;
 /// Guess length of a probe.
@@ -48,9 +49,8 @@ pub struct GuessPolicy {
     /// and failures).
     kept: f64,
     refused: f64,
-    /// Running mean seconds of a round by width (`cost[w]`: a decode of `w` rows), 0 when
-    /// never timed.
-    cost: Vec<f64>,
+    /// The last seconds of a round by width (`times[w]`: a decode of `w` rows).
+    times: Vec<Recent>,
     /// Guessing rounds in a row without a timed one-token round.
     guesses_untimed: u32,
     /// Guessing does not pay: rounds left before the next probe, and the rest after it.
@@ -72,7 +72,7 @@ impl GuessPolicy {
         GuessPolicy {
             kept: 1.0,
             refused: 1.0,
-            cost: vec![0.0; MAX_GUESS + 2],
+            times: vec![Recent::default(); MAX_GUESS + 2],
             guesses_untimed: 0,
             resting: false,
             rest_left: 0,
@@ -96,31 +96,33 @@ impl GuessPolicy {
     /// the widest it grows along the line from one row to the widest (decodes get cheaper
     /// per row as they widen, so this errs on the dear side).
     pub fn cost(&self, width: usize) -> Option<f64> {
-        let width = width.clamp(1, self.cost.len() - 1);
-        let one = self.cost[1];
-        if one <= 0.0 {
-            return None;
+        let timed = |w: usize| self.times[w].median();
+        let last = self.times.len() - 1;
+        let width = width.clamp(1, last);
+        let one = timed(1)?;
+        if let Some(c) = timed(width) {
+            return Some(c);
         }
-        if self.cost[width] > 0.0 {
-            return Some(self.cost[width]);
-        }
-        let below = (1..width).rev().find(|&w| self.cost[w] > 0.0).unwrap_or(1);
-        let above = (width + 1..self.cost.len()).find(|&w| self.cost[w] > 0.0);
-        let (lo, hi) = match above {
+        let below = (1..width).rev().find(|&w| timed(w).is_some()).unwrap_or(1);
+        let (lo, hi) = match (width + 1..=last).find(|&w| timed(w).is_some()) {
             Some(hi) => (below, hi),
-            None => {
-                let widest = (2..self.cost.len()).rev().find(|&w| self.cost[w] > 0.0);
-                match widest {
-                    Some(w) => (1, w),
-                    // No wider decode timed yet: assume a wider one is free, so that
-                    // the first guesses are tried and timed.
-                    None => return Some(one),
-                }
-            }
+            None => match self.widest() {
+                Some(w) => (1, w),
+                // No wider decode timed yet: assume a wider one is free, so that the first
+                // guesses are tried and timed.
+                None => return Some(one),
+            },
         };
-        let (c_lo, c_hi) = (self.cost[lo], self.cost[hi]);
+        let (c_lo, c_hi) = (timed(lo)?, timed(hi)?);
         let slope = ((c_hi - c_lo) / (hi - lo) as f64).max(0.0);
         Some(c_lo + slope * (width - lo) as f64)
+    }
+
+    /// The widest decode timed (more than one row).
+    fn widest(&self) -> Option<usize> {
+        (2..self.times.len())
+            .rev()
+            .find(|&w| self.times[w].median().is_some())
     }
 
     /// The guess length that yields the most tokens per second, at most `cap`, and the
@@ -144,8 +146,9 @@ impl GuessPolicy {
     pub fn guess_len(&mut self, cap: usize) -> usize {
         // Wider than ever timed: at most double the widest guess so far, so that a dear
         // machine pays for one long refused guess at most.
-        let widest = (2..self.cost.len()).rev().find(|&w| self.cost[w] > 0.0);
-        let explore = widest.map_or(FIRST_GUESS, |w| (2 * (w - 1)).max(FIRST_GUESS));
+        let explore = self
+            .widest()
+            .map_or(FIRST_GUESS, |w| (2 * (w - 1)).max(FIRST_GUESS));
         let cap = cap.min(MAX_GUESS).min(explore);
         if cap == 0 {
             return 0;
@@ -200,13 +203,35 @@ impl GuessPolicy {
             self.guesses_untimed = 0;
         }
         if seconds.is_finite() && seconds > 0.0 {
-            let c = &mut self.cost[guessed + 1];
-            *c = if *c > 0.0 {
-                *c + COST_WEIGHT * (seconds - *c)
-            } else {
-                seconds
-            };
+            self.times[guessed + 1].push(seconds);
         }
+    }
+}
+
+/// The last [`TIMES_KEPT`] times of one width.
+#[derive(Debug, Clone, Default)]
+struct Recent {
+    times: [f64; TIMES_KEPT],
+    len: usize,
+    next: usize,
+}
+
+impl Recent {
+    fn push(&mut self, seconds: f64) {
+        self.times[self.next] = seconds;
+        self.next = (self.next + 1) % TIMES_KEPT;
+        self.len = (self.len + 1).min(TIMES_KEPT);
+    }
+
+    /// The median (the lower one of an even count: the dearer rounds waited on others).
+    fn median(&self) -> Option<f64> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut times = self.times;
+        let times = &mut times[..self.len];
+        times.sort_by(f64::total_cmp);
+        Some(times[(self.len - 1) / 2])
     }
 }
 
@@ -273,6 +298,19 @@ mod tests {
         assert_eq!(p.cost(9), Some(5.0));
         p.record(0, 0, f64::NAN); // ignored
         assert_eq!(p.cost(1), Some(1.0));
+    }
+
+    #[test]
+    fn a_round_that_waited_for_a_busy_core_does_not_move_the_cost() {
+        let mut p = GuessPolicy::new();
+        for t in [1.0, 1.2, 0.9, 30.0, 1.1] {
+            p.record(0, 0, t);
+        }
+        assert_eq!(p.cost(1), Some(1.1));
+        for _ in 0..TIMES_KEPT {
+            p.record(0, 0, 2.0);
+        }
+        assert_eq!(p.cost(1), Some(2.0), "only the last times count");
     }
 
     #[test]
