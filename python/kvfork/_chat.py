@@ -52,9 +52,7 @@ class Chat:
         it holds one lease of ``ctx`` (``branch``).
         """
         if on_context_full not in ("stop", "shift"):
-            raise ValueError(
-                f'on_context_full must be "stop" or "shift", not {on_context_full!r}'
-            )
+            raise ValueError(f'on_context_full must be "stop" or "shift", not {on_context_full!r}')
         self.on_context_full = on_context_full
         self.shifts = 0  # context shifts over all turns
         self._keep = DEFAULT_KEEP  # tokens a shift keeps: the system message's

@@ -279,12 +279,20 @@ mod tests {
         let mut p = GuessPolicy::new();
         assert_eq!(p.guess_len(8), 8);
         assert_eq!(p.guess_len(0), 0);
-        assert_eq!(p.guess_len(1000), FIRST_GUESS, "no wider guess before one was timed");
+        assert_eq!(
+            p.guess_len(1000),
+            FIRST_GUESS,
+            "no wider guess before one was timed"
+        );
         p.record(0, 0, 1.0);
         for _ in 0..10 {
             p.record(8, 8, 2.0);
         }
-        assert_eq!(p.guess_len(1000), 16, "at most double the widest timed guess");
+        assert_eq!(
+            p.guess_len(1000),
+            16,
+            "at most double the widest timed guess"
+        );
     }
 
     #[test]

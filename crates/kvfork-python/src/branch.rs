@@ -190,8 +190,9 @@ impl PyBranch {
         let on_full = on_full(&slf.get().inner, on_context_full, keep)?;
         match draft {
             Some(draft) => speculative_stream(slf, true, limit, draft, on_context_full, on_full),
-            None => PyGeneratorSync::new(slf.get().inner.clone(), limit, on_full)?
-                .into_py_any(slf.py()),
+            None => {
+                PyGeneratorSync::new(slf.get().inner.clone(), limit, on_full)?.into_py_any(slf.py())
+            }
         }
     }
 

@@ -449,7 +449,10 @@ mod tests {
         s.took(0, 0);
         assert_eq!((s.rounds(), s.drafted(), s.accepted()), (2, 8, 3));
         assert!(s.acceptance() > 0.0 && s.acceptance() < 1.0);
-        assert!((s.policy().acceptance() - 0.5).abs() > 0.1, "the policy saw the guess");
+        assert!(
+            (s.policy().acceptance() - 0.5).abs() > 0.1,
+            "the policy saw the guess"
+        );
     }
 
     #[test]
@@ -458,7 +461,10 @@ mod tests {
             OnContextFull::from_name("shift", 7),
             Some(OnContextFull::Shift { keep: 7 })
         );
-        assert_eq!(OnContextFull::from_name("stop", 7), Some(OnContextFull::Stop));
+        assert_eq!(
+            OnContextFull::from_name("stop", 7),
+            Some(OnContextFull::Stop)
+        );
         assert_eq!(OnContextFull::from_name("wrap", 7), None);
     }
 
