@@ -6,6 +6,7 @@ its tail from the whole sequence, prompt included; `Chat(on_context_full="shift"
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import kvfork
 import pytest
@@ -33,7 +34,7 @@ def shifted_positions(n_ctx: int, start: int, keep: int, n: int) -> tuple[int, i
 
 
 @pytest.fixture
-def small(model: kvfork.Model) -> kvfork.Context:
+def small(model: kvfork.Model) -> Iterator[kvfork.Context]:
     with kvfork.create_context_sync(model, n_ctx=128, n_seq_max=2) as c:
         yield c
 
@@ -90,15 +91,16 @@ def test_a_speculative_stream_shifts_too(small: kvfork.Context, sync: bool) -> N
     b.set_logit_bias(no_stop(small))
     b.prefill_sync(small.tokenize(COUNTING))
     draft = kvfork.PromptLookup()
+    stream: kvfork.SpeculativeStream | kvfork.SpeculativeStreamSync
     if sync:
         stream = b.generate_sync(2 * n_ctx, draft=draft, on_context_full="shift", keep=2)
         tokens = [t.token for t in stream]
     else:
+        s = b.generate(2 * n_ctx, draft=draft, on_context_full="shift", keep=2)
 
         async def run() -> list[int]:
             return [t.token async for t in s]
 
-        s = b.generate(2 * n_ctx, draft=draft, on_context_full="shift", keep=2)
         stream = s
         tokens = asyncio.run(run())
     assert len(tokens) == 2 * n_ctx and stream.stop_reason == "max_tokens"
@@ -136,9 +138,9 @@ def test_bad_shift_arguments_raise(small: kvfork.Context) -> None:
     b, _ = prompted(small, {"temperature": 0.0})
     n_ctx = small.n_ctx
     with pytest.raises(ValueError, match='"stop" or "shift"'):
-        b.generate_sync(4, on_context_full="wrap")
+        b.generate_sync(4, on_context_full="wrap")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match='"stop" or "shift"'):
-        b.generate(4, draft=kvfork.PromptLookup(), on_context_full="Shift")
+        b.generate(4, draft=kvfork.PromptLookup(), on_context_full="Shift")  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="on_context_full"):
         b.generate_sync(4, on_context_full=1)  # type: ignore[call-overload]
     for keep in (n_ctx - 1, n_ctx, 2**40):
@@ -151,7 +153,7 @@ def test_bad_shift_arguments_raise(small: kvfork.Context) -> None:
     with pytest.raises(ValueError, match="keep"):
         b.generate_sync(4, draft=kvfork.PromptLookup(), on_context_full="shift", keep=n_ctx)
     with pytest.raises(ValueError, match='"stop" or "shift"'):
-        kvfork._native.SpeculativeSchedule(4, on_context_full="never")
+        kvfork._native.SpeculativeSchedule(4, on_context_full="never")  # type: ignore[arg-type]
     assert b.generate_sync(4, on_context_full="shift", keep=n_ctx - 2).shifts == 0
     with pytest.raises(ValueError, match='"stop" or "shift"'):
         kvfork.Chat(small, on_context_full="always")  # type: ignore[arg-type]

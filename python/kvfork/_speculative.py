@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ._native import Branch, Context, SpeculativeSchedule, Token, _use_speculative_streams
 
@@ -151,7 +151,7 @@ class _Rounds:
         max_tokens: int | None,
         draft: Drafter,
         *,
-        on_context_full: str = "stop",
+        on_context_full: Literal["stop", "shift"] = "stop",
         keep: int = 4,
     ) -> None:
         if not callable(getattr(draft, "propose", None)):

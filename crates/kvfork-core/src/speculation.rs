@@ -328,7 +328,7 @@ mod tests {
         // 20 % of guessed tokens kept; each more row costs half a one-token decode.
         let (tokens, seconds) = simulate(&mut p, 400, 8, linear(0.5), || {
             n += 1;
-            n % 5 == 0
+            n.is_multiple_of(5)
         });
         assert!(tokens / seconds > 0.95, "{}", tokens / seconds);
         assert!(p.acceptance() < 0.5);
@@ -348,7 +348,7 @@ mod tests {
         let mut n = 0u32;
         simulate(&mut p, 200, 8, linear(0.5), || {
             n += 1;
-            n % 10 == 0
+            n.is_multiple_of(10)
         });
         assert_eq!(p.guess_len(8), 0, "resting");
         // The output now copies its input: a probe finds it within the longest rest.

@@ -157,7 +157,8 @@ impl PyBranch {
     /// context and goes on (`"shift"`, as llama.cpp's --context-shift: the first `keep`
     /// tokens of the branch's sequence and the most recent half of the rest are kept;
     /// `stream.shifts` counts the shifts).
-    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))))]
+    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "($self, max_tokens=None, *, draft=None, on_context_full='stop', keep=4)")]
     fn generate(
         slf: &Bound<'_, Self>,
         max_tokens: Option<Int>,
@@ -178,7 +179,8 @@ impl PyBranch {
     /// Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
     /// Each step waits without the GIL; on Ctrl-C a started step completes (its token is
     /// committed, not yielded), then KeyboardInterrupt is raised.
-    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))))]
+    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "($self, max_tokens=None, *, draft=None, on_context_full='stop', keep=4)")]
     fn generate_sync(
         slf: &Bound<'_, Self>,
         max_tokens: Option<Int>,
@@ -645,7 +647,7 @@ twins! {
         #[sync_doc = "returns None once the kept tokens are prefilled. Waits without the GIL; \
                       Ctrl-C cancels it all-or-nothing, as an await would, and raises \
                       KeyboardInterrupt."]
-        #[pyo3(signature = (keep=Int(Some(4))))]
+        #[pyo3(signature = (keep=Int(Some(4))), text_signature = "($self, keep=4)")]
         fn shift_context / shift_context_sync(&self, py, keep: Int) -> Option<()> {
             let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
             self.inner.shift_context(keep)

@@ -155,7 +155,8 @@ impl PySpeculativeSchedule {
     /// context the stream stops (`on_context_full="stop"`) or shifts, keeping `keep` tokens
     /// (`"shift"`).
     #[new]
-    #[pyo3(signature = (max_tokens=None, *, on_context_full="stop", keep=Int(Some(4))))]
+    #[pyo3(signature = (max_tokens=None, *, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "(max_tokens=None, *, on_context_full='stop', keep=4)")]
     fn new(max_tokens: Option<Int>, on_context_full: &str, keep: Int) -> PyResult<Self> {
         let max_tokens = max_tokens
             .map(|m| m.within("max_tokens", 0, i64::MAX).map(|m| m as usize))
