@@ -658,8 +658,11 @@ class SpeculativeSchedule:
     def guess_len(self, branch: Branch, pending: Token) -> int | None:
         """How many guessed tokens this round may decode after `pending` on `branch` (0: decode
         `pending` alone), or None when the stream ends at `pending` (a stop token, or a full
-        context). Starts the round's clock (`took` stops it: the policy learns what a round of
-        each width costs).
+        context).
+        """
+    def decoding(self) -> None:
+        """The round's decode starts now (`took` ends it: the policy learns what a decode of each
+        width costs, without the drafter's time).
         """
     def took(self, drafted: int, accepted: int) -> None:
         """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept."""

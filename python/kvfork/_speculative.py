@@ -239,6 +239,7 @@ class SpeculativeStream(_Rounds):
             history = self.history(self.pending)
             guess = await apropose(history) if apropose else self.draft.propose(history)
             draft = [int(t) for t in guess[:n]]
+        self.schedule.decoding()
         accepted, nxt = await self.branch.speculate(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
@@ -266,6 +267,7 @@ class SpeculativeStreamSync(_Rounds):
         draft: list[int] = []
         if n > 0:
             draft = [int(t) for t in self.draft.propose(self.history(self.pending))[:n]]
+        self.schedule.decoding()
         accepted, nxt = self.branch.speculate_sync(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()

@@ -205,8 +205,7 @@ impl PySpeculativeSchedule {
 
     /// How many guessed tokens this round may decode after `pending` on `branch` (0: decode
     /// `pending` alone), or None when the stream ends at `pending` (a stop token, or a full
-    /// context). Starts the round's clock (`took` stops it: the policy learns what a round of
-    /// each width costs).
+    /// context).
     fn guess_len(
         &self,
         branch: &Bound<'_, PyBranch>,
@@ -215,6 +214,12 @@ impl PySpeculativeSchedule {
         let produced = pending.get().produced();
         let branch = branch.get().inner.clone();
         self.with(|s| s.guess_len(&branch, &produced))
+    }
+
+    /// The round's decode starts now (`took` ends it: the policy learns what a decode of each
+    /// width costs, without the drafter's time).
+    fn decoding(&self) {
+        self.with(|s| s.decoding());
     }
 
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.

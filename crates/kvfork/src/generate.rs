@@ -194,8 +194,8 @@ pub trait Drafter {
 
 /// The budget and guess length of speculative rounds, and what the guesses earned. Each
 /// round's guess length (0: no guess) comes from a [`GuessPolicy`], told every round's
-/// outcome and time (from [`guess_len`](Self::guess_len) to [`took`](Self::took): the
-/// drafter's work and the decode).
+/// outcome and the time of its decode (from [`decoding`](Self::decoding) to
+/// [`took`](Self::took)).
 #[derive(Debug, Clone)]
 pub struct SpeculativeSchedule {
     max_tokens: Option<usize>,
@@ -261,7 +261,7 @@ impl SpeculativeSchedule {
 
     /// How many guessed tokens this round may decode after `pending` on `branch` (0: decode
     /// it alone), or `None` when the stream ends at `pending` (a stop token, or no room left
-    /// in the context). Starts the round's clock.
+    /// in the context).
     pub fn guess_len(&mut self, branch: &Branch, pending: &Produced) -> Option<usize> {
         if pending.is_stop {
             self.stop = Some(StopReason::StopToken);
@@ -278,6 +278,12 @@ impl SpeculativeSchedule {
             .map_or(room, |m| room.min(m.saturating_sub(self.yielded)));
         self.round_started = Some(Instant::now());
         Some(self.policy.guess_len(left.saturating_sub(1)))
+    }
+
+    /// The round's decode starts now: its time, not the drafter's, is what a width costs
+    /// (the drafter's cost does not grow with the guess it is asked for).
+    pub fn decoding(&mut self) {
+        self.round_started = Some(Instant::now());
     }
 
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.
@@ -386,6 +392,7 @@ impl<D: Drafter> SpeculativeStream<D> {
             guess = self.drafter.propose(&history);
             guess.truncate(len);
         }
+        self.schedule.decoding();
         let done = self.branch.speculate(pending.token, guess.clone()).wait()?;
         self.schedule.took(guess.len(), done.accepted.len());
         self.queue.push_back(pending);
