@@ -17,6 +17,9 @@ def test_infinite_context_streams_three_contexts_of_text() -> None:
     assert produced == 3 * 256
     assert math.isfinite(ppl) and ppl < 50
     assert sum(c.isalpha() or c.isspace() for c in text) > 0.8 * len(text)
+    produced, shifts, text = asyncio.run(example("infinite_context").shifted(n_ctx=256))
+    assert produced == 3 * 256 and shifts >= 4
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.7 * len(text)
 
 
 def test_embed_and_save(tmp_path: Path) -> None:

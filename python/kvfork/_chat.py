@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
-from ._native import Branch, Context, SamplingParams
+from ._native import Branch, Context, SamplingParams, TokenStream, TokenStreamSync
 from ._stops import StopStrings
 
 #: A system message the small chat model (SmolLM2-135M-Instruct) follows: without one, or with
 #: "Answer briefly.", it answers "What is the capital of France?" with French nonsense.
 HELPFUL_ASSISTANT = "You are a helpful assistant."
+
+#: Tokens a context shift keeps when there is no system message (attention sinks).
+DEFAULT_KEEP = 4
 
 
 class Chat:
@@ -24,6 +27,10 @@ class Chat:
     If the template renders earlier turns differently once a new one is added (the new
     prompt no longer extends the old one), the turn starts over on a fresh branch:
     ``cold_restarts`` counts those.
+
+    With ``on_context_full="shift"`` the conversation goes on past the context's end: the
+    branch keeps the system message (its first tokens) and the most recent half of the rest
+    (``shifts`` counts the shifts), as llama.cpp's ``--context-shift`` does.
     """
 
     def __init__(
@@ -33,14 +40,22 @@ class Chat:
         params: SamplingParams | dict[str, Any] | None = None,
         system: str | None = None,
         template: str | None = None,
+        on_context_full: Literal["stop", "shift"] = "stop",
         **template_kwargs: Any,
     ) -> None:
         """Start a conversation on ``ctx`` (no branch is taken until the first turn).
 
         ``params``: the reply's SamplingParams (or a dict; None for the defaults); ``system``:
         an optional system message; ``template`` and ``template_kwargs``: as in
-        ``Context.format_chat``. From its first turn it holds one lease of ``ctx`` (``branch``).
+        ``Context.format_chat``; ``on_context_full``: "stop" (a reply ends at the context's
+        end) or "shift" (the context shifts, keeping the system message). From its first turn
+        it holds one lease of ``ctx`` (``branch``).
         """
+        if on_context_full not in ("stop", "shift"):
+            raise ValueError(f'on_context_full must be "stop" or "shift", not {on_context_full!r}')
+        self.on_context_full = on_context_full
+        self.shifts = 0  # context shifts over all turns
+        self._keep = DEFAULT_KEEP  # tokens a shift keeps: the system message's
         self.ctx = ctx
         self.params = params
         self.template = template
@@ -69,11 +84,55 @@ class Chat:
                 self.cold_restarts += 1
             self.branch = Branch.create(self.ctx, 0, self.params)
             self._text = ""
+            self._keep = self._system_tokens(chat.prompt)
         delta = chat.prompt[len(self._text) :]
         tokens = self.ctx.tokenize(delta, add_special=not self._text, parse_special=True)
         self._text = chat.prompt
         self.prefilled_tokens += len(tokens)
         return StopStrings(chat.stop), tokens
+
+    def _system_tokens(self, prompt: str) -> int:
+        """How many tokens a context shift keeps: those of the rendered system message (when
+        the prompt begins with its rendering), else a few (attention sinks)."""
+        system = [m for m in self.messages[:1] if m["role"] == "system"]
+        if not system:
+            return DEFAULT_KEEP
+        text = self.ctx.format_chat(
+            system, add_generation_prompt=False, template=self.template, **self.template_kwargs
+        ).prompt
+        if not prompt.startswith(text):
+            return DEFAULT_KEEP
+        n = len(self.ctx.tokenize(text, add_special=True, parse_special=True))
+        return max(0, min(n, self.ctx.n_ctx - 2))
+
+    def _room_for(self, tokens: list[int]) -> tuple[list[int], int] | None:
+        """With "shift": the sinks and tail of a reseed that leaves room for ``tokens`` and a
+        reply token (the system message and the most recent half of the rest, or less), or
+        None when they fit already or cannot fit."""
+        assert self.branch is not None
+        position = self.branch.position
+        if self.on_context_full != "shift" or position + len(tokens) < self.ctx.n_ctx:
+            return None
+        keep = min(self._keep, position)
+        rest = position - keep
+        tail = min(rest - rest // 2, self.ctx.n_ctx - 1 - keep - len(tokens))
+        if tail < 0:
+            return None  # the turn alone does not fit: the prefill says so
+        return self.branch.history[:keep], tail
+
+    async def _prefill(self, tokens: list[int]) -> None:
+        assert self.branch is not None
+        if (room := self._room_for(tokens)) is not None:
+            await self.branch.reseed_context(*room)
+            self.shifts += 1
+        await self.branch.prefill(tokens)
+
+    def _prefill_sync(self, tokens: list[int]) -> None:
+        assert self.branch is not None
+        if (room := self._room_for(tokens)) is not None:
+            self.branch.reseed_context_sync(*room)
+            self.shifts += 1
+        self.branch.prefill_sync(tokens)
 
     def _end(self, reply: StopStrings) -> str:
         self._text += reply.text  # every generated token was committed (a stop string too)
@@ -84,10 +143,12 @@ class Chat:
         """Add a user turn, generate the assistant's reply (also appended to ``messages``)."""
         reply, tokens = self._begin(content)
         assert self.branch is not None
-        await self.branch.prefill(tokens)
-        async for tok in self.branch.generate(max_tokens=max_tokens):
+        await self._prefill(tokens)
+        stream = self._generate(max_tokens)
+        async for tok in stream:
             if reply.add(tok.text):
                 break
+        self.shifts += stream.shifts
         return self._end(reply)
 
     async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
@@ -96,9 +157,10 @@ class Chat:
         appended to ``messages`` when the stream ends (also when it is closed early)."""
         reply, tokens = self._begin(content)
         assert self.branch is not None
+        stream = self._generate(max_tokens)
         try:
-            await self.branch.prefill(tokens)
-            async for tok in self.branch.generate(max_tokens=max_tokens):
+            await self._prefill(tokens)
+            async for tok in stream:
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
                     yield piece
@@ -107,15 +169,17 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
+            self.shifts += stream.shifts
             self._end(reply)
 
     def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
         """Blocking twin of ``stream``."""
         reply, tokens = self._begin(content)
         assert self.branch is not None
+        stream = self._generate_sync(max_tokens)
         try:
-            self.branch.prefill_sync(tokens)
-            for tok in self.branch.generate_sync(max_tokens=max_tokens):
+            self._prefill_sync(tokens)
+            for tok in stream:
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
                     yield piece
@@ -124,17 +188,32 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
+            self.shifts += stream.shifts
             self._end(reply)
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
         reply, tokens = self._begin(content)
         assert self.branch is not None
-        self.branch.prefill_sync(tokens)
-        for tok in self.branch.generate_sync(max_tokens=max_tokens):
+        self._prefill_sync(tokens)
+        stream = self._generate_sync(max_tokens)
+        for tok in stream:
             if reply.add(tok.text):
                 break
+        self.shifts += stream.shifts
         return self._end(reply)
+
+    def _generate(self, max_tokens: int) -> TokenStream:
+        assert self.branch is not None
+        return self.branch.generate(
+            max_tokens=max_tokens, on_context_full=self.on_context_full, keep=self._keep
+        )
+
+    def _generate_sync(self, max_tokens: int) -> TokenStreamSync:
+        assert self.branch is not None
+        return self.branch.generate_sync(
+            max_tokens=max_tokens, on_context_full=self.on_context_full, keep=self._keep
+        )
 
     async def fork(self) -> Chat:
         """A second conversation that shares this one's history, on a fork of its branch (no
@@ -147,8 +226,15 @@ class Chat:
         return self._forked(None if self.branch is None else self.branch.fork_sync())
 
     def _forked(self, branch: Branch | None) -> Chat:
-        other = Chat(self.ctx, params=self.params, template=self.template, **self.template_kwargs)
+        other = Chat(
+            self.ctx,
+            params=self.params,
+            template=self.template,
+            on_context_full=self.on_context_full,
+            **self.template_kwargs,
+        )
         other.messages = [dict(m) for m in self.messages]
+        other._keep = self._keep
         other.branch = branch
         other._text = self._text  # "" until the first turn takes a branch
         return other

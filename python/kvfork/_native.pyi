@@ -599,6 +599,7 @@ def create_context_sync(
     """Create a context (blocking twin of `create_context`)."""
 
 _StopReason: TypeAlias = Literal["stop_token", "max_tokens", "context_full"]
+_OnContextFull: TypeAlias = Literal["stop", "shift"]
 
 @final
 class TokenStream:
@@ -608,9 +609,13 @@ class TokenStream:
     @property
     def stop_reason(self) -> _StopReason | None:
         """Why the stream ended: "stop_token" (an end-of-generation token, not committed),
-        "max_tokens", or "context_full" (the branch reached n_ctx: `reseed_context` makes
-        room); None while it runs.
+        "max_tokens", or "context_full" (the branch reached n_ctx with
+        `on_context_full="stop"`: `shift_context` or `reseed_context` makes room); None while
+        it runs.
         """
+    @property
+    def shifts(self) -> int:
+        """Context shifts so far (`on_context_full="shift"`)."""
     def __aiter__(self) -> TokenStream: ...
     def __anext__(self) -> Awaitable[Token]: ...
 
@@ -620,6 +625,9 @@ class TokenStreamSync:
     @property
     def stop_reason(self) -> _StopReason | None:
         """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs."""
+    @property
+    def shifts(self) -> int:
+        """Context shifts so far (`on_context_full="shift"`)."""
     def __iter__(self) -> TokenStreamSync: ...
     def __next__(self) -> Token: ...
 
@@ -628,7 +636,25 @@ class SpeculativeSchedule:
     """The budget and guess length of speculative rounds (`kvfork::SpeculativeSchedule`), for the
     streams of `kvfork._speculative`, which only await the drafter and the engine.
     """
-    def __new__(cls, max_tokens: int | None = None) -> Self: ...
+    def __new__(
+        cls,
+        max_tokens: int | None = None,
+        *,
+        on_context_full: _OnContextFull = "stop",
+        keep: int = 4,
+    ) -> Self: ...
+    def shift_due(self, branch: Branch) -> int | None:
+        """Before a round: the `keep` of the context shift the stream must make first (the
+        branch is at n_ctx and the stream shifts; counted in `shifts`), else None.
+        """
+    @property
+    def shifts(self) -> int:
+        """Context shifts so far."""
+    @property
+    def resting(self) -> bool:
+        """Whether the guess-length policy found that guessing does not pay here (it decodes
+        the pending token alone, with a short probe now and then).
+        """
     def yielded_one(self) -> None:
         """Count one token handed to the caller."""
     def ended(self) -> bool:
@@ -637,6 +663,10 @@ class SpeculativeSchedule:
         """How many guessed tokens this round may decode after `pending` on `branch` (0: decode
         `pending` alone), or None when the stream ends at `pending` (a stop token, or a full
         context).
+        """
+    def decoding(self) -> None:
+        """The round's decode starts now (`took` ends it: the policy learns what a decode of each
+        width costs, without the drafter's time).
         """
     def took(self, drafted: int, accepted: int) -> None:
         """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept."""
@@ -712,19 +742,42 @@ class Branch:
     def accept(self, token: int | Token) -> None:
         """Accept a token into penalties, grammar and perplexity without decoding it (low level)."""
     @overload
-    def generate(self, max_tokens: int | None = None, *, draft: None = None) -> TokenStream:
+    def generate(
+        self,
+        max_tokens: int | None = None,
+        *,
+        draft: None = None,
+        on_context_full: _OnContextFull = "stop",
+        keep: int = 4,
+    ) -> TokenStream:
         """Async iterator of Tokens: commit-before-yield, ends at a stop token (not committed).
         Each step samples and commits on the engine thread (steps of concurrent tasks share
         decodes). A cancelled step either never ran or completed (committed, not yielded).
         With `draft` (e.g. `kvfork.PromptLookup()`, or any object with
         `propose(tokens) -> list[int]`): exact speculative decoding, the same tokens drawn more
-        decodes at a time (see `kvfork.SpeculativeStream`).
+        decodes at a time (see `kvfork.SpeculativeStream`). At the end of the context the
+        stream stops (`on_context_full="stop"`, stop_reason "context_full") or shifts the
+        context and goes on (`"shift"`, as llama.cpp's --context-shift: the first `keep`
+        tokens of the branch's sequence and the most recent half of the rest are kept;
+        `stream.shifts` counts the shifts).
         """
     @overload
-    def generate(self, max_tokens: int | None = None, *, draft: Drafter) -> SpeculativeStream: ...
+    def generate(
+        self,
+        max_tokens: int | None = None,
+        *,
+        draft: Drafter,
+        on_context_full: _OnContextFull = "stop",
+        keep: int = 4,
+    ) -> SpeculativeStream: ...
     @overload
     def generate_sync(
-        self, max_tokens: int | None = None, *, draft: None = None
+        self,
+        max_tokens: int | None = None,
+        *,
+        draft: None = None,
+        on_context_full: _OnContextFull = "stop",
+        keep: int = 4,
     ) -> TokenStreamSync:
         """Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
         Each step waits without the GIL; on Ctrl-C a started step completes (its token is
@@ -732,7 +785,12 @@ class Branch:
         """
     @overload
     def generate_sync(
-        self, max_tokens: int | None = None, *, draft: Drafter
+        self,
+        max_tokens: int | None = None,
+        *,
+        draft: Drafter,
+        on_context_full: _OnContextFull = "stop",
+        keep: int = 4,
     ) -> SpeculativeStreamSync: ...
     def speculate(
         self, pending: int | Token, draft: list[int]
@@ -826,11 +884,20 @@ class Branch:
         """
     def reseed_context(self, sinks: _Tokens, tail: int) -> Awaitable[None]:
         """Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
-        first tokens) followed by the last `tail` tokens the branch accepted, from position
+        first tokens) followed by the last `tail` tokens of its sequence (prompt included;
+        a sequence that begins with `sinks` gives its tail from after them), from position
         0. Sampler, grammar, biases and metrics carry on.
         """
     def reseed_context_sync(self, sinks: _Tokens, tail: int) -> None:
         """Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+    def shift_context(self, keep: int = 4) -> Awaitable[None]:
+        """Context shift (llama.cpp's --context-shift): empty the branch's KV, then prefill
+        the first `keep` tokens of its sequence and the most recent half of the rest, from
+        position 0. Sampler, grammar, biases and metrics carry on. `keep` is at most
+        n_ctx - 2 (ValueError). `generate(on_context_full="shift")` calls it at n_ctx.
+        """
+    def shift_context_sync(self, keep: int = 4) -> None:
+        """Blocking twin of `shift_context`: returns None once the kept tokens are prefilled. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @property
     def context(self) -> Context:
         """The context the branch lives in (a handle to the same context as the one it was made

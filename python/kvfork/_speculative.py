@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ._native import Branch, Context, SpeculativeSchedule, Token, _use_speculative_streams
 
@@ -145,12 +145,20 @@ class _Rounds:
     (budget, guess length, stop reason, counts: `kvfork._native.SpeculativeSchedule`). The
     streams only await the drafter and the engine."""
 
-    def __init__(self, branch: Branch, max_tokens: int | None, draft: Drafter) -> None:
+    def __init__(
+        self,
+        branch: Branch,
+        max_tokens: int | None,
+        draft: Drafter,
+        *,
+        on_context_full: Literal["stop", "shift"] = "stop",
+        keep: int = 4,
+    ) -> None:
         if not callable(getattr(draft, "propose", None)):
             raise TypeError("draft must have a propose(tokens) -> list[int] method")
         self.branch = branch
         self.draft = draft
-        self.schedule = SpeculativeSchedule(max_tokens)
+        self.schedule = SpeculativeSchedule(max_tokens, on_context_full=on_context_full, keep=keep)
         self.queue: deque[Token] = deque()
         self.pending: Token | None = None
 
@@ -172,6 +180,11 @@ class _Rounds:
         """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it
         runs."""
         return self.schedule.stop_reason
+
+    @property
+    def shifts(self) -> int:
+        """Context shifts so far (`on_context_full="shift"`)."""
+        return self.schedule.shifts
 
     @property
     def rounds(self) -> int:
@@ -197,8 +210,10 @@ class _Rounds:
 class SpeculativeStream(_Rounds):
     """`async for tok in branch.generate(max_tokens, draft=...)`: commit-before-yield like
     plain generation, ending at a stop token (not committed), `max_tokens` or a full context
-    (`stop_reason`). `rounds`, `drafted`, `accepted` and `acceptance` tell how the draft
-    did. At the end the sampler has drawn the one token after the last yielded (not
+    (`stop_reason`; with `on_context_full="shift"` the context shifts instead, counted in
+    `shifts`). Each round guesses as many tokens as pay, from the measured acceptance and
+    the measured cost of a wider decode, or none (see `kvfork_core::GuessPolicy`).
+    `rounds`, `drafted`, `accepted` and `acceptance` tell how the draft did. At the end the sampler has drawn the one token after the last yielded (not
     committed) — one random draw past plain generation. A drafter with
     `async apropose(tokens)` is awaited (the event loop never waits on it)."""
 
@@ -212,6 +227,9 @@ class SpeculativeStream(_Rounds):
             raise StopAsyncIteration
         if self.pending is None:
             self.pending = await self.branch.produce()
+        keep = self.schedule.shift_due(self.branch)
+        if keep is not None:
+            await self.branch.shift_context(keep)
         n = self.schedule.guess_len(self.branch, self.pending)
         if n is None:
             raise StopAsyncIteration
@@ -221,6 +239,7 @@ class SpeculativeStream(_Rounds):
             history = self.history(self.pending)
             guess = await apropose(history) if apropose else self.draft.propose(history)
             draft = [int(t) for t in guess[:n]]
+        self.schedule.decoding()
         accepted, nxt = await self.branch.speculate(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
@@ -239,12 +258,16 @@ class SpeculativeStreamSync(_Rounds):
             raise StopIteration
         if self.pending is None:
             self.pending = self.branch.produce_sync()
+        keep = self.schedule.shift_due(self.branch)
+        if keep is not None:
+            self.branch.shift_context_sync(keep)
         n = self.schedule.guess_len(self.branch, self.pending)
         if n is None:
             raise StopIteration
         draft: list[int] = []
         if n > 0:
             draft = [int(t) for t in self.draft.propose(self.history(self.pending))[:n]]
+        self.schedule.decoding()
         accepted, nxt = self.branch.speculate_sync(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()

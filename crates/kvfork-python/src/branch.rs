@@ -152,38 +152,54 @@ impl PyBranch {
     /// decodes). A cancelled step either never ran or completed (committed, not yielded).
     /// With `draft` (e.g. `kvfork.PromptLookup()`, or any object with
     /// `propose(tokens) -> list[int]`): exact speculative decoding, the same tokens drawn more
-    /// decodes at a time (see `kvfork.SpeculativeStream`).
-    #[pyo3(signature = (max_tokens=None, *, draft=None))]
+    /// decodes at a time (see `kvfork.SpeculativeStream`). At the end of the context the
+    /// stream stops (`on_context_full="stop"`, stop_reason "context_full") or shifts the
+    /// context and goes on (`"shift"`, as llama.cpp's --context-shift: the first `keep`
+    /// tokens of the branch's sequence and the most recent half of the rest are kept;
+    /// `stream.shifts` counts the shifts).
+    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "($self, max_tokens=None, *, draft=None, on_context_full='stop', keep=4)")]
     fn generate(
         slf: &Bound<'_, Self>,
         max_tokens: Option<Int>,
         draft: Option<Bound<'_, PyAny>>,
+        on_context_full: &str,
+        keep: Int,
     ) -> PyResult<Py<PyAny>> {
         let limit = max_count(max_tokens)?;
+        let on_full = on_full(&slf.get().inner, on_context_full, keep)?;
         match draft {
-            Some(draft) => speculative_stream(slf, false, limit, draft),
-            None => PyGenerator::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
+            Some(draft) => speculative_stream(slf, false, limit, draft, on_context_full, on_full),
+            None => {
+                PyGenerator::new(slf.get().inner.clone(), limit, on_full)?.into_py_any(slf.py())
+            }
         }
     }
 
     /// Blocking twin of `generate`: a TokenStreamSync for `for tok in b.generate_sync(...)`.
     /// Each step waits without the GIL; on Ctrl-C a started step completes (its token is
     /// committed, not yielded), then KeyboardInterrupt is raised.
-    #[pyo3(signature = (max_tokens=None, *, draft=None))]
+    #[pyo3(signature = (max_tokens=None, *, draft=None, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "($self, max_tokens=None, *, draft=None, on_context_full='stop', keep=4)")]
     fn generate_sync(
         slf: &Bound<'_, Self>,
         max_tokens: Option<Int>,
         draft: Option<Bound<'_, PyAny>>,
+        on_context_full: &str,
+        keep: Int,
     ) -> PyResult<Py<PyAny>> {
         let limit = max_count(max_tokens)?;
+        let on_full = on_full(&slf.get().inner, on_context_full, keep)?;
         match draft {
-            Some(draft) => speculative_stream(slf, true, limit, draft),
-            None => PyGeneratorSync::new(slf.get().inner.clone(), limit).into_py_any(slf.py()),
+            Some(draft) => speculative_stream(slf, true, limit, draft, on_context_full, on_full),
+            None => {
+                PyGeneratorSync::new(slf.get().inner.clone(), limit, on_full)?.into_py_any(slf.py())
+            }
         }
     }
 
-    fn __aiter__(&self) -> PyGenerator {
-        PyGenerator::new(self.inner.clone(), None)
+    fn __aiter__(&self) -> PyResult<PyGenerator> {
+        PyGenerator::new(self.inner.clone(), None, kvfork::OnContextFull::Stop)
     }
 
     // ---- tree ----
@@ -607,7 +623,8 @@ twins! {
         } => convert::none;
 
         /// Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
-        /// first tokens) followed by the last `tail` tokens the branch accepted, from position
+        /// first tokens) followed by the last `tail` tokens of its sequence (prompt included;
+        /// a sequence that begins with `sinks` gives its tail from after them), from position
         /// 0. Sampler, grammar, biases and metrics carry on.
         #[sync_doc = "returns None once `sinks` and the tail are prefilled. Waits without the \
                       GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises \
@@ -621,6 +638,19 @@ twins! {
             let sinks = convert::tokens(sinks, "sinks")?;
             let tail = tail.within("tail", 0, i64::from(i32::MAX))? as usize;
             self.inner.reseed_context(sinks, tail)
+        } => convert::none;
+
+        /// Context shift (llama.cpp's --context-shift): empty the branch's KV, then prefill
+        /// the first `keep` tokens of its sequence and the most recent half of the rest, from
+        /// position 0. Sampler, grammar, biases and metrics carry on. `keep` is at most
+        /// n_ctx - 2 (ValueError). `generate(on_context_full="shift")` calls it at n_ctx.
+        #[sync_doc = "returns None once the kept tokens are prefilled. Waits without the GIL; \
+                      Ctrl-C cancels it all-or-nothing, as an await would, and raises \
+                      KeyboardInterrupt."]
+        #[pyo3(signature = (keep=Int(Some(4))), text_signature = "($self, keep=4)")]
+        fn shift_context / shift_context_sync(&self, py, keep: Int) -> Option<()> {
+            let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
+            self.inner.shift_context(keep)
         } => convert::none;
 
         /// Dispose the branch and free its KV lease; siblings and the shared prefix are
@@ -669,12 +699,15 @@ pub fn _use_speculative_streams(
     Ok(())
 }
 
-/// `kvfork.SpeculativeStream(branch, max_tokens, draft)` (or its sync twin).
+/// `kvfork.SpeculativeStream(branch, max_tokens, draft, on_context_full=..., keep=...)` (or
+/// its sync twin); `on_full` is checked already.
 fn speculative_stream(
     branch: &Bound<'_, PyBranch>,
     sync: bool,
     max_tokens: Option<usize>,
     draft: Bound<'_, PyAny>,
+    on_context_full: &str,
+    on_full: kvfork::OnContextFull,
 ) -> PyResult<Py<PyAny>> {
     let py = branch.py();
     let (async_stream, sync_stream) = SPECULATIVE_STREAMS.get(py).ok_or_else(|| {
@@ -683,7 +716,27 @@ fn speculative_stream(
         )
     })?;
     let class = if sync { sync_stream } else { async_stream };
-    Ok(class.bind(py).call1((branch, max_tokens, draft))?.unbind())
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("on_context_full", on_context_full)?;
+    if let kvfork::OnContextFull::Shift { keep } = on_full {
+        kwargs.set_item("keep", keep)?;
+    }
+    Ok(class
+        .bind(py)
+        .call((branch, max_tokens, draft), Some(&kwargs))?
+        .unbind())
+}
+
+/// `on_context_full` and `keep` as the engine's choice, checked against the branch's context.
+fn on_full(branch: &kvfork::Branch, name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
+    let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
+    let on_full = kvfork::OnContextFull::from_name(name, keep).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "on_context_full must be \"stop\" or \"shift\", not {name:?}"
+        ))
+    })?;
+    on_full.check(branch).py()?;
+    Ok(on_full)
 }
 
 /// The lease taken holds no cells ending at `position - 1`: a branch created there would

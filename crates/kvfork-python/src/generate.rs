@@ -4,20 +4,26 @@
 
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration};
+use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{OnCancel, Operation};
 use crate::branch::PyBranch;
 use crate::convert::{wait, Int};
+use crate::errors::IntoPyResult;
 use crate::token::PyToken;
 
 /// The engine's stream, shared by the awaitables of its steps.
 type Stepper = Arc<kvfork::TokenStream>;
 
-fn stepper(branch: kvfork::Branch, max_tokens: Option<usize>) -> Stepper {
-    Arc::new(kvfork::TokenStream::new(branch, max_tokens))
+fn stepper(
+    branch: kvfork::Branch,
+    max_tokens: Option<usize>,
+    on_full: kvfork::OnContextFull,
+) -> PyResult<Stepper> {
+    let stream = kvfork::TokenStream::new(branch, max_tokens).on_context_full(on_full);
+    Ok(Arc::new(stream.py()?))
 }
 
 fn stop_reason(stepper: &Stepper) -> Option<&'static str> {
@@ -32,21 +38,32 @@ pub struct PyGenerator {
 }
 
 impl PyGenerator {
-    pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
-        PyGenerator {
-            stepper: stepper(branch, max_tokens),
-        }
+    pub fn new(
+        branch: kvfork::Branch,
+        max_tokens: Option<usize>,
+        on_full: kvfork::OnContextFull,
+    ) -> PyResult<Self> {
+        Ok(PyGenerator {
+            stepper: stepper(branch, max_tokens, on_full)?,
+        })
     }
 }
 
 #[pymethods]
 impl PyGenerator {
     /// Why the stream ended: "stop_token" (an end-of-generation token, not committed),
-    /// "max_tokens", or "context_full" (the branch reached n_ctx: `reseed_context` makes
-    /// room); None while it runs.
+    /// "max_tokens", or "context_full" (the branch reached n_ctx with
+    /// `on_context_full="stop"`: `shift_context` or `reseed_context` makes room); None while
+    /// it runs.
     #[getter]
     fn stop_reason(&self) -> Option<&'static str> {
         stop_reason(&self.stepper)
+    }
+
+    /// Context shifts so far (`on_context_full="shift"`).
+    #[getter]
+    fn shifts(&self) -> usize {
+        self.stepper.shifts()
     }
 
     fn __aiter__(slf: Py<Self>) -> Py<Self> {
@@ -79,10 +96,14 @@ pub struct PyGeneratorSync {
 }
 
 impl PyGeneratorSync {
-    pub fn new(branch: kvfork::Branch, max_tokens: Option<usize>) -> Self {
-        PyGeneratorSync {
-            stepper: stepper(branch, max_tokens),
-        }
+    pub fn new(
+        branch: kvfork::Branch,
+        max_tokens: Option<usize>,
+        on_full: kvfork::OnContextFull,
+    ) -> PyResult<Self> {
+        Ok(PyGeneratorSync {
+            stepper: stepper(branch, max_tokens, on_full)?,
+        })
     }
 }
 
@@ -92,6 +113,12 @@ impl PyGeneratorSync {
     #[getter]
     fn stop_reason(&self) -> Option<&'static str> {
         stop_reason(&self.stepper)
+    }
+
+    /// Context shifts so far (`on_context_full="shift"`).
+    #[getter]
+    fn shifts(&self) -> usize {
+        self.stepper.shifts()
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
@@ -124,16 +151,46 @@ impl PySpeculativeSchedule {
 
 #[pymethods]
 impl PySpeculativeSchedule {
-    /// A schedule for at most `max_tokens` tokens (None: no limit).
+    /// A schedule for at most `max_tokens` tokens (None: no limit); at the end of the
+    /// context the stream stops (`on_context_full="stop"`) or shifts, keeping `keep` tokens
+    /// (`"shift"`).
     #[new]
-    #[pyo3(signature = (max_tokens=None))]
-    fn new(max_tokens: Option<Int>) -> PyResult<Self> {
+    #[pyo3(signature = (max_tokens=None, *, on_context_full="stop", keep=Int(Some(4))),
+           text_signature = "(max_tokens=None, *, on_context_full='stop', keep=4)")]
+    fn new(max_tokens: Option<Int>, on_context_full: &str, keep: Int) -> PyResult<Self> {
         let max_tokens = max_tokens
             .map(|m| m.within("max_tokens", 0, i64::MAX).map(|m| m as usize))
             .transpose()?;
+        let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
+        let on_full = kvfork::OnContextFull::from_name(on_context_full, keep).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "on_context_full must be \"stop\" or \"shift\", not {on_context_full:?}"
+            ))
+        })?;
+        let schedule = kvfork::SpeculativeSchedule::new(max_tokens).on_context_full(on_full);
         Ok(PySpeculativeSchedule {
-            inner: Mutex::new(kvfork::SpeculativeSchedule::new(max_tokens)),
+            inner: Mutex::new(schedule),
         })
+    }
+
+    /// Before a round: the `keep` of the context shift the stream must make first (the
+    /// branch is at n_ctx and the stream shifts; counted in `shifts`), else None.
+    fn shift_due(&self, branch: &Bound<'_, PyBranch>) -> Option<usize> {
+        let branch = branch.get().inner.clone();
+        self.with(|s| s.shift_due(&branch))
+    }
+
+    /// Context shifts so far.
+    #[getter]
+    fn shifts(&self) -> usize {
+        self.with(|s| s.shifts())
+    }
+
+    /// Whether the guess-length policy found that guessing does not pay here (it decodes
+    /// the pending token alone, with a short probe now and then).
+    #[getter]
+    fn resting(&self) -> bool {
+        self.with(|s| s.policy().resting())
     }
 
     /// Count one token handed to the caller.
@@ -157,6 +214,12 @@ impl PySpeculativeSchedule {
         let produced = pending.get().produced();
         let branch = branch.get().inner.clone();
         self.with(|s| s.guess_len(&branch, &produced))
+    }
+
+    /// The round's decode starts now (`took` ends it: the policy learns what a decode of each
+    /// width costs, without the drafter's time).
+    fn decoding(&self) {
+        self.with(|s| s.decoding());
     }
 
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.

@@ -190,7 +190,8 @@ impl Branch {
     }
 
     /// Infinite context: empty the branch's KV sequence, then prefill `sinks` followed by the
-    /// last `tail` tokens the branch accepted, from position 0, so generation can go on past
+    /// last `tail` tokens of its sequence (prompt included; a sequence that begins with
+    /// `sinks` gives its tail from after them), from position 0, so generation can go on past
     /// `n_ctx`. Sampler, grammar, biases and metrics carry on. If the prefill fails the branch
     /// is left empty at position 0 and the error is raised.
     pub fn reseed_context(&self, sinks: Vec<Token>, tail: usize) -> Pending<()> {
@@ -202,6 +203,27 @@ impl Branch {
         }
         let cell = self.cell.clone();
         self.ctx.run(move |w| w.reseed_context(&cell, &sinks, tail))
+    }
+
+    /// Context shift (llama.cpp's `--context-shift`): empty the branch's KV sequence, then
+    /// prefill its first `keep` tokens and the most recent half of the rest from position 0.
+    /// Sampler, grammar, biases and metrics carry on; a failed prefill leaves the branch
+    /// empty at position 0. `keep` must leave room: at most `n_ctx - 2`.
+    pub fn shift_context(&self, keep: usize) -> Pending<()> {
+        if let Err(e) = self.check_live().and_then(|_| check_keep(&self.ctx, keep)) {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| w.shift_context(&cell, keep))
+    }
+
+    /// A context shift, then a generation step, as one request (a stream at `n_ctx`).
+    pub(crate) fn shift_then_step(&self, keep: usize) -> Pending<Produced> {
+        if let Err(e) = self.check_live().and_then(|_| check_keep(&self.ctx, keep)) {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| w.shift_then_step(&cell, keep))
     }
 
     // ---- tree ----
@@ -584,6 +606,19 @@ impl Branch {
     pub fn accepted_tokens(&self) -> Result<Vec<Token>> {
         self.state(|s| Ok(s.accepted().to_vec()))
     }
+}
+
+/// A context shift's `keep` must leave at least one free cell after the shift: at most
+/// `n_ctx - 2` (a shift keeps `keep` plus the larger half of the rest).
+pub(crate) fn check_keep(ctx: &Context, keep: usize) -> Result<()> {
+    let n_ctx = ctx.n_ctx() as usize;
+    if keep + 2 > n_ctx {
+        return Err(Error::invalid(
+            "keep",
+            format!("keep = {keep} leaves no room to shift in n_ctx = {n_ctx}: at most n_ctx - 2"),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn check_tokens(ctx: &Context, tokens: &[Token]) -> Result<()> {

@@ -179,6 +179,11 @@ impl BranchState {
         &self.accepted
     }
 
+    /// A token `accept`ed ahead of its decode, still waiting for it.
+    pub fn accepted_undecoded(&self) -> Option<Token> {
+        self.accepted_undecoded
+    }
+
     /// The logits snapshot, to read.
     pub fn logits(&self) -> &LogitsSnapshot {
         &self.logits

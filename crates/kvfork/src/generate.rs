@@ -5,11 +5,16 @@
 //! A [`TokenStream`] asks the engine for one step at a time (sample, then commit unless it is
 //! a stop token), so many streams over different branches share decodes. Speculative
 //! decoding ([`SpeculativeStream`]) decodes the last sampled token plus a drafter's guess in one
-//! decode; [`SpeculativeSchedule`] holds its budget and the adaptive guess length.
+//! decode; [`SpeculativeSchedule`] holds its budget and the adaptive guess length (a
+//! [`GuessPolicy`] fed with each round's outcome and time). At `n_ctx` a stream stops, or
+//! shifts its context and goes on ([`OnContextFull`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
+use std::time::Instant;
+
+use kvfork_core::GuessPolicy;
 
 use crate::branch::Branch;
 use crate::engine::Pending;
@@ -39,6 +44,44 @@ impl StopReason {
     }
 }
 
+/// What a stream does when its branch reaches the end of the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OnContextFull {
+    /// End the stream ([`StopReason::ContextFull`]).
+    #[default]
+    Stop,
+    /// Shift the context and go on ([`Branch::shift_context`]): keep the first `keep` tokens
+    /// of the branch's sequence and the most recent half of the rest.
+    Shift {
+        /// Tokens kept at the start (e.g. a system prompt); at most `n_ctx - 2`.
+        keep: usize,
+    },
+}
+
+impl OnContextFull {
+    /// The tokens a shift keeps by default (llama.cpp keeps the first few, where attention
+    /// sinks form).
+    pub const DEFAULT_KEEP: usize = 4;
+
+    /// From Python's names: "stop", or "shift" keeping `keep` tokens; `None` for another
+    /// name.
+    pub fn from_name(name: &str, keep: usize) -> Option<Self> {
+        match name {
+            "stop" => Some(OnContextFull::Stop),
+            "shift" => Some(OnContextFull::Shift { keep }),
+            _ => None,
+        }
+    }
+
+    /// Check that a shift leaves room in `branch`'s context (`keep` at most `n_ctx - 2`).
+    pub fn check(self, branch: &Branch) -> Result<()> {
+        match self {
+            OnContextFull::Stop => Ok(()),
+            OnContextFull::Shift { keep } => crate::branch::check_keep(branch.context(), keep),
+        }
+    }
+}
+
 /// Tokens left before the context is full (an error for a pruned branch).
 fn room(branch: &Branch) -> Result<usize> {
     let n_ctx = branch.context().n_ctx() as usize;
@@ -51,7 +94,9 @@ fn room(branch: &Branch) -> Result<usize> {
 pub struct TokenStream {
     branch: Branch,
     max_tokens: Option<usize>,
+    on_full: OnContextFull,
     produced: AtomicUsize,
+    shifts: AtomicUsize,
     stop: OnceLock<StopReason>,
 }
 
@@ -62,9 +107,24 @@ impl TokenStream {
         TokenStream {
             branch,
             max_tokens,
+            on_full: OnContextFull::Stop,
             produced: AtomicUsize::new(0),
+            shifts: AtomicUsize::new(0),
             stop: OnceLock::new(),
         }
+    }
+
+    /// What the stream does at the end of the context (the default: stop). An error when a
+    /// shift's `keep` leaves no room.
+    pub fn on_context_full(mut self, on_full: OnContextFull) -> Result<Self> {
+        on_full.check(&self.branch)?;
+        self.on_full = on_full;
+        Ok(self)
+    }
+
+    /// Context shifts so far.
+    pub fn shifts(&self) -> usize {
+        self.shifts.load(Ordering::Relaxed)
     }
 
     /// Queue the next step on the engine, or `None` when the stream is over.
@@ -77,13 +137,17 @@ impl TokenStream {
             self.finish(StopReason::MaxTokens);
             return None;
         }
-        match room(&self.branch) {
-            Err(e) => Some(Pending::ready(Err(e))), // pruned: the step says so
-            Ok(0) => {
+        match (room(&self.branch), self.on_full) {
+            (Err(e), _) => Some(Pending::ready(Err(e))), // pruned: the step says so
+            (Ok(0), OnContextFull::Stop) => {
                 self.finish(StopReason::ContextFull);
                 None
             }
-            Ok(_) => Some(self.branch.step()),
+            (Ok(0), OnContextFull::Shift { keep }) => {
+                self.shifts.fetch_add(1, Ordering::Relaxed);
+                Some(self.branch.shift_then_step(keep))
+            }
+            (Ok(_), _) => Some(self.branch.step()),
         }
     }
 
@@ -128,23 +192,22 @@ pub trait Drafter {
     fn propose(&mut self, tokens: &[Token]) -> Vec<Token>;
 }
 
-/// Guess length of the first round.
-const FIRST_GUESS: usize = 8;
-/// Longest guess a round decodes (a rejected guess costs its compute).
-const MAX_GUESS: usize = 64;
-
-/// The budget and guess length of speculative rounds, and what the guesses earned. The guess
-/// length halves (down to 1) after a round that rejected part of its guess and doubles (up to
-/// 64) after one that kept it all.
+/// The budget and guess length of speculative rounds, and what the guesses earned. Each
+/// round's guess length (0: no guess) comes from a [`GuessPolicy`], told every round's
+/// outcome and the time of its decode (from [`decoding`](Self::decoding) to
+/// [`took`](Self::took)).
 #[derive(Debug, Clone)]
 pub struct SpeculativeSchedule {
     max_tokens: Option<usize>,
+    on_full: OnContextFull,
     yielded: usize,
     stop: Option<StopReason>,
-    limit: usize,
+    policy: GuessPolicy,
+    round_started: Option<Instant>,
     rounds: usize,
     drafted: usize,
     accepted: usize,
+    shifts: usize,
 }
 
 impl SpeculativeSchedule {
@@ -152,13 +215,23 @@ impl SpeculativeSchedule {
     pub fn new(max_tokens: Option<usize>) -> Self {
         SpeculativeSchedule {
             max_tokens,
+            on_full: OnContextFull::Stop,
             yielded: 0,
             stop: None,
-            limit: FIRST_GUESS,
+            policy: GuessPolicy::new(),
+            round_started: None,
             rounds: 0,
             drafted: 0,
             accepted: 0,
+            shifts: 0,
         }
+    }
+
+    /// What the stream does at the end of the context (the default: stop). Check it with
+    /// [`OnContextFull::check`] against the branch first.
+    pub fn on_context_full(mut self, on_full: OnContextFull) -> Self {
+        self.on_full = on_full;
+        self
     }
 
     /// Count one token handed to the caller.
@@ -174,8 +247,21 @@ impl SpeculativeSchedule {
         self.stop.is_some()
     }
 
-    /// How many guessed tokens this round may decode after `pending` on `branch`, or `None`
-    /// when the stream ends at `pending` (a stop token, or no room left in the context).
+    /// Before a round: the `keep` of a context shift the stream must make first (`branch` is
+    /// at `n_ctx` and the stream shifts; counted in [`shifts`](Self::shifts)), else `None`.
+    pub fn shift_due(&mut self, branch: &Branch) -> Option<usize> {
+        match self.on_full {
+            OnContextFull::Shift { keep } if matches!(room(branch), Ok(0)) => {
+                self.shifts += 1;
+                Some(keep)
+            }
+            _ => None,
+        }
+    }
+
+    /// How many guessed tokens this round may decode after `pending` on `branch` (0: decode
+    /// it alone), or `None` when the stream ends at `pending` (a stop token, or no room left
+    /// in the context).
     pub fn guess_len(&mut self, branch: &Branch, pending: &Produced) -> Option<usize> {
         if pending.is_stop {
             self.stop = Some(StopReason::StopToken);
@@ -190,21 +276,36 @@ impl SpeculativeSchedule {
         let left = self
             .max_tokens
             .map_or(room, |m| room.min(m.saturating_sub(self.yielded)));
-        Some(left.saturating_sub(1).min(self.limit))
+        self.round_started = Some(Instant::now());
+        Some(self.policy.guess_len(left.saturating_sub(1)))
+    }
+
+    /// The round's decode starts now: its time, not the drafter's, is what a width costs
+    /// (the drafter's cost does not grow with the guess it is asked for).
+    pub fn decoding(&mut self) {
+        self.round_started = Some(Instant::now());
     }
 
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.
     pub fn took(&mut self, drafted: usize, accepted: usize) {
-        if drafted > 0 {
-            self.limit = if accepted == drafted {
-                (self.limit * 2).min(MAX_GUESS)
-            } else {
-                (self.limit / 2).max(1)
-            };
-        }
+        let seconds = self
+            .round_started
+            .take()
+            .map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
+        self.policy.record(drafted, accepted, seconds);
         self.rounds += 1;
         self.drafted += drafted;
         self.accepted += accepted;
+    }
+
+    /// The guess-length policy, with what it measured.
+    pub fn policy(&self) -> &GuessPolicy {
+        &self.policy
+    }
+
+    /// Context shifts so far.
+    pub fn shifts(&self) -> usize {
+        self.shifts
     }
 
     /// Why the stream ended; `None` while it runs.
@@ -260,6 +361,14 @@ impl<D: Drafter> SpeculativeStream<D> {
         }
     }
 
+    /// What the stream does at the end of the context (the default: stop). An error when a
+    /// shift's `keep` leaves no room.
+    pub fn on_context_full(mut self, on_full: OnContextFull) -> Result<Self> {
+        on_full.check(&self.branch)?;
+        self.schedule = self.schedule.on_context_full(on_full);
+        Ok(self)
+    }
+
     /// Its rounds, guesses and stop reason so far.
     pub fn schedule(&self) -> &SpeculativeSchedule {
         &self.schedule
@@ -270,6 +379,9 @@ impl<D: Drafter> SpeculativeStream<D> {
             Some(p) => p,
             None => self.branch.produce().wait()?,
         };
+        if let Some(keep) = self.schedule.shift_due(&self.branch) {
+            self.branch.shift_context(keep).wait()?;
+        }
         let Some(len) = self.schedule.guess_len(&self.branch, &pending) else {
             return Ok(false);
         };
@@ -280,6 +392,7 @@ impl<D: Drafter> SpeculativeStream<D> {
             guess = self.drafter.propose(&history);
             guess.truncate(len);
         }
+        self.schedule.decoding();
         let done = self.branch.speculate(pending.token, guess.clone()).wait()?;
         self.schedule.took(guess.len(), done.accepted.len());
         self.queue.push_back(pending);
@@ -337,24 +450,29 @@ mod tests {
     }
 
     #[test]
-    fn the_guess_length_halves_on_a_miss_and_doubles_on_a_full_hit() {
+    fn the_schedule_counts_rounds_and_feeds_the_policy() {
         let mut s = SpeculativeSchedule::new(None);
         s.took(8, 3);
-        assert_eq!(s.limit, 4);
-        s.took(4, 4);
-        assert_eq!(s.limit, 8);
-        for _ in 0..10 {
-            s.took(s.limit, s.limit);
-        }
-        assert_eq!(s.limit, MAX_GUESS);
-        for _ in 0..10 {
-            s.took(s.limit, 0);
-        }
-        assert_eq!(s.limit, 1);
-        s.took(0, 0); // a round with no guess changes nothing
-        assert_eq!(s.limit, 1);
-        assert_eq!(s.rounds(), 23);
+        s.took(0, 0);
+        assert_eq!((s.rounds(), s.drafted(), s.accepted()), (2, 8, 3));
         assert!(s.acceptance() > 0.0 && s.acceptance() < 1.0);
+        assert!(
+            (s.policy().acceptance() - 0.5).abs() > 0.1,
+            "the policy saw the guess"
+        );
+    }
+
+    #[test]
+    fn on_context_full_names() {
+        assert_eq!(
+            OnContextFull::from_name("shift", 7),
+            Some(OnContextFull::Shift { keep: 7 })
+        );
+        assert_eq!(
+            OnContextFull::from_name("stop", 7),
+            Some(OnContextFull::Stop)
+        );
+        assert_eq!(OnContextFull::from_name("wrap", 7), None);
     }
 
     #[test]

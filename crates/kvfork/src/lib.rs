@@ -36,7 +36,9 @@ pub use context::{Context, ContextStats};
 pub use embed::Embedding;
 pub use engine::{Cancel, Canceller, Pending};
 pub use error::{Error, Result};
-pub use generate::{Drafter, SpeculativeSchedule, SpeculativeStream, StopReason, TokenStream};
+pub use generate::{
+    Drafter, OnContextFull, SpeculativeSchedule, SpeculativeStream, StopReason, TokenStream,
+};
 pub use kvfork_core::metrics::LogBase;
 pub use kvfork_core::Handle;
 pub use llama_ctx::{CacheType, ContextParams, MAX_SEQUENCES};

@@ -1,41 +1,107 @@
-//! `Branch::reseed_context` on the engine thread (infinite context): the branch's sequence
-//! is emptied, then its sink tokens and the tail of its accepted tokens are prefilled from
-//! position 0, so generation can go on past `n_ctx`.
+//! `Branch::reseed_context` and `Branch::shift_context` on the engine thread (infinite
+//! context): the branch's sequence is emptied, then the tokens it keeps are prefilled from
+//! position 0, so generation can go on past `n_ctx`. A reseed keeps the caller's sinks and
+//! the tail of the branch's tokens; a shift keeps the first `keep` tokens and the most
+//! recent half of the rest, as llama.cpp's `--context-shift` does.
 
 use std::sync::Arc;
 
 use super::shared::BranchCell;
-use super::Worker;
+use super::{CancelPolicy, CommitReply, CommitRequest, Pending, Ticket, Worker};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::produced::Produced;
+
+/// The branch's tokens in sequence order: its history, and a token `accept`ed but not yet
+/// decoded (a re-prefill decodes it).
+fn sequence_tokens(cell: &BranchCell) -> Vec<Token> {
+    let st = cell.lock();
+    let mut tokens = st.history().to_vec();
+    tokens.extend(st.accepted_undecoded());
+    tokens
+}
+
+/// What a reseed prefills: `sinks`, then the last `tail` of `tokens` (never the sinks a
+/// second time when `tokens` begins with them).
+fn reseeded(tokens: &[Token], sinks: &[Token], tail: usize) -> Vec<Token> {
+    let after_sinks = if tokens.starts_with(sinks) {
+        sinks.len()
+    } else {
+        0
+    };
+    let start = tokens.len().saturating_sub(tail).max(after_sinks);
+    [sinks, &tokens[start..]].concat()
+}
+
+/// What a context shift keeps of `tokens`: the first `keep`, then the most recent half of
+/// the rest (the older half goes).
+pub(crate) fn shifted(tokens: &[Token], keep: usize) -> Vec<Token> {
+    let keep = keep.min(tokens.len());
+    let rest = tokens.len() - keep;
+    reseeded(tokens, &tokens[..keep], rest - rest / 2)
+}
 
 impl Worker {
-    /// Empty the sequence, then prefill the sinks and the last `tail` accepted tokens from
-    /// position 0. If the prefill fails the branch is left empty at position 0.
+    /// Empty the sequence, then prefill the sinks and the last `tail` tokens of the
+    /// sequence from position 0. If the prefill fails the branch is left empty at position 0.
     pub(crate) fn reseed_context(
         &mut self,
         cell: &Arc<BranchCell>,
         sinks: &[Token],
         tail: usize,
     ) -> Result<()> {
-        let tokens = {
-            let st = cell.lock();
-            let accepted = st.accepted();
-            let kept = &accepted[accepted.len().saturating_sub(tail)..];
-            [sinks, kept].concat()
-        };
+        let tokens = reseeded(&sequence_tokens(cell), sinks, tail);
+        self.reprefill(cell, tokens, "sinks/tail")
+    }
+
+    /// Empty the sequence, then prefill its first `keep` tokens and the most recent half of
+    /// the rest from position 0.
+    pub(crate) fn shift_context(&mut self, cell: &Arc<BranchCell>, keep: usize) -> Result<()> {
+        let tokens = shifted(&sequence_tokens(cell), keep);
+        self.reprefill(cell, tokens, "keep")
+    }
+
+    /// A context shift, then a generation step (sample, and commit unless it is a stop
+    /// token) in the same job: a stream that reached `n_ctx` goes on with one request.
+    pub(crate) fn shift_then_step(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        keep: usize,
+    ) -> Result<Produced> {
+        self.shift_context(cell, keep)?;
+        let ticket = Ticket::new(CancelPolicy::Never, self.shared().abort.clone());
+        ticket.start();
+        let (reply, step) = Pending::channel(None);
+        self.run_commits(vec![CommitRequest {
+            items: vec![(cell.clone(), -1)],
+            reply: CommitReply::Sampled {
+                reply,
+                commit: true,
+            },
+            ticket,
+        }]);
+        // `run_commits` replied before returning: this does not block.
+        step.wait()
+    }
+
+    fn reprefill(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        tokens: Vec<Token>,
+        what: &'static str,
+    ) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::invalid(
-                "sinks/tail",
+                what,
                 "nothing to re-prefill: give sink tokens or a tail > 0",
             ));
         }
         let n_ctx = self.shared().n_ctx;
         if tokens.len() >= n_ctx as usize {
             return Err(Error::invalid(
-                "sinks/tail",
+                what,
                 format!(
-                    "{} sink + tail tokens leave no room in n_ctx = {n_ctx}",
+                    "{} kept tokens leave no room in n_ctx = {n_ctx}",
                     tokens.len(),
                 ),
             ));
@@ -47,5 +113,30 @@ impl Worker {
         self.sever(cell);
         cell.lock().sequence_emptied();
         self.prefill(&[&(cell.clone(), tokens)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reseed_keeps_the_sinks_and_the_tail_of_the_whole_sequence() {
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(reseeded(&tokens, &[9], 3), [9, 6, 7, 8]);
+        // Sinks the sequence starts with are not repeated by a long tail.
+        assert_eq!(reseeded(&tokens, &[1, 2], 3), [1, 2, 6, 7, 8]);
+        assert_eq!(reseeded(&tokens, &[1, 2], 100), tokens);
+        assert_eq!(reseeded(&tokens, &[], 0), Vec::<Token>::new());
+    }
+
+    #[test]
+    fn a_shift_keeps_the_first_tokens_and_the_recent_half_of_the_rest() {
+        let tokens: Vec<Token> = (0..10).collect();
+        assert_eq!(shifted(&tokens, 4), [0, 1, 2, 3, 7, 8, 9]);
+        assert_eq!(shifted(&tokens, 0), [5, 6, 7, 8, 9]);
+        assert_eq!(shifted(&tokens, 9), tokens);
+        assert_eq!(shifted(&tokens, 20), tokens);
+        assert_eq!(shifted(&[], 4), Vec::<Token>::new());
     }
 }

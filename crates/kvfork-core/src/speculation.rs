@@ -1,0 +1,395 @@
+//! How long a speculative round's guess should be, and whether to guess at all, learned from
+//! the rounds themselves.
+//!
+//! A round decodes the pending token plus `k` guessed tokens in one decode; the chain keeps
+//! the guess while it agrees. With a per-position acceptance `p` (the chance that the chain
+//! draws the next guessed token, given it drew the ones before), a round yields on average
+//! `1 + p + p² + … + pᵏ` tokens. It costs what a decode of `1 + k` rows costs, which depends
+//! on the hardware: on a GPU a few more rows are almost free, on a CPU each row adds a good
+//! share of a one-token decode. So both are measured: `p` from the guesses the chain kept
+//! or refused (a decayed count, so a stream that starts copying its input is noticed), and
+//! the cost of each width from the rounds' own times. The guess length is the `k` that
+//! yields the most tokens per second; `k = 0` (decode the pending token alone) when no
+//! guess pays.
+//!
+//! While it does not pay, the policy *rests*, and now and then *probes* with a short guess:
+//! the acceptance may have changed (the output started quoting its input). A probe that
+//! does not win doubles the rest; one that does ends it.
+
+/// Longest guess a round decodes.
+pub const MAX_GUESS: usize = 64;
+
+/// Weight of a new round in the acceptance counts (older rounds fade by `1 - DECAY`):
+/// about the last 8 rounds matter.
+const DECAY: f64 = 0.125;
+/// Rounds without a guess fade the acceptance counts too, more slowly: after a long rest a
+/// probe's outcome outweighs what was measured before it.
+const REST_DECAY: f64 = 0.02;
+/// Times kept per width; its cost is their median (a round that waited for a busy core
+/// now and then does not make a width look dear, or one-token rounds look cheap to beat).
+const TIMES_KEPT: usize = 8;
+/// A guess must promise this many more tokens per second than no guess (timing noise).
+const GAIN_MARGIN: f64 = 1.05;
+/// Guess length of a probe.
+const PROBE_GUESS: usize = 2;
+/// Rounds of rest before the first probe; doubles after each probe that changes nothing.
+const FIRST_REST: u32 = 8;
+const MAX_REST: u32 = 256;
+/// Rounds that guess before a one-token decode is timed (with no timed one-token decode,
+/// guessing cannot be compared with not guessing).
+const UNTIMED_GUESSES: u32 = 2;
+/// Longest first guess (a guess wider than any timed one at most doubles the widest).
+pub const FIRST_GUESS: usize = 8;
+
+/// The guess-length controller of one speculative stream. Pure: the caller times the rounds
+/// and reports them with [`GuessPolicy::record`].
+#[derive(Debug, Clone)]
+pub struct GuessPolicy {
+    /// Decayed counts of guessed tokens kept and of refusals (the geometric model's successes
+    /// and failures).
+    kept: f64,
+    refused: f64,
+    /// The last seconds of a round by width (`times[w]`: a decode of `w` rows).
+    times: Vec<Recent>,
+    /// Guessing rounds in a row without a timed one-token round.
+    guesses_untimed: u32,
+    /// Guessing does not pay: rounds left before the next probe, and the rest after it.
+    resting: bool,
+    rest_left: u32,
+    rest: u32,
+}
+
+impl Default for GuessPolicy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GuessPolicy {
+    /// A policy with no measurements: it guesses in full until it knows better (an even
+    /// prior on acceptance).
+    pub fn new() -> Self {
+        GuessPolicy {
+            kept: 1.0,
+            refused: 1.0,
+            times: vec![Recent::default(); MAX_GUESS + 2],
+            guesses_untimed: 0,
+            resting: false,
+            rest_left: 0,
+            rest: FIRST_REST,
+        }
+    }
+
+    /// Estimated per-position acceptance (a faint even prior keeps it defined when all the
+    /// evidence has faded).
+    pub fn acceptance(&self) -> f64 {
+        (self.kept + 0.05) / (self.kept + self.refused + 0.1)
+    }
+
+    /// Mean tokens a round with a `k`-token guess yields, at acceptance `p`.
+    pub fn expected_tokens(p: f64, k: usize) -> f64 {
+        (0..=k).map(|i| p.powi(i as i32)).sum()
+    }
+
+    /// The measured or estimated seconds of a decode of `width` rows; `None` before any
+    /// one-token round was timed. Between two timed widths the cost is interpolated; past
+    /// the widest it grows along the line from one row to the widest (decodes get cheaper
+    /// per row as they widen, so this errs on the dear side).
+    pub fn cost(&self, width: usize) -> Option<f64> {
+        let timed = |w: usize| self.times[w].median();
+        let last = self.times.len() - 1;
+        let width = width.clamp(1, last);
+        let one = timed(1)?;
+        if let Some(c) = timed(width) {
+            return Some(c);
+        }
+        let below = (1..width).rev().find(|&w| timed(w).is_some()).unwrap_or(1);
+        let (lo, hi) = match (width + 1..=last).find(|&w| timed(w).is_some()) {
+            Some(hi) => (below, hi),
+            None => match self.widest() {
+                Some(w) => (1, w),
+                // No wider decode timed yet: assume a wider one is free, so that the first
+                // guesses are tried and timed.
+                None => return Some(one),
+            },
+        };
+        let (c_lo, c_hi) = (timed(lo)?, timed(hi)?);
+        let slope = ((c_hi - c_lo) / (hi - lo) as f64).max(0.0);
+        Some(c_lo + slope * (width - lo) as f64)
+    }
+
+    /// The widest decode timed (more than one row).
+    fn widest(&self) -> Option<usize> {
+        (2..self.times.len())
+            .rev()
+            .find(|&w| self.times[w].median().is_some())
+    }
+
+    /// The guess length that yields the most tokens per second, at most `cap`, and the
+    /// gain over no guess (tokens per second relative to a one-token round); `None` while
+    /// a one-token round has not been timed.
+    pub fn best(&self, cap: usize) -> Option<(usize, f64)> {
+        let one = self.cost(1)?;
+        let p = self.acceptance();
+        let mut best = (0, 1.0);
+        for k in 1..=cap.min(MAX_GUESS) {
+            let rate = Self::expected_tokens(p, k) / self.cost(k + 1)? * one;
+            if rate > best.1 {
+                best = (k, rate);
+            }
+        }
+        Some(best)
+    }
+
+    /// How many tokens to guess this round, at most `cap` (what the budget, the context and
+    /// the stream's own limit allow). 0: decode the pending token alone.
+    pub fn guess_len(&mut self, cap: usize) -> usize {
+        // Wider than ever timed: at most double the widest guess so far, so that a dear
+        // machine pays for one long refused guess at most.
+        let explore = self
+            .widest()
+            .map_or(FIRST_GUESS, |w| (2 * (w - 1)).max(FIRST_GUESS));
+        let cap = cap.min(MAX_GUESS).min(explore);
+        if cap == 0 {
+            return 0;
+        }
+        let Some((k, gain)) = self.best(cap) else {
+            // Nothing to compare with yet: guess, but time a one-token round soon (it yields
+            // a token at plain generation's cost: it loses nothing).
+            if self.guesses_untimed >= UNTIMED_GUESSES {
+                return 0;
+            }
+            return cap;
+        };
+        if k > 0 && gain >= GAIN_MARGIN {
+            self.resting = false;
+            self.rest = FIRST_REST;
+            return k;
+        }
+        if !self.resting {
+            self.resting = true;
+            self.rest_left = self.rest;
+        }
+        if self.rest_left > 0 {
+            self.rest_left -= 1;
+            return 0;
+        }
+        // Rested long enough: probe, and rest longer if the probe changes nothing.
+        self.rest = (self.rest * 2).min(MAX_REST);
+        self.rest_left = self.rest;
+        PROBE_GUESS.min(cap)
+    }
+
+    /// Whether the policy found that guessing does not pay (it only probes now and then).
+    pub fn resting(&self) -> bool {
+        self.resting
+    }
+
+    /// Record a round: `guessed` tokens decoded after the pending one, `kept` of them kept
+    /// by the chain, in `seconds` (the round's whole cost; not finite or not positive: the
+    /// time is ignored).
+    pub fn record(&mut self, guessed: usize, kept: usize, seconds: f64) {
+        let guessed = guessed.min(MAX_GUESS);
+        let kept = kept.min(guessed);
+        if guessed > 0 {
+            let refused = if kept < guessed { 1.0 } else { 0.0 };
+            // Old evidence fades by the same factor per round whatever its size.
+            self.kept = self.kept * (1.0 - DECAY) + kept as f64;
+            self.refused = self.refused * (1.0 - DECAY) + refused;
+            self.guesses_untimed += 1;
+        } else {
+            self.kept *= 1.0 - REST_DECAY;
+            self.refused *= 1.0 - REST_DECAY;
+            self.guesses_untimed = 0;
+        }
+        if seconds.is_finite() && seconds > 0.0 {
+            self.times[guessed + 1].push(seconds);
+        }
+    }
+}
+
+/// The last [`TIMES_KEPT`] times of one width.
+#[derive(Debug, Clone, Default)]
+struct Recent {
+    times: [f64; TIMES_KEPT],
+    len: usize,
+    next: usize,
+}
+
+impl Recent {
+    fn push(&mut self, seconds: f64) {
+        self.times[self.next] = seconds;
+        self.next = (self.next + 1) % TIMES_KEPT;
+        self.len = (self.len + 1).min(TIMES_KEPT);
+    }
+
+    /// The median (the lower one of an even count: the dearer rounds waited on others).
+    fn median(&self) -> Option<f64> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut times = self.times;
+        let times = &mut times[..self.len];
+        times.sort_by(f64::total_cmp);
+        Some(times[(self.len - 1) / 2])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Seconds of a decode of `w` rows on a machine where one row costs 1 and each more row
+    /// costs `per_row`.
+    fn linear(per_row: f64) -> impl Fn(usize) -> f64 {
+        move |w| 1.0 + per_row * (w - 1) as f64
+    }
+
+    /// Run `rounds` rounds where the chain keeps each guessed token with `keep(i)` (i: the
+    /// guessed token's place in the round); returns the tokens and the seconds.
+    fn simulate(
+        policy: &mut GuessPolicy,
+        rounds: usize,
+        cap: usize,
+        cost: impl Fn(usize) -> f64,
+        mut keeps: impl FnMut() -> bool,
+    ) -> (f64, f64) {
+        let (mut tokens, mut seconds) = (0.0, 0.0);
+        for _ in 0..rounds {
+            let k = policy.guess_len(cap);
+            let kept = (0..k).take_while(|_| keeps()).count();
+            let t = cost(k + 1);
+            policy.record(k, kept, t);
+            tokens += 1.0 + kept as f64;
+            seconds += t;
+        }
+        (tokens, seconds)
+    }
+
+    #[test]
+    fn expected_tokens_is_the_geometric_sum() {
+        assert_eq!(GuessPolicy::expected_tokens(1.0, 8), 9.0);
+        assert_eq!(GuessPolicy::expected_tokens(0.0, 8), 1.0);
+        assert!((GuessPolicy::expected_tokens(0.5, 2) - 1.75).abs() < 1e-12);
+    }
+
+    #[test]
+    fn guesses_in_full_before_anything_is_known() {
+        let mut p = GuessPolicy::new();
+        assert_eq!(p.guess_len(8), 8);
+        assert_eq!(p.guess_len(0), 0);
+        assert_eq!(
+            p.guess_len(1000),
+            FIRST_GUESS,
+            "no wider guess before one was timed"
+        );
+        p.record(0, 0, 1.0);
+        for _ in 0..10 {
+            p.record(8, 8, 2.0);
+        }
+        assert_eq!(
+            p.guess_len(1000),
+            16,
+            "at most double the widest timed guess"
+        );
+    }
+
+    #[test]
+    fn the_cost_is_interpolated_between_timed_widths_and_extended_past_them() {
+        let mut p = GuessPolicy::new();
+        assert_eq!(p.cost(3), None, "no one-token round timed");
+        p.record(0, 0, 1.0);
+        assert_eq!(p.cost(5), Some(1.0), "nothing wider timed: assumed free");
+        p.record(4, 4, 3.0); // width 5
+        assert_eq!(p.cost(3), Some(2.0));
+        assert_eq!(p.cost(9), Some(5.0));
+        p.record(0, 0, f64::NAN); // ignored
+        assert_eq!(p.cost(1), Some(1.0));
+    }
+
+    #[test]
+    fn a_round_that_waited_for_a_busy_core_does_not_move_the_cost() {
+        let mut p = GuessPolicy::new();
+        for t in [1.0, 1.2, 0.9, 30.0, 1.1] {
+            p.record(0, 0, t);
+        }
+        assert_eq!(p.cost(1), Some(1.1));
+        for _ in 0..TIMES_KEPT {
+            p.record(0, 0, 2.0);
+        }
+        assert_eq!(p.cost(1), Some(2.0), "only the last times count");
+    }
+
+    #[test]
+    fn stops_guessing_when_guesses_are_refused_on_a_dear_machine() {
+        let mut p = GuessPolicy::new();
+        let mut n = 0u32;
+        // 20 % of guessed tokens kept; each more row costs half a one-token decode.
+        let (tokens, seconds) = simulate(&mut p, 400, 8, linear(0.5), || {
+            n += 1;
+            n.is_multiple_of(5)
+        });
+        assert!(tokens / seconds > 0.95, "{}", tokens / seconds);
+        assert!(p.acceptance() < 0.5);
+    }
+
+    #[test]
+    fn guesses_long_when_guesses_are_kept() {
+        let mut p = GuessPolicy::new();
+        let (tokens, seconds) = simulate(&mut p, 100, 8, linear(0.3), || true);
+        assert!(tokens / seconds > 2.5, "{}", tokens / seconds);
+        assert_eq!(p.guess_len(8), 8);
+    }
+
+    #[test]
+    fn a_probe_notices_that_guesses_started_to_be_kept() {
+        let mut p = GuessPolicy::new();
+        let mut n = 0u32;
+        simulate(&mut p, 200, 8, linear(0.5), || {
+            n += 1;
+            n.is_multiple_of(10)
+        });
+        assert_eq!(p.guess_len(8), 0, "resting");
+        // The output now copies its input: a probe finds it within the longest rest.
+        let (tokens, seconds) = simulate(&mut p, 400, 8, linear(0.5), || true);
+        assert_eq!(p.guess_len(8), 8);
+        assert!(tokens / seconds > 1.5, "{}", tokens / seconds);
+    }
+
+    #[test]
+    fn a_guess_is_timed_against_a_one_token_round_soon() {
+        let mut p = GuessPolicy::new();
+        p.record(8, 1, 4.0);
+        p.record(8, 2, 4.0);
+        assert_eq!(p.guess_len(8), 0, "time a one-token round");
+        p.record(0, 0, 1.0);
+        assert!(p.best(8).is_some());
+    }
+
+    proptest! {
+        /// Whatever the costs and acceptances, the guess stays within the cap, and over a
+        /// long stream the policy keeps at least 90 % of the rate of never guessing (the
+        /// rest pays for the first guess and the probes).
+        #[test]
+        fn never_much_slower_than_no_guess(
+            per_row in 0.0f64..1.5,
+            keep_pct in 0u32..=100,
+            cap in 0usize..80,
+            seed in any::<u64>(),
+        ) {
+            let mut p = GuessPolicy::new();
+            let mut state = seed | 1;
+            let (tokens, seconds) = simulate(&mut p, 600, cap, linear(per_row), || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % 100) < u64::from(keep_pct)
+            });
+            prop_assert!(tokens / seconds > 0.9, "rate {}", tokens / seconds);
+            for c in [0, 1, cap, 1000] {
+                prop_assert!(p.guess_len(c) <= c.min(MAX_GUESS));
+            }
+        }
+    }
+}
