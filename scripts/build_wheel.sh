@@ -38,7 +38,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 echo "wheel: maturin build --features $features (llama.cpp's CPU variants: slow the first time)"
-maturin build --release --locked --features "$features" --auditwheel skip --out "$work/raw"
+maturin build --release --locked --strip --features "$features" --auditwheel skip --out "$work/raw"
 raw=$(ls "$work"/raw/kvfork-*.whl)
 
 # llama.cpp's build of this target dir: the llama-cpp-sys-2 output that has the modules.
