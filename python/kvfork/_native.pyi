@@ -41,6 +41,7 @@ __all__ = [
     "TokenStreamSync",
     "__version__",
     "_set_log_level",
+    "_set_module_dirs",
     "_use_speculative_streams",
     "create_context",
     "create_context_sync",

@@ -24,7 +24,11 @@ mod twins;
 
 use errors::IntoPyResult;
 
-/// What llama.cpp and kvfork were built with and run on.
+/// What llama.cpp and kvfork were built with and run on: `backend` (`cpu`, or the GPU in
+/// use), `backends` (one line per backend found), `cpu_variant` (the CPU code in use: the
+/// module of llama.cpp's CPU backend the release wheel loaded, or `built-in` for a build that
+/// links it in) and `cpu_variant_reason` (why), `cpu_features` (its instruction sets) and
+/// `host_cpu_features` (this CPU's), `llama_cpp`, `llama_system_info`, `gpu_offload`, `mmap`.
 #[pyfunction]
 fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Py<PyAny>>> {
     use pyo3::IntoPyObjectExt;
