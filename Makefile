@@ -2,7 +2,8 @@
 SHELL := bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer peer-server bench-serve
+.PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer peer-server bench-serve \
+	wheel test-wheel
 
 setup:
 	scripts/setup.sh
@@ -29,6 +30,15 @@ test-vulkan: setup
 	$(PY) -m pip install -q "maturin>=1.9.4,<2.0"
 	source scripts/cpu_flags.sh && VIRTUAL_ENV=$(CURDIR)/.venv $(PY) -m maturin develop --release --features vulkan
 	KVFORK_TEST_GPU_LAYERS=$${KVFORK_TEST_GPU_LAYERS:-99} $(PY) -m pytest tests -q
+
+# The release wheel (abi3, every x86-64 CPU level, llama.cpp's CPU variants chosen at run time)
+# and the sdist, into dist/; then that wheel installed with no compiler on PATH (demo, bad
+# inputs, a generation) and the sdist built into a wheel. Not in `make test` (slow builds).
+wheel:
+	scripts/build_wheel.sh
+
+test-wheel:
+	scripts/test_wheel.sh
 
 # Long runs (not in `make test`): the full soak and a longer randomized state-machine fuzz.
 soak: setup

@@ -16,6 +16,14 @@ def test_model_properties(model: kvfork.Model) -> None:
     assert model.chat_template is None  # base model: no template
 
 
+def test_gpu_layers_without_a_gpu_backend_warn_and_run_on_the_cpu() -> None:
+    if kvfork.system_info()["backend"] != "cpu":
+        pytest.skip("a GPU backend is loaded")
+    with pytest.warns(kvfork.KvforkWarning, match="no GPU backend"):
+        m = kvfork.Model.load(kvfork.default_model_path(), n_gpu_layers=99)
+    assert m.vocab_size == 262144
+
+
 def test_missing_model_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
     with pytest.raises(kvfork.ModelLoadError, match="nope.gguf"):

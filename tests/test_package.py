@@ -19,6 +19,18 @@ def test_module_surface() -> None:
     assert kvfork.default_model_path().name.endswith(".gguf")
 
 
+def test_system_info_names_the_cpu_code_in_use_and_why() -> None:
+    info = kvfork.system_info()
+    # `built-in` (llama.cpp linked in, `make`) or the CPU module the wheel loaded; never AMX.
+    assert info["cpu_variant"] not in ("", "none", "sapphirerapids")
+    assert info["cpu_variant_reason"]
+    assert info["backends"][0].startswith("cpu")
+    if info["cpu_variant"] != "built-in":
+        # A module loaded at run time reports what it was compiled with, like the linked getters.
+        assert info["cpu_variant"] in info["backends"][0]
+        assert info["cpu_features"], info
+
+
 def test_exception_hierarchy() -> None:
     assert issubclass(kvfork.KvCacheFullError, kvfork.DecodeError)
     for e in (

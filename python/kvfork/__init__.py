@@ -14,7 +14,7 @@ import json
 import logging
 from typing import Any
 
-from . import _native, patterns
+from . import _backends, _native, patterns
 from ._chat import Chat
 from ._models import default_chat_model_path, default_model_path
 from ._native import (
@@ -50,6 +50,10 @@ from ._speculative import Drafter as Drafter
 from ._speculative import DraftModel, PromptLookup, SpeculativeStream, SpeculativeStreamSync
 
 __version__: str = _native.__version__
+
+# Where the release wheel's ggml modules are (its CPU variants and any GPU companion
+# package's); a build from source links llama.cpp in and ignores this.
+_native._set_module_dirs(_backends.module_dirs())
 
 logging.getLogger("kvfork").addHandler(logging.NullHandler())
 

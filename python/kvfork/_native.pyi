@@ -41,6 +41,7 @@ __all__ = [
     "TokenStreamSync",
     "__version__",
     "_set_log_level",
+    "_set_module_dirs",
     "_use_speculative_streams",
     "create_context",
     "create_context_sync",
@@ -1162,6 +1163,11 @@ def json_schema_to_grammar(schema: str) -> str:
 
 def _set_log_level(level: int) -> None:
     """Lowest Python logging level forwarded from llama.cpp (10 debug … 40 error)."""
+
+def _set_module_dirs(dirs: list[str]) -> None:
+    """Called once by `kvfork/__init__.py` with the directories that may hold ggml's backend
+    modules (the wheel's `kvfork/ggml`, the GPU companion packages), before anything loads.
+    """
 
 def _use_speculative_streams(async_stream: object, sync_stream: object) -> None:
     """Called once by `kvfork._speculative` with its `SpeculativeStream` and

@@ -83,7 +83,33 @@ fn max_f32(a: f32, b: f32) -> f32 {
 }
 
 /// Largest logit; `-inf` for an empty row.
+#[allow(unsafe_code)]
 pub fn max(logits: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match simd() {
+        // SAFETY: `simd` confirmed at run time that this CPU has avx512f (and fma).
+        Simd::Avx512 => return unsafe { max_avx512(logits) },
+        // SAFETY: `simd` confirmed at run time that this CPU has avx2 (and fma).
+        Simd::Avx2 => return unsafe { max_avx2(logits) },
+        Simd::Base => {}
+    }
+    max_lanes(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn max_avx512(logits: &[f32]) -> f32 {
+    max_lanes(logits)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn max_avx2(logits: &[f32]) -> f32 {
+    max_lanes(logits)
+}
+
+#[inline(always)]
+fn max_lanes(logits: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut chunks = logits.chunks_exact(LANES);
     for c in &mut chunks {
@@ -95,10 +121,31 @@ pub fn max(logits: &[f32]) -> f32 {
     acc.into_iter().chain(tail).fold(f32::NEG_INFINITY, max_f32)
 }
 
-/// Whether the AVX-512 + FMA kernels may run (std caches the CPUID probe).
+/// The widest kernels this CPU runs. The release wheel's baseline is x86-64 (SSE2), so the
+/// AVX2 tier is chosen at run time too; a build with `+avx2,+fma` (`.cargo/config.toml`) gets
+/// the same code from its baseline.
 #[cfg(target_arch = "x86_64")]
-fn has_avx512_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma")
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Simd {
+    /// AVX-512 F with FMA: the intrinsics of `avx512` and 16-lane loops.
+    Avx512,
+    /// AVX2 with FMA: the portable loops compiled for 8 lanes and fused multiply-adds.
+    Avx2,
+    /// What the build's own target features give.
+    Base,
+}
+
+/// Probed on every call: std caches the CPUID result, so this is two loads and a branch.
+#[cfg(target_arch = "x86_64")]
+fn simd() -> Simd {
+    use std::arch::is_x86_feature_detected as has;
+    if has!("avx512f") && has!("fma") {
+        Simd::Avx512
+    } else if has!("avx2") && has!("fma") {
+        Simd::Avx2
+    } else {
+        Simd::Base
+    }
 }
 
 /// `(e^d, d)` with `d` clamped to the cutoff: exactly 0 below it, so a lone finite logit has
@@ -113,16 +160,25 @@ fn masked_exp<const FMA: bool>(d: f32) -> (f32, f32) {
 
 /// `(Σ e^d, Σ e^d·d)` with `d = x - shift <= 0`; the second sum only if
 /// `WEIGHTED`. Entries with `d < -87` (masked ones included) add exactly 0.
-/// Uses AVX-512 when the CPU has it (twice the lanes of the baseline build).
+/// Uses AVX-512 or AVX2 when the CPU has it (chosen at run time).
 #[allow(unsafe_code)]
 fn exp_sums<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512_fma() {
-        // SAFETY: `has_avx512_fma` just confirmed at run time that this CPU has avx512f and
-        // fma, the only features `exp_sums_avx512` is compiled with.
-        return unsafe { exp_sums_avx512::<WEIGHTED>(logits, shift) };
+    match simd() {
+        // SAFETY: `simd` just confirmed at run time that this CPU has avx512f and fma, the
+        // only features `exp_sums_avx512` is compiled with.
+        Simd::Avx512 => return unsafe { exp_sums_avx512::<WEIGHTED>(logits, shift) },
+        // SAFETY: as above, for avx2 and fma.
+        Simd::Avx2 => return unsafe { exp_sums_avx2::<WEIGHTED>(logits, shift) },
+        Simd::Base => {}
     }
     exp_sums_lanes::<WEIGHTED, BASE_FMA>(logits, shift)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp_sums_avx2<const WEIGHTED: bool>(logits: &[f32], shift: f32) -> (f64, f64) {
+    exp_sums_lanes::<WEIGHTED, true>(logits, shift)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -228,12 +284,26 @@ fn summarize_dispatch(
     top: &mut Vec<u32>,
 ) -> RowSummary {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512_fma() {
-        // SAFETY: `has_avx512_fma` just confirmed at run time that this CPU has avx512f and
-        // fma, the only features `summarize_avx512` is compiled with.
-        return unsafe { summarize_avx512(src, dst, k, top) };
+    match simd() {
+        // SAFETY: `simd` just confirmed at run time that this CPU has avx512f and fma, the
+        // only features `summarize_avx512` is compiled with.
+        Simd::Avx512 => return unsafe { summarize_avx512(src, dst, k, top) },
+        // SAFETY: as above, for avx2 and fma.
+        Simd::Avx2 => return unsafe { summarize_avx2(src, dst, k, top) },
+        Simd::Base => {}
     }
     summarize_lanes::<BASE_FMA>(src, dst, k, top)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn summarize_avx2(
+    src: &[f32],
+    dst: Option<&mut [f32]>,
+    k: usize,
+    top: &mut Vec<u32>,
+) -> RowSummary {
+    summarize_lanes::<true>(src, dst, k, top)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -362,7 +432,11 @@ fn summarize_with(
         };
         // Each block's sum is taken against the max so far (its own before any), and its
         // max in the same sweep; only a block far above that shift is summed again.
-        let mut shift = if m > f32::NEG_INFINITY { m } else { max(block) };
+        let mut shift = if m > f32::NEG_INFINITY {
+            m
+        } else {
+            max_lanes(block)
+        };
         if shift == f32::NEG_INFINITY {
             continue; // nothing finite yet
         }
@@ -858,6 +932,37 @@ mod tests {
             assert_eq!((fast.argmax, &a), (portable.argmax, &b));
             assert!(close(fast.log_sum_exp, portable.log_sum_exp, 1e-6));
             assert!(close(fast.log_sum_exp, naive_lse(&xs), 1e-6));
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[allow(unsafe_code)]
+    fn every_simd_tier_this_cpu_runs_agrees_with_the_portable_lanes() {
+        // The AVX2 tier is what an AVX2 machine without AVX-512 runs from the x86-64 wheel;
+        // check it here too (this CPU may have AVX-512, so dispatch alone would skip it).
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma"))
+        {
+            return;
+        }
+        for seed in 0..4 {
+            let xs = logits(50_000 + seed as usize * 131, seed, 5);
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            // SAFETY: avx2 and fma were detected above.
+            let avx2 = unsafe { summarize_avx2(&xs, None, 17, &mut a) };
+            let portable = summarize_lanes::<false>(&xs, None, 17, &mut b);
+            assert_eq!((avx2.argmax, &a), (portable.argmax, &b));
+            assert!(close(avx2.log_sum_exp, portable.log_sum_exp, 1e-6));
+            // SAFETY: as above.
+            let (s2, w2) = unsafe { exp_sums_avx2::<true>(&xs, avx2.log_sum_exp as f32) };
+            let (s0, w0) = exp_sums_lanes::<true, false>(&xs, avx2.log_sum_exp as f32);
+            assert!(
+                close(s2, s0, 1e-6) && close(w2, w0, 1e-5),
+                "{s2} {s0} {w2} {w0}"
+            );
+            // SAFETY: as above.
+            assert_eq!(unsafe { max_avx2(&xs) }, max_lanes(&xs));
         }
     }
 

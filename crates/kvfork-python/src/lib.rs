@@ -24,7 +24,11 @@ mod twins;
 
 use errors::IntoPyResult;
 
-/// What llama.cpp and kvfork were built with and run on.
+/// What llama.cpp and kvfork were built with and run on: `backend` (`cpu`, or the GPU in
+/// use), `backends` (one line per backend found), `cpu_variant` (the CPU code in use: the
+/// module of llama.cpp's CPU backend the release wheel loaded, or `built-in` for a build that
+/// links it in) and `cpu_variant_reason` (why), `cpu_features` (its instruction sets) and
+/// `host_cpu_features` (this CPU's), `llama_cpp`, `llama_system_info`, `gpu_offload`, `mmap`.
 #[pyfunction]
 fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Py<PyAny>>> {
     use pyo3::IntoPyObjectExt;
@@ -43,6 +47,12 @@ fn system_info(py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static s
     );
     d.insert("gpu_offload", info.gpu_offload.into_py_any(py)?);
     d.insert("mmap", info.mmap.into_py_any(py)?);
+    d.insert("cpu_variant", info.cpu_variant.into_py_any(py)?);
+    d.insert(
+        "cpu_variant_reason",
+        info.cpu_variant_reason.clone().into_py_any(py)?,
+    );
+    d.insert("backends", info.backends.clone().into_py_any(py)?);
     Ok(d)
 }
 
@@ -61,6 +71,13 @@ fn _set_log_level(level: i32) {
         21..=30 => kvfork::LogLevel::Warn,
         _ => kvfork::LogLevel::Error,
     });
+}
+
+/// Called once by `kvfork/__init__.py` with the directories that may hold ggml's backend
+/// modules (the wheel's `kvfork/ggml`, the GPU companion packages), before anything loads.
+#[pyfunction]
+fn _set_module_dirs(dirs: Vec<std::path::PathBuf>) {
+    kvfork::set_module_dirs(dirs);
 }
 
 /// llama.cpp log lines → `logging.getLogger("kvfork")`. May run on any thread.
@@ -110,6 +127,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(system_info, m)?)?;
     m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_module_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(branch::_use_speculative_streams, m)?)?;
     Ok(())
 }

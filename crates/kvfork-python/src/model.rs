@@ -27,7 +27,29 @@ pub fn load(
         n_gpu_layers,
         use_mmap,
     };
-    py.detach(|| kvfork::Model::load(&path, &params)).py()
+    let model = py.detach(|| kvfork::Model::load(&path, &params)).py()?;
+    if let Some(n) = n_gpu_layers.filter(|&n| n != 0) {
+        warn_if_no_gpu(py, n)?;
+    }
+    Ok(model)
+}
+
+/// Layers were asked onto a GPU but kvfork found no GPU backend: the model runs on the CPU
+/// (llama.cpp says nothing), so say which backends there are and how to get one.
+fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: i32) -> PyResult<()> {
+    let info = kvfork::system_info().py()?;
+    if info.backend != "cpu" {
+        return Ok(());
+    }
+    let msg = format!(
+        "n_gpu_layers={n_gpu_layers} asks for a GPU, but kvfork found no GPU backend \
+         (backends: {}); the model runs on the CPU. The wheel's GPU backends come with \
+         `pip install kvfork[cuda]` or `kvfork[vulkan]` and need the GPU's driver",
+        info.backends.join("; ")
+    );
+    let msg = std::ffi::CString::new(msg).unwrap_or_default();
+    let category = py.get_type::<crate::errors::KvforkWarning>();
+    PyErr::warn(py, category.as_any(), &msg, 1)
 }
 
 #[pymethods]

@@ -77,10 +77,40 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
     }
 }
 
+// The variant table is used by `dynamic-backends` builds only; its tests run in every build.
+#[cfg_attr(not(feature = "dynamic-backends"), allow(dead_code))]
+mod cpu_variant;
+#[cfg(feature = "dynamic-backends")]
+mod modules;
+
+/// Sets the directories searched for ggml's backend modules (`libggml-cpu-*.so`,
+/// `libggml-cuda.so`, ...), in order. Builds with `dynamic-backends` only load modules; in
+/// others this does nothing. Takes effect only before the first model load or `system_info`.
+pub fn set_module_dirs(dirs: Vec<std::path::PathBuf>) {
+    #[cfg(feature = "dynamic-backends")]
+    modules::set_module_dirs(dirs);
+    #[cfg(not(feature = "dynamic-backends"))]
+    drop(dirs);
+}
+
+/// What `ensure_backend` loaded: the ggml modules of a `dynamic-backends` build.
+#[cfg(feature = "dynamic-backends")]
+static LOADED: OnceLock<modules::Loaded> = OnceLock::new();
+
 /// Initialise llama.cpp once per process. Fails (instead of crashing with SIGILL later)
-/// when the CPU lacks an instruction set the library was compiled for.
+/// when the CPU lacks an instruction set the library was compiled for, or (`dynamic-backends`)
+/// when no CPU variant of ggml runs on it.
 pub fn ensure_backend() -> Result<()> {
     let state = BACKEND.get_or_init(|| {
+        // SAFETY: `log_callback` has ggml's log-callback signature, reads no user data (NULL)
+        // and only touches Rust statics that are locks or atomics, so any thread may call it.
+        // Set once (this `OnceLock`), before kvfork creates anything in llama.cpp that logs.
+        unsafe { sys::llama_log_set(Some(log_callback), std::ptr::null_mut()) };
+        #[cfg(feature = "dynamic-backends")]
+        {
+            let loaded = modules::load_all()?;
+            let _ = LOADED.set(loaded);
+        }
         let missing = missing_cpu_features();
         if !missing.is_empty() {
             return Err(format!(
@@ -89,10 +119,6 @@ pub fn ensure_backend() -> Result<()> {
                 missing.join(", ")
             ));
         }
-        // SAFETY: `log_callback` has ggml's log-callback signature, reads no user data (NULL)
-        // and only touches Rust statics that are locks or atomics, so any thread may call it.
-        // Set once (this `OnceLock`), before kvfork creates anything in llama.cpp that logs.
-        unsafe { sys::llama_log_set(Some(log_callback), std::ptr::null_mut()) };
         LlamaBackend::init().map_err(|e| e.to_string())
     });
     state
@@ -101,43 +127,77 @@ pub fn ensure_backend() -> Result<()> {
         .map_err(|e| Error::Other(e.clone()))
 }
 
-/// (name, compiled into ggml, `is_x86_feature_detected!` name)
-#[cfg(target_arch = "x86_64")]
-fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
-    use std::arch::is_x86_feature_detected as has;
+/// Whether llama.cpp's CPU code was compiled with each of `names` (ggml's feature names).
+/// Statically linked: ggml's `ggml_cpu_has_*` getters.
+#[cfg(all(target_arch = "x86_64", not(feature = "dynamic-backends")))]
+fn compiled_cpu_features() -> [bool; 11] {
     // SAFETY: ggml's feature getters take no arguments and return constants compiled into
     // the library; they read no state.
     unsafe {
-        vec![
-            ("AVX", sys::ggml_cpu_has_avx() != 0, has!("avx")),
-            ("AVX2", sys::ggml_cpu_has_avx2() != 0, has!("avx2")),
-            ("FMA", sys::ggml_cpu_has_fma() != 0, has!("fma")),
-            ("F16C", sys::ggml_cpu_has_f16c() != 0, has!("f16c")),
-            ("BMI2", sys::ggml_cpu_has_bmi2() != 0, has!("bmi2")),
-            ("AVX512", sys::ggml_cpu_has_avx512() != 0, has!("avx512f")),
-            (
-                "AVX512_VNNI",
-                sys::ggml_cpu_has_avx512_vnni() != 0,
-                has!("avx512vnni"),
-            ),
-            (
-                "AVX512_VBMI",
-                sys::ggml_cpu_has_avx512_vbmi() != 0,
-                has!("avx512vbmi"),
-            ),
-            (
-                "AVX512_BF16",
-                sys::ggml_cpu_has_avx512_bf16() != 0,
-                has!("avx512bf16"),
-            ),
-            (
-                "AVX_VNNI",
-                sys::ggml_cpu_has_avx_vnni() != 0,
-                has!("avxvnni"),
-            ),
-            ("AMX_INT8", sys::ggml_cpu_has_amx_int8() != 0, false),
+        [
+            sys::ggml_cpu_has_avx() != 0,
+            sys::ggml_cpu_has_avx2() != 0,
+            sys::ggml_cpu_has_fma() != 0,
+            sys::ggml_cpu_has_f16c() != 0,
+            sys::ggml_cpu_has_bmi2() != 0,
+            sys::ggml_cpu_has_avx512() != 0,
+            sys::ggml_cpu_has_avx512_vnni() != 0,
+            sys::ggml_cpu_has_avx512_vbmi() != 0,
+            sys::ggml_cpu_has_avx512_bf16() != 0,
+            sys::ggml_cpu_has_avx_vnni() != 0,
+            sys::ggml_cpu_has_amx_int8() != 0,
         ]
     }
+}
+
+/// Loaded at run time: the getters live in the CPU module, which reports what it was compiled
+/// with through `ggml_backend_get_features` (nothing before the module is loaded).
+#[cfg(all(target_arch = "x86_64", feature = "dynamic-backends"))]
+fn compiled_cpu_features() -> [bool; 11] {
+    let have = modules::cpu_features();
+    FEATURE_NAMES.map(|name| have.iter().any(|h| h == name))
+}
+
+/// ggml's names of the features `compiled_cpu_features` reports, in its order.
+#[cfg(target_arch = "x86_64")]
+const FEATURE_NAMES: [&str; 11] = [
+    "AVX",
+    "AVX2",
+    "FMA",
+    "F16C",
+    "BMI2",
+    "AVX512",
+    "AVX512_VNNI",
+    "AVX512_VBMI",
+    "AVX512_BF16",
+    "AVX_VNNI",
+    "AMX_INT8",
+];
+
+/// (name, compiled into ggml, reported by the host)
+#[cfg(target_arch = "x86_64")]
+fn compiled_x86_features() -> Vec<(&'static str, bool, bool)> {
+    use std::arch::is_x86_feature_detected as has;
+    let host = [
+        has!("avx"),
+        has!("avx2"),
+        has!("fma"),
+        has!("f16c"),
+        has!("bmi2"),
+        has!("avx512f"),
+        has!("avx512vnni"),
+        has!("avx512vbmi"),
+        has!("avx512bf16"),
+        has!("avxvnni"),
+        // AMX counts as missing: it is never compiled in or loaded on purpose (VM crashes).
+        false,
+    ];
+    let compiled = compiled_cpu_features();
+    FEATURE_NAMES
+        .iter()
+        .zip(compiled.iter().zip(host.iter()))
+        .map(|(&name, (&c, &h))| (name, c, h))
+        .collect()
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -158,8 +218,13 @@ fn missing_cpu_features() -> Vec<&'static str> {
 /// The llama.cpp source vendored by the pinned `llama-cpp-sys-2`.
 pub const LLAMA_CPP_CRATE: &str = "llama-cpp-sys-2 0.1.161 / llama-cpp-2 0.1.160";
 
-/// Which compute backend this build uses.
+/// Which compute backend this build uses: with `dynamic-backends`, the first GPU module that
+/// loaded with a device, else `cpu` (valid once the backend is initialised).
 pub fn backend_name() -> &'static str {
+    #[cfg(feature = "dynamic-backends")]
+    if let Some(loaded) = LOADED.get() {
+        return loaded.gpu.unwrap_or("cpu");
+    }
     if cfg!(feature = "cuda") {
         "cuda"
     } else if cfg!(feature = "metal") {
@@ -188,6 +253,13 @@ pub struct SystemInfo {
     pub gpu_offload: bool,
     /// Whether model files can be memory-mapped.
     pub mmap: bool,
+    /// The CPU code in use: a ggml CPU variant loaded at run time (`haswell`, `zen4`, ...)
+    /// or `built-in` (llama.cpp compiled for one instruction-set level, linked statically).
+    pub cpu_variant: &'static str,
+    /// Why that CPU code.
+    pub cpu_variant_reason: String,
+    /// The compute backends found, one line each (`cpu: zen4 (...)`, `cuda: 1 device(s)`).
+    pub backends: Vec<String>,
 }
 
 /// Report the backend and CPU features in use.
@@ -201,7 +273,23 @@ pub fn system_info() -> Result<SystemInfo> {
             sys::llama_supports_mmap(),
         )
     };
+    #[cfg(feature = "dynamic-backends")]
+    let (cpu_variant, cpu_variant_reason, backends) = match LOADED.get() {
+        Some(l) => (l.cpu_variant, l.cpu_reason.clone(), l.backends.clone()),
+        None => ("none", "no CPU module loaded".to_string(), Vec::new()),
+    };
+    #[cfg(not(feature = "dynamic-backends"))]
+    let (cpu_variant, cpu_variant_reason, backends) = (
+        "built-in",
+        "llama.cpp compiled for the instruction sets of the build machine's flags \
+         (scripts/cpu_flags.sh, or .cargo/config.toml's x86-64-v3 defaults) and linked in"
+            .to_string(),
+        vec![format!("{} (linked in)", backend_name())],
+    );
     Ok(SystemInfo {
+        cpu_variant,
+        cpu_variant_reason,
+        backends,
         backend: backend_name(),
         cpu_features: features.iter().filter(|f| f.1).map(|f| f.0).collect(),
         host_cpu_features: features.iter().filter(|f| f.2).map(|f| f.0).collect(),
@@ -231,6 +319,9 @@ impl SystemInfo {
     pub fn to_map(&self) -> BTreeMap<&'static str, String> {
         BTreeMap::from([
             ("backend", self.backend.to_string()),
+            ("cpu_variant", self.cpu_variant.to_string()),
+            ("cpu_variant_reason", self.cpu_variant_reason.clone()),
+            ("backends", self.backends.join("; ")),
             ("cpu_features", self.cpu_features.join(",")),
             ("host_cpu_features", self.host_cpu_features.join(",")),
             ("llama_cpp", self.llama_cpp.to_string()),

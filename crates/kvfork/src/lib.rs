@@ -29,7 +29,9 @@ mod speculate;
 mod store;
 
 pub use adapter::{Adapters, ControlVector, LoraAdapter, SteeringVector};
-pub use backend::{set_log_min_level, set_log_sink, system_info, LogLevel, SystemInfo};
+pub use backend::{
+    set_log_min_level, set_log_sink, set_module_dirs, system_info, LogLevel, SystemInfo,
+};
 pub use branch::Branch;
 pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
