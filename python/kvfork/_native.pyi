@@ -1156,7 +1156,12 @@ class BranchStore:
         """Blocking twin of `step`: returns one Token per branch, in order (stop tokens are not committed). Waits without the GIL; on Ctrl-C a started step completes, then KeyboardInterrupt is raised."""
 
 def system_info() -> dict[str, Any]:
-    """What llama.cpp and kvfork were built with and run on."""
+    """What llama.cpp and kvfork were built with and run on: `backend` (`cpu`, or the GPU in
+    use), `backends` (one line per backend found), `cpu_variant` (the CPU code in use: the
+    module of llama.cpp's CPU backend the release wheel loaded, or `built-in` for a build that
+    links it in) and `cpu_variant_reason` (why), `cpu_features` (its instruction sets) and
+    `host_cpu_features` (this CPU's), `llama_cpp`, `llama_system_info`, `gpu_offload`, `mmap`.
+    """
 
 def json_schema_to_grammar(schema: str) -> str:
     """GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper)."""
