@@ -206,27 +206,31 @@ impl std::fmt::Debug for ControlVector {
 impl ControlVector {
     /// From `data`: `model.n_layer()` rows of `model.n_embd()` values, row-major.
     pub fn from_rows(model: &Model, data: Vec<f32>) -> Result<Arc<ControlVector>> {
+        ControlVector::new(model, data, None)
+    }
+
+    fn new(model: &Model, data: Vec<f32>, path: Option<PathBuf>) -> Result<Arc<ControlVector>> {
         let (n_layer, n_embd) = (model.n_layer(), model.n_embd());
         if data.len() != n_layer * n_embd {
-            return Err(Error::InvalidArgument {
-                name: "data",
-                message: format!(
+            return Err(Error::invalid(
+                "data",
+                format!(
                     "a control vector for this model has shape ({n_layer}, {n_embd}): \
                      {} values given",
                     data.len()
                 ),
-            });
+            ));
         }
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-            return Err(Error::InvalidArgument {
-                name: "data",
-                message: format!("value {i} (row {}) is not finite", i / n_embd.max(1)),
-            });
+            return Err(Error::invalid(
+                "data",
+                format!("value {i} (row {}) is not finite", i / n_embd.max(1)),
+            ));
         }
         Ok(Arc::new(ControlVector {
             data,
             n_embd,
-            path: None,
+            path,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         }))
     }
@@ -275,11 +279,7 @@ impl ControlVector {
         if found == 0 {
             return Err(fail("no direction.N tensors: not a control vector".into()));
         }
-        let mut cv = ControlVector::from_rows(model, data).map_err(|e| fail(e.to_string()))?;
-        if let Some(cv) = Arc::get_mut(&mut cv) {
-            cv.path = Some(path.to_path_buf());
-        }
-        Ok(cv)
+        ControlVector::new(model, data, Some(path.to_path_buf())).map_err(|e| fail(e.to_string()))
     }
 
     /// Rows (layers) it holds.
@@ -320,6 +320,9 @@ pub struct Adapters {
     /// LoRA adapters and their scales, in the order of their ids; none with scale 0.
     loras: Vec<(Arc<LoraAdapter>, f32)>,
     cvec: Option<SteeringVector>,
+    /// What the set is, for grouping: kept with the set (the engine compares it for every
+    /// branch of every decode), updated by each setter.
+    key: AdapterKey,
 }
 
 /// What makes two branches' adapter sets the same: ids, scales (bits) and layer ranges.
@@ -346,19 +349,19 @@ impl Adapters {
     pub fn from_loras(model: &Arc<Model>, loras: Vec<(Arc<LoraAdapter>, f32)>) -> Result<Adapters> {
         for (a, scale) in &loras {
             if !Arc::ptr_eq(a.model(), model) {
-                return Err(Error::InvalidArgument {
-                    name: "adapters",
-                    message: format!(
+                return Err(Error::invalid(
+                    "adapters",
+                    format!(
                         "{} was loaded for another model object than this context's",
                         a.path().display()
                     ),
-                });
+                ));
             }
             if !scale.is_finite() {
-                return Err(Error::InvalidArgument {
-                    name: "adapters",
-                    message: format!("the scale of {} is {scale}", a.path().display()),
-                });
+                return Err(Error::invalid(
+                    "adapters",
+                    format!("the scale of {} is {scale}", a.path().display()),
+                ));
             }
         }
         let mut set = Adapters::default();
@@ -376,11 +379,16 @@ impl Adapters {
         }
         set.retain(|(_, s)| *s != 0.0);
         set.sort_by_key(|(a, _)| a.id);
+        self.key.loras = set.iter().map(|(a, s)| (a.id, s.to_bits())).collect();
         self.loras = set;
     }
 
     pub(crate) fn set_cvec(&mut self, cvec: Option<SteeringVector>) {
         self.cvec = cvec.filter(|c| c.scale != 0.0 && c.layers.0 < c.layers.1);
+        self.key.cvec = self
+            .cvec
+            .as_ref()
+            .map(|c| (c.vector.id, c.scale.to_bits(), c.layers.0, c.layers.1));
     }
 
     /// The LoRA adapters and scales.
@@ -393,18 +401,8 @@ impl Adapters {
         self.cvec.as_ref()
     }
 
-    pub(crate) fn key(&self) -> AdapterKey {
-        AdapterKey {
-            loras: self
-                .loras
-                .iter()
-                .map(|(a, s)| (a.id, s.to_bits()))
-                .collect(),
-            cvec: self
-                .cvec
-                .as_ref()
-                .map(|c| (c.vector.id, c.scale.to_bits(), c.layers.0, c.layers.1)),
-        }
+    pub(crate) fn key(&self) -> &AdapterKey {
+        &self.key
     }
 }
 
@@ -412,13 +410,13 @@ impl Adapters {
 pub(crate) fn check_layers(model: &Model, layers: (u32, u32)) -> Result<()> {
     let n = model.n_layer() as u32;
     if layers.0 >= layers.1 || layers.1 > n {
-        return Err(Error::InvalidArgument {
-            name: "layers",
-            message: format!(
+        return Err(Error::invalid(
+            "layers",
+            format!(
                 "({}, {}) is not a range of layers: need start < end <= {n}",
                 layers.0, layers.1
             ),
-        });
+        ));
     }
     Ok(())
 }

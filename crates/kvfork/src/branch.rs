@@ -465,22 +465,19 @@ impl Branch {
             None => None,
             Some(vector) => {
                 if vector.n_embd() != model.n_embd() || vector.n_layers() != model.n_layer() {
-                    return Err(Error::InvalidArgument {
-                        name: "vector",
-                        message: format!(
+                    return Err(Error::invalid(
+                        "vector",
+                        format!(
                             "shape ({}, {}), this model takes ({}, {})",
                             vector.n_layers(),
                             vector.n_embd(),
                             model.n_layer(),
                             model.n_embd()
                         ),
-                    });
+                    ));
                 }
                 if !scale.is_finite() {
-                    return Err(Error::InvalidArgument {
-                        name: "scale",
-                        message: format!("{scale} is not finite"),
-                    });
+                    return Err(Error::invalid("scale", format!("{scale} is not finite")));
                 }
                 let layers = layers.unwrap_or((0, model.n_layer() as u32));
                 check_layers(model, layers)?;

@@ -172,7 +172,7 @@ impl PrefixCache {
         params: &SamplingParams,
         adapters: &Adapters,
     ) -> Result<Branch> {
-        let sentinel = self.lock().sentinel(&adapters.key());
+        let sentinel = self.lock().sentinel(adapters.key());
         loop {
             let (source, shared) = self.lookup(sentinel, tokens)?;
             if self.ctx.available() == 0 {
@@ -368,7 +368,10 @@ impl PrefixCache {
                 return Err(Error::invalid("branch", "already released"));
             }
             let sentinel = holder.sentinel;
-            let adapters = branch.adapters().map(|a| a.key()).unwrap_or_default();
+            let adapters = branch
+                .adapters()
+                .map(|a| a.key().clone())
+                .unwrap_or_default();
             if st.sentinel(&adapters) != sentinel {
                 // Its adapters changed since it was made: its KV is not what the trie says.
                 let holder = st.holders.remove(&handle).expect("found above");

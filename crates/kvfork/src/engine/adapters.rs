@@ -15,7 +15,7 @@ impl Worker {
     pub(super) fn use_adapters(&mut self, adapters: &Adapters) -> Result<()> {
         let key = adapters.key();
         let applied = self.applied_adapters();
-        if key == *applied {
+        if key == applied {
             return Ok(());
         }
         // The LoRA part and the control vector apart: changing one need not touch the other.
@@ -38,27 +38,29 @@ impl Worker {
                 }
             }
         }
-        self.set_applied_adapters(key);
+        self.set_applied_adapters(key.clone());
         Ok(())
     }
 
     /// Apply the set of no adapter (raw decodes, embeddings).
     pub(super) fn use_no_adapters(&mut self) -> Result<()> {
-        if self.applied_adapters().is_empty() {
-            return Ok(());
-        }
         self.use_adapters(&Adapters::default())
     }
 }
 
-/// The adapters of each cell, and the groups of indices with one set each (in key order; one
-/// group when every cell has the same set, the common case, without sorting anything).
+/// The groups of indices into `cells` with one adapter set each, with that set (in key
+/// order). The common case, every cell without adapters, allocates nothing but the one group.
 pub(super) fn group_by_adapters(cells: &[&Arc<BranchCell>]) -> Vec<(Adapters, Vec<usize>)> {
-    let sets: Vec<Adapters> = cells.iter().map(|c| c.lock().adapters().clone()).collect();
-    let keys: Vec<AdapterKey> = sets.iter().map(Adapters::key).collect();
+    let keys: Vec<AdapterKey> = cells
+        .iter()
+        .map(|c| c.lock().adapters().key().clone())
+        .collect();
     if keys.windows(2).all(|w| w[0] == w[1]) {
-        let first = sets.into_iter().next().unwrap_or_default();
-        return vec![(first, (0..cells.len()).collect())];
+        let set = match cells.first() {
+            Some(c) if !keys[0].is_empty() => c.lock().adapters().clone(),
+            _ => Adapters::default(),
+        };
+        return vec![(set, (0..cells.len()).collect())];
     }
     let mut order: Vec<usize> = (0..cells.len()).collect();
     order.sort_by(|&a, &b| keys[a].cmp(&keys[b]));
@@ -66,7 +68,7 @@ pub(super) fn group_by_adapters(cells: &[&Arc<BranchCell>]) -> Vec<(Adapters, Ve
     for i in order {
         match groups.last_mut() {
             Some((_, members)) if keys[members[0]] == keys[i] => members.push(i),
-            _ => groups.push((sets[i].clone(), vec![i])),
+            _ => groups.push((cells[i].lock().adapters().clone(), vec![i])),
         }
     }
     groups

@@ -5,6 +5,7 @@
 //! Generation steps (`Branch::step`, `BranchStore::step`) take the same path: their tokens
 //! are sampled first (`sample_steps`), then committed with the rest of the group.
 
+use std::borrow::Cow;
 use std::sync::{Arc, MutexGuard};
 
 use super::adapters::group_by_adapters;
@@ -207,9 +208,9 @@ impl Worker {
         }
         // Branches under different adapters decode apart: the items in one run per set.
         let groups = group_by_adapters(&cells);
-        let (items, sets): (Vec<&CommitItem>, Vec<(Adapters, usize)>) = if groups.len() == 1 {
+        let (items, sets): (Cow<'_, [&CommitItem]>, Vec<(Adapters, usize)>) = if groups.len() == 1 {
             let (set, _) = groups.into_iter().next().expect("one group");
-            (items.to_vec(), vec![(set, items.len())])
+            (Cow::Borrowed(items), vec![(set, items.len())])
         } else {
             let mut ordered = Vec::with_capacity(items.len());
             let mut sets = Vec::with_capacity(groups.len());
@@ -217,7 +218,7 @@ impl Worker {
                 sets.push((set, members.len()));
                 ordered.extend(members.iter().map(|&i| items[i]));
             }
-            (ordered, sets)
+            (Cow::Owned(ordered), sets)
         };
         let items = &items[..];
         let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
