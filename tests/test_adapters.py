@@ -227,11 +227,13 @@ def test_bad_arguments_are_refused(
     with pytest.raises(ValueError, match="finite"):
         model.load_control_vector(np.full(shape, np.inf, dtype=np.float32))
     cv = model.load_control_vector(np.zeros(shape, dtype=np.float32))
-    for layers in [(5, 5), (8, 2), (0, model.n_layer + 1)]:
+    for layers in [(5, 5), (8, 2), (0, model.n_layer + 1), (-1, 3), (0, 2**33)]:
         with pytest.raises(ValueError, match="layers"):
             b.set_control_vector(cv, 1.0, layers=layers)
     with pytest.raises(kvfork.ModelLoadError):
         model.load_control_vector(lora_paths[0])  # a LoRA is not a control vector
+    with pytest.raises(kvfork.ModelLoadError, match="No such file"):
+        model.load_control_vector(tmp_path / "missing.gguf")
     b.prune_sync()
 
 

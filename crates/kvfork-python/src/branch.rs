@@ -432,10 +432,21 @@ impl PyBranch {
         &self,
         cv: Option<PyRef<'_, PyControlVector>>,
         scale: Arg<f32>,
-        layers: Option<Arg<(u32, u32)>>,
+        layers: Option<Arg<(i64, i64)>>,
     ) -> PyResult<()> {
+        let layers = match layers {
+            None => None,
+            Some(Arg((start, end))) => match (u32::try_from(start), u32::try_from(end)) {
+                (Ok(start), Ok(end)) => Some((start, end)),
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "invalid layers: ({start}, {end}) is not a range of layers"
+                    )))
+                }
+            },
+        };
         self.inner
-            .set_control_vector(cv.map(|c| c.inner.clone()), scale.0, layers.map(|l| l.0))
+            .set_control_vector(cv.map(|c| c.inner.clone()), scale.0, layers)
             .py()
     }
 

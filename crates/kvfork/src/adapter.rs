@@ -8,7 +8,6 @@
 //! context last used, and frees every adapter of a model with it.
 
 use std::ffi::CString;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -241,12 +240,10 @@ impl ControlVector {
         let path = path.as_ref();
         let fail = |reason: String| load_error(path, reason);
         let (n_layer, n_embd) = (model.n_layer(), model.n_embd());
+        // Read first: a missing or unreadable file says so, not "not GGUF".
+        let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
         let g = Gguf::open(path)
             .ok_or_else(|| fail("not a readable GGUF file (truncated or not GGUF)".into()))?;
-        let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
-        let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes)
-            .map_err(|e| fail(e.to_string()))?;
         let mut data = vec![0.0f32; n_layer * n_embd];
         let mut found = 0;
         for (i, (name, ty, ne)) in g.tensors_with_shape().enumerate() {
