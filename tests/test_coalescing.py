@@ -108,6 +108,29 @@ async def test_prefills_of_tasks_are_packed(wide: kvfork.Context) -> None:
         assert int(np.argmax(b.logits())) == int(np.argmax(ref))
 
 
+async def test_steps_and_prefills_of_other_branches_wait_behind_each_others_group(
+    wide: kvfork.Context,
+) -> None:
+    """Queued interleaved (a server: streams stepping while new requests prefill), commits
+    and prefills of different branches still take one decode per kind: a job of the other
+    kind waits behind the group being gathered instead of ending it."""
+    prompts = [wide.tokenize(counting(k)) for k in range(4)]
+    stepping = [kvfork.Branch.create(wide, 0, GREEDY) for _ in prompts]
+    await asyncio.gather(*(b.prefill(p) for b, p in zip(stepping, prompts, strict=True)))
+    tokens = [b.produce_sync() for b in stepping]
+    fresh = [kvfork.Branch.create(wide, 0, GREEDY) for _ in prompts]
+    before = wide.stats()["decode_calls"]
+    jobs = []
+    for b, t, f, p in zip(stepping, tokens, fresh, prompts, strict=True):
+        jobs += [f.prefill(p), b.commit(t)]  # queued now, in this order
+    await asyncio.gather(*jobs)
+    assert wide.stats()["decode_calls"] - before == 2
+    for b, f, p in zip(stepping, fresh, prompts, strict=True):
+        assert (b.position, f.position) == (len(p) + 1, len(p))
+        # The fresh branch decoded the same prompt the stepping one did: same first token.
+        assert f.produce_sync().token == tokens[stepping.index(b)].token
+
+
 async def test_a_failed_commit_fails_only_its_task(wide: kvfork.Context) -> None:
     """A branch whose KV was cut behind its back makes llama.cpp reject the whole shared
     batch; the engine narrows it down: only that task fails (rolled back), the others get

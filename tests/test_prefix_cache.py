@@ -84,7 +84,11 @@ async def test_concurrent_requests_prefill_a_shared_preamble_once(
         preamble = ctx.tokenize(DOC)
         questions = [preamble + ctx.tokenize(f" Q{i}:", add_special=False) for i in range(8)]
         # All at once, none cached yet: one prefills the preamble, the others wait and fork.
+        before = ctx.stats()["decode_calls"]
         branches = await asyncio.gather(*(cache.branch(q, GREEDY) for q in questions))
+        # One decode for the preamble, ONE for the 7 questions that waited for it: their
+        # forks (run in passing) do not split the gathering of their prefills.
+        assert ctx.stats()["decode_calls"] - before == 2
         shared = sorted(cache.shared_tokens(b) or 0 for b in branches)
         assert shared[0] == 0 and all(s >= len(preamble) - 1 for s in shared[1:])
         stats = cache.stats()

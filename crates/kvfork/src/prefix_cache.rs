@@ -454,8 +454,10 @@ impl Branch {
         }
         let (source, target, prefix) =
             (source.cell().clone(), self.cell().clone(), prefix.to_vec());
-        self.context()
-            .run(move |w| w.share_prefix(&source, &target, &prefix))
+        let (reads, writes) = (vec![source.clone()], vec![target.clone()]);
+        self.context().engine().run_light(reads, writes, move |w| {
+            w.share_prefix(&source, &target, &prefix)
+        })
     }
 }
 

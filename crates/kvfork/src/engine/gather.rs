@@ -11,14 +11,22 @@
 //! one gap. Branches just prefilled together count as the last group (their tasks are about
 //! to step together). `produce` requests met on the way are answered at once (they decode
 //! nothing), so their callers' commits can still join.
+//!
+//! A job of the other kind on other branches (a stream's step while prefills gather, a new
+//! request's prefill while steps gather) waits behind the group instead of ending it, and a
+//! light KV operation (a prefix cache's fork inside a branch) runs in passing: a server's
+//! requests that waited for one shared preamble prefill their questions in ONE decode, and
+//! its streams keep stepping together while new requests arrive. Jobs on a deferred job's
+//! branches never overtake it.
 
 use std::collections::HashSet;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shared::BranchCell;
 use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
+use crate::error::Error;
 use crate::seq::Seq;
 
 /// The longest pause between two arrivals for which a gathering keeps waiting (at least).
@@ -67,39 +75,142 @@ pub(super) trait Gathering {
     fn wants_more(&self) -> bool;
     /// Whether `job` may join (it must touch no branch of the group).
     fn accepts(&self, job: &Job) -> bool;
+    /// Whether `job`, of the other kind (a prefill behind commits, a commit behind
+    /// prefills), may wait until the group has run, the gathering going on past it.
+    fn defers(&self, job: &Job) -> bool;
     /// Take an accepted job in (admitting it first: it may have been cancelled).
     fn add(&mut self, job: Job, w: &mut Worker);
     /// The branches (and sequences) of the group so far.
     fn members(&self) -> &Members;
 }
 
+/// The branches a job works on, when it names them (a commit, a prefill, a light job).
+fn cells_of(job: &Job) -> Option<Vec<&Arc<BranchCell>>> {
+    match job {
+        Job::Commit(req) => Some(req.items.iter().map(|(c, _)| c).collect()),
+        Job::Prefill(req) => Some(req.items.iter().map(|(c, _)| c).collect()),
+        Job::Light { reads, writes, .. } => Some(reads.iter().chain(writes).collect()),
+        Job::Clear(_) | Job::Run(_) => None,
+    }
+}
+
+/// What a gathering does with a job it pulled.
+enum Fate {
+    Join,
+    /// Run it now and go on (it decodes nothing and touches nothing of the group).
+    InPassing,
+    /// Keep it until the group has run (queue order is kept among the kept ones).
+    Defer,
+    /// It runs after the group (and the deferred jobs); the gathering ends.
+    Stop,
+}
+
 impl Worker {
-    /// Pull jobs into `group` until the window closes or a job cannot join (it runs next).
+    /// Pull jobs into `group` until the window closes or a job cannot join nor wait behind
+    /// the group (it runs next). A job of the other kind on other branches waits behind the
+    /// group instead of ending it (a stream's step arriving while prefills gather, a new
+    /// request's prefill while steps gather), so the group still meets everyone it expects;
+    /// a light KV operation on other branches (a prefix cache's `share_prefix`) runs in
+    /// passing. Jobs on a deferred job's branches never overtake it.
     pub(super) fn gather(
         &mut self,
         rx: &Receiver<Job>,
         group: &mut impl Gathering,
         mut window: Window,
     ) {
+        let mut deferred = Vec::new();
+        let mut behind = Members::default();
+        let mut stopper = None;
         loop {
             let remaining = window.remaining();
-            let next = if group.wants_more() && !remaining.is_zero() {
-                rx.recv_timeout(remaining)
-                    .map_err(|e| e == RecvTimeoutError::Timeout)
+            let wait = if group.wants_more() {
+                remaining
             } else {
-                rx.try_recv().map_err(|e| e == TryRecvError::Empty)
+                Duration::ZERO
             };
-            let Ok(job) = next else { return };
-            match job {
-                Job::Clear(seq) if !group.members().seqs.contains(&seq) => self.clear_seq(seq),
-                job if group.accepts(&job) => group.add(job, self),
-                job => {
-                    self.run_next(job);
-                    return;
+            let Some(job) = self.next_queued(rx, wait) else {
+                break;
+            };
+            match fate(group, &behind, &job) {
+                // The group's arrivals keep its window open (so does time spent on one run in
+                // passing); a deferred job's do not.
+                Fate::Join => {
+                    group.add(job, self);
+                    window.arrived();
+                }
+                Fate::InPassing => {
+                    self.run_in_passing(job);
+                    window.arrived();
+                }
+                Fate::Defer => {
+                    if let Some(cells) = cells_of(&job) {
+                        behind.add(cells.into_iter());
+                    }
+                    deferred.push(job);
+                }
+                Fate::Stop => {
+                    stopper = Some(job);
+                    break;
                 }
             }
-            window.arrived();
         }
+        self.run_next(deferred.into_iter().chain(stopper));
+    }
+
+    /// A job that decodes nothing and touches no branch of the group being gathered.
+    fn run_in_passing(&mut self, job: Job) {
+        let Some(job) = self.admit(job) else { return };
+        match job {
+            Job::Clear(seq) => self.clear_seq(seq),
+            Job::Light { task, .. } => self.run_task(task),
+            Job::Commit(req) if req.is_sample_only() => self.answer_sample(req),
+            job => job.fail(Error::Internal("not a job to run in passing".into())),
+        }
+    }
+}
+
+/// Where `job` goes while `group` gathers, with `behind` the branches of the jobs deferred.
+fn fate(group: &impl Gathering, behind: &Members, job: &Job) -> Fate {
+    let members = group.members();
+    if let Job::Clear(seq) = job {
+        let free = !members.seqs.contains(seq) && !behind.seqs.contains(seq);
+        return if free { Fate::InPassing } else { Fate::Stop };
+    }
+    let Some(cells) = cells_of(job) else {
+        return Fate::Stop; // any other work runs in queue order
+    };
+    // A light job may read a branch of the group: the group has not run yet, so it reads
+    // what it would have read in queue order.
+    let in_group = match job {
+        Job::Light { writes, .. } => members.touches(writes.iter()),
+        _ => members.touches(cells.iter().copied()),
+    };
+    let after_deferred = behind.touches(cells.iter().copied());
+    if after_deferred {
+        // Never ahead of a job queued before it on the same branch.
+        let kept = !in_group && (matches!(job, Job::Light { .. }) || group.defers(job));
+        return if kept { Fate::Defer } else { Fate::Stop };
+    }
+    if matches!(job, Job::Light { .. }) {
+        return if in_group {
+            Fate::Stop
+        } else {
+            Fate::InPassing
+        };
+    }
+    if group.accepts(job) {
+        return Fate::Join;
+    }
+    if in_group {
+        return Fate::Stop;
+    }
+    if matches!(job, Job::Commit(req) if req.is_sample_only()) {
+        return Fate::InPassing;
+    }
+    if group.defers(job) {
+        Fate::Defer
+    } else {
+        Fate::Stop
     }
 }
 
@@ -162,6 +273,10 @@ impl Gathering for CommitGathering {
         fits && !self.members.touches(req.items.iter().map(|(c, _)| c))
     }
 
+    fn defers(&self, job: &Job) -> bool {
+        matches!(job, Job::Prefill(_))
+    }
+
     fn add(&mut self, job: Job, w: &mut Worker) {
         let Some(Job::Commit(req)) = w.admit(job) else {
             return;
@@ -206,6 +321,10 @@ impl Gathering for PrefillGathering {
     fn accepts(&self, job: &Job) -> bool {
         let Job::Prefill(req) = job else { return false };
         !self.members.touches(req.items.iter().map(|(c, _)| c))
+    }
+
+    fn defers(&self, job: &Job) -> bool {
+        matches!(job, Job::Commit(req) if !req.runs_alone())
     }
 
     fn add(&mut self, job: Job, w: &mut Worker) {

@@ -136,6 +136,14 @@ pub(crate) enum Job {
     /// Empty the sequence of a fresh lease (`Branch::create`). It touches no other sequence,
     /// so a gathering runs it in passing instead of stopping at it. Nobody waits for it.
     Clear(Seq),
+    /// A KV operation that decodes nothing and touches only these branches (a prefix
+    /// cache's `share_prefix`): a gathering runs it in passing unless the group has a branch
+    /// it `writes` (one it only `reads` may be in the group: the group has not run yet).
+    Light {
+        reads: Vec<Arc<BranchCell>>,
+        writes: Vec<Arc<BranchCell>>,
+        task: Box<dyn RunJob>,
+    },
     /// Any other work, run in order.
     Run(Box<dyn RunJob>),
 }
@@ -146,6 +154,7 @@ impl Job {
             Job::Commit(c) => Some(&c.ticket),
             Job::Prefill(p) => Some(&p.ticket),
             Job::Clear(_) => None,
+            Job::Light { task, .. } => Some(task.ticket()),
             Job::Run(r) => Some(r.ticket()),
         }
     }
@@ -156,6 +165,7 @@ impl Job {
             Job::Commit(c) => c.reply.send(Err(err)),
             Job::Prefill(p) => p.reply.send(Err(err)),
             Job::Clear(_) => {}
+            Job::Light { task, .. } => task.fail(err),
             Job::Run(r) => r.fail(err),
         }
     }
@@ -327,6 +337,28 @@ impl Engine {
         let ticket = Ticket::new(policy, self.shared.abort.clone());
         let (reply, pending) = Pending::channel(Some(ticket.clone()));
         match self.send(Job::Run(Box::new(Task { f, reply, ticket }))) {
+            Ok(()) => pending,
+            Err(e) => Pending::ready(Err(e)),
+        }
+    }
+
+    /// Queue `f`, a KV operation that decodes nothing, reads only `reads` and changes only
+    /// `writes`: a gathering of other branches' commits or prefills runs it in passing
+    /// instead of stopping at it.
+    pub fn run_light<T: Send + 'static>(
+        &self,
+        reads: Vec<Arc<BranchCell>>,
+        writes: Vec<Arc<BranchCell>>,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        let task = Box::new(Task { f, reply, ticket });
+        match self.send(Job::Light {
+            reads,
+            writes,
+            task,
+        }) {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }

@@ -3,6 +3,7 @@
 //! `prefill.rs`; every other operation has its file beside this one (see `mod.rs`). They
 //! reach the context, the batch and the loans through the few methods below.
 
+use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +14,7 @@ use super::gather::{CommitGathering, PrefillGathering, Window};
 use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
-use super::{panic_message, Job};
+use super::{panic_message, Job, RunJob};
 use crate::adapter::AdapterKey;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
@@ -23,8 +24,9 @@ pub(crate) struct Worker {
     ctx: LlamaCtx,
     batch: Batch,
     shared: Arc<Shared>,
-    /// A job pulled while gathering a group that could not join it: it runs next.
-    stash: Option<Job>,
+    /// Jobs pulled while gathering a group that could not join it, in their queue order:
+    /// they run before anything still in the channel (see `gather.rs`).
+    stash: VecDeque<Job>,
     /// Tokens decoded by the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
@@ -72,7 +74,7 @@ impl Worker {
             ctx,
             batch,
             shared,
-            stash: None,
+            stash: VecDeque::new(),
             last_group: 0,
             last_decode: Duration::ZERO,
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
@@ -84,7 +86,7 @@ impl Worker {
 
     pub fn run(mut self, rx: Receiver<Job>) {
         loop {
-            let job = match self.stash.take() {
+            let job = match self.stash.pop_front() {
                 Some(job) => job,
                 None => match rx.recv() {
                     Ok(job) => job,
@@ -93,13 +95,7 @@ impl Worker {
             };
             let Some(job) = self.admit(job) else { continue };
             match job {
-                Job::Run(task) => {
-                    let ticket = task.ticket().clone();
-                    self.shared.abort.set_running(ticket.id());
-                    task.run(&mut self);
-                    self.shared.abort.set_running(0);
-                    ticket.finish();
-                }
+                Job::Run(task) | Job::Light { task, .. } => self.run_task(task),
                 Job::Clear(seq) => self.clear_seq(seq),
                 Job::Commit(first) if first.is_sample_only() => self.answer_sample(first),
                 Job::Commit(first) if first.runs_alone() => self.run_commits(vec![first]),
@@ -119,6 +115,15 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Run a queued closure (its ticket marks it running, so a cancel can abort it).
+    pub(super) fn run_task(&mut self, task: Box<dyn RunJob>) {
+        let ticket = task.ticket().clone();
+        self.shared.abort.set_running(ticket.id());
+        task.run(self);
+        self.shared.abort.set_running(0);
+        ticket.finish();
     }
 
     // ---- what the operations (this module's other files) use ----
@@ -158,9 +163,25 @@ impl Worker {
         self.adapters = key;
     }
 
-    /// A job pulled while gathering that could not join the group: it runs next.
-    pub(super) fn run_next(&mut self, job: Job) {
-        self.stash = Some(job);
+    /// Jobs pulled while gathering that did not join the group, in queue order: they run
+    /// next, before the rest of the stash and the channel.
+    pub(super) fn run_next(&mut self, jobs: impl DoubleEndedIterator<Item = Job>) {
+        for job in jobs.rev() {
+            self.stash.push_front(job);
+        }
+    }
+
+    /// The stash's next job, else the channel's (waiting up to `wait` when it is not zero).
+    /// None when nothing came (or the channel is closed).
+    pub(super) fn next_queued(&mut self, rx: &Receiver<Job>, wait: Duration) -> Option<Job> {
+        if let Some(job) = self.stash.pop_front() {
+            return Some(job);
+        }
+        if wait.is_zero() {
+            rx.try_recv().ok()
+        } else {
+            rx.recv_timeout(wait).ok()
+        }
     }
 
     /// Threads for per-branch work right after a decode: the decode's own team.
