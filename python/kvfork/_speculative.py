@@ -167,7 +167,7 @@ class _Rounds:
         return self.queue.popleft()
 
     def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
-        self.schedule.took(len(draft), len(accepted))
+        self.schedule.took(len(draft), len(accepted), nxt)
         self.queue.append(pending)
         self.queue.extend(accepted)
         self.pending = nxt
@@ -234,12 +234,11 @@ class SpeculativeStream(_Rounds):
         if n is None:
             raise StopAsyncIteration
         draft: list[int] = []
-        if n > 0:
+        if n > 0 or self.schedule.shadowing:
             apropose = getattr(self.draft, "apropose", None)
             history = self.history(self.pending)
             guess = await apropose(history) if apropose else self.draft.propose(history)
-            draft = [int(t) for t in guess[:n]]
-        self.schedule.decoding()
+            draft = self.schedule.proposed(guess, n)
         accepted, nxt = await self.branch.speculate(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
@@ -265,9 +264,8 @@ class SpeculativeStreamSync(_Rounds):
         if n is None:
             raise StopIteration
         draft: list[int] = []
-        if n > 0:
-            draft = [int(t) for t in self.draft.propose(self.history(self.pending))[:n]]
-        self.schedule.decoding()
+        if n > 0 or self.schedule.shadowing:
+            draft = self.schedule.proposed(self.draft.propose(self.history(self.pending)), n)
         accepted, nxt = self.branch.speculate_sync(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
