@@ -97,7 +97,7 @@ class Replay:
         self.after = {tuple(run[i - 4 : i]): run[i] for i in range(4, len(run))}
 
     def propose(self, tokens: Sequence[int]) -> list[int]:
-        tail, guess = list(tokens[-4:]), []
+        tail, guess = list(tokens[-4:]), list[int]()
         while len(guess) < 4 and (nxt := self.after.get(tuple(tail))) is not None:
             guess.append(nxt)
             tail = [*tail[1:], nxt]

@@ -365,10 +365,11 @@ mod tests {
     }
 
     /// Seconds of a decode of `w` rows on the 2-core CPU of the benchmarks (Gemma 3 270M:
-    /// its 262,144-token output layer makes every row dear; 9 rows cost about 4 one-row
+    /// its 262,144-token output layer makes every row dear; 9 rows cost about 4.5 one-row
     /// decodes).
     fn cpu(w: usize) -> f64 {
-        [0.0, 1.0, 2.2, 2.5, 3.0, 3.4, 3.6, 3.8, 4.0, 4.1][w.min(9)] + 0.4 * w.saturating_sub(9) as f64
+        [0.0, 1.0, 1.7, 1.9, 2.6, 3.4, 3.7, 4.0, 4.3, 4.5][w.min(9)]
+            + 0.4 * w.saturating_sub(9) as f64
     }
 
     #[test]
@@ -377,7 +378,9 @@ mod tests {
             let mut p = GuessPolicy::new();
             let mut state = 7u64;
             let (tokens, seconds, decoded) = simulate_shadowed(&mut p, 300, 8, cpu, || {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (state >> 33) % 100 < keep_pct
             });
             if keep_pct < 50 {
@@ -385,7 +388,11 @@ mod tests {
                 assert_eq!(tokens / seconds, 1.0);
             } else {
                 // A streak of kept shadow guesses may tempt one exploring guess.
-                assert!(tokens / seconds > 0.97, "{keep_pct} %: {}", tokens / seconds);
+                assert!(
+                    tokens / seconds > 0.97,
+                    "{keep_pct} %: {}",
+                    tokens / seconds
+                );
             }
         }
     }
@@ -406,7 +413,7 @@ mod tests {
         p.shadow(true);
         assert_eq!(p.guess_len(8), 8, "explores at {}", p.acceptance());
         let (tokens, seconds, _) = simulate_shadowed(&mut p, 60, 8, cpu, || true);
-        assert!(tokens / seconds > 2.0, "{}", tokens / seconds);
+        assert!(tokens / seconds > 1.8, "{}", tokens / seconds);
     }
 
     #[test]

@@ -440,7 +440,8 @@ impl<D: Drafter> SpeculativeStream<D> {
         }
         let drafted = guess.len();
         let done = self.branch.speculate(pending.token, guess).wait()?;
-        self.schedule.took(drafted, done.accepted.len(), done.next.token);
+        self.schedule
+            .took(drafted, done.accepted.len(), done.next.token);
         self.queue.push_back(pending);
         self.queue.extend(done.accepted);
         self.pending = Some(done.next);
@@ -540,7 +541,10 @@ mod tests {
         let mut other = s.clone();
         s.took(2, 2, 8);
         other.took(2, 2, 9);
-        assert!(s.policy().acceptance() > other.policy().acceptance(), "8 was checked");
+        assert!(
+            s.policy().acceptance() > other.policy().acceptance(),
+            "8 was checked"
+        );
         assert!(s.shadowing());
         assert_eq!((s.rounds(), s.drafted(), s.accepted()), (5, 4, 3));
     }

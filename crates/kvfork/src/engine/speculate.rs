@@ -49,7 +49,7 @@ impl Worker {
         // A decode of at most n_seq_max outputs neither moves llama.cpp's output buffer nor
         // writes it unless it succeeds (`loans.rs`): the branch keeps its lent row through it
         // (in flight) instead of copying it aside, as a commit's members do.
-        let keep_loan = 1 + draft.len() <= self.ctx().n_seq_max as usize;
+        let keep_loan = draft.len() < self.ctx().n_seq_max as usize;
         let decoded = self.use_adapters(&adapters).and_then(|()| {
             if keep_loan {
                 self.loans().give_back_except(&[cell]);
