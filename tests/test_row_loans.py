@@ -89,6 +89,40 @@ def test_a_failed_commit_keeps_the_lent_row(model: kvfork.Model) -> None:
         assert a.position == 129 and math.isfinite(a.perplexity)
 
 
+def test_a_one_token_speculate_keeps_its_loan_and_its_forks_rows(ctx: kvfork.Context) -> None:
+    # A speculative round with no guess decodes its branch as a commit does: the branch's
+    # lent row is in flight through the decode (not copied), a fork sharing it keeps it.
+    a = root(ctx, params=CHAIN)
+    kvfork.BranchStore(ctx).step_sync([a])  # a's row lent
+    fork, twin = a.fork_sync(), a.fork_sync()  # both share a's row
+    before = reading(a)
+    pending = a.produce_sync()
+    assert twin.produce_sync() == pending
+    accepted, nxt = a.speculate_sync(pending, [])
+    assert accepted == [] and reading(fork) == before
+    twin.commit_sync(pending.token)  # the same decode, as a commit
+    assert reading(a) == reading(twin) != before
+    assert twin.produce_sync() == nxt
+
+
+def test_a_failed_one_token_speculate_keeps_the_lent_row(model: kvfork.Model) -> None:
+    with kvfork.create_context_sync(model, n_ctx=256, n_batch=256, n_seq_max=4) as tiny:
+        words = tiny.tokenize(PROMPT * 30)
+        a = kvfork.Branch.create(tiny, 0, GREEDY)
+        b = kvfork.Branch.create(tiny, 0, GREEDY)
+        a.prefill_sync(words[:127])
+        b.prefill_sync(words[:127])
+        kvfork.BranchStore(tiny).step_sync([a, b])  # 256 cells: full, both rows lent
+        before = (reading(a), a.position, a.perplexity)
+        pending = a.produce_sync()
+        with pytest.raises(kvfork.KvCacheFullError):
+            a.speculate_sync(pending, [])  # llama_decode finds no slot
+        assert (reading(a), a.position, a.perplexity) == before
+        b.prune_sync()
+        accepted, nxt = a.speculate_sync(pending, [])  # room again
+        assert accepted == [] and a.position == 129 and not nxt.is_stop
+
+
 def test_a_decode_that_moves_the_output_buffer(model: kvfork.Model) -> None:
     # Outputs beyond n_seq_max (a speculative check of 9 positions here) make llama.cpp
     # allocate a larger output buffer: every lent row is copied out before that decode.

@@ -5,6 +5,7 @@ what was accepted."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,28 @@ class Wrong:
 
     def propose(self, tokens: Sequence[int]) -> list[int]:
         return [7, 7, 7]
+
+
+class SlowWrong(Wrong):
+    """Always wrong, and too dear to be asked for shadow guesses: the policy guesses blind
+    and probes, as it does for a draft model."""
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        time.sleep(0.05)
+        return super().propose(tokens)
+
+
+class MostlyRight:
+    """Knows the tokens the chain draws (`expected`, after `prompt_len` prompt tokens):
+    guesses the next 6 right and the one after them wrong."""
+
+    def __init__(self, prompt_len: int, expected: list[int]) -> None:
+        self.prompt_len = prompt_len
+        self.expected = expected
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        i = len(tokens) - self.prompt_len
+        return [*self.expected[i : i + 6], 7]
 
 
 def pair(
@@ -58,12 +81,44 @@ def test_prompt_lookup_draws_what_plain_generation_draws(
 
 async def test_rejected_drafts_leave_no_trace(ctx: kvfork.Context) -> None:
     plain, spec = pair(ctx, SEEDED)
+    prompt_len = plain.position
     expected = [t.token async for t in plain.generate(24)]
-    stream = spec.generate(24, draft=Wrong())
+    stream = spec.generate(24, draft=MostlyRight(prompt_len, expected))
     assert [t.token async for t in stream] == expected
-    assert stream.accepted == 0 and stream.drafted > 0
+    # Its shadow guesses were kept (mostly), so it guessed, and the chain refused the wrong
+    # tokens.
+    assert 0 < stream.accepted < stream.drafted
     assert spec.position == plain.position
     assert ctx.kv_seq_pos_max_sync(spec.seq_id) == spec.position - 1  # the guesses are gone
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_stream_whose_guesses_would_be_refused_decodes_none(
+    ctx: kvfork.Context, params: kvfork.SamplingParams | dict[str, Any] | None
+) -> None:
+    # The wrong guesses are checked against the drawn tokens (shadow checks), never decoded:
+    # one one-token decode a token, as plain generation (seeded too: the same decodes).
+    plain, spec = pair(ctx, params)
+    expected = [t.token for t in plain.generate_sync(24)]
+    before = ctx.stats()["decode_calls"]
+    stream = spec.generate(24, draft=Wrong())
+    assert [t.token async for t in stream] == expected
+    assert (stream.drafted, stream.rounds) == (0, 24)
+    assert ctx.stats()["decode_calls"] - before == 24
+    assert stream.schedule.resting and stream.schedule.shadowing
+    assert spec.position == plain.position and spec.perplexity == plain.perplexity
+    sync = plain.fork_sync().generate_sync(8, draft=Wrong())
+    assert len(list(sync)) == 8 and sync.drafted == 0
+
+
+def test_a_dear_drafter_is_not_asked_for_shadow_guesses(ctx: kvfork.Context) -> None:
+    plain, spec = pair(ctx, SEEDED)
+    expected = [t.token for t in plain.generate_sync(12)]
+    stream = spec.generate_sync(12, draft=SlowWrong())
+    assert [t.token for t in stream] == expected
+    # Asked once in the first round (its cost unknown), then only to guess: it guesses blind.
+    assert not stream.schedule.shadowing
+    assert stream.accepted == 0 and stream.drafted > 0
 
 
 def test_a_grammar_constrains_the_drafts(ctx: kvfork.Context) -> None:
@@ -71,7 +126,7 @@ def test_a_grammar_constrains_the_drafts(ctx: kvfork.Context) -> None:
     for b in (plain, spec):
         b.set_regex(" [0-9]{6}")
     expected = "".join(t.text for t in plain.generate_sync(12))
-    stream = spec.generate_sync(12, draft=Wrong())
+    stream = spec.generate_sync(12, draft=SlowWrong())
     got = "".join(t.text for t in stream)
     # Wrong drafts are rejected and the constraint holds. (Equality with the plain branch is
     # not asserted: the six digits are near-uniform, and a verification batch's logits differ

@@ -665,12 +665,26 @@ class SpeculativeSchedule:
         `pending` alone), or None when the stream ends at `pending` (a stop token, or a full
         context).
         """
-    def decoding(self) -> None:
-        """The round's decode starts now (`took` ends it: the policy learns what a decode of each
-        width costs, without the drafter's time).
+    @property
+    def shadowing(self) -> bool:
+        """Whether this round asks the drafter even when `guess_len` gave 0: the guess is not
+        decoded but checked against the tokens the chain draws next (the acceptance measured
+        for free, while the drafter costs at most a small share of a one-token round).
         """
-    def took(self, drafted: int, accepted: int) -> None:
-        """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept."""
+    def proposed(self, guess: Sequence[int], len: int) -> list[int]:
+        """The drafter guessed `guess` for a round of `len` guessed tokens (from `guess_len`):
+        records the drafter's time, keeps the tokens after the draft for shadow checks, and
+        starts timing the decode. Returns the draft: `guess` cut to `len` (ValueError for a
+        token in it out of range).
+        """
+    def decoding(self) -> None:
+        """The round's decode starts now, without a `proposed` guess (`took` ends it: the policy
+        learns what a decode of each width costs).
+        """
+    def took(self, drafted: int, accepted: int, next: Token) -> None:
+        """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
+        token the chain drew after them.
+        """
     @property
     def stop_reason(self) -> _StopReason | None:
         """Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs."""

@@ -4,7 +4,9 @@ Each round decodes the token the sampler drew last plus a guess of the next toke
 `llama_decode` (`Branch.speculate`), then the branch's own chain samples position by position
 and keeps the guess while it agrees. The tokens are those plain generation draws (same chain,
 same order of random draws, penalties, grammar and perplexity fed the same way), up to the
-rounding of a batched decode; good guesses just need fewer decodes.
+rounding of a batched decode; good guesses just need fewer decodes. A round that guesses
+nothing still asks a cheap drafter, and checks its guess against the tokens drawn next
+(`SpeculativeSchedule.shadowing`): guesses are decoded only once they would be kept.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class _Rounds:
         return self.queue.popleft()
 
     def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
-        self.schedule.took(len(draft), len(accepted))
+        self.schedule.took(len(draft), len(accepted), nxt)
         self.queue.append(pending)
         self.queue.extend(accepted)
         self.pending = nxt
@@ -212,10 +214,16 @@ class SpeculativeStream(_Rounds):
     plain generation, ending at a stop token (not committed), `max_tokens` or a full context
     (`stop_reason`; with `on_context_full="shift"` the context shifts instead, counted in
     `shifts`). Each round guesses as many tokens as pay, from the measured acceptance and
-    the measured cost of a wider decode, or none (see `kvfork_core::GuessPolicy`).
-    `rounds`, `drafted`, `accepted` and `acceptance` tell how the draft did. At the end the sampler has drawn the one token after the last yielded (not
-    committed) — one random draw past plain generation. A drafter with
-    `async apropose(tokens)` is awaited (the event loop never waits on it)."""
+    the measured cost of a wider decode, or none (see `kvfork_core::GuessPolicy`). A cheap
+    drafter (microseconds, as `PromptLookup`) is asked in rounds that guess nothing too: its
+    guess is not decoded but checked against the tokens drawn next, so the acceptance is
+    measured without a decode and a stream whose guesses would be refused decodes one token
+    a round, as plain generation does (the same decodes: seeded draws included, the same
+    tokens). `rounds`, `drafted` (guessed tokens decoded; checked ones are not counted),
+    `accepted` and `acceptance` tell how the draft did. At the end the sampler has drawn the
+    one token after the last yielded (not committed) — one random draw past plain
+    generation. A drafter with `async apropose(tokens)` is awaited (the event loop never
+    waits on it)."""
 
     def __aiter__(self) -> SpeculativeStream:
         return self
@@ -234,12 +242,11 @@ class SpeculativeStream(_Rounds):
         if n is None:
             raise StopAsyncIteration
         draft: list[int] = []
-        if n > 0:
+        if n > 0 or self.schedule.shadowing:
             apropose = getattr(self.draft, "apropose", None)
             history = self.history(self.pending)
             guess = await apropose(history) if apropose else self.draft.propose(history)
-            draft = [int(t) for t in guess[:n]]
-        self.schedule.decoding()
+            draft = self.schedule.proposed(guess, n)
         accepted, nxt = await self.branch.speculate(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()
@@ -265,9 +272,8 @@ class SpeculativeStreamSync(_Rounds):
         if n is None:
             raise StopIteration
         draft: list[int] = []
-        if n > 0:
-            draft = [int(t) for t in self.draft.propose(self.history(self.pending))[:n]]
-        self.schedule.decoding()
+        if n > 0 or self.schedule.shadowing:
+            draft = self.schedule.proposed(self.draft.propose(self.history(self.pending)), n)
         accepted, nxt = self.branch.speculate_sync(self.pending, draft)
         self.took(self.pending, draft, accepted, nxt)
         return self.pop()

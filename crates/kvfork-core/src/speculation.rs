@@ -15,6 +15,18 @@
 //! While it does not pay, the policy *rests*, and now and then *probes* with a short guess:
 //! the acceptance may have changed (the output started quoting its input). A probe that
 //! does not win doubles the rest; one that does ends it.
+//!
+//! A stream whose drafter is cheap (a lookup in the history: microseconds against a decode's
+//! milliseconds) *shadows* instead: it asks for a guess even when it decodes none, and
+//! checks the guess against the tokens the chain then draws, one a round, up to the first
+//! that differs ([`GuessPolicy::shadow`]; a dearer drafter, above [`SHADOW_SHARE`] of a
+//! one-token round, is not asked). That measures the acceptance for free, so a shadowing policy
+//! never guesses before it has timed a one-token round, guesses wider than it has timed
+//! (assumed cheap, to be measured) only once the acceptance reaches [`EXPLORE_ACCEPTANCE`],
+//! and probes only from that acceptance on, to time again its widest guess (one round that
+//! waited for a busy core can make it look too dear), until it has a few times of it: on
+//! text the drafter does not predict it decodes one token a round, as plain generation
+//! does.
 
 /// Longest guess a round decodes.
 pub const MAX_GUESS: usize = 64;
@@ -32,6 +44,9 @@ const TIMES_KEPT: usize = 8;
 const GAIN_MARGIN: f64 = 1.05;
 /// Guess length of a probe.
 const PROBE_GUESS: usize = 2;
+/// A shadowing policy probes (times again) its widest guess until it has this many times
+/// of it: then their median is not one round that waited for a busy core.
+const RETIMED: usize = 3;
 /// Rounds of rest before the first probe; doubles after each probe that changes nothing.
 const FIRST_REST: u32 = 8;
 const MAX_REST: u32 = 256;
@@ -40,6 +55,12 @@ const MAX_REST: u32 = 256;
 const UNTIMED_GUESSES: u32 = 2;
 /// Longest first guess (a guess wider than any timed one at most doubles the widest).
 pub const FIRST_GUESS: usize = 8;
+/// A shadowing policy guesses wider than it has timed only from this acceptance on (such a
+/// guess is costed as free until timed; refused on a CPU, it costs a few tokens' time).
+pub const EXPLORE_ACCEPTANCE: f64 = 0.9;
+/// Shadow checks are asked of a drafter that costs at most this share of a one-token round
+/// (each round pays it).
+pub const SHADOW_SHARE: f64 = 0.02;
 
 /// The guess-length controller of one speculative stream. Pure: the caller times the rounds
 /// and reports them with [`GuessPolicy::record`].
@@ -57,6 +78,10 @@ pub struct GuessPolicy {
     resting: bool,
     rest_left: u32,
     rest: u32,
+    /// The stream checks guesses it does not decode ([`GuessPolicy::offer_shadow`]), and
+    /// its drafter's decayed mean seconds.
+    shadow_offered: bool,
+    drafter: Option<f64>,
 }
 
 impl Default for GuessPolicy {
@@ -77,7 +102,45 @@ impl GuessPolicy {
             resting: false,
             rest_left: 0,
             rest: FIRST_REST,
+            shadow_offered: false,
+            drafter: None,
         }
+    }
+
+    /// The stream offers shadow checks: it will ask its drafter for a guess even when it
+    /// decodes none, and report each guessed token it did not decode, checked against the
+    /// token drawn there, with [`shadow`](Self::shadow), as long as
+    /// [`shadowing`](Self::shadowing) says so.
+    pub fn offer_shadow(&mut self) {
+        self.shadow_offered = true;
+    }
+
+    /// Record what the drafter took to guess, in seconds (not finite or negative: ignored).
+    /// A drafter dearer than [`SHADOW_SHARE`] of a one-token round is not asked for shadow
+    /// guesses: the policy probes instead.
+    pub fn drafter_took(&mut self, seconds: f64) {
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.drafter = Some(self.drafter.map_or(seconds, |d| 0.75 * d + 0.25 * seconds));
+        }
+    }
+
+    /// Whether the stream should ask its drafter even for no guess, and check the guess
+    /// (shadow checks were offered and the drafter is cheap, or not timed yet). A shadowing
+    /// policy never guesses blind, and probes only where the guesses would be kept.
+    pub fn shadowing(&self) -> bool {
+        self.shadow_offered
+            && match (self.drafter, self.cost(1)) {
+                (Some(d), Some(one)) => d <= SHADOW_SHARE * one,
+                _ => true,
+            }
+    }
+
+    /// A guessed token that was not decoded, checked against the token the chain drew there:
+    /// one trial of the acceptance, as if it had been decoded (no time: nothing was).
+    pub fn shadow(&mut self, kept: bool) {
+        let (kept, refused) = if kept { (1.0, 0.0) } else { (0.0, 1.0) };
+        self.kept = self.kept * (1.0 - DECAY) + kept;
+        self.refused = self.refused * (1.0 - DECAY) + refused;
     }
 
     /// Estimated per-position acceptance (a faint even prior keeps it defined when all the
@@ -127,12 +190,17 @@ impl GuessPolicy {
 
     /// The guess length that yields the most tokens per second, at most `cap`, and the
     /// gain over no guess (tokens per second relative to a one-token round); `None` while
-    /// a one-token round has not been timed.
+    /// a one-token round has not been timed. A shadowing policy below
+    /// [`EXPLORE_ACCEPTANCE`] considers only the widths up to the widest it has timed.
     pub fn best(&self, cap: usize) -> Option<(usize, f64)> {
         let one = self.cost(1)?;
         let p = self.acceptance();
+        let mut cap = cap.min(MAX_GUESS);
+        if p < EXPLORE_ACCEPTANCE && self.shadowing() {
+            cap = cap.min(self.widest().map_or(0, |w| w - 1));
+        }
         let mut best = (0, 1.0);
-        for k in 1..=cap.min(MAX_GUESS) {
+        for k in 1..=cap {
             let rate = Self::expected_tokens(p, k) / self.cost(k + 1)? * one;
             if rate > best.1 {
                 best = (k, rate);
@@ -154,9 +222,10 @@ impl GuessPolicy {
             return 0;
         }
         let Some((k, gain)) = self.best(cap) else {
-            // Nothing to compare with yet: guess, but time a one-token round soon (it yields
-            // a token at plain generation's cost: it loses nothing).
-            if self.guesses_untimed >= UNTIMED_GUESSES {
+            // Nothing to compare with yet: guess (unless shadow checks will tell whether to),
+            // but time a one-token round soon (it yields a token at plain generation's cost:
+            // it loses nothing).
+            if self.shadowing() || self.guesses_untimed >= UNTIMED_GUESSES {
                 return 0;
             }
             return cap;
@@ -170,6 +239,21 @@ impl GuessPolicy {
             self.resting = true;
             self.rest_left = self.rest;
         }
+        // Shadow checks follow the acceptance without probing, unless they say the guesses
+        // would be kept: then it is a width's cost that says no (one round that waited for a
+        // busy core can make it look dear), so it is timed again now and then.
+        let probe = if self.shadowing() {
+            match self.widest() {
+                Some(w)
+                    if self.acceptance() >= EXPLORE_ACCEPTANCE && self.times[w].len < RETIMED =>
+                {
+                    (w - 1).min(cap)
+                }
+                _ => return 0,
+            }
+        } else {
+            PROBE_GUESS.min(cap)
+        };
         if self.rest_left > 0 {
             self.rest_left -= 1;
             return 0;
@@ -177,7 +261,7 @@ impl GuessPolicy {
         // Rested long enough: probe, and rest longer if the probe changes nothing.
         self.rest = (self.rest * 2).min(MAX_REST);
         self.rest_left = self.rest;
-        PROBE_GUESS.min(cap)
+        probe
     }
 
     /// Whether the policy found that guessing does not pay (it only probes now and then).
@@ -265,6 +349,159 @@ mod tests {
             seconds += t;
         }
         (tokens, seconds)
+    }
+
+    /// `simulate` for a shadowing stream: a round that decodes no guess (or keeps all of
+    /// it) checks the drafter's next guessed token against the next drawn one. Returns the
+    /// tokens, the seconds and the guessed tokens decoded.
+    fn simulate_shadowed(
+        policy: &mut GuessPolicy,
+        rounds: usize,
+        cap: usize,
+        cost: impl Fn(usize) -> f64,
+        mut keeps: impl FnMut() -> bool,
+    ) -> (f64, f64, usize) {
+        policy.offer_shadow();
+        let (mut tokens, mut seconds, mut decoded) = (0.0, 0.0, 0);
+        for _ in 0..rounds {
+            let k = policy.guess_len(cap);
+            let asks = k > 0 || policy.shadowing();
+            let kept = (0..k).take_while(|_| keeps()).count();
+            let t = cost(k + 1);
+            policy.drafter_took(t / 1000.0);
+            policy.record(k, kept, t);
+            if asks && kept == k {
+                policy.shadow(keeps());
+            }
+            tokens += 1.0 + kept as f64;
+            seconds += t;
+            decoded += k;
+        }
+        (tokens, seconds, decoded)
+    }
+
+    /// Seconds of a decode of `w` rows on the 2-core CPU of the benchmarks (Gemma 3 270M:
+    /// its 262,144-token output layer makes every row dear; 9 rows cost about 4.5 one-row
+    /// decodes).
+    fn cpu(w: usize) -> f64 {
+        [0.0, 1.0, 1.7, 1.9, 2.6, 3.4, 3.7, 4.0, 4.3, 4.5][w.min(9)]
+            + 0.4 * w.saturating_sub(9) as f64
+    }
+
+    #[test]
+    fn a_shadowing_policy_never_guesses_on_text_the_drafter_does_not_predict() {
+        for keep_pct in [0u64, 20, 35, 50, 65, 75] {
+            let mut p = GuessPolicy::new();
+            let mut state = 7u64;
+            let (tokens, seconds, decoded) = simulate_shadowed(&mut p, 300, 8, cpu, || {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 33) % 100 < keep_pct
+            });
+            if keep_pct < 50 {
+                assert_eq!(decoded, 0, "{keep_pct} %: no guess decoded");
+                assert_eq!(tokens / seconds, 1.0);
+            } else {
+                // A streak of kept shadow guesses may tempt one exploring guess.
+                assert!(
+                    tokens / seconds > 0.97,
+                    "{keep_pct} %: {}",
+                    tokens / seconds
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_shadowing_policy_guesses_in_full_once_its_shadow_guesses_are_kept() {
+        let mut p = GuessPolicy::new();
+        p.offer_shadow();
+        assert_eq!(p.guess_len(8), 0, "no blind first guess");
+        p.record(0, 0, 1.0);
+        // Six shadow guesses kept in a row: the acceptance reaches the explore threshold.
+        for _ in 0..5 {
+            p.shadow(true);
+            assert!(p.acceptance() < EXPLORE_ACCEPTANCE);
+            assert_eq!(p.guess_len(8), 0);
+            p.record(0, 0, 1.0);
+        }
+        p.shadow(true);
+        assert_eq!(p.guess_len(8), 8, "explores at {}", p.acceptance());
+        let (tokens, seconds, _) = simulate_shadowed(&mut p, 60, 8, cpu, || true);
+        assert!(tokens / seconds > 1.8, "{}", tokens / seconds);
+    }
+
+    #[test]
+    fn a_width_timed_too_dear_once_is_timed_again_while_guesses_would_be_kept() {
+        let mut p = GuessPolicy::new();
+        p.offer_shadow();
+        p.record(0, 0, 1.0);
+        p.record(8, 8, 20.0); // a 9-row round that waited for a busy core
+        for _ in 0..8 {
+            p.shadow(true);
+        }
+        assert_eq!(
+            p.guess_len(8),
+            0,
+            "9 tokens in 20 one-token times do not pay"
+        );
+        let guesses: Vec<usize> = (0..FIRST_REST as usize + 1)
+            .map(|_| {
+                let k = p.guess_len(8);
+                p.record(k, k, if k > 0 { 4.5 } else { 1.0 });
+                p.shadow(true);
+                k
+            })
+            .collect();
+        // A probe after the rest, then (its time the median now) guesses that pay.
+        assert_eq!(guesses, [0, 0, 0, 0, 0, 0, 0, 8, 8]);
+        // Refused shadow guesses: no probe, whatever the rest.
+        let mut q = GuessPolicy::new();
+        q.offer_shadow();
+        q.record(0, 0, 1.0);
+        q.record(8, 8, 20.0);
+        for _ in 0..1000 {
+            q.shadow(false);
+            assert_eq!(q.guess_len(8), 0);
+            q.record(0, 0, 1.0);
+        }
+    }
+
+    #[test]
+    fn a_dear_drafter_is_not_asked_for_shadow_guesses() {
+        let mut p = GuessPolicy::new();
+        assert!(!p.shadowing(), "not offered");
+        p.offer_shadow();
+        assert!(p.shadowing(), "the drafter's cost is not known yet");
+        p.record(0, 0, 1.0);
+        p.drafter_took(0.001);
+        assert!(p.shadowing());
+        for _ in 0..20 {
+            p.drafter_took(0.5);
+        }
+        assert!(!p.shadowing(), "half a round per guess");
+        p.drafter_took(f64::NAN);
+        assert!(!p.shadowing());
+    }
+
+    #[test]
+    fn a_policy_whose_drafter_is_dear_probes_again() {
+        let mut p = GuessPolicy::new();
+        p.offer_shadow();
+        p.record(0, 0, 1.0);
+        for _ in 0..20 {
+            p.drafter_took(0.5);
+        }
+        // Guesses refused: it rests, then probes without shadow checks.
+        let mut n = 0u32;
+        simulate(&mut p, 200, 8, linear(0.5), || {
+            n += 1;
+            n.is_multiple_of(10)
+        });
+        assert!(p.resting());
+        let guesses: usize = (0..600).map(|_| p.guess_len(8)).filter(|&k| k > 0).count();
+        assert!(guesses > 0, "probes while resting");
     }
 
     #[test]
@@ -387,6 +624,30 @@ mod tests {
                 (state % 100) < u64::from(keep_pct)
             });
             prop_assert!(tokens / seconds > 0.9, "rate {}", tokens / seconds);
+            for c in [0, 1, cap, 1000] {
+                prop_assert!(p.guess_len(c) <= c.min(MAX_GUESS));
+            }
+        }
+
+        /// A shadowing policy pays for no blind guess, and probes only while the shadow
+        /// guesses are kept, a few times at most: it keeps 93 % of the rate of never
+        /// guessing however dear the rows, and its guesses stay within the cap.
+        #[test]
+        fn a_shadowing_policy_is_never_much_slower_than_no_guess(
+            per_row in 0.0f64..1.5,
+            keep_pct in 0u32..=100,
+            cap in 0usize..80,
+            seed in any::<u64>(),
+        ) {
+            let mut p = GuessPolicy::new();
+            let mut state = seed | 1;
+            let (tokens, seconds, _) = simulate_shadowed(&mut p, 600, cap, linear(per_row), || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % 100) < u64::from(keep_pct)
+            });
+            prop_assert!(tokens / seconds > 0.93, "rate {}", tokens / seconds);
             for c in [0, 1, cap, 1000] {
                 prop_assert!(p.guess_len(c) <= c.min(MAX_GUESS));
             }

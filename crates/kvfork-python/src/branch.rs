@@ -765,7 +765,7 @@ fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
     PyErr::warn(py, category.as_any(), &msg, 1)
 }
 
-fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
+pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
     draft
         .into_iter()
         .map(|t| {

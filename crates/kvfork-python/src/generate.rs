@@ -216,15 +216,41 @@ impl PySpeculativeSchedule {
         self.with(|s| s.guess_len(&branch, &produced))
     }
 
-    /// The round's decode starts now (`took` ends it: the policy learns what a decode of each
-    /// width costs, without the drafter's time).
+    /// Whether this round asks the drafter even when `guess_len` gave 0: the guess is not
+    /// decoded but checked against the tokens the chain draws next (the acceptance measured
+    /// for free, while the drafter costs at most a small share of a one-token round).
+    #[getter]
+    fn shadowing(&self) -> bool {
+        self.with(|s| s.shadowing())
+    }
+
+    /// The drafter guessed `guess` for a round of `len` guessed tokens (from `guess_len`):
+    /// records the drafter's time, keeps the tokens after the draft for shadow checks, and
+    /// starts timing the decode. Returns the draft: `guess` cut to `len` (ValueError for a
+    /// token in it out of range).
+    fn proposed(&self, guess: Vec<i64>, len: usize) -> PyResult<Vec<kvfork::Token>> {
+        let cut = len.min(guess.len());
+        let mut tokens = crate::branch::draft_tokens(guess[..cut].to_vec())?;
+        // After the draft, a number that is no token is never drawn: the checks stop there.
+        tokens.extend(
+            guess[cut..]
+                .iter()
+                .map_while(|&t| kvfork::Token::try_from(t).ok()),
+        );
+        Ok(self.with(|s| s.proposed(tokens, len)))
+    }
+
+    /// The round's decode starts now, without a `proposed` guess (`took` ends it: the policy
+    /// learns what a decode of each width costs).
     fn decoding(&self) {
         self.with(|s| s.decoding());
     }
 
-    /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.
-    fn took(&self, drafted: usize, accepted: usize) {
-        self.with(|s| s.took(drafted, accepted));
+    /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
+    /// token the chain drew after them.
+    fn took(&self, drafted: usize, accepted: usize, next: &Bound<'_, PyToken>) {
+        let next = next.get().token;
+        self.with(|s| s.took(drafted, accepted, next));
     }
 
     /// Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs.

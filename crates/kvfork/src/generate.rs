@@ -194,8 +194,12 @@ pub trait Drafter {
 
 /// The budget and guess length of speculative rounds, and what the guesses earned. Each
 /// round's guess length (0: no guess) comes from a [`GuessPolicy`], told every round's
-/// outcome and the time of its decode (from [`decoding`](Self::decoding) to
-/// [`took`](Self::took)).
+/// outcome and the time of its decode (from [`guess_len`](Self::guess_len), or
+/// [`proposed`](Self::proposed) when the drafter was asked, to [`took`](Self::took)).
+///
+/// A round asks the drafter when it guesses, and also when it does not but
+/// [`shadowing`](Self::shadowing) says so: the guess's next token is then checked against the
+/// token the chain draws (free evidence of the acceptance, see [`GuessPolicy::shadow`]).
 #[derive(Debug, Clone)]
 pub struct SpeculativeSchedule {
     max_tokens: Option<usize>,
@@ -204,6 +208,9 @@ pub struct SpeculativeSchedule {
     stop: Option<StopReason>,
     policy: GuessPolicy,
     round_started: Option<Instant>,
+    /// Guessed tokens not decoded, still to check against the tokens drawn, one a round (a
+    /// shadow guess, or the rest of a guess the chain kept whole).
+    shadow: VecDeque<Token>,
     rounds: usize,
     drafted: usize,
     accepted: usize,
@@ -213,13 +220,16 @@ pub struct SpeculativeSchedule {
 impl SpeculativeSchedule {
     /// A schedule for at most `max_tokens` tokens (None: no limit).
     pub fn new(max_tokens: Option<usize>) -> Self {
+        let mut policy = GuessPolicy::new();
+        policy.offer_shadow();
         SpeculativeSchedule {
             max_tokens,
             on_full: OnContextFull::Stop,
             yielded: 0,
             stop: None,
-            policy: GuessPolicy::new(),
+            policy,
             round_started: None,
+            shadow: VecDeque::new(),
             rounds: 0,
             drafted: 0,
             accepted: 0,
@@ -280,19 +290,55 @@ impl SpeculativeSchedule {
         Some(self.policy.guess_len(left.saturating_sub(1)))
     }
 
-    /// The round's decode starts now: its time, not the drafter's, is what a width costs
-    /// (the drafter's cost does not grow with the guess it is asked for).
+    /// Whether this round asks the drafter even when [`guess_len`](Self::guess_len) gave 0:
+    /// its guess is checked against the tokens drawn next, not decoded (see
+    /// [`GuessPolicy::shadowing`]); not while an earlier shadow guess is still being checked.
+    pub fn shadowing(&self) -> bool {
+        self.shadow.is_empty() && self.policy.shadowing()
+    }
+
+    /// The drafter guessed `guess` for a round of `len` guessed tokens (from
+    /// [`guess_len`](Self::guess_len)): records the drafter's time, keeps the tokens after
+    /// the draft for shadow checks, and starts timing the decode (its time, not the
+    /// drafter's, is what a width costs). Returns the draft: `guess` cut to `len`.
+    pub fn proposed(&mut self, mut guess: Vec<Token>, len: usize) -> Vec<Token> {
+        if let Some(t) = self.round_started {
+            self.policy.drafter_took(t.elapsed().as_secs_f64());
+        }
+        if len > 0 || self.shadow.is_empty() {
+            self.shadow.clear();
+            let rest = guess.get(len..).unwrap_or_default();
+            self.shadow
+                .extend(rest.iter().take(kvfork_core::speculation::MAX_GUESS));
+        }
+        guess.truncate(len);
+        self.round_started = Some(Instant::now());
+        guess
+    }
+
+    /// The round's decode starts now (without a [`proposed`](Self::proposed) guess).
     pub fn decoding(&mut self) {
         self.round_started = Some(Instant::now());
     }
 
-    /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept.
-    pub fn took(&mut self, drafted: usize, accepted: usize) {
+    /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
+    /// token the chain drew after them (checked against the shadow guess, if any).
+    pub fn took(&mut self, drafted: usize, accepted: usize, next: Token) {
         let seconds = self
             .round_started
             .take()
             .map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
         self.policy.record(drafted, accepted, seconds);
+        if accepted < drafted {
+            self.shadow.clear(); // the guess after a refused one guesses nothing drawn
+        }
+        if let Some(guessed) = self.shadow.pop_front() {
+            let kept = guessed == next;
+            self.policy.shadow(kept);
+            if !kept {
+                self.shadow.clear();
+            }
+        }
         self.rounds += 1;
         self.drafted += drafted;
         self.accepted += accepted;
@@ -386,15 +432,16 @@ impl<D: Drafter> SpeculativeStream<D> {
             return Ok(false);
         };
         let mut guess = Vec::new();
-        if len > 0 {
+        if len > 0 || self.schedule.shadowing() {
             let mut history = self.branch.history()?;
             history.push(pending.token);
-            guess = self.drafter.propose(&history);
-            guess.truncate(len);
+            let proposed = self.drafter.propose(&history);
+            guess = self.schedule.proposed(proposed, len);
         }
-        self.schedule.decoding();
-        let done = self.branch.speculate(pending.token, guess.clone()).wait()?;
-        self.schedule.took(guess.len(), done.accepted.len());
+        let drafted = guess.len();
+        let done = self.branch.speculate(pending.token, guess).wait()?;
+        self.schedule
+            .took(drafted, done.accepted.len(), done.next.token);
         self.queue.push_back(pending);
         self.queue.extend(done.accepted);
         self.pending = Some(done.next);
@@ -452,14 +499,54 @@ mod tests {
     #[test]
     fn the_schedule_counts_rounds_and_feeds_the_policy() {
         let mut s = SpeculativeSchedule::new(None);
-        s.took(8, 3);
-        s.took(0, 0);
+        s.took(8, 3, 1);
+        s.took(0, 0, 1);
         assert_eq!((s.rounds(), s.drafted(), s.accepted()), (2, 8, 3));
         assert!(s.acceptance() > 0.0 && s.acceptance() < 1.0);
         assert!(
             (s.policy().acceptance() - 0.5).abs() > 0.1,
             "the policy saw the guess"
         );
+    }
+
+    #[test]
+    fn a_shadow_guess_is_checked_token_by_token_up_to_the_first_refused() {
+        let mut s = SpeculativeSchedule::new(None);
+        assert!(s.shadowing(), "offered, the drafter not timed yet");
+        assert_eq!(s.proposed(vec![5, 6, 7], 0), Vec::<Token>::new());
+        assert!(!s.shadowing(), "its guess is being checked");
+        let p0 = s.policy().acceptance();
+        s.took(0, 0, 5);
+        let p1 = s.policy().acceptance();
+        assert!(p1 > p0, "5 was drawn");
+        // A new guess while one is checked changes nothing.
+        assert!(s.proposed(vec![1, 1], 0).is_empty());
+        s.took(0, 0, 9);
+        assert!(s.policy().acceptance() < p1, "6 was not");
+        assert!(s.shadowing(), "the rest (7) is dropped");
+        let mut other = s.clone();
+        s.took(0, 0, 7);
+        other.took(0, 0, 9);
+        assert_eq!(
+            s.policy().acceptance(),
+            other.policy().acceptance(),
+            "nothing left to check"
+        );
+        // A decoded guess the chain refused leaves nothing to check; one it kept whole
+        // checks the drafter's next token.
+        assert_eq!(s.proposed(vec![3, 4, 8], 2), vec![3, 4]);
+        s.took(2, 1, 2);
+        assert!(s.shadowing());
+        assert_eq!(s.proposed(vec![3, 4, 8], 2), vec![3, 4]);
+        let mut other = s.clone();
+        s.took(2, 2, 8);
+        other.took(2, 2, 9);
+        assert!(
+            s.policy().acceptance() > other.policy().acceptance(),
+            "8 was checked"
+        );
+        assert!(s.shadowing());
+        assert_eq!((s.rounds(), s.drafted(), s.accepted()), (5, 4, 3));
     }
 
     #[test]

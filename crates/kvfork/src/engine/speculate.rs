@@ -46,18 +46,32 @@ impl Worker {
             (cell.seq(), st.position(), snap)
         };
         let adapters = cell.lock().adapters().clone();
+        // A decode of at most n_seq_max outputs neither moves llama.cpp's output buffer nor
+        // writes it unless it succeeds (`loans.rs`): the branch keeps its lent row through it
+        // (in flight) instead of copying it aside, as a commit's members do.
+        let keep_loan = draft.len() < self.ctx().n_seq_max as usize;
         let decoded = self.use_adapters(&adapters).and_then(|()| {
+            if keep_loan {
+                self.loans().give_back_except(&[cell]);
+                cell.lock().take_off_row();
+            } else {
+                self.loans().give_back_all();
+            }
             let batch = self.start_batch();
             for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
                 batch.push(t, start + i as i32, seq, true);
             }
-            self.decode()
+            self.decode_batch()
         });
         if let Err(e) = decoded {
-            cell.lock().restore(before);
+            let mut st = cell.lock();
+            st.restore(before);
+            st.land_row();
             return Err(e);
         }
         let mut st = cell.lock();
+        // Under the lock until the loop below lends the new row: nobody reads the old one.
+        st.land_row();
         let mut accepted = Vec::new();
         // Position by position, as plain generation would: snapshot, sample, accept.
         let drawn: Result<Produced> = (|| {
