@@ -116,11 +116,14 @@ impl ThreadTuner {
             s.0 += ns;
             s.1 += 1;
             p.left -= 1;
+            // Against the settled count's time for this size class, or failing that for the
+            // next larger one it has timed: fewer tokens slower than more cannot win.
             let hopeless = first
                 && self
                     .times
-                    .get(&(settled, b))
-                    .is_some_and(|&(fast, _)| ns > HOPELESS_ABOVE * fast);
+                    .range((settled, b)..=(settled, u32::MAX))
+                    .next()
+                    .is_some_and(|(_, &(fast, _))| ns > HOPELESS_ABOVE * fast);
             if p.left == 0 || hopeless {
                 self.finish_probe();
             }
@@ -327,6 +330,20 @@ mod tests {
             t.observe(1, simulated(t.threads(), 2, 0));
         }
         assert_eq!(off_max, 1, "one decode of the probe, not {PROBE_DECODES}");
+        assert_eq!(t.current(), 2);
+    }
+
+    #[test]
+    fn a_probe_in_an_untimed_size_class_slower_than_a_larger_one_ends_at_once() {
+        let mut t = ThreadTuner::new(2);
+        // Steps of 16 tokens (bucket 4) only, until the first probe starts.
+        while t.threads() == 2 {
+            t.observe(16, 100.0);
+        }
+        // The probe's first decode is of 13 tokens (bucket 3, never timed at 2 threads) and
+        // slower than a 16-token decode at 2 threads: it cannot win.
+        t.observe(13, 150.0);
+        assert_eq!(t.threads(), 2, "the probe ended after one decode");
         assert_eq!(t.current(), 2);
     }
 
