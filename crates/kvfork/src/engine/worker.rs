@@ -108,9 +108,12 @@ impl Worker {
                 Job::Prefill(first) => {
                     let mut group = PrefillGathering::new(first);
                     self.gather(&rx, &mut group, Window::new(self.last_decode));
-                    // The branches just prefilled are about to step: expect them together.
+                    // The branches just prefilled are about to step, with those stepping
+                    // already (a burst's earlier prefill groups): expect them all together.
+                    // An overestimate (streams that ended meanwhile) costs one window, once.
                     let prefilled: usize = group.requests.iter().map(|r| r.items.len()).sum();
-                    self.last_group = self.last_group.max(prefilled);
+                    self.last_group =
+                        (self.last_group + prefilled).min(self.ctx.n_seq_max as usize);
                     self.run_prefills(group.requests);
                 }
             }
