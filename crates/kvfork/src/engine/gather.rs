@@ -84,13 +84,13 @@ pub(super) trait Gathering {
     fn members(&self) -> &Members;
 }
 
-/// The branches a job works on, when it names them (a commit, a prefill, a light job).
-fn cells_of(job: &Job) -> Option<Vec<&Arc<BranchCell>>> {
+/// The branches a job works on (none for a clear or any other work).
+fn cells_of(job: &Job) -> Vec<&Arc<BranchCell>> {
     match job {
-        Job::Commit(req) => Some(req.items.iter().map(|(c, _)| c).collect()),
-        Job::Prefill(req) => Some(req.items.iter().map(|(c, _)| c).collect()),
-        Job::Light { reads, writes, .. } => Some(reads.iter().chain(writes).collect()),
-        Job::Clear(_) | Job::Run(_) => None,
+        Job::Commit(req) => req.items.iter().map(|(c, _)| c).collect(),
+        Job::Prefill(req) => req.items.iter().map(|(c, _)| c).collect(),
+        Job::Light { reads, writes, .. } => reads.iter().chain(writes).collect(),
+        Job::Clear(_) | Job::Run(_) => Vec::new(),
     }
 }
 
@@ -143,9 +143,7 @@ impl Worker {
                     window.arrived();
                 }
                 Fate::Defer => {
-                    if let Some(cells) = cells_of(&job) {
-                        behind.add(cells.into_iter());
-                    }
+                    behind.add(cells_of(&job).into_iter());
                     deferred.push(job);
                 }
                 Fate::Stop => {
@@ -172,42 +170,40 @@ impl Worker {
 /// Where `job` goes while `group` gathers, with `behind` the branches of the jobs deferred.
 fn fate(group: &impl Gathering, behind: &Members, job: &Job) -> Fate {
     let members = group.members();
-    if let Job::Clear(seq) = job {
-        let free = !members.seqs.contains(seq) && !behind.seqs.contains(seq);
-        return if free { Fate::InPassing } else { Fate::Stop };
-    }
-    let Some(cells) = cells_of(job) else {
-        return Fate::Stop; // any other work runs in queue order
+    let (in_group, after_deferred) = match job {
+        Job::Run(_) => return Fate::Stop, // any other work runs in queue order
+        Job::Clear(seq) => (members.seqs.contains(seq), behind.seqs.contains(seq)),
+        // A light job may read a branch of the group: the group has not run yet, so it reads
+        // what it would have read in queue order.
+        Job::Light { reads, writes, .. } => (
+            members.touches(writes.iter()),
+            behind.touches(reads.iter().chain(writes)),
+        ),
+        Job::Commit(_) | Job::Prefill(_) => {
+            let cells = cells_of(job);
+            (
+                members.touches(cells.iter().copied()),
+                behind.touches(cells.into_iter()),
+            )
+        }
     };
-    // A light job may read a branch of the group: the group has not run yet, so it reads
-    // what it would have read in queue order.
-    let in_group = match job {
-        Job::Light { writes, .. } => members.touches(writes.iter()),
-        _ => members.touches(cells.iter().copied()),
-    };
-    let after_deferred = behind.touches(cells.iter().copied());
     if after_deferred {
         // Never ahead of a job queued before it on the same branch.
         let kept = !in_group && (matches!(job, Job::Light { .. }) || group.defers(job));
         return if kept { Fate::Defer } else { Fate::Stop };
     }
-    if matches!(job, Job::Light { .. }) {
-        return if in_group {
-            Fate::Stop
-        } else {
-            Fate::InPassing
-        };
-    }
-    if group.accepts(job) {
-        return Fate::Join;
-    }
+    let decodes_nothing = match job {
+        Job::Clear(_) | Job::Light { .. } => true,
+        Job::Commit(req) => req.is_sample_only(),
+        _ => false,
+    };
     if in_group {
-        return Fate::Stop;
-    }
-    if matches!(job, Job::Commit(req) if req.is_sample_only()) {
-        return Fate::InPassing;
-    }
-    if group.defers(job) {
+        Fate::Stop
+    } else if decodes_nothing {
+        Fate::InPassing
+    } else if group.accepts(job) {
+        Fate::Join
+    } else if group.defers(job) {
         Fate::Defer
     } else {
         Fate::Stop
