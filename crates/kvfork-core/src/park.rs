@@ -259,8 +259,9 @@ impl ParkLedger {
         let Place::Active(seq) = e.place else {
             return Err(TenancyError::StaleHandle(h));
         };
-        e.place = Place::Parked(record);
+        // The lease first: a failed release leaves the entry active, as it was.
         self.leases.release(seq)?;
+        e.place = Place::Parked(record);
         Ok(seq)
     }
 
@@ -291,16 +292,7 @@ impl ParkLedger {
     /// branch has none to move).
     pub fn remove(&mut self, h: Handle) -> Option<u32> {
         let e = self.entries.remove(&h)?;
-        for c in self.entries.values_mut() {
-            if c.parent == Some(h) {
-                c.parent = e.parent;
-                c.head = if e.parent.is_some() {
-                    c.head.min(e.head)
-                } else {
-                    0
-                };
-            }
-        }
+        self.reparent_children(h, e.parent, e.head);
         match e.place {
             Place::Active(seq) => {
                 let _ = self.leases.release(seq);
@@ -319,19 +311,23 @@ impl ParkLedger {
             return;
         };
         let (parent, head) = (e.parent, e.head);
-        for c in self.entries.values_mut() {
-            if c.parent == Some(h) {
-                c.parent = parent;
-                c.head = if parent.is_some() {
-                    c.head.min(head)
-                } else {
-                    0
-                };
-            }
-        }
+        self.reparent_children(h, parent, head);
         let e = self.entries.get_mut(&h).expect("checked above");
         e.parent = None;
         e.head = 0;
+    }
+
+    /// The children of `of` move to `parent`, sharing `min(their head, head)` of its cells
+    /// (nothing when `parent` is none: they become roots).
+    fn reparent_children(&mut self, of: Handle, parent: Option<Handle>, head: u32) {
+        for c in self.entries.values_mut().filter(|c| c.parent == Some(of)) {
+            c.parent = parent;
+            c.head = if parent.is_some() {
+                c.head.min(head)
+            } else {
+                0
+            };
+        }
     }
 
     /// Only `h` stays (active, a root); every other branch is forgotten, every other lease

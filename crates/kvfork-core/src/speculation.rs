@@ -139,6 +139,12 @@ impl GuessPolicy {
     /// one trial of the acceptance, as if it had been decoded (no time: nothing was).
     pub fn shadow(&mut self, kept: bool) {
         let (kept, refused) = if kept { (1.0, 0.0) } else { (0.0, 1.0) };
+        self.trial(kept, refused);
+    }
+
+    /// One guess's evidence: old evidence fades by the same factor per round whatever its
+    /// size.
+    fn trial(&mut self, kept: f64, refused: f64) {
         self.kept = self.kept * (1.0 - DECAY) + kept;
         self.refused = self.refused * (1.0 - DECAY) + refused;
     }
@@ -277,9 +283,7 @@ impl GuessPolicy {
         let kept = kept.min(guessed);
         if guessed > 0 {
             let refused = if kept < guessed { 1.0 } else { 0.0 };
-            // Old evidence fades by the same factor per round whatever its size.
-            self.kept = self.kept * (1.0 - DECAY) + kept as f64;
-            self.refused = self.refused * (1.0 - DECAY) + refused;
+            self.trial(kept as f64, refused);
             self.guesses_untimed += 1;
         } else {
             self.kept *= 1.0 - REST_DECAY;

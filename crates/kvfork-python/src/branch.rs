@@ -618,10 +618,7 @@ twins! {
         #[pyo3(signature = (*, seed=None, seq_id=None))]
         fn fork / fork_sync(&self, py, seed: Option<Int>, seq_id: Option<Int>) -> PyBranch {
             let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
-            match seq_id {
-                None => self.inner.fork(seed),
-                Some(s) => self.inner.fork_on(seed, Some(s.i32("seq_id", 0)?)),
-            }
+            self.inner.fork_on(seed, seq_id.map(|s| s.i32("seq_id", 0)).transpose()?)
         } => |b| Ok(wrap(b));
 
         /// Save the branch to `path` (its KV cells, position, history, sampler params and RNG
@@ -740,12 +737,7 @@ fn speculative_stream(
 
 /// `on_context_full` and `keep` as the engine's choice, checked against the branch's context.
 fn on_full(branch: &kvfork::Branch, name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
-    let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
-    let on_full = kvfork::OnContextFull::from_name(name, keep).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "on_context_full must be \"stop\" or \"shift\", not {name:?}"
-        ))
-    })?;
+    let on_full = crate::generate::on_full_arg(name, keep)?;
     on_full.check(branch).py()?;
     Ok(on_full)
 }
@@ -760,9 +752,7 @@ fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
          (`b = Branch.create(ctx, 0, params); await b.prefill(tokens)`), or decode the \
          prompt into a sequence first (`await ctx.decode(tokens, 0, seq_id)`)"
     );
-    let msg = std::ffi::CString::new(msg).unwrap_or_default();
-    let category = py.get_type::<crate::errors::KvforkWarning>();
-    PyErr::warn(py, category.as_any(), &msg, 1)
+    crate::errors::warn(py, msg)
 }
 
 pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {

@@ -66,6 +66,13 @@ pyo3::create_exception!(
     "A call that works but likely not as meant (e.g. a branch created with nothing behind it)."
 );
 
+/// Issue a `KvforkWarning` with `msg`, pointing at the caller's line.
+pub(crate) fn warn(py: Python<'_>, msg: String) -> PyResult<()> {
+    let msg = std::ffi::CString::new(msg).unwrap_or_default();
+    let category = py.get_type::<KvforkWarning>();
+    PyErr::warn(py, category.as_any(), &msg, 1)
+}
+
 /// A TypeError that names the argument in its message. pyo3 (0.30) reports a bad argument's
 /// name only as a note (`add_note("while processing 'n_ctx'")`), which `str(e)` and logs
 /// leave out; this class folds that note into the message instead.

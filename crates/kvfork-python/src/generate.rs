@@ -161,12 +161,7 @@ impl PySpeculativeSchedule {
         let max_tokens = max_tokens
             .map(|m| m.within("max_tokens", 0, i64::MAX).map(|m| m as usize))
             .transpose()?;
-        let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
-        let on_full = kvfork::OnContextFull::from_name(on_context_full, keep).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "on_context_full must be \"stop\" or \"shift\", not {on_context_full:?}"
-            ))
-        })?;
+        let on_full = on_full_arg(on_context_full, keep)?;
         let schedule = kvfork::SpeculativeSchedule::new(max_tokens).on_context_full(on_full);
         Ok(PySpeculativeSchedule {
             inner: Mutex::new(schedule),
@@ -282,4 +277,15 @@ impl PySpeculativeSchedule {
     fn acceptance(&self) -> f64 {
         self.with(|s| s.acceptance())
     }
+}
+
+/// The `on_context_full` and `keep` arguments as the engine's choice (not yet checked
+/// against a context).
+pub(crate) fn on_full_arg(name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
+    let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
+    kvfork::OnContextFull::from_name(name, keep).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "on_context_full must be \"stop\" or \"shift\", not {name:?}"
+        ))
+    })
 }

@@ -47,9 +47,7 @@ fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: i32) -> PyResult<()> {
          `pip install kvfork[cuda]` or `kvfork[vulkan]` and need the GPU's driver",
         info.backends.join("; ")
     );
-    let msg = std::ffi::CString::new(msg).unwrap_or_default();
-    let category = py.get_type::<crate::errors::KvforkWarning>();
-    PyErr::warn(py, category.as_any(), &msg, 1)
+    crate::errors::warn(py, msg)
 }
 
 #[pymethods]

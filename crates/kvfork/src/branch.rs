@@ -232,14 +232,7 @@ impl Branch {
     /// Without `seed` the child's sampler (RNG state included) equals the parent's: it samples
     /// the same tokens until reseeded.
     pub fn fork(&self, seed: Option<u32>) -> Pending<Branch> {
-        if let Err(e) = self.check_live() {
-            return Pending::ready(Err(e));
-        }
-        let (ctx, parent, parent_cell) = (self.ctx.clone(), self.handle, self.cell.clone());
-        self.ctx.run(move |w| {
-            let (handle, cell) = w.fork(parent, &parent_cell, seed, None)?;
-            Ok(Branch { ctx, handle, cell })
-        })
+        self.fork_on(seed, None)
     }
 
     /// Ready when a prune has nothing to do (already pruned) or cannot run (closed context).

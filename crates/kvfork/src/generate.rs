@@ -324,6 +324,8 @@ impl SpeculativeSchedule {
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
     /// token the chain drew after them (checked against the shadow guess, if any).
     pub fn took(&mut self, drafted: usize, accepted: usize, next: Token) {
+        // Counts from the caller: never more kept than decoded.
+        let accepted = accepted.min(drafted);
         let seconds = self
             .round_started
             .take()
@@ -340,8 +342,8 @@ impl SpeculativeSchedule {
             }
         }
         self.rounds += 1;
-        self.drafted += drafted;
-        self.accepted += accepted;
+        self.drafted = self.drafted.saturating_add(drafted);
+        self.accepted = self.accepted.saturating_add(accepted);
     }
 
     /// The guess-length policy, with what it measured.
