@@ -131,9 +131,10 @@ const LORA_TYPES: [sys::ggml_type; 4] = [
     sys::GGML_TYPE_Q8_0,
 ];
 
-/// What llama.cpp does not check before it builds a graph with the adapter: the kind of file,
-/// the tensor types, and that A's rank equals B's for every pair (it checks the other
-/// dimensions against the model itself).
+/// What llama.cpp does not check before it builds a graph with the adapter: the kind of file
+/// and the tensor types; also that A's rank equals B's for every pair, with a clear error (it
+/// checks the other dimensions against the model itself, and the ranks except for the token
+/// embedding).
 fn check_lora(model: &Model, path: &Path, file_len: usize) -> Result<()> {
     let fail = |reason: String| load_error(path, reason);
     let g = Gguf::open(path).ok_or_else(|| fail("not a readable GGUF file".into()))?;
@@ -171,10 +172,16 @@ fn check_lora(model: &Model, path: &Path, file_len: usize) -> Result<()> {
             let Some((_, _, ne_b)) = tensors.iter().find(|(n, _, _)| *n == b) else {
                 return Err(fail(format!("tensor {name} has no {b}")));
             };
-            if ne[1] != ne_b[0] {
+            // The token embedding's pair is stored flipped (both rank-first, as llama.cpp's
+            // `llm_build_inp_embd` reads them), and llama.cpp checks no rank there.
+            let (rank_a, rank_b) = if base.starts_with("token_embd") {
+                (ne[0], ne_b[0])
+            } else {
+                (ne[1], ne_b[0])
+            };
+            if rank_a != rank_b {
                 return Err(fail(format!(
-                    "the ranks of {name} ({}) and {b} ({}) differ",
-                    ne[1], ne_b[0]
+                    "the ranks of {name} ({rank_a}) and {b} ({rank_b}) differ"
                 )));
             }
         }

@@ -104,7 +104,9 @@ impl Context {
     fn last_output(&self) -> Result<std::result::Result<LogitsSnapshot, Branch>> {
         self.shared().check_open()?;
         let none = || Error::Other("the context has no output yet: decode something first".into());
-        match self.shared().outputs().last() {
+        // Read first: the outputs lock is not held while the registry is locked.
+        let last = self.shared().outputs().last();
+        match last {
             LastOutput::None => Err(none()),
             LastOutput::Raw(row) => Ok(Ok(row)),
             LastOutput::Branch(seq) => {
@@ -220,7 +222,11 @@ impl Branch {
         refuse_park(self.context(), "Branch.destroy")?;
         // Read first (waiting for a decode of it in flight to land): the snapshot is the
         // sequence's last output, for whoever takes its cells over next.
-        let snapshot = self.logits_shared()?;
+        let kept = self.logits_shared()?.map(|row| {
+            let mut kept = LogitsSnapshot::empty();
+            kept.set(&row);
+            kept
+        });
         let shared = self.context().shared();
         let mut registry = shared.registry();
         match registry.get(self.handle()) {
@@ -235,13 +241,11 @@ impl Branch {
             Some(_) => {}
         }
         self.cell().mark_disposed();
-        registry.prune(self.handle())?;
-        drop(registry);
-        if let Some(row) = snapshot {
-            let mut kept = LogitsSnapshot::empty();
-            kept.set(&row);
+        // Kept while the lease is still held: a branch created on it next clears the row.
+        if let Some(kept) = kept {
             shared.outputs().keep(self.cell().seq(), kept);
         }
+        registry.prune(self.handle())?;
         Ok(())
     }
 }

@@ -131,7 +131,7 @@ impl Worker {
             let Some(job) = self.next_queued(rx, wait) else {
                 break;
             };
-            match fate(group, &behind, &job) {
+            match fate(group, &behind, &job, self.parks()) {
                 // The group's arrivals keep its window open (so does time spent on one run in
                 // passing); a deferred job's do not.
                 Fate::Join => {
@@ -167,14 +167,15 @@ impl Worker {
     }
 }
 
-/// Where `job` goes while `group` gathers, with `behind` the branches of the jobs deferred.
-fn fate(group: &impl Gathering, behind: &Members, job: &Job) -> Fate {
+/// Where `job` goes while `group` gathers, with `behind` the branches of the jobs deferred
+/// (`parks`: the context is a `park` one).
+fn fate(group: &impl Gathering, behind: &Members, job: &Job, parks: bool) -> Fate {
     let members = group.members();
     let (in_group, after_deferred) = match job {
         Job::Run(_) => return Fate::Stop, // any other work runs in queue order
         Job::Clear(seq) => (members.seqs.contains(seq), behind.seqs.contains(seq)),
-        // A light job may read a branch of the group: the group has not run yet, so it reads
-        // what it would have read in queue order.
+        // A light job may read a branch of the group: it reads only cells the group's work
+        // leaves in place (`share_prefix` copies a prefix; commits and prefills extend).
         Job::Light { reads, writes, .. } => (
             members.touches(writes.iter()),
             behind.touches(reads.iter().chain(writes)),
@@ -193,7 +194,9 @@ fn fate(group: &impl Gathering, behind: &Members, job: &Job) -> Fate {
         return if kept { Fate::Defer } else { Fate::Stop };
     }
     let decodes_nothing = match job {
-        Job::Clear(_) | Job::Light { .. } => true,
+        Job::Clear(_) => true,
+        // With `park` it may need a lease, and making room could park a branch of the group.
+        Job::Light { .. } => !parks,
         Job::Commit(req) => req.is_sample_only(),
         _ => false,
     };
@@ -265,8 +268,8 @@ impl Gathering for CommitGathering {
         if req.runs_alone() {
             return false;
         }
-        let fits = req.is_sample_only() || self.n_items + req.items.len() <= self.n_batch;
-        fits && !self.members.touches(req.items.iter().map(|(c, _)| c))
+        self.n_items + req.items.len() <= self.n_batch
+            && !self.members.touches(req.items.iter().map(|(c, _)| c))
     }
 
     fn defers(&self, job: &Job) -> bool {
@@ -274,16 +277,13 @@ impl Gathering for CommitGathering {
     }
 
     fn add(&mut self, job: Job, w: &mut Worker) {
+        // (A `produce` never joins: it decodes nothing and is answered in passing.)
         let Some(Job::Commit(req)) = w.admit(job) else {
             return;
         };
-        if req.is_sample_only() {
-            w.answer_sample(req);
-        } else {
-            self.n_items += req.items.len();
-            self.members.add(req.items.iter().map(|(c, _)| c));
-            self.requests.push(req);
-        }
+        self.n_items += req.items.len();
+        self.members.add(req.items.iter().map(|(c, _)| c));
+        self.requests.push(req);
     }
 
     fn members(&self) -> &Members {

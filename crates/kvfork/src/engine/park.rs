@@ -132,7 +132,7 @@ impl Worker {
                 data,
             });
         }
-        self.ctx_mut().seq_rm(seq, -1, -1)?;
+        self.empty_seq(seq)?;
         let record = Parked {
             anchor,
             segments,
@@ -157,7 +157,7 @@ impl Worker {
                 Ok(())
             }
             Err(e) => {
-                let _ = self.ctx_mut().seq_rm(seq, -1, -1);
+                let _ = self.empty_seq(seq);
                 self.with_ledger(|l| l.park(h, record).map_err(Error::from))?;
                 Err(e)
             }

@@ -109,7 +109,7 @@ impl Worker {
         self.give_leases(&[cell])?;
         // Parked branches anchored on the cells about to go move off them first.
         self.before_cells_go(cell)?;
-        self.ctx_mut().seq_rm(cell.seq(), -1, -1)?;
+        self.empty_seq(cell.seq())?;
         self.sever(cell);
         cell.lock().sequence_emptied();
         self.prefill(&[&(cell.clone(), tokens)])

@@ -95,8 +95,7 @@ impl Worker {
                 Some(Seq::new(seq))
             };
             if let Some(seq) = seq {
-                self.shared().outputs().emptied(seq);
-                self.ctx_mut().seq_rm(seq, 0, -1)?;
+                self.empty_seq(seq)?;
             }
         }
         Ok(())

@@ -113,7 +113,7 @@ impl Worker {
                     // An overestimate (streams that ended meanwhile) costs one window, once.
                     let prefilled: usize = group.requests.iter().map(|r| r.items.len()).sum();
                     self.last_group =
-                        (self.last_group + prefilled).min(self.ctx.n_seq_max as usize);
+                        (self.last_group + prefilled).min(self.shared.n_seq_max as usize);
                     self.run_prefills(group.requests);
                 }
             }
@@ -214,7 +214,7 @@ impl Worker {
         let _ = self.empty_seq(seq);
     }
 
-    /// Empty `seq` (a new lease's), with the raw output it had.
+    /// Empty `seq`, forgetting the last output it held (a raw row, or a branch of it).
     pub(super) fn empty_seq(&mut self, seq: Seq) -> Result<()> {
         self.shared.outputs().emptied(seq);
         self.ctx.clear_seq(seq)
