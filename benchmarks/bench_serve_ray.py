@@ -20,14 +20,12 @@ import argparse
 import asyncio
 import random
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import openai
-from bench_serve import free_port, preamble
+from bench_serve import ServerSpec, preamble, start
 
 PREAMBLES = 4
 PER = 8
@@ -59,22 +57,11 @@ def prompts() -> list[list[str]]:
     ]
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvfork", "serve", "default", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"{cmd} did not start")
+def serve(name: str, flags: list[str]) -> ServerSpec:
+    """`kvfork serve default` with `flags`, started by bench_serve's `start` (its log's tail
+    says why when it fails)."""
+    command = [sys.executable, "-m", "kvfork", "serve", "default"]
+    return ServerSpec(name, lambda port: [*command, "--port", str(port), *flags])
 
 
 async def run(url: str, order_seed: int) -> Result:
@@ -110,12 +97,13 @@ def main() -> None:
     results: dict[str, list[Result]] = {name: [] for name in SETUPS}
     for r in range(args.rounds):
         for name, flags in SETUPS.items():
-            proc, url = start(flags)
+            proc, url, log = start(serve(name, flags))
             try:
                 results[name].append(asyncio.run(run(url, order_seed=r)))
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
+                log.close()
             last = results[name][-1]
             print(
                 f"round {r + 1} {name}: cached {last.cached_share:.1%}, "

@@ -4,7 +4,6 @@ inheritance on fork, and the files and arguments that are refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import kvfork
@@ -24,13 +23,6 @@ def lora_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_lora(d / "a.gguf", seed=1), write_lora(d / "b.gguf", seed=2, layers=(3, 4))
 
 
-@pytest.fixture
-def wide(model: kvfork.Model) -> Iterator[kvfork.Context]:
-    ctx = kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=8)
-    yield ctx
-    ctx.close()
-
-
 def prefilled(ctx: kvfork.Context, setup: object = None) -> kvfork.Branch:
     b = kvfork.Branch.create(ctx, 0, GREEDY)
     if callable(setup):
@@ -47,60 +39,61 @@ def logits_with(ctx: kvfork.Context, setup: object = None) -> np.ndarray:
 
 
 def test_an_adapter_changes_the_logits_more_with_a_larger_scale(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a = model.load_lora(lora_paths[0])
-    base = logits_with(wide)
+    base = logits_with(ctx)
     changes = []
     for scale in (0.0, 0.25, 0.5, 1.0):
-        row = logits_with(wide, lambda b, s=scale: b.set_adapters({a: s}))
+        row = logits_with(ctx, lambda b, s=scale: b.set_adapters({a: s}))
         changes.append(float(np.abs(row - base).max()))
     # Scale 0 is exactly no adapter; the change grows with the scale.
     assert changes[0] == 0.0
     assert 0.0 < changes[1] < changes[2] < changes[3], changes
     # Back to the base model.
-    b = prefilled(wide, lambda b: b.set_adapters({a: 1.0}))
+    b = prefilled(ctx, lambda b: b.set_adapters({a: 1.0}))
     b.clear_adapters()
     assert b.adapters == {}
     b.prune_sync()
-    assert np.array_equal(logits_with(wide, lambda b: b.clear_adapters()), base)
+    cleared = logits_with(ctx, lambda b: (b.set_adapters({a: 1.0}), b.clear_adapters()))
+    assert np.array_equal(cleared, base)
 
 
 def test_a_step_over_mixed_sets_equals_each_branch_alone(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a, b = (model.load_lora(p) for p in lora_paths)
     sets = [{}, {a: 1.0}, {b: 1.0}, {a: 0.5, b: 1.0}, {a: 1.0}]
     alone = []
     for s in sets:
-        br = prefilled(wide, lambda x, s=s: x.set_adapters(s))
+        br = prefilled(ctx, lambda x, s=s: x.set_adapters(s))
         alone.append(greedy_with_margins(br, STEPS))
         br.prune_sync()
     # The reference runs differ: the adapters do something to the tokens.
     assert len({tuple(t) for t, _ in alone}) >= 3
-    branches = [prefilled(wide, lambda x, s=s: x.set_adapters(s)) for s in sets]
-    store = kvfork.BranchStore(wide)
-    before = wide.stats()["decode_calls"]
+    branches = [prefilled(ctx, lambda x, s=s: x.set_adapters(s)) for s in sets]
+    store = kvfork.BranchStore(ctx)
+    before = ctx.stats()["decode_calls"]
     got: list[list[int]] = [[] for _ in sets]
     for _ in range(STEPS):
         for i, tok in enumerate(store.step_sync(branches)):
             got[i].append(tok.token)
     # One decode per distinct set (4: the two {a: 1.0} branches share theirs).
-    assert wide.stats()["decode_calls"] - before == STEPS * 4
+    assert ctx.stats()["decode_calls"] - before == STEPS * 4
     for i, (tokens, margins) in enumerate(alone):
         assert_same_greedy(got[i], tokens, margins)
 
 
 async def test_concurrent_prefills_with_different_adapters_equal_alone(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a = model.load_lora(lora_paths[0])
-    alone = [logits_with(wide), logits_with(wide, lambda b: b.set_adapters({a: 1.0}))]
-    plain = kvfork.Branch.create(wide, 0, GREEDY)
-    adapted = kvfork.Branch.create(wide, 0, GREEDY)
+    alone = [logits_with(ctx), logits_with(ctx, lambda b: b.set_adapters({a: 1.0}))]
+    plain = kvfork.Branch.create(ctx, 0, GREEDY)
+    adapted = kvfork.Branch.create(ctx, 0, GREEDY)
     adapted.set_adapters({a: 1.0})
-    store = kvfork.BranchStore(wide)
-    tokens = wide.tokenize(PROMPT)
+    store = kvfork.BranchStore(ctx)
+    tokens = ctx.tokenize(PROMPT)
     await store.prefill([(plain, tokens), (adapted, tokens)])
     for b, ref in zip((plain, adapted), alone, strict=True):
         # Packed with another branch's tokens: equal up to batching noise, far below what
@@ -109,10 +102,10 @@ async def test_concurrent_prefills_with_different_adapters_equal_alone(
 
 
 def test_a_fork_inherits_the_adapters_and_their_kv(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a = model.load_lora(lora_paths[0])
-    parent = prefilled(wide, lambda b: b.set_adapters({a: 1.0}))
+    parent = prefilled(ctx, lambda b: b.set_adapters({a: 1.0}))
     child = parent.fork_sync()
     assert child.adapters == {a: 1.0}
     expected, margins = greedy_with_margins(parent, STEPS)
@@ -121,7 +114,7 @@ def test_a_fork_inherits_the_adapters_and_their_kv(
 
 
 def test_a_control_vector_steers_and_zero_does_nothing(
-    model: kvfork.Model, wide: kvfork.Context, tmp_path: Path
+    model: kvfork.Model, ctx: kvfork.Context, tmp_path: Path
 ) -> None:
     shape = (model.n_layer, model.n_embd)
     zero = model.load_control_vector(np.zeros(shape, dtype=np.float32))
@@ -129,29 +122,32 @@ def test_a_control_vector_steers_and_zero_does_nothing(
     rows = (rng.standard_normal(shape) * 0.5).astype(np.float32)
     cv = model.load_control_vector(rows)
     assert cv.shape == shape
-    base = logits_with(wide)
-    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(zero)), base)
-    small = logits_with(wide, lambda b: b.set_control_vector(cv, 0.5))
-    large = logits_with(wide, lambda b: b.set_control_vector(cv, 2.0))
+    base = logits_with(ctx)
+    assert np.array_equal(logits_with(ctx, lambda b: b.set_control_vector(zero)), base)
+    small = logits_with(ctx, lambda b: b.set_control_vector(cv, 0.5))
+    large = logits_with(ctx, lambda b: b.set_control_vector(cv, 2.0))
     d_small, d_large = (float(np.abs(x - base).max()) for x in (small, large))
     assert 0.0 < d_small < d_large
     # Only some layers: a different, smaller change than all of them.
-    some = logits_with(wide, lambda b: b.set_control_vector(cv, 2.0, layers=(4, 8)))
+    some = logits_with(ctx, lambda b: b.set_control_vector(cv, 2.0, layers=(4, 8)))
     assert float(np.abs(some - base).max()) > 0.0
     assert not np.array_equal(some, large)
     # The same vector from llama.cpp's file format.
     loaded = model.load_control_vector(write_control_vector(tmp_path / "cv.gguf", rows))
     assert np.array_equal(loaded.to_numpy(), rows)
-    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(loaded, 2.0)), large)
+    assert np.array_equal(logits_with(ctx, lambda b: b.set_control_vector(loaded, 2.0)), large)
     # None removes it.
-    b = prefilled(wide, lambda b: b.set_control_vector(cv, 2.0))
+    b = prefilled(ctx, lambda b: b.set_control_vector(cv, 2.0))
     b.set_control_vector(None)
     b.prune_sync()
-    assert np.array_equal(logits_with(wide, lambda b: b.set_control_vector(None)), base)
+    removed = logits_with(
+        ctx, lambda b: (b.set_control_vector(cv, 2.0), b.set_control_vector(None))
+    )
+    assert np.array_equal(removed, base)
 
 
 def test_a_step_mixing_control_vectors_and_adapters_equals_alone(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a = model.load_lora(lora_paths[0])
     rows = (np.random.default_rng(4).standard_normal((model.n_layer, model.n_embd)) * 0.5).astype(
@@ -169,11 +165,11 @@ def test_a_step_mixing_control_vectors_and_adapters_equals_alone(
     setups = [None, steer, both]
     alone = []
     for s in setups:
-        br = prefilled(wide, s)
+        br = prefilled(ctx, s)
         alone.append(greedy_with_margins(br, STEPS))
         br.prune_sync()
-    branches = [prefilled(wide, s) for s in setups]
-    store = kvfork.BranchStore(wide)
+    branches = [prefilled(ctx, s) for s in setups]
+    store = kvfork.BranchStore(ctx)
     got: list[list[int]] = [[] for _ in setups]
     for _ in range(STEPS):
         for i, tok in enumerate(store.step_sync(branches)):
@@ -208,9 +204,9 @@ def test_bad_adapter_files_raise_model_load_error(
 
 
 def test_bad_arguments_are_refused(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    b = kvfork.Branch.create(wide, 0, GREEDY)
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
     a = model.load_lora(lora_paths[0])
     with pytest.raises(TypeError):
         b.set_adapters([a])  # type: ignore[arg-type]
@@ -238,13 +234,13 @@ def test_bad_arguments_are_refused(
 
 
 async def test_the_prefix_cache_shares_only_under_the_same_adapters(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path]
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
 ) -> None:
     a = model.load_lora(lora_paths[0])
-    cache = kvfork.PrefixCache(wide)
-    doc = wide.tokenize("A long shared document about rivers and bridges. " * 8)
-    q1 = wide.tokenize(" First?", add_special=False)
-    q2 = wide.tokenize(" Second?", add_special=False)
+    cache = kvfork.PrefixCache(ctx)
+    doc = ctx.tokenize("A long shared document about rivers and bridges. " * 8)
+    q1 = ctx.tokenize(" First?", add_special=False)
+    q2 = ctx.tokenize(" Second?", add_special=False)
     plain = await cache.branch(doc + q1, GREEDY)
     adapted = await cache.branch(doc + q2, GREEDY, adapters={a: 1.0})
     # The plain branch's KV is not what the adapted branch would compute: nothing shared.
@@ -254,7 +250,7 @@ async def test_the_prefix_cache_shares_only_under_the_same_adapters(
     assert cache.shared_tokens(again) == len(doc)
     # Its logits are those of a branch prefilled from scratch under the adapter (up to
     # batching noise, far below the adapter's own effect, which the plain branch shows).
-    fresh = kvfork.Branch.create(wide, 0, GREEDY)
+    fresh = kvfork.Branch.create(ctx, 0, GREEDY)
     fresh.set_adapters({a: 1.0})
     await fresh.prefill(doc + q1)
     ref = np.array(fresh.logits())
@@ -276,7 +272,7 @@ async def test_the_prefix_cache_shares_only_under_the_same_adapters(
 
 
 def test_a_saved_branch_keeps_its_adapters(
-    model: kvfork.Model, wide: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path], tmp_path: Path
 ) -> None:
     a = model.load_lora(lora_paths[0])
     assert model.load_lora(lora_paths[0]) == a  # the same file: the same adapter
@@ -289,13 +285,13 @@ def test_a_saved_branch_keeps_its_adapters(
         b.set_adapters({a: 0.75})
         b.set_control_vector(cv, 1.5, layers=(2, 10))
 
-    b = prefilled(wide, setup)
+    b = prefilled(ctx, setup)
     b.save_sync(tmp_path / "b.kvfork")
     data = b.snapshot_sync()
     expected, margins = greedy_with_margins(b, STEPS)
     for restored in (
-        kvfork.Branch.load_sync(wide, tmp_path / "b.kvfork"),
-        kvfork.Branch.restore_sync(wide, data),
+        kvfork.Branch.load_sync(ctx, tmp_path / "b.kvfork"),
+        kvfork.Branch.restore_sync(ctx, data),
     ):
         assert restored.adapters == {a: 0.75}
         got, _ = greedy_with_margins(restored, STEPS)
@@ -305,11 +301,11 @@ def test_a_saved_branch_keeps_its_adapters(
     write_lora(tmp_path / "changed.gguf", seed=9)
     moved = tmp_path / "moved.gguf"
     moved.write_bytes(lora_paths[0].read_bytes())
-    c = prefilled(wide, lambda x: x.set_adapters({model.load_lora(moved): 1.0}))
+    c = prefilled(ctx, lambda x: x.set_adapters({model.load_lora(moved): 1.0}))
     c.save_sync(tmp_path / "c.kvfork")
     moved.write_bytes((tmp_path / "changed.gguf").read_bytes())
     with pytest.raises(kvfork.StateFileError, match="changed"):
-        kvfork.Branch.load_sync(wide, tmp_path / "c.kvfork")
+        kvfork.Branch.load_sync(ctx, tmp_path / "c.kvfork")
     moved.unlink()
     with pytest.raises(kvfork.StateFileError, match="cannot be loaded"):
-        kvfork.Branch.load_sync(wide, tmp_path / "c.kvfork")
+        kvfork.Branch.load_sync(ctx, tmp_path / "c.kvfork")

@@ -114,13 +114,12 @@ def test_fork_and_create_without_a_lease_park_instead_of_raising(model: kvfork.M
         assert ctx.stats()["parked_branches"] == 2
         # A child parked on its active parent holds no cell of its own.
         assert ctx.stats()["parked_bytes"] == 0
-        expected = greedy_tokens(a.fork_sync(), 0)
-        assert expected == []
+        expected = greedy_tokens(a.fork_sync(), 5)  # a third branch, parked then back
         b_tokens = greedy_tokens(b, 5)  # b comes back, a is parked
         assert b.is_active and not a.is_active
         assert ctx.stats()["unparks"] >= 1 and ctx.stats()["parks"] >= 1
         a_tokens = greedy_tokens(a, 5)
-        assert a_tokens == b_tokens
+        assert a_tokens == b_tokens == expected
     with open_ctx(model, 1, park=False) as strict:
         kvfork.Branch.create(strict, 0, GREEDY)
         with pytest.raises(kvfork.LeaseExhaustedError):
@@ -283,8 +282,8 @@ def test_a_hole_below_a_branchs_cells_moves_logits_within_a_bound(model: kvfork.
     print(f"cell-order noise: max |logit difference| = {noise:.3f}")
     assert noise < HOLE_NOISE
     top2 = np.partition(ref, -2)[-2:]
-    if top2[1] - top2[0] >= 1.0:
-        assert int(np.argmax(moved)) == int(np.argmax(ref))
+    assert top2[1] - top2[0] >= 1.0  # a clear argmax, which cell-order noise cannot move
+    assert int(np.argmax(moved)) == int(np.argmax(ref))
 
 
 def test_raw_layer_calls_that_name_sequences_are_refused(model: kvfork.Model) -> None:

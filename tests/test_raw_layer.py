@@ -182,7 +182,6 @@ async def test_the_best_of_n_example_ported_gives_the_idiom_s_tokens(model: kvfo
         assert agree >= min(len(i), BEST_OF_N_STEPS // 2), (agree, p, i)
         if agree == len(i):
             whole += 1
-            assert len(i) == BEST_OF_N_STEPS or len(p) > len(i) or i == p
     assert whole >= 3, whole
     if whole == 5 and all(len(i) == BEST_OF_N_STEPS for i in idiom):
         assert ported_best == idiom_best

@@ -73,6 +73,7 @@ def test_hash_routing_is_by_the_leading_block_and_bounded() -> None:
     router.done(a)
     spread = {router.pick(prompt(k, LEAD)).actor for k in range(40)}
     assert spread == {0, 1, 2, 3}
+    assert max(router.loads) <= router.bound()
 
 
 def test_random_routing_uses_every_actor() -> None:

@@ -677,10 +677,6 @@ class SpeculativeSchedule:
         starts timing the decode. Returns the draft: `guess` cut to `len` (ValueError for a
         token in it out of range).
         """
-    def decoding(self) -> None:
-        """The round's decode starts now, without a `proposed` guess (`took` ends it: the policy
-        learns what a decode of each width costs).
-        """
     def took(self, drafted: int, accepted: int, next: Token) -> None:
         """Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
         token the chain drew after them.

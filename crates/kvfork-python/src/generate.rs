@@ -235,12 +235,6 @@ impl PySpeculativeSchedule {
         Ok(self.with(|s| s.proposed(tokens, len)))
     }
 
-    /// The round's decode starts now, without a `proposed` guess (`took` ends it: the policy
-    /// learns what a decode of each width costs).
-    fn decoding(&self) {
-        self.with(|s| s.decoding());
-    }
-
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
     /// token the chain drew after them.
     fn took(&self, drafted: usize, accepted: usize, next: &Bound<'_, PyToken>) {

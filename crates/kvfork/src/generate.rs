@@ -316,11 +316,6 @@ impl SpeculativeSchedule {
         guess
     }
 
-    /// The round's decode starts now (without a [`proposed`](Self::proposed) guess).
-    pub fn decoding(&mut self) {
-        self.round_started = Some(Instant::now());
-    }
-
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
     /// token the chain drew after them (checked against the shadow guess, if any).
     pub fn took(&mut self, drafted: usize, accepted: usize, next: Token) {

@@ -95,9 +95,10 @@ class ClusterService:
         while True:
             index = self.router.pick(tokens, exclude=tried).actor
             handle = self.actors.handles[index]
-            stream = handle.generate.remote(tokens, sampling, stop, prompt_param)
             started = ended = False
-            try:
+            stream = None
+            try:  # from the pick on: `done` gives the router its load back whatever happens
+                stream = handle.generate.remote(tokens, sampling, stop, prompt_param)
                 async for ref in stream:
                     item = await ref
                     if isinstance(item, Failure):
@@ -127,7 +128,7 @@ class ClusterService:
                 self.retries += 1  # it had not started there: run it on another actor
             finally:
                 self.router.done(index)
-                if not ended:  # the client went away: stop the actor's work
+                if not ended and stream is not None:  # the client went away: stop the work
                     ray.cancel(stream)
 
     def shutdown(self) -> None:
