@@ -36,6 +36,8 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
     foreign = kvfork.Branch.create(other_ctx, 0, GREEDY)
     store = kvfork.BranchStore(ctx)
     big = 2**70
+    schedule = kvfork._native.SpeculativeSchedule(8)
+    pending = b.produce_sync()
     return [
         # construction
         ("Branch()", lambda: kvfork.Branch(), TypeError, "Branch.create"),
@@ -210,6 +212,16 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
             "temperature",
         ),
         ("params unknown", lambda: kvfork.SamplingParams(temprature=1.0), ValueError, "temprature"),
+        # the speculative schedule's counts (low level: `generate(draft=...)` drives it)
+        ("schedule took -1", lambda: schedule.took(-1, 0, pending), ValueError, "drafted"),
+        ("schedule took huge", lambda: schedule.took(1, big, pending), ValueError, "accepted"),
+        ("schedule proposed len<0", lambda: schedule.proposed([1], -1), ValueError, "len"),
+        (
+            "schedule proposed token",
+            lambda: schedule.proposed([big], 1),
+            (ValueError, OverflowError),
+            "",
+        ),
     ]
 
 

@@ -223,7 +223,8 @@ impl PySpeculativeSchedule {
     /// records the drafter's time, keeps the tokens after the draft for shadow checks, and
     /// starts timing the decode. Returns the draft: `guess` cut to `len` (ValueError for a
     /// token in it out of range).
-    fn proposed(&self, guess: Vec<i64>, len: usize) -> PyResult<Vec<kvfork::Token>> {
+    fn proposed(&self, guess: Vec<i64>, len: Int) -> PyResult<Vec<kvfork::Token>> {
+        let len = len.within("len", 0, i64::MAX)? as usize;
         let cut = len.min(guess.len());
         let mut tokens = crate::branch::draft_tokens(guess[..cut].to_vec())?;
         // After the draft, a number that is no token is never drawn: the checks stop there.
@@ -237,9 +238,12 @@ impl PySpeculativeSchedule {
 
     /// Record a round: `drafted` guessed tokens decoded, `accepted` of them kept, `next` the
     /// token the chain drew after them.
-    fn took(&self, drafted: usize, accepted: usize, next: &Bound<'_, PyToken>) {
+    fn took(&self, drafted: Int, accepted: Int, next: &Bound<'_, PyToken>) -> PyResult<()> {
+        let drafted = drafted.within("drafted", 0, i64::MAX)? as usize;
+        let accepted = accepted.within("accepted", 0, i64::MAX)? as usize;
         let next = next.get().token;
         self.with(|s| s.took(drafted, accepted, next));
+        Ok(())
     }
 
     /// Why the stream ended: "stop_token", "max_tokens" or "context_full"; None while it runs.
