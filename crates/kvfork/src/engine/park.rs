@@ -266,11 +266,14 @@ impl Worker {
     /// cells from `pos - n_swa` to `k` there, so one that needs any cell that may be reused is
     /// re-anchored (its cells copied out) first. A no-op without `park`.
     pub(super) fn guard_window(&mut self, cell: &Arc<BranchCell>, last: i32) -> Result<()> {
+        if !self.parks() || cell.is_parked() {
+            return Ok(()); // (every decode of a context without `park` passes here)
+        }
         let n_swa = self.shared().model.n_swa() as i64;
         let Some(h) = cell.handle() else {
             return Ok(());
         };
-        if !self.parks() || n_swa == 0 || cell.is_parked() {
+        if n_swa == 0 {
             return Ok(());
         }
         // One past the highest position that may be reused.
