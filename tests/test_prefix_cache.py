@@ -122,6 +122,28 @@ def test_entries_are_evicted_least_recently_used_when_leases_run_out(
         cache.branch_sync(ctx.tokenize("One more"), GREEDY)
 
 
+async def test_requests_racing_for_the_last_free_lease_evict_entries_instead_of_failing(
+    model: kvfork.Model,
+) -> None:
+    # Three entries hold three of five leases. Five requests at once (never more live branches
+    # than leases) share a new preamble: one prefills it while the others wait, then they
+    # wake together to one free lease and three entries to evict. None may fail.
+    async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=5) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        for attempt in range(4):
+            for i in range(3):
+                entry = await cache.branch(ctx.tokenize(f"Entry {attempt}.{i}: a story"), GREEDY)
+                cache.release(entry)
+            assert kvfork.BranchStore(ctx).available == 2
+            preamble = ctx.tokenize(f"{attempt}. {DOC}")
+            asked = [preamble + ctx.tokenize(f" Q{i}:", add_special=False) for i in range(5)]
+            live = await asyncio.gather(*(cache.branch(q, GREEDY) for q in asked))
+            assert [b.position for b in live] == [len(q) for q in asked]
+            for b in live:
+                await b.prune()
+            cache.clear()
+
+
 def test_max_cached_tokens_bounds_the_entries(ctx: kvfork.Context) -> None:
     cache = kvfork.PrefixCache(ctx, max_cached_tokens=40)
     for i in range(4):

@@ -187,8 +187,13 @@ impl PrefixCache {
                 }
             };
             let made = self.make(source.as_ref(), shared, tokens, params, adapters);
+            // Out of cells, or another request took the lease seen free above (requests
+            // woken together by one prefill race for it): evict an entry and look again.
             let retry = match &made {
                 Err(Error::KvCacheFull(_)) => self.evict_one(None).is_ok(),
+                Err(Error::LeaseExhausted { .. }) => {
+                    self.evict_one(source.as_ref().map(Branch::handle)).is_ok()
+                }
                 _ => false,
             };
             if let Ok((branch, shared)) = &made {
