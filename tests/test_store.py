@@ -6,9 +6,10 @@ import asyncio
 import math
 
 import kvfork
+import numpy as np
 import pytest
 
-from .conftest import GREEDY, PROMPT, root
+from .conftest import GPU_LAYERS, GREEDY, PROMPT, root
 
 
 def test_commit_of_n_is_one_decode_and_equals_single_commits(ctx: kvfork.Context) -> None:
@@ -120,3 +121,48 @@ async def test_concurrent_tasks_are_coalesced(ctx: kvfork.Context) -> None:
     decodes = ctx.stats()["decode_calls"] - before
     assert sum(counts) == 6 * 12
     assert decodes <= 12 * 3  # about one decode per step, not one per branch (72)
+
+
+def _pads_output_rows() -> bool:
+    """Whether decodes' outputs are padded to tiles of 4 here: llama.cpp's x86 AVX-512
+    tinyBLAS kernel on the CPU, for the default model's Q8_0 output weights."""
+    info = kvfork.system_info()
+    return info["backend"] == "cpu" and "AVX512" in info["host_cpu_features"]
+
+
+@pytest.mark.parametrize("n", [7, 15])
+def test_a_step_of_a_partial_tile_pads_its_outputs_and_decodes_the_same(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """`n` rows: padded to a multiple of 4 with rows of the padding sequence (cheaper, see
+    BENCHMARKS §1-2). Every branch keeps its own row: its logits are those of an unpadded
+    decode of as many rows, the padding's rows being real branches there (the same batch
+    shape); its counts continue alike without padding. A snapshot's lent row reads right
+    across a padded decode."""
+    pad = -n % 4 if _pads_output_rows() and GPU_LAYERS is None else 0
+
+    def run(padding: bool, rows: int) -> tuple[list[list[int]], np.ndarray, int]:
+        if padding:
+            monkeypatch.delenv("KVFORK_NO_OUTPUT_PADDING", raising=False)
+        else:
+            monkeypatch.setenv("KVFORK_NO_OUTPUT_PADDING", "1")
+        with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=16) as c:
+            # Each branch counts from its own number: its next tokens are its own.
+            counts = [", ".join(str(10 * i + k) for k in range(1, 7)) + "," for i in range(rows)]
+            branches = [root(c, text) for text in counts]
+            store = kvfork.BranchStore(c)
+            tokens = [[int(t.token) for t in store.step_sync(branches)][:n] for _ in range(4)]
+            logits = np.stack([b.logits() for b in branches[:n]])
+            lent, copy = branches[2].logits(), branches[2].logits().copy()
+            store.commit_sync([(b, b.sample()) for b in branches])
+            assert np.array_equal(lent, copy), "a lent row survives the next decode"
+            assert not np.array_equal(branches[2].logits(), copy)
+            return tokens, logits, int(c.stats()["padded_rows"])
+
+    padded = run(True, n)
+    same_shape = run(False, n + pad)
+    unpadded = run(False, n)
+    assert padded[2] == 5 * pad and same_shape[2] == unpadded[2] == 0
+    np.testing.assert_allclose(padded[1], same_shape[1], rtol=0, atol=1e-4)
+    assert padded[0] == same_shape[0] == unpadded[0]
+    assert len({tuple(column) for column in zip(*padded[0])}) == n, "each branch its own"

@@ -11,6 +11,7 @@ pub mod handle;
 pub mod json;
 pub mod lease;
 pub mod metrics;
+pub mod output_tile;
 pub mod packer;
 pub mod park;
 pub mod persist;

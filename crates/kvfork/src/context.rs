@@ -17,6 +17,9 @@ pub struct ContextStats {
     pub decoded_tokens: u64,
     /// Time spent inside `llama_decode`, nanoseconds.
     pub decode_ns: u64,
+    /// Rows of the padding sequence added to decodes so that their outputs fill whole tiles
+    /// of the CPU's output matmul (see `kvfork_core::output_tile`); not in `decoded_tokens`.
+    pub padded_rows: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
     /// Branches parked in host memory now (`park` contexts).
@@ -127,6 +130,7 @@ impl Context {
             decode_calls: Stats::get(&s.decode_calls),
             decoded_tokens: Stats::get(&s.decoded_tokens),
             decode_ns: Stats::get(&s.decode_ns),
+            padded_rows: Stats::get(&s.padded_rows),
             commit_requests: Stats::get(&s.commit_requests),
         }
     }

@@ -161,6 +161,20 @@ impl Gguf {
     }
 }
 
+/// The type of the weights that make the logits: `output.weight`, or the token embeddings
+/// of a model that ties them (None when the file has neither or does not parse).
+pub(crate) fn output_weight_type(path: &Path) -> Option<sys::ggml_type> {
+    let g = Gguf::open(path)?;
+    let types: std::collections::HashMap<String, sys::ggml_type> = g
+        .tensors()
+        .filter(|(name, _)| name == "output.weight" || name == "token_embd.weight")
+        .collect();
+    types
+        .get("output.weight")
+        .or_else(|| types.get("token_embd.weight"))
+        .copied()
+}
+
 /// A copy of a string a gguf getter returned.
 ///
 /// # Safety

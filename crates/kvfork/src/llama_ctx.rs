@@ -164,9 +164,18 @@ impl ContextParams {
             .unwrap_or(4)
     }
 
-    /// Sequences llama.cpp holds: the leases, plus the scratch sequence of `park`.
+    /// Sequences llama.cpp holds: the leases, plus the scratch sequence of `park`, plus the
+    /// padding sequence when there is one.
     pub fn llama_seqs(&self) -> u32 {
-        self.n_seq_max + self.park as u32
+        self.n_seq_max + self.park as u32 + self.pad_seq().is_some() as u32
+    }
+
+    /// The sequence no branch leases whose rows pad a decode's outputs to whole tiles of the
+    /// CPU's output matmul (`kvfork_core::output_tile`); emptied after every decode. None
+    /// for embeddings, or when llama.cpp's sequence limit leaves no room for it.
+    pub(crate) fn pad_seq(&self) -> Option<Seq> {
+        let first_free = self.n_seq_max + self.park as u32;
+        (!self.embeddings && first_free < MAX_SEQUENCES).then(|| Seq::new(first_free))
     }
 
     /// Whether either thread count adapts to the machine's load.
@@ -200,6 +209,9 @@ pub(crate) struct LlamaCtx {
     n_seq_embd: usize,
     /// The most threads an adapting decode uses (resolved once, when created).
     pub max_threads: i32,
+    /// Where a decode's output rows are padded to whole tiles of the CPU's output matmul:
+    /// the padding sequence and the tile (None: no padding; see `Worker::pad_outputs`).
+    pub output_padding: Option<(Seq, usize)>,
     /// Read by llama.cpp's abort callback; dropped after the context (field order).
     abort_signal: Option<Arc<AbortSignal>>,
     // Keeps the weights alive for as long as the context.
@@ -302,6 +314,12 @@ impl LlamaCtx {
                 n_embd_out
             },
             max_threads,
+            output_padding: p
+                .pad_seq()
+                .map(|seq| (seq, model.output_tile()))
+                .filter(|&(_, tile)| tile > 1)
+                // Off for measuring its worth side by side (benchmarks/bench_store.py).
+                .filter(|_| std::env::var_os("KVFORK_NO_OUTPUT_PADDING").is_none()),
             abort_signal: None,
             _model: model,
         })
@@ -602,6 +620,8 @@ pub(crate) struct Batch {
     capacity: usize,
     /// The sequence of the last entry pushed with `logits` (the decode's last output).
     last_output: Option<Seq>,
+    /// Entries pushed with `logits`.
+    n_outputs: usize,
 }
 
 impl Drop for Batch {
@@ -632,6 +652,7 @@ impl Batch {
             raw,
             capacity,
             last_output: None,
+            n_outputs: 0,
         }
     }
 
@@ -642,6 +663,26 @@ impl Batch {
     pub fn clear(&mut self) {
         self.raw.n_tokens = 0;
         self.last_output = None;
+        self.n_outputs = 0;
+    }
+
+    /// Entries it can still take.
+    pub fn room(&self) -> usize {
+        self.capacity - self.len()
+    }
+
+    /// Entries marked for output.
+    pub fn n_outputs(&self) -> usize {
+        self.n_outputs
+    }
+
+    /// Drop the entries from `len` on, which were all pushed (after the others) by
+    /// `Worker::pad_outputs` with `logits`; `last_output` is then that of the first `len`.
+    pub fn truncate_outputs(&mut self, len: usize, last_output: Option<Seq>) {
+        let dropped = self.len().saturating_sub(len);
+        self.raw.n_tokens = self.raw.n_tokens.min(len as i32);
+        self.n_outputs -= dropped;
+        self.last_output = last_output;
     }
 
     /// The sequence of the last token marked for output, if any.
@@ -675,6 +716,7 @@ impl Batch {
         self.raw.n_tokens += 1;
         if logits {
             self.last_output = Some(seq);
+            self.n_outputs += 1;
         }
     }
 }

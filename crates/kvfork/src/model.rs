@@ -40,6 +40,9 @@ pub struct Model {
     vocab: NonNull<sys::llama_vocab>,
     n_vocab: i32,
     path: PathBuf,
+    /// Output rows the CPU's output matmul computes per pass (1: no tiling to fill); see
+    /// `kvfork_core::output_tile`.
+    output_tile: usize,
     /// What other modules derive from the model once and keep with it (llguidance's index of
     /// the vocabulary), one value per type: the model need not know those modules.
     derived: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
@@ -89,6 +92,27 @@ fn check_gguf_magic(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Output rows per pass of llama.cpp's CPU matmul for this file's output weights: 4 where
+/// llamafile's tinyBLAS kernel tiles them (x86 with AVX-512; Q8_0, Q4_0, Q5_0, IQ4_NL
+/// weights), measured in `kvfork_core::output_tile`; otherwise 1 (no padding: k-quant and
+/// float weights take other kernels, and other CPUs were not measured).
+fn cpu_output_tile(path: &Path) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let tiled = [
+            sys::GGML_TYPE_Q8_0,
+            sys::GGML_TYPE_Q4_0,
+            sys::GGML_TYPE_Q5_0,
+            sys::GGML_TYPE_IQ4_NL,
+        ];
+        if crate::gguf_check::output_weight_type(path).is_some_and(|t| tiled.contains(&t)) {
+            return 4;
+        }
+    }
+    let _ = path;
+    1
+}
+
 impl Model {
     /// Load a GGUF file.
     pub fn load(path: impl AsRef<Path>, params: &ModelParams) -> Result<Arc<Model>> {
@@ -133,10 +157,12 @@ impl Model {
             NonNull::new(vocab.cast_mut()).ok_or_else(|| fail("model has no vocabulary"))?;
         // SAFETY: a getter of the vocabulary just obtained.
         let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
+        let on_cpu = default_layers == 0 || mp.n_gpu_layers == 0;
         Ok(Arc::new(Model {
             ptr,
             vocab,
             n_vocab,
+            output_tile: if on_cpu { cpu_output_tile(path) } else { 1 },
             path: path.to_path_buf(),
             derived: Mutex::default(),
         }))
@@ -161,6 +187,11 @@ impl Model {
             .or_insert_with(|| Arc::new(build(self)))
             .clone();
         value.downcast().expect("stored under its own type")
+    }
+
+    /// Output rows per pass of the CPU's output matmul (1: none to fill).
+    pub(crate) fn output_tile(&self) -> usize {
+        self.output_tile
     }
 
     /// The GGUF file the model was loaded from.

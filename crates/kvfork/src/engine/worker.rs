@@ -248,19 +248,28 @@ impl Worker {
     /// given back all but those of branches it holds locked (see `loans.rs`).
     pub(super) fn decode_batch(&mut self) -> Result<()> {
         self.read_load();
+        let (len, last_output) = (self.batch.len(), self.batch.last_output());
+        let pad = self.pad_outputs();
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
+        if pad > 0 {
+            self.unpad(len, last_output);
+            if matches!(r, Err(Error::KvCacheFull(_))) {
+                r = self.ctx.decode(&self.batch); // the padding's cells were the ones missing
+            }
+        }
         self.last_decode = t0.elapsed();
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         if self.trace {
-            self.trace_decode(r.is_ok());
+            self.trace_decode(r.is_ok(), pad);
         }
-        self.tune_threads();
+        self.tune_threads(len + pad);
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
         Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
+        Stats::add(&stats.padded_rows, pad as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
             if let Some(last) = self.batch.last_output() {
@@ -272,7 +281,38 @@ impl Worker {
         r
     }
 
-    fn trace_decode(&self, ok: bool) {
+    /// Pad the batch's output rows to whole tiles of the CPU's output matmul with rows of the
+    /// padding sequence (their logits unread), where that is cheaper than the remainder's
+    /// extra pass (`kvfork_core::output_tile`). Only while the outputs stay within the
+    /// `n_seq_max` rows llama.cpp reserved, so its output buffer never moves under a row
+    /// lent to a snapshot. The rows padded.
+    fn pad_outputs(&mut self) -> usize {
+        let Some((seq, tile)) = self.ctx.output_padding else {
+            return 0;
+        };
+        let outputs = self.batch.n_outputs();
+        let room = self
+            .batch
+            .room()
+            .min((self.ctx.n_seq_max as usize).saturating_sub(outputs));
+        let pad = kvfork_core::output_tile::padding(outputs, tile, room);
+        for i in 0..pad {
+            // Token 0 exists in every vocabulary; position i of the empty padding sequence.
+            self.batch.push(0, i as i32, seq, true);
+        }
+        pad
+    }
+
+    /// Take the padding rows out of the batch again and empty the padding sequence's cells.
+    fn unpad(&mut self, len: usize, last_output: Option<Seq>) {
+        self.batch.truncate_outputs(len, last_output);
+        if let Some((seq, _)) = self.ctx.output_padding {
+            // Fails only on a closed context, which the decode's own result reports.
+            let _ = self.ctx.clear_seq(seq);
+        }
+    }
+
+    fn trace_decode(&self, ok: bool, pad: usize) {
         use std::io::Write;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -280,7 +320,7 @@ impl Worker {
         // Asked for by the user (`KVFORK_TRACE_DECODES`); a failed write is not worth a panic.
         let _ = writeln!(
             std::io::stderr(),
-            "kvfork decode: t={:.3} tokens={} ms={:.1} threads={} ok={ok}",
+            "kvfork decode: t={:.3} tokens={} pad={pad} ms={:.1} threads={} ok={ok}",
             now.as_secs_f64(),
             self.batch.len(),
             self.last_decode.as_secs_f64() * 1e3,
@@ -289,12 +329,13 @@ impl Worker {
     }
 
     /// Feed the decode just timed to the tuner; apply the count it wants next.
-    fn tune_threads(&mut self) {
+    /// `tokens`: how many the decode just timed held.
+    fn tune_threads(&mut self, tokens: usize) {
         let Some((tuner, _)) = self.tuner.as_mut() else {
             return;
         };
         let before = tuner.threads();
-        tuner.observe(self.batch.len(), self.last_decode.as_nanos() as f64);
+        tuner.observe(tokens, self.last_decode.as_nanos() as f64);
         self.apply_threads(before);
     }
 
