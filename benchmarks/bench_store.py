@@ -9,10 +9,13 @@ Prints four tables (recorded in BENCHMARKS.md):
    pinned to 2, as the peer's); plus greedy with kvfork's default adaptive thread count;
 2. the time inside the bare `llama_decode` of those batches and kvfork's overhead above it;
 3. `fork()` time vs prefix length;
-4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096.
+4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096;
+5. a step of N branches with its output rows padded to whole tiles of the CPU's output
+   matmul and without (`KVFORK_NO_OUTPUT_PADDING`), two contexts side by side.
 
 usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
                                         [--peer-python .venv-peer/bin/python] [--skip-peer]
+                                        [--only throughput,fork,kv,padding]
 The peer's venv: `make peer`; without it the peer column is skipped.
 """
 
@@ -228,6 +231,41 @@ def kv_sharing(model: kvfork.Model) -> None:
         )
 
 
+def padding(model: kvfork.Model, rounds: int = 9) -> None:
+    """Table 5: one commit of N branches (N outputs), padded and not, interleaved."""
+    n_max = 24
+    sides: dict[str, tuple[kvfork.Context, list[kvfork.Branch]]] = {}
+    for side in ("padded", "unpadded"):
+        if side == "padded":
+            os.environ.pop("KVFORK_NO_OUTPUT_PADDING", None)
+        else:
+            os.environ["KVFORK_NO_OUTPUT_PADDING"] = "1"  # read when a context is created
+        ctx = make_context(model, n_max)
+        sides[side] = (ctx, branches_at_prompt(ctx, n_max, GREEDY))
+    os.environ.pop("KVFORK_NO_OUTPUT_PADDING", None)
+    ns = [n for n in range(5, n_max + 1) if n % 4]
+    times: dict[tuple[str, int], list[float]] = {(s, n): [] for s in sides for n in ns}
+    for r in range(rounds):
+        for n in ns:
+            for side, (ctx, branches) in sides.items():
+                store = kvfork.BranchStore(ctx)
+                t0 = time.perf_counter()
+                store.commit_sync([(b, 1000 + r) for b in branches[:n]])
+                times[(side, n)].append(time.perf_counter() - t0)
+    padded_rows = sides["padded"][0].stats()["padded_rows"]
+    print(
+        f"\n## 5. Output rows padded to whole tiles ({padded_rows} rows padded; median of {rounds})"
+    )
+    print("| N outputs | padded to | padded (ms) | unpadded (ms) | padded / unpadded |")
+    print("|---|---|---|---|---|")
+    for n in ns:
+        a = statistics.median(times[("padded", n)]) * 1e3
+        b = statistics.median(times[("unpadded", n)]) * 1e3
+        print(f"| {n} | {n + (-n % 4) if padded_rows else n} | {a:.1f} | {b:.1f} | {a / b:.3f} |")
+    for ctx, _ in sides.values():
+        ctx.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=32)
@@ -237,7 +275,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs per cell; the best is kept")
     parser.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", DEFAULT_PEER_PYTHON))
     parser.add_argument("--skip-peer", action="store_true")
-    parser.add_argument("--only", default="throughput,fork,kv")
+    parser.add_argument("--only", default="throughput,fork,kv,padding")
     args = parser.parse_args()
     if not args.skip_peer and not Path(args.peer_python).exists():
         print(
@@ -257,6 +295,8 @@ def main() -> None:
         fork_cost(model)
     if "kv" in sections:
         kv_sharing(model)
+    if "padding" in sections:
+        padding(model)
 
 
 if __name__ == "__main__":
