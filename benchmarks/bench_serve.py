@@ -1,7 +1,7 @@
 """OpenAI-compatible servers under concurrent streamed requests: `kvfork serve` against
 llama.cpp's own `llama-server --parallel 16` and llama-cpp-python's example server, in one run.
 
-Workloads (default model, 2 threads, greedy, `/v1/completions`, streamed):
+Workloads (default model, 2 threads for every server, greedy, `/v1/completions`, streamed):
 - shared: CLIENTS requests at once, each one ~1,000-token preamble plus its own question;
 - disjoint: CLIENTS requests at once, each its own ~250-token prompt.
 Each server starts cold for each round; the same requests are then sent again to the warm
@@ -12,6 +12,7 @@ Servers are interleaved round by round; medians over ROUNDS. Every server binds 
         [--llama-server PATH]   # scripts/build_llama_server.sh builds it (default: found there)
         [--peer-python .venv-peer/bin/python]   # `make peer`, plus fastapi, uvicorn, openai
         [--example-server .peer-server/src/examples/server/server.py]  # from the same sdist
+        [--adaptive]            # kvfork with its default adaptive thread count, not 2
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerS
                 str(n_ctx),
                 "--n-seq-max",
                 str(2 * clients),
+                # Pinned like the peers' (-t 2 -tb 2, "threads": 2): the adaptive default
+                # re-probes one thread now and then (BENCHMARKS §6), which an idle 2-core
+                # machine pays for; `--adaptive` measures the default instead.
+                *([] if args.adaptive else ["--threads", "2"]),
             ],
         )
     ]
@@ -198,6 +203,7 @@ def main() -> None:
         "--example-server", default=str(ROOT / ".peer-server/src/examples/server/server.py")
     )
     ap.add_argument("--only", choices=["shared", "disjoint"], default=None)
+    ap.add_argument("--adaptive", action="store_true", help="kvfork with its adaptive thread count")
     args = ap.parse_args()
     model = kvfork.default_model_path()
     loads = workloads(args.clients)
