@@ -395,8 +395,18 @@ class Service:
 
 
 async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
-    async for tok in branch.generate(max_tokens=limit):
-        yield tok.text, None
+    """The branch's tokens. The first goes out as soon as it is drawn from the prompt's
+    logits, before its own decode: the time to first token is the prefill's alone."""
+    if limit < 1:
+        return
+    first = await branch.produce()
+    if first.is_stop:
+        return
+    yield first.text, None
+    await branch.commit(first)
+    if limit > 1:
+        async for tok in branch.generate(max_tokens=limit - 1):
+            yield tok.text, None
 
 
 async def _with_logprobs(
