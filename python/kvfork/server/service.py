@@ -402,8 +402,11 @@ async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
     first = await branch.produce()
     if first.is_stop:
         return
+    # Queued before the chunk goes out: streaming it first would delay this commit past the
+    # window in which the engine gathers the other choices' first commits into one decode.
+    committed = branch.commit(first)
     yield first.text, None
-    await branch.commit(first)
+    await committed
     if limit > 1:
         async for tok in branch.generate(max_tokens=limit - 1):
             yield tok.text, None
