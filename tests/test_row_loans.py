@@ -8,9 +8,11 @@ llama.cpp move its buffer, and readers on other threads while decodes run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import kvfork
 import numpy as np
@@ -70,15 +72,22 @@ def _entropy(x: np.ndarray) -> float:
     return float(-(p * np.log(np.where(p > 0, p, 1))).sum())
 
 
-def test_a_failed_commit_keeps_the_lent_row(model: kvfork.Model) -> None:
+@contextlib.contextmanager
+def full_cache(model: kvfork.Model) -> Iterator[tuple[kvfork.Branch, kvfork.Branch]]:
+    """Two branches of 127 prompt tokens and one step each in a context of 256 cells: the
+    cache is full, both rows lent."""
     with kvfork.create_context_sync(model, n_ctx=256, n_batch=256, n_seq_max=4) as tiny:
         words = tiny.tokenize(PROMPT * 30)
         a = kvfork.Branch.create(tiny, 0, GREEDY)
         b = kvfork.Branch.create(tiny, 0, GREEDY)
         a.prefill_sync(words[:127])
         b.prefill_sync(words[:127])
-        store = kvfork.BranchStore(tiny)
-        store.step_sync([a, b])  # 256 cells: the cache is full, both rows lent
+        kvfork.BranchStore(tiny).step_sync([a, b])
+        yield a, b
+
+
+def test_a_failed_commit_keeps_the_lent_row(model: kvfork.Model) -> None:
+    with full_cache(model) as (a, b):
         before = (reading(a), a.position, a.perplexity)
         tok = a.produce_sync().token
         with pytest.raises(kvfork.KvCacheFullError):
@@ -106,13 +115,7 @@ def test_a_one_token_speculate_keeps_its_loan_and_its_forks_rows(ctx: kvfork.Con
 
 
 def test_a_failed_one_token_speculate_keeps_the_lent_row(model: kvfork.Model) -> None:
-    with kvfork.create_context_sync(model, n_ctx=256, n_batch=256, n_seq_max=4) as tiny:
-        words = tiny.tokenize(PROMPT * 30)
-        a = kvfork.Branch.create(tiny, 0, GREEDY)
-        b = kvfork.Branch.create(tiny, 0, GREEDY)
-        a.prefill_sync(words[:127])
-        b.prefill_sync(words[:127])
-        kvfork.BranchStore(tiny).step_sync([a, b])  # 256 cells: full, both rows lent
+    with full_cache(model) as (a, b):
         before = (reading(a), a.position, a.perplexity)
         pending = a.produce_sync()
         with pytest.raises(kvfork.KvCacheFullError):

@@ -330,6 +330,17 @@ mod tests {
 
     /// Seconds of a decode of `w` rows on a machine where one row costs 1 and each more row
     /// costs `per_row`.
+    /// A guessed token kept with probability `keep_pct` %, drawn by a xorshift from `seed`.
+    fn coin(seed: u64, keep_pct: u32) -> impl FnMut() -> bool {
+        let mut state = seed | 1;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 100) < u64::from(keep_pct)
+        }
+    }
+
     fn linear(per_row: f64) -> impl Fn(usize) -> f64 {
         move |w| 1.0 + per_row * (w - 1) as f64
     }
@@ -620,13 +631,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let mut p = GuessPolicy::new();
-            let mut state = seed | 1;
-            let (tokens, seconds) = simulate(&mut p, 600, cap, linear(per_row), || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % 100) < u64::from(keep_pct)
-            });
+            let (tokens, seconds) = simulate(&mut p, 600, cap, linear(per_row), coin(seed, keep_pct));
             prop_assert!(tokens / seconds > 0.9, "rate {}", tokens / seconds);
             for c in [0, 1, cap, 1000] {
                 prop_assert!(p.guess_len(c) <= c.min(MAX_GUESS));
@@ -644,13 +649,8 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let mut p = GuessPolicy::new();
-            let mut state = seed | 1;
-            let (tokens, seconds, _) = simulate_shadowed(&mut p, 600, cap, linear(per_row), || {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % 100) < u64::from(keep_pct)
-            });
+            let (tokens, seconds, _) =
+                simulate_shadowed(&mut p, 600, cap, linear(per_row), coin(seed, keep_pct));
             prop_assert!(tokens / seconds > 0.93, "rate {}", tokens / seconds);
             for c in [0, 1, cap, 1000] {
                 prop_assert!(p.guess_len(c) <= c.min(MAX_GUESS));

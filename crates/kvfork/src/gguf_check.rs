@@ -147,6 +147,20 @@ impl Gguf {
         })
     }
 
+    /// The type of the weights that make the logits: `output.weight`, or the token
+    /// embeddings of a model that ties them (None when the file has neither).
+    pub(crate) fn output_weight_type(&self) -> Option<sys::ggml_type> {
+        let mut tied = None;
+        for (name, ty) in self.tensors() {
+            match name.as_str() {
+                "output.weight" => return Some(ty),
+                "token_embd.weight" => tied = Some(ty),
+                _ => {}
+            }
+        }
+        tied
+    }
+
     fn tensors(&self) -> impl Iterator<Item = (String, sys::ggml_type)> + '_ {
         // SAFETY: a getter of the live context.
         let n = unsafe { sys::gguf_get_n_tensors(self.0) };
@@ -161,20 +175,6 @@ impl Gguf {
     }
 }
 
-/// The type of the weights that make the logits: `output.weight`, or the token embeddings
-/// of a model that ties them (None when the file has neither or does not parse).
-pub(crate) fn output_weight_type(path: &Path) -> Option<sys::ggml_type> {
-    let g = Gguf::open(path)?;
-    let types: std::collections::HashMap<String, sys::ggml_type> = g
-        .tensors()
-        .filter(|(name, _)| name == "output.weight" || name == "token_embd.weight")
-        .collect();
-    types
-        .get("output.weight")
-        .or_else(|| types.get("token_embd.weight"))
-        .copied()
-}
-
 /// A copy of a string a gguf getter returned.
 ///
 /// # Safety
@@ -187,12 +187,9 @@ unsafe fn c_str(p: *const c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// `Err(reason)` when llama.cpp would abort on this file; `Ok` also when it would refuse it
-/// cleanly (it says why itself).
-pub(crate) fn check(path: &Path) -> Result<(), String> {
-    let Some(g) = Gguf::open(path) else {
-        return Ok(());
-    };
+/// `Err(reason)` when llama.cpp would abort on the file `g` read; `Ok` also when it would
+/// refuse it cleanly (it says why itself).
+pub(crate) fn check(g: &Gguf) -> Result<(), String> {
     let arch = g.string("general.architecture").unwrap_or_default();
     if let Some(n) = g.integer(&format!("{arch}.block_count")) {
         if !(1..=MAX_LAYERS as i64).contains(&n) {

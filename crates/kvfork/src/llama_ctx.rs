@@ -622,6 +622,8 @@ pub(crate) struct Batch {
     last_output: Option<Seq>,
     /// Entries pushed with `logits`.
     n_outputs: usize,
+    /// Entries at the end added by `pad` (output rows nobody reads), taken out by `unpad`.
+    padding: usize,
 }
 
 impl Drop for Batch {
@@ -653,6 +655,7 @@ impl Batch {
             capacity,
             last_output: None,
             n_outputs: 0,
+            padding: 0,
         }
     }
 
@@ -664,6 +667,7 @@ impl Batch {
         self.raw.n_tokens = 0;
         self.last_output = None;
         self.n_outputs = 0;
+        self.padding = 0;
     }
 
     /// Entries it can still take.
@@ -676,13 +680,22 @@ impl Batch {
         self.n_outputs
     }
 
-    /// Drop the entries from `len` on, which were all pushed (after the others) by
-    /// `Worker::pad_outputs` with `logits`; `last_output` is then that of the first `len`.
-    pub fn truncate_outputs(&mut self, len: usize, last_output: Option<Seq>) {
-        let dropped = self.len().saturating_sub(len);
-        self.raw.n_tokens = self.raw.n_tokens.min(len as i32);
-        self.n_outputs -= dropped;
-        self.last_output = last_output;
+    /// Append `n` output rows of `seq` (empty) at positions 0..n that only pad the decode
+    /// (`Worker::pad_outputs`): not the batch's last output, taken out again by `unpad`.
+    /// Callers keep `n <= room()`.
+    pub fn pad(&mut self, seq: Seq, n: usize) {
+        for i in 0..n {
+            // Token 0 exists in every vocabulary.
+            self.write(0, i as i32, seq, true);
+        }
+        self.padding += n;
+    }
+
+    /// Take out the rows `pad` added; how many there were.
+    pub fn unpad(&mut self) -> usize {
+        let n = std::mem::take(&mut self.padding);
+        self.raw.n_tokens -= n as i32;
+        n
     }
 
     /// The sequence of the last token marked for output, if any.
@@ -702,6 +715,16 @@ impl Batch {
 
     /// Append one token. Callers keep `len() < capacity` (checked: a panic here is a bug).
     pub fn push(&mut self, token: Token, pos: i32, seq: Seq, logits: bool) {
+        debug_assert_eq!(self.padding, 0, "no token after the padding");
+        self.write(token, pos, seq, logits);
+        if logits {
+            self.last_output = Some(seq);
+            self.n_outputs += 1;
+        }
+    }
+
+    /// Write entry `len()`.
+    fn write(&mut self, token: Token, pos: i32, seq: Seq, logits: bool) {
         let i = self.len();
         assert!(i < self.capacity, "batch overflow");
         // SAFETY: `i < capacity` (asserted above) and, by the type's invariant, every array has
@@ -714,9 +737,5 @@ impl Batch {
             *self.raw.logits.add(i) = logits as i8;
         }
         self.raw.n_tokens += 1;
-        if logits {
-            self.last_output = Some(seq);
-            self.n_outputs += 1;
-        }
     }
 }

@@ -12,6 +12,7 @@ use llama_cpp_sys_2 as sys;
 
 use crate::backend::ensure_backend;
 use crate::error::{Error, Result};
+use crate::gguf_check::Gguf;
 
 /// A token id.
 pub type Token = i32;
@@ -96,7 +97,7 @@ fn check_gguf_magic(path: &Path) -> Result<()> {
 /// llamafile's tinyBLAS kernel tiles them (x86 with AVX-512; Q8_0, Q4_0, Q5_0, IQ4_NL
 /// weights), measured in `kvfork_core::output_tile`; otherwise 1 (no padding: k-quant and
 /// float weights take other kernels, and other CPUs were not measured).
-fn cpu_output_tile(path: &Path) -> usize {
+fn cpu_output_tile(output_type: Option<sys::ggml_type>) -> usize {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         let tiled = [
@@ -105,11 +106,11 @@ fn cpu_output_tile(path: &Path) -> usize {
             sys::GGML_TYPE_Q5_0,
             sys::GGML_TYPE_IQ4_NL,
         ];
-        if crate::gguf_check::output_weight_type(path).is_some_and(|t| tiled.contains(&t)) {
+        if output_type.is_some_and(|t| tiled.contains(&t)) {
             return 4;
         }
     }
-    let _ = path;
+    let _ = output_type;
     1
 }
 
@@ -119,10 +120,18 @@ impl Model {
         let path = path.as_ref();
         check_gguf_magic(path)?;
         ensure_backend()?;
-        crate::gguf_check::check(path).map_err(|reason| Error::ModelLoad {
-            path: path.to_path_buf(),
-            reason: format!("malformed GGUF: {reason}"),
-        })?;
+        // Read once (metadata only, freed before llama.cpp loads the file) for the checks and
+        // the output weights' type.
+        let output_type = match Gguf::open(path) {
+            Some(g) => {
+                crate::gguf_check::check(&g).map_err(|reason| Error::ModelLoad {
+                    path: path.to_path_buf(),
+                    reason: format!("malformed GGUF: {reason}"),
+                })?;
+                g.output_weight_type()
+            }
+            None => None,
+        };
         let fail = |reason: &str| Error::ModelLoad {
             path: path.to_path_buf(),
             reason: reason.into(),
@@ -162,7 +171,11 @@ impl Model {
             ptr,
             vocab,
             n_vocab,
-            output_tile: if on_cpu { cpu_output_tile(path) } else { 1 },
+            output_tile: if on_cpu {
+                cpu_output_tile(output_type)
+            } else {
+                1
+            },
             path: path.to_path_buf(),
             derived: Mutex::default(),
         }))

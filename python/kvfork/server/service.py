@@ -415,7 +415,8 @@ async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
 async def _with_logprobs(
     branch: Branch, limit: int, top: int
 ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """Tokens with the logprob of each and the `top` best alternatives (before sampling)."""
+    """Tokens with the logprob of each and the `top` best alternatives (before sampling);
+    each goes out before its own decode, as in `_plain`."""
     ctx = branch.context
     for _ in range(limit):
         tok = await branch.produce()
@@ -430,5 +431,6 @@ async def _with_logprobs(
                 for i, lp in (branch.top_logprobs(top) if top else [])
             ],
         }
-        await branch.commit(tok)
+        committed = branch.commit(tok)  # queued first: see `_plain`
         yield tok.text, entry
+        await committed

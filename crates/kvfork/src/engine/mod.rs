@@ -334,12 +334,7 @@ impl Engine {
         policy: CancelPolicy,
         f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
-        let ticket = Ticket::new(policy, self.shared.abort.clone());
-        let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        match self.send(Job::Run(Box::new(Task { f, reply, ticket }))) {
-            Ok(()) => pending,
-            Err(e) => Pending::ready(Err(e)),
-        }
+        self.queue_task(policy, f, Job::Run)
     }
 
     /// Queue `f`, a KV operation that decodes nothing, reads only `reads` and changes only
@@ -351,14 +346,23 @@ impl Engine {
         writes: Vec<Arc<BranchCell>>,
         f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
-        let ticket = Ticket::new(CancelPolicy::Drop, self.shared.abort.clone());
-        let (reply, pending) = Pending::channel(Some(ticket.clone()));
-        let task = Box::new(Task { f, reply, ticket });
-        match self.send(Job::Light {
+        self.queue_task(CancelPolicy::Drop, f, |task| Job::Light {
             reads,
             writes,
             task,
-        }) {
+        })
+    }
+
+    /// Queue `f` as the job `as_job` makes of it, with a ticket of `policy`.
+    fn queue_task<T: Send + 'static>(
+        &self,
+        policy: CancelPolicy,
+        f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
+        as_job: impl FnOnce(Box<dyn RunJob>) -> Job,
+    ) -> Pending<T> {
+        let ticket = Ticket::new(policy, self.shared.abort.clone());
+        let (reply, pending) = Pending::channel(Some(ticket.clone()));
+        match self.send(as_job(Box::new(Task { f, reply, ticket }))) {
             Ok(()) => pending,
             Err(e) => Pending::ready(Err(e)),
         }

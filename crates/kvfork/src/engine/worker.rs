@@ -248,12 +248,11 @@ impl Worker {
     /// given back all but those of branches it holds locked (see `loans.rs`).
     pub(super) fn decode_batch(&mut self) -> Result<()> {
         self.read_load();
-        let (len, last_output) = (self.batch.len(), self.batch.last_output());
         let pad = self.pad_outputs();
         let t0 = Instant::now();
         let mut r = self.ctx.decode(&self.batch);
         if pad > 0 {
-            self.unpad(len, last_output);
+            self.unpad();
             if matches!(r, Err(Error::KvCacheFull(_))) {
                 r = self.ctx.decode(&self.batch); // the padding's cells were the ones missing
             }
@@ -265,7 +264,7 @@ impl Worker {
         if self.trace {
             self.trace_decode(r.is_ok(), pad);
         }
-        self.tune_threads(len + pad);
+        self.tune_threads(self.batch.len() + pad);
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
         Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
@@ -296,16 +295,13 @@ impl Worker {
             .room()
             .min((self.ctx.n_seq_max as usize).saturating_sub(outputs));
         let pad = kvfork_core::output_tile::padding(outputs, tile, room);
-        for i in 0..pad {
-            // Token 0 exists in every vocabulary; position i of the empty padding sequence.
-            self.batch.push(0, i as i32, seq, true);
-        }
+        self.batch.pad(seq, pad);
         pad
     }
 
     /// Take the padding rows out of the batch again and empty the padding sequence's cells.
-    fn unpad(&mut self, len: usize, last_output: Option<Seq>) {
-        self.batch.truncate_outputs(len, last_output);
+    fn unpad(&mut self) {
+        self.batch.unpad();
         if let Some((seq, _)) = self.ctx.output_padding {
             // Fails only on a closed context, which the decode's own result reports.
             let _ = self.ctx.clear_seq(seq);
