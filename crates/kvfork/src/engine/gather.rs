@@ -9,7 +9,8 @@
 //! server streaming each token to its client) then still meet the others' next decode
 //! instead of running one of their own, out of phase for good. A caller alone waits at most
 //! one gap. Branches just prefilled together count as the last group (their tasks are about
-//! to step together). `produce` requests met on the way are answered at once (they decode
+//! to step together), and the first steps after a prefill wait for them up to one step's
+//! time, however far apart they come back ([`Window::after_prefill`]). `produce` requests met on the way are answered at once (they decode
 //! nothing), so their callers' commits can still join.
 //!
 //! A job of the other kind on other branches (a stream's step while prefills gather, a new
@@ -57,6 +58,27 @@ impl Window {
             gap: GAP.max(last_decode / 16).min(cap),
             cap,
         }
+    }
+
+    /// The window of the first steps after a prefill. The branches just prefilled come back
+    /// one caller after another (a server's 14 requests: 30–60 ms on 2 cores, each setting
+    /// up its stream), so there is no gap between arrivals, only the cap: a quarter of the
+    /// prefill, at most one step's time (`last_step`; the prefill's when none was timed yet)
+    /// but never less than [`MAX_LINGER`]. Waiting longer than the decode it saves would not
+    /// pay.
+    pub fn after_prefill(last_decode: Duration, last_step: Duration) -> Self {
+        let mut window = Window::new(last_decode);
+        if last_decode.is_zero() {
+            return window;
+        }
+        let step = if last_step.is_zero() {
+            last_decode
+        } else {
+            last_step
+        };
+        window.cap = (last_decode / 4).min(MAX_LINGER.max(step));
+        window.gap = window.cap;
+        window
     }
 
     fn remaining(&self) -> Duration {
@@ -362,5 +384,21 @@ mod tests {
         // Long decodes: the gap grows, never past the linger cap.
         let w = Window::new(ms(1000));
         assert!(w.gap <= w.cap && w.cap == MAX_LINGER);
+    }
+
+    #[test]
+    fn the_first_steps_after_a_prefill_wait_up_to_the_decode_they_save() {
+        let ms = Duration::from_millis;
+        // A 640 ms prefill, steps of 80 ms: the stragglers get 80 ms, however far apart.
+        let w = Window::after_prefill(ms(640), ms(80));
+        assert_eq!((w.gap, w.cap), (ms(80), ms(80)));
+        // No step timed yet: a quarter of the prefill.
+        assert_eq!(Window::after_prefill(ms(640), Duration::ZERO).cap, ms(160));
+        // Cheap steps still get the usual linger; a short prefill, a quarter of it.
+        assert_eq!(Window::after_prefill(ms(640), ms(5)).cap, MAX_LINGER);
+        assert_eq!(Window::after_prefill(ms(40), ms(80)).cap, ms(10));
+        // A prefill that decoded nothing: the usual start-up window.
+        let w = Window::after_prefill(Duration::ZERO, ms(80));
+        assert_eq!((w.gap, w.cap), (GAP, GAP));
     }
 }

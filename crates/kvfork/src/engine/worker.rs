@@ -30,6 +30,10 @@ pub(crate) struct Worker {
     /// Tokens decoded by the last commit group (how many to wait for next time).
     last_group: usize,
     last_decode: Duration,
+    /// The decode of the last commit group that decoded: what splitting a step costs.
+    last_step: Duration,
+    /// A prefill group ran since the last commit group: the next one expects its branches.
+    after_prefill: bool,
     /// Adapts the thread counts to the machine's load (None when both are fixed), with the
     /// meter that tells it how many cores other processes leave free.
     tuner: Option<(ThreadTuner, LoadMeter)>,
@@ -77,6 +81,8 @@ impl Worker {
             stash: VecDeque::new(),
             last_group: 0,
             last_decode: Duration::ZERO,
+            last_step: Duration::ZERO,
+            after_prefill: false,
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
             adapters: AdapterKey::default(),
         };
@@ -101,9 +107,18 @@ impl Worker {
                 Job::Commit(first) if first.runs_alone() => self.run_commits(vec![first]),
                 Job::Commit(first) => {
                     let mut group = CommitGathering::new(first, self.last_group, self.n_batch());
-                    self.gather(&rx, &mut group, Window::new(self.last_decode));
+                    let window = if std::mem::take(&mut self.after_prefill) {
+                        Window::after_prefill(self.last_decode, self.last_step)
+                    } else {
+                        Window::new(self.last_decode)
+                    };
+                    self.gather(&rx, &mut group, window);
                     self.last_group = group.n_items;
+                    let decodes = Stats::get(&self.shared.stats.decode_calls);
                     self.run_commits(group.requests);
+                    if Stats::get(&self.shared.stats.decode_calls) != decodes {
+                        self.last_step = self.last_decode;
+                    }
                 }
                 Job::Prefill(first) => {
                     let mut group = PrefillGathering::new(first);
@@ -115,6 +130,7 @@ impl Worker {
                     self.last_group =
                         (self.last_group + prefilled).min(self.shared.n_seq_max as usize);
                     self.run_prefills(group.requests);
+                    self.after_prefill = true;
                 }
             }
         }
