@@ -50,6 +50,69 @@ def test_prefill_is_packed(model: kvfork.Model, lens: list[int]) -> None:
                 alone.prune_sync()
 
 
+def test_new_prompts_beside_a_busy_cache_prefill_in_a_scratch_context_alike(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New prompts prefilled together while the cache holds another sequence's cells go
+    through a scratch context that holds only them (`scratch_tokens`), then into the cache,
+    where their branches go on decoding: the same greedy tokens as prefilled in the cache
+    itself. Logits move by up to ~1 with the cells a prompt lands in (attention adds them
+    up in another order), so the exact check is against a context holding nothing else,
+    where the first prompt lands in the same cells as in the scratch: bit for bit."""
+
+    def run(scratch: bool, busy: int) -> tuple[list[list[int]], np.ndarray, int, int]:
+        if scratch:
+            monkeypatch.delenv("KVFORK_NO_SCRATCH_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("KVFORK_NO_SCRATCH_PREFILL", "1")
+        with kvfork.create_context_sync(model, n_ctx=4096, n_batch=256, n_seq_max=8) as c:
+            text = c.tokenize(PROMPT * 120, add_special=False)
+            other = kvfork.Branch.create(c, 0, GREEDY)
+            if busy:
+                other.prefill_sync(text[:busy])
+            # Each prompt ends counting from its own number (greedy margins of 3+ logits).
+            prompts = [
+                text[40 * i : 40 * i + 60 + 25 * i]
+                + c.tokenize(", ".join(str(10 * i + k) for k in range(1, 7)) + ",")
+                for i in range(6)
+            ]
+            branches = [kvfork.Branch.create(c, 0, GREEDY) for _ in prompts]
+            kvfork.BranchStore(c).prefill_sync(list(zip(branches, prompts)))
+            logits = np.stack([b.logits() for b in branches])
+            tokens = [[int(t.token) for t in b.generate_sync(6)] for b in branches]
+            assert other.position == busy
+            return tokens, logits, int(c.stats()["scratch_tokens"]), sum(map(len, prompts))
+
+    scratch = run(True, busy=700)
+    cache = run(False, busy=700)
+    alone = run(False, busy=0)
+    assert scratch[2] == scratch[3] and cache[2] == alone[2] == 0
+    assert np.array_equal(scratch[1][0], alone[1][0])
+    np.testing.assert_allclose(scratch[1], cache[1], rtol=0, atol=2.0)
+    assert scratch[0] == cache[0] == alone[0]
+    assert len({tuple(t) for t in scratch[0]}) == len(scratch[0]), "each its own"
+
+
+def test_new_prompts_that_do_not_fit_beside_a_busy_cache_roll_back_from_the_scratch(
+    model: kvfork.Model,
+) -> None:
+    """Prompts prefilled apart that find no room in the cache fail as a decode would
+    (KvCacheFullError), all or nothing: the cells already moved in are removed again."""
+    with kvfork.create_context_sync(model, n_ctx=1024, n_batch=256, n_seq_max=8) as c:
+        text = c.tokenize(PROMPT * 120, add_special=False)
+        busy = kvfork.Branch.create(c, 0, GREEDY)
+        busy.prefill_sync(text[:700])
+        store = kvfork.BranchStore(c)
+        branches = [kvfork.Branch.create(c, 0, GREEDY) for _ in range(4)]
+        with pytest.raises(kvfork.KvCacheFullError):
+            store.prefill_sync([(b, text[100 * i : 100 * i + 120]) for i, b in enumerate(branches)])
+        assert c.stats()["scratch_tokens"] > 0
+        assert [b.position for b in branches] == [0, 0, 0, 0]
+        # The room is back: two of them fit.
+        store.prefill_sync([(b, text[:120]) for b in branches[:2]])
+        assert [b.position for b in branches] == [120, 120, 0, 0] and busy.position == 700
+
+
 def test_rollback_when_kv_is_full(model: kvfork.Model) -> None:
     with kvfork.create_context_sync(model, n_ctx=64, n_seq_max=2) as c:
         a = root(c, PROMPT)

@@ -497,6 +497,9 @@ impl PyContext {
     /// - `padded_rows`: rows added to decodes (their logits unread) so that the outputs fill
     ///   whole tiles of the CPU's output matmul, where that is cheaper (x86 with AVX-512 and
     ///   Q8_0/Q4_0/Q5_0/IQ4_NL output weights; `KVFORK_NO_OUTPUT_PADDING` turns it off);
+    /// - `scratch_tokens`: tokens of new prompts prefilled in a scratch context that holds
+    ///   only them (a busy cache slows every prefill decode; `KVFORK_NO_SCRATCH_PREFILL`
+    ///   turns it off), then moved into the cache;
     /// - `commit_requests`: commit requests served — each `commit` or generation step, and
     ///   each `store.commit` / `store.step` (one request for all its branches); concurrent
     ///   requests coalesced into one decode each count;
@@ -513,6 +516,7 @@ impl PyContext {
             (s.decode_ns as f64 / 1e9).into_py_any(py)?,
         );
         d.insert("padded_rows", s.padded_rows.into_py_any(py)?);
+        d.insert("scratch_tokens", s.scratch_tokens.into_py_any(py)?);
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
         d.insert("parked_branches", s.parked_branches.into_py_any(py)?);
         d.insert("parked_bytes", s.parked_bytes.into_py_any(py)?);

@@ -20,6 +20,9 @@ pub struct ContextStats {
     /// Rows of the padding sequence added to decodes so that their outputs fill whole tiles
     /// of the CPU's output matmul (see `kvfork_core::output_tile`); not in `decoded_tokens`.
     pub padded_rows: u64,
+    /// Prompt tokens of new sequences prefilled in a scratch context whose attention sees
+    /// only them, then moved to the cache (see `engine/scratch.rs`); in `decoded_tokens` too.
+    pub scratch_tokens: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
     /// Branches parked in host memory now (`park` contexts).
@@ -131,6 +134,7 @@ impl Context {
             decoded_tokens: Stats::get(&s.decoded_tokens),
             decode_ns: Stats::get(&s.decode_ns),
             padded_rows: Stats::get(&s.padded_rows),
+            scratch_tokens: Stats::get(&s.scratch_tokens),
             commit_requests: Stats::get(&s.commit_requests),
         }
     }

@@ -44,6 +44,8 @@ pub struct Model {
     /// Output rows the CPU's output matmul computes per pass (1: no tiling to fill); see
     /// `kvfork_core::output_tile`.
     output_tile: usize,
+    /// Every layer computes on the CPU (no GPU offload).
+    on_cpu: bool,
     /// What other modules derive from the model once and keep with it (llguidance's index of
     /// the vocabulary), one value per type: the model need not know those modules.
     derived: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
@@ -176,9 +178,15 @@ impl Model {
             } else {
                 1
             },
+            on_cpu,
             path: path.to_path_buf(),
             derived: Mutex::default(),
         }))
+    }
+
+    /// Whether every layer computes on the CPU (no GPU offload).
+    pub(crate) fn on_cpu(&self) -> bool {
+        self.on_cpu
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {

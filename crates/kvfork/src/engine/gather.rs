@@ -243,6 +243,11 @@ pub(super) struct Members {
 }
 
 impl Members {
+    /// The KV sequences of the group's branches.
+    pub(super) fn seqs(&self) -> &HashSet<Seq> {
+        &self.seqs
+    }
+
     fn touches<'a>(&self, mut cells: impl Iterator<Item = &'a Arc<BranchCell>>) -> bool {
         cells.any(|c| self.cells.contains(&Arc::as_ptr(c)))
     }

@@ -31,6 +31,7 @@ mod persist;
 mod prefill;
 mod raw;
 mod reseed;
+mod scratch;
 mod share;
 pub(crate) mod shared;
 mod speculate;

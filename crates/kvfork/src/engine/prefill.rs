@@ -153,7 +153,20 @@ impl Worker {
         // Branches under different adapters are packed apart, one plan per set.
         for (set, members) in group_by_adapters(&cells) {
             let lens: Vec<usize> = members.iter().map(|&i| items[i].1.len()).collect();
-            for chunk in plan_prefill(&lens, self.ctx().n_batch as usize) {
+            let plan = plan_prefill(&lens, self.ctx().n_batch as usize);
+            // New prompts, no adapter: maybe through the scratch context (`scratch.rs`).
+            let fresh = set.key().is_empty() && members.iter().all(|&i| starts[i] == 0);
+            let own: Vec<&PrefillItem> = members.iter().map(|&i| items[i]).collect();
+            if self.scratch_pays(&own, fresh, &plan) {
+                let own_seqs: Vec<Seq> = members.iter().map(|&i| seqs[i]).collect();
+                let mut own_rows = vec![None; members.len()];
+                self.prefill_in_scratch(&own, &own_seqs, &plan, &mut own_rows)?;
+                for (&i, row) in members.iter().zip(own_rows) {
+                    rows[i] = row;
+                }
+                continue;
+            }
+            for chunk in plan {
                 self.use_adapters(&set)?;
                 let batch = self.start_batch();
                 for span in &chunk.spans {

@@ -89,6 +89,8 @@ pub(crate) struct Stats {
     pub decode_ns: AtomicU64,
     /// Rows added to decodes to fill the output matmul's last tile (`Worker::pad_outputs`).
     pub padded_rows: AtomicU64,
+    /// Prompt tokens prefilled in the scratch context (`engine/scratch.rs`).
+    pub scratch_tokens: AtomicU64,
     pub commit_requests: AtomicU64,
     /// Branches moved to host memory (`park` contexts).
     pub parks: AtomicU64,

@@ -3,14 +3,14 @@
 //! `prefill.rs`; every other operation has its file beside this one (see `mod.rs`). They
 //! reach the context, the batch and the loans through the few methods below.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfork_core::threads::{ceiling_for, ThreadTuner};
 
-use super::gather::{CommitGathering, PrefillGathering, Window};
+use super::gather::{CommitGathering, Gathering, PrefillGathering, Window};
 use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
@@ -27,8 +27,10 @@ pub(crate) struct Worker {
     /// Jobs pulled while gathering a group that could not join it, in their queue order:
     /// they run before anything still in the channel (see `gather.rs`).
     stash: VecDeque<Job>,
-    /// Tokens decoded by the last commit group (how many to wait for next time).
+    /// Tokens decoded by the last commit group (how many to wait for next time), and the
+    /// sequences it stepped (a branch prefilled since counts once more only if not one).
     last_group: usize,
+    last_seqs: HashSet<Seq>,
     last_decode: Duration,
     /// The decode of the last commit group that decoded: what splitting a step costs.
     last_step: Duration,
@@ -46,6 +48,10 @@ pub(crate) struct Worker {
     /// One line on stderr per decode (`KVFORK_TRACE_DECODES` set): when, how many tokens, how
     /// long, how many threads — to see how requests share decodes.
     trace: bool,
+    /// The context new prompts are prefilled in, created on first use (see `scratch.rs`).
+    pub(super) scratch: Option<LlamaCtx>,
+    /// `KVFORK_NO_SCRATCH_PREFILL` unset.
+    pub(super) scratch_allowed: bool,
 }
 
 impl Drop for Worker {
@@ -80,10 +86,13 @@ impl Worker {
             shared,
             stash: VecDeque::new(),
             last_group: 0,
+            last_seqs: HashSet::new(),
             last_decode: Duration::ZERO,
             last_step: Duration::ZERO,
             after_prefill: false,
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
+            scratch: None,
+            scratch_allowed: std::env::var_os("KVFORK_NO_SCRATCH_PREFILL").is_none(),
             adapters: AdapterKey::default(),
         };
         worker.apply_threads(max as u32);
@@ -114,6 +123,7 @@ impl Worker {
                     };
                     self.gather(&rx, &mut group, window);
                     self.last_group = group.n_items;
+                    self.last_seqs.clone_from(group.members().seqs());
                     let decodes = Stats::get(&self.shared.stats.decode_calls);
                     self.run_commits(group.requests);
                     if Stats::get(&self.shared.stats.decode_calls) != decodes {
@@ -126,9 +136,14 @@ impl Worker {
                     // The branches just prefilled are about to step, with those stepping
                     // already (a burst's earlier prefill groups): expect them all together.
                     // An overestimate (streams that ended meanwhile) costs one window, once.
-                    let prefilled: usize = group.requests.iter().map(|r| r.items.len()).sum();
-                    self.last_group =
-                        (self.last_group + prefilled).min(self.shared.n_seq_max as usize);
+                    let prefilled: HashSet<Seq> = group
+                        .requests
+                        .iter()
+                        .flat_map(|r| r.items.iter().map(|(cell, _)| cell.seq()))
+                        .collect();
+                    let new = prefilled.difference(&self.last_seqs).count();
+                    self.last_group = (self.last_group + new).min(self.shared.n_seq_max as usize);
+                    self.last_seqs.extend(prefilled);
                     self.run_prefills(group.requests);
                     self.after_prefill = true;
                 }
@@ -160,6 +175,11 @@ impl Worker {
     /// What the engine shares with callers: the model, the branch registry, counters.
     pub(super) fn shared(&self) -> &Shared {
         &self.shared
+    }
+
+    /// Tokens in the current batch.
+    pub(super) fn batch_len(&self) -> usize {
+        self.batch.len()
     }
 
     /// The batch, emptied, to fill for the next `decode`.
@@ -273,12 +293,34 @@ impl Worker {
                 r = self.ctx.decode(&self.batch); // the padding's cells were the ones missing
             }
         }
-        self.last_decode = t0.elapsed();
+        self.after_decode(t0.elapsed(), r, pad, true)
+    }
+
+    /// `llama_decode` of the current batch in the scratch context, timed and counted like
+    /// the main context's (no output padding; its rows are read at once).
+    pub(super) fn decode_in_scratch(&mut self) -> Result<()> {
+        self.read_load();
+        let scratch = self.scratch.as_mut().expect("opened before its decodes");
+        let t0 = Instant::now();
+        let r = scratch.decode(&self.batch);
+        self.after_decode(t0.elapsed(), r, 0, false)
+    }
+
+    /// Account for the decode of the current batch that took `elapsed` (`pad` rows padded;
+    /// `main`: in the main context, whose output rows the outputs tracker follows).
+    pub(super) fn after_decode(
+        &mut self,
+        elapsed: Duration,
+        mut r: Result<()>,
+        pad: usize,
+        main: bool,
+    ) -> Result<()> {
+        self.last_decode = elapsed;
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         if self.trace {
-            self.trace_decode(r.is_ok(), pad);
+            self.trace_decode(r.is_ok(), pad, main);
         }
         self.tune_threads(self.batch.len() + pad);
         let stats = &self.shared.stats;
@@ -287,7 +329,7 @@ impl Worker {
         Stats::add(&stats.padded_rows, pad as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
-            if let Some(last) = self.batch.last_output() {
+            if let Some(last) = self.batch.last_output().filter(|_| main) {
                 self.shared
                     .outputs()
                     .decoded(self.batch.output_seqs(), last);
@@ -324,7 +366,7 @@ impl Worker {
         }
     }
 
-    fn trace_decode(&self, ok: bool, pad: usize) {
+    fn trace_decode(&self, ok: bool, pad: usize, main: bool) {
         use std::io::Write;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -332,11 +374,12 @@ impl Worker {
         // Asked for by the user (`KVFORK_TRACE_DECODES`); a failed write is not worth a panic.
         let _ = writeln!(
             std::io::stderr(),
-            "kvfork decode: t={:.3} tokens={} pad={pad} ms={:.1} threads={} ok={ok}",
+            "kvfork decode: t={:.3} tokens={} pad={pad} ms={:.1} threads={} ok={ok}{}",
             now.as_secs_f64(),
             self.batch.len(),
             self.last_decode.as_secs_f64() * 1e3,
             self.threads_batch,
+            if main { "" } else { " scratch" },
         );
     }
 
@@ -365,6 +408,15 @@ impl Worker {
         self.apply_threads(before);
     }
 
+    /// The (single-token, batch) thread counts in use now.
+    pub(super) fn threads(&self) -> (i32, i32) {
+        let adaptive = match &self.tuner {
+            Some((tuner, _)) => tuner.threads() as i32,
+            None => self.ctx.max_threads,
+        };
+        self.shared.params.threads_with(adaptive)
+    }
+
     /// Hand llama.cpp the tuner's count when it differs from `before` (the count in use).
     fn apply_threads(&mut self, before: u32) {
         let Some((tuner, _)) = self.tuner.as_ref() else {
@@ -376,6 +428,9 @@ impl Worker {
         }
         let (single, batch) = self.shared.params.threads_with(next as i32);
         self.ctx.set_threads(single, batch);
+        if let Some(scratch) = self.scratch.as_mut() {
+            scratch.set_threads(single, batch);
+        }
         self.threads_batch = batch as usize;
         // Readers see the settled choice, not a probe's.
         let (single, batch) = self.shared.params.threads_with(tuner.current() as i32);

@@ -1,0 +1,173 @@
+//! Prefills of new prompts through a scratch context.
+//!
+//! In the unified KV cache, every decode's attention goes through the mask of all the cells
+//! in use, those of other sequences included (llama.cpp's CPU flash attention checks each
+//! entry): a burst of unrelated prompts prefills slower as the cache fills. 512-token
+//! decodes took 687 ms with the cache empty and 838 ms with 3,584 cells in use (Gemma 3
+//! 270M, 2 threads). A small second context of the same model holds only the prompts being
+//! prefilled, so it decodes them at the empty cache's speed; each prompt's cells then move to
+//! its own sequence of the main cache (`llama_state_seq_*`: ~8 ms for 265 tokens) and its
+//! last logits to its branch. The KV is the same computation; only the order in which
+//! attention adds up the cells may differ, as between two packings of one prefill.
+//!
+//! Taken only where it pays and nothing else changes: a model on the CPU (where the mask
+//! scan was measured), not recurrent, prompts that start their sequence and fit one decode
+//! (and the sliding window) each, no adapter, no `park`, a plan whose decodes hold at most
+//! [`SCRATCH_SEQS`] prompts, and a main cache holding two decodes' worth of cells on average
+//! over the plan (what it held before, and half the plan's own tokens).
+//! `KVFORK_NO_SCRATCH_PREFILL=1` turns it off (to compare).
+
+use std::sync::Arc;
+
+use kvfork_core::packer::{logits_index, Chunk as PrefillChunk};
+
+use super::{PrefillItem, Worker};
+use crate::error::{Error, Result};
+use crate::llama_ctx::{ContextParams, LlamaCtx};
+use crate::seq::Seq;
+
+/// Prompts the scratch context prefills at once (its sequences).
+const SCRATCH_SEQS: u32 = 16;
+
+impl Worker {
+    /// Whether `plan`, the prefill of `items` (all at position 0 of their sequences when
+    /// `fresh`), goes through the scratch context.
+    pub(super) fn scratch_pays(
+        &self,
+        items: &[&PrefillItem],
+        fresh: bool,
+        plan: &[PrefillChunk],
+    ) -> bool {
+        let model = &self.shared().model;
+        // Within one decode, and inside the sliding window: `find_slot` of an iSWA cache
+        // takes a cell whose position is a window behind its sequence's next one, and no
+        // cell of a prompt in flight may go to another's.
+        let longest = match model.n_swa() {
+            0 => self.ctx().n_batch,
+            n_swa => self.ctx().n_batch.min(n_swa - 1),
+        } as usize;
+        fresh
+            && self.scratch_allowed
+            && model.on_cpu()
+            && !model.is_recurrent()
+            && !self.parks()
+            && !self.shared().params.embeddings
+            && items.iter().all(|(_, tokens)| tokens.len() <= longest)
+            && plan
+                .iter()
+                .all(|chunk| chunk.spans.len() <= SCRATCH_SEQS as usize)
+            && self.cells_in_use() + plan_tokens(plan) / 2 >= 2 * self.ctx().n_batch as usize
+    }
+
+    /// Cells of the main cache in use before the plan, counted per sequence (shared cells
+    /// more than once: an upper bound, which is all `scratch_pays` needs).
+    fn cells_in_use(&self) -> usize {
+        (0..self.shared().n_seq_max)
+            .filter_map(|s| self.ctx().seq_pos_max(Seq::new(s)).ok())
+            .map(|max| (max + 1).max(0) as usize)
+            .sum()
+    }
+
+    /// Decode `plan` (over `items`, into `seqs` of the main cache, from position 0) in the
+    /// scratch context; each item's last logits row goes to `rows`. On failure the caller
+    /// removes what reached the main cache; the scratch is emptied here.
+    pub(super) fn prefill_in_scratch(
+        &mut self,
+        items: &[&PrefillItem],
+        seqs: &[Seq],
+        plan: &[PrefillChunk],
+        rows: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        self.open_scratch()?;
+        let result = self.run_scratch_plan(items, seqs, plan, rows);
+        if let Some(scratch) = self.scratch.as_mut() {
+            scratch.clear();
+        }
+        result
+    }
+
+    fn run_scratch_plan(
+        &mut self,
+        items: &[&PrefillItem],
+        seqs: &[Seq],
+        plan: &[PrefillChunk],
+        rows: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        // The scratch sequence of each item while its tokens are in flight.
+        let mut lent: Vec<Option<Seq>> = vec![None; items.len()];
+        let mut free: Vec<Seq> = (0..SCRATCH_SEQS).rev().map(Seq::new).collect();
+        for chunk in plan {
+            let batch = self.start_batch();
+            for span in &chunk.spans {
+                let seq = match lent[span.item] {
+                    Some(seq) => seq,
+                    None => {
+                        let seq = free
+                            .pop()
+                            .ok_or_else(|| Error::Internal("no free scratch sequence".into()))?;
+                        lent[span.item] = Some(seq);
+                        seq
+                    }
+                };
+                let tokens = &items[span.item].1[span.start..span.start + span.len];
+                for (j, &t) in tokens.iter().enumerate() {
+                    let wants_logits = span.is_last && j + 1 == span.len;
+                    batch.push(t, (span.start + j) as i32, seq, wants_logits);
+                }
+            }
+            self.decode_in_scratch()?;
+            let tokens = self.batch_len() as u64;
+            super::shared::Stats::add(&self.shared().stats.scratch_tokens, tokens);
+            for (k, span) in chunk.spans.iter().enumerate() {
+                if !span.is_last {
+                    continue;
+                }
+                let seq = lent[span.item]
+                    .take()
+                    .ok_or_else(|| Error::Internal("a scratch prompt without a sequence".into()))?;
+                let scratch = self.scratch.as_mut().expect("opened above");
+                rows[span.item] = Some(scratch.logits_ith(logits_index(chunk, k))?.to_vec());
+                let cells = scratch.kv_state(Some(seq))?;
+                scratch.clear_seq(seq)?;
+                free.push(seq);
+                // Fails only without enough free cells, where a decode would fail alike.
+                let n = span.start + span.len;
+                self.ctx_mut()
+                    .set_kv_state(Some(seqs[span.item]), &cells)
+                    .map_err(|_| {
+                        Error::KvCacheFull(format!(
+                            "no room for the {n} cells of a prompt prefilled apart"
+                        ))
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The scratch context, created on first use: the main one's model, threads and cache
+    /// types, room for two decodes, [`SCRATCH_SEQS`] sequences.
+    fn open_scratch(&mut self) -> Result<()> {
+        if self.scratch.is_some() {
+            return Ok(());
+        }
+        let main = &self.shared().params;
+        let params = ContextParams {
+            n_ctx: 2 * main.n_batch.max(16),
+            n_seq_max: SCRATCH_SEQS,
+            embeddings: false,
+            pooling: None,
+            park: false,
+            ..main.clone()
+        };
+        let mut scratch = LlamaCtx::new(Arc::clone(&self.shared().model), &params)?;
+        scratch.set_abort_signal(self.shared().abort.clone());
+        let (single, batch) = self.threads();
+        scratch.set_threads(single, batch);
+        self.scratch = Some(scratch);
+        Ok(())
+    }
+}
+
+fn plan_tokens(plan: &[PrefillChunk]) -> usize {
+    plan.iter().map(PrefillChunk::n_tokens).sum()
+}
