@@ -10,8 +10,9 @@
 //! instead of running one of their own, out of phase for good. A caller alone waits at most
 //! one gap. Branches just prefilled together count as the last group (their tasks are about
 //! to step together), and the first steps after a prefill wait for them up to one step's
-//! time, however far apart they come back ([`Window::after_prefill`]). `produce` requests met on the way are answered at once (they decode
-//! nothing), so their callers' commits can still join.
+//! time, however far apart they come back ([`Window::after_prefill`]). `produce` requests
+//! met on the way are answered at once (they decode nothing), so their callers' commits can
+//! still join.
 //!
 //! A job of the other kind on other branches (a stream's step while prefills gather, a new
 //! request's prefill while steps gather) waits behind the group instead of ending it, and a
@@ -243,11 +244,6 @@ pub(super) struct Members {
 }
 
 impl Members {
-    /// The KV sequences of the group's branches.
-    pub(super) fn seqs(&self) -> &HashSet<Seq> {
-        &self.seqs
-    }
-
     fn touches<'a>(&self, mut cells: impl Iterator<Item = &'a Arc<BranchCell>>) -> bool {
         cells.any(|c| self.cells.contains(&Arc::as_ptr(c)))
     }
@@ -282,6 +278,11 @@ impl CommitGathering {
             expected,
             n_batch,
         }
+    }
+
+    /// The KV sequences of the group's branches, taken out (the gathering is over).
+    pub fn take_seqs(&mut self) -> HashSet<Seq> {
+        std::mem::take(&mut self.members.seqs)
     }
 }
 

@@ -13,14 +13,16 @@
 //! Taken only where it pays and nothing else changes: a model on the CPU (where the mask
 //! scan was measured), not recurrent, prompts that start their sequence and fit one decode
 //! (and the sliding window) each, no adapter, no `park`, a plan whose decodes hold at most
-//! [`SCRATCH_SEQS`] prompts, and a main cache holding two decodes' worth of cells on average
-//! over the plan (what it held before, and half the plan's own tokens).
+//! [`SCRATCH_SEQS`] prompts, a scratch of at most [`SCRATCH_MAX_CELLS`] cells (one decode and
+//! one prompt), and a main cache holding two decodes' worth of cells on average over the
+//! plan (what it held before, and half the plan's own tokens).
 //! `KVFORK_NO_SCRATCH_PREFILL=1` turns it off (to compare).
 
 use std::sync::Arc;
 
 use kvfork_core::packer::{logits_index, Chunk as PrefillChunk};
 
+use super::shared::Stats;
 use super::{PrefillItem, Worker};
 use crate::error::{Error, Result};
 use crate::llama_ctx::{ContextParams, LlamaCtx};
@@ -28,6 +30,9 @@ use crate::seq::Seq;
 
 /// Prompts the scratch context prefills at once (its sequences).
 const SCRATCH_SEQS: u32 = 16;
+/// The most cells a scratch context may have (beyond, its KV would cost more memory than a
+/// prefill's speed is worth).
+const SCRATCH_MAX_CELLS: u32 = 4096;
 
 impl Worker {
     /// Whether `plan`, the prefill of `items` (all at position 0 of their sequences when
@@ -39,24 +44,35 @@ impl Worker {
         plan: &[PrefillChunk],
     ) -> bool {
         let model = &self.shared().model;
-        // Within one decode, and inside the sliding window: `find_slot` of an iSWA cache
-        // takes a cell whose position is a window behind its sequence's next one, and no
-        // cell of a prompt in flight may go to another's.
-        let longest = match model.n_swa() {
-            0 => self.ctx().n_batch,
-            n_swa => self.ctx().n_batch.min(n_swa - 1),
-        } as usize;
+        let longest = self.longest_scratch_prompt() as usize;
         fresh
             && self.scratch_allowed
             && model.on_cpu()
             && !model.is_recurrent()
             && !self.parks()
             && !self.shared().params.embeddings
+            && self.scratch_cells() <= SCRATCH_MAX_CELLS
             && items.iter().all(|(_, tokens)| tokens.len() <= longest)
             && plan
                 .iter()
                 .all(|chunk| chunk.spans.len() <= SCRATCH_SEQS as usize)
             && self.cells_in_use() + plan_tokens(plan) / 2 >= 2 * self.ctx().n_batch as usize
+    }
+
+    /// The longest prompt the scratch takes: one decode, inside the sliding window
+    /// (`find_slot` of an iSWA cache takes a cell whose position is a window behind its
+    /// sequence's next one, and no cell of a prompt in flight may go to another's).
+    fn longest_scratch_prompt(&self) -> u32 {
+        match self.shared().model.n_swa() {
+            0 => self.ctx().n_batch,
+            n_swa => self.ctx().n_batch.min(n_swa - 1),
+        }
+    }
+
+    /// Cells the scratch context needs: those of one decode, and the earlier part of the one
+    /// prompt that may straddle it (shorter than the longest prompt).
+    fn scratch_cells(&self) -> u32 {
+        (self.ctx().n_batch + self.longest_scratch_prompt()).max(16)
     }
 
     /// Cells of the main cache in use before the plan, counted per sequence (shared cells
@@ -69,8 +85,9 @@ impl Worker {
     }
 
     /// Decode `plan` (over `items`, into `seqs` of the main cache, from position 0) in the
-    /// scratch context; each item's last logits row goes to `rows`. On failure the caller
-    /// removes what reached the main cache; the scratch is emptied here.
+    /// scratch context; each item's last logits row goes to `rows`, its cells to its
+    /// sequence as soon as its last span is decoded (the scratch is then empty again). On
+    /// failure the caller removes what reached the main cache; the scratch is emptied here.
     pub(super) fn prefill_in_scratch(
         &mut self,
         items: &[&PrefillItem],
@@ -79,24 +96,10 @@ impl Worker {
         rows: &mut [Option<Vec<f32>>],
     ) -> Result<()> {
         self.open_scratch()?;
-        let result = self.run_scratch_plan(items, seqs, plan, rows);
-        if let Some(scratch) = self.scratch.as_mut() {
-            scratch.clear();
-        }
-        result
-    }
-
-    fn run_scratch_plan(
-        &mut self,
-        items: &[&PrefillItem],
-        seqs: &[Seq],
-        plan: &[PrefillChunk],
-        rows: &mut [Option<Vec<f32>>],
-    ) -> Result<()> {
         // The scratch sequence of each item while its tokens are in flight.
         let mut lent: Vec<Option<Seq>> = vec![None; items.len()];
         let mut free: Vec<Seq> = (0..SCRATCH_SEQS).rev().map(Seq::new).collect();
-        for chunk in plan {
+        let result = plan.iter().try_for_each(|chunk| {
             let batch = self.start_batch();
             for span in &chunk.spans {
                 let seq = match lent[span.item] {
@@ -116,12 +119,8 @@ impl Worker {
                 }
             }
             self.decode_in_scratch()?;
-            let tokens = self.batch_len() as u64;
-            super::shared::Stats::add(&self.shared().stats.scratch_tokens, tokens);
-            for (k, span) in chunk.spans.iter().enumerate() {
-                if !span.is_last {
-                    continue;
-                }
+            Stats::add(&self.shared().stats.scratch_tokens, chunk.n_tokens() as u64);
+            for (k, span) in chunk.spans.iter().enumerate().filter(|(_, s)| s.is_last) {
                 let seq = lent[span.item]
                     .take()
                     .ok_or_else(|| Error::Internal("a scratch prompt without a sequence".into()))?;
@@ -140,19 +139,25 @@ impl Worker {
                         ))
                     })?;
             }
+            Ok(())
+        });
+        if result.is_err() {
+            if let Some(scratch) = self.scratch.as_mut() {
+                scratch.clear();
+            }
         }
-        Ok(())
+        result
     }
 
     /// The scratch context, created on first use: the main one's model, threads and cache
-    /// types, room for two decodes, [`SCRATCH_SEQS`] sequences.
+    /// types, [`SCRATCH_SEQS`] sequences and the cells they may hold at once.
     fn open_scratch(&mut self) -> Result<()> {
         if self.scratch.is_some() {
             return Ok(());
         }
         let main = &self.shared().params;
         let params = ContextParams {
-            n_ctx: 2 * main.n_batch.max(16),
+            n_ctx: self.scratch_cells(),
             n_seq_max: SCRATCH_SEQS,
             embeddings: false,
             pooling: None,

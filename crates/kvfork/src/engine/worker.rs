@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvfork_core::threads::{ceiling_for, ThreadTuner};
 
-use super::gather::{CommitGathering, Gathering, PrefillGathering, Window};
+use super::gather::{CommitGathering, PrefillGathering, Window};
 use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
@@ -123,7 +123,7 @@ impl Worker {
                     };
                     self.gather(&rx, &mut group, window);
                     self.last_group = group.n_items;
-                    self.last_seqs.clone_from(group.members().seqs());
+                    self.last_seqs = group.take_seqs();
                     let decodes = Stats::get(&self.shared.stats.decode_calls);
                     self.run_commits(group.requests);
                     if Stats::get(&self.shared.stats.decode_calls) != decodes {
@@ -175,11 +175,6 @@ impl Worker {
     /// What the engine shares with callers: the model, the branch registry, counters.
     pub(super) fn shared(&self) -> &Shared {
         &self.shared
-    }
-
-    /// Tokens in the current batch.
-    pub(super) fn batch_len(&self) -> usize {
-        self.batch.len()
     }
 
     /// The batch, emptied, to fill for the next `decode`.
