@@ -5,6 +5,7 @@ scratch; eviction when leases run out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import kvfork
 import pytest
@@ -172,3 +173,97 @@ def test_bad_calls_raise(ctx: kvfork.Context) -> None:
     cache.release(b)
     with pytest.raises(ValueError, match="already released"):
         cache.release(b)
+
+
+def test_forks_evict_entries_for_their_leases_and_are_handed_back_as_entries(
+    model: kvfork.Model,
+) -> None:
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=4) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        for i in range(4):  # every lease an entry
+            cache.release(cache.branch_sync(ctx.tokenize(f"Entry {i}: a story"), GREEDY))
+        tokens = ctx.tokenize(COUNTING)
+        first = cache.branch_sync(tokens, GREEDY)
+        forks = [cache.fork_sync(first) for _ in range(3)]  # an n = 4 request
+        stats = cache.stats()
+        assert stats["live"] == 4 and stats["entries"] == 0 and stats["evictions"] == 4
+        assert all(f.parent == first and f.position == first.position for f in forks)
+        expected, margins = scratch_in(model, tokens, 6)
+        for f in forks:  # a fork continues exactly as the branch it came from
+            assert_same_greedy([t.token for t in f.generate_sync(6)], expected, margins)
+        with pytest.raises(kvfork.LeaseExhaustedError):
+            cache.fork_sync(first)  # live branches hold every lease
+        for b in [*forks, first]:
+            cache.release(b)
+        assert cache.stats()["entries"] == 4 and cache.stats()["live"] == 0
+        # An entry's forks outlive its eviction: each eviction frees exactly one lease.
+        assert cache.make_room_sync(1) == 1
+        assert kvfork.BranchStore(ctx).available == 1 and cache.stats()["entries"] == 3
+
+
+def scratch_in(model: kvfork.Model, tokens: list[int], n: int) -> tuple[list[int], list[float]]:
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=1) as ctx:
+        return scratch(ctx, tokens, n)
+
+
+def test_make_room_evicts_least_recently_used_entries_until_n_leases_are_free(
+    model: kvfork.Model,
+) -> None:
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=4) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        for i in range(3):
+            cache.release(cache.branch_sync(ctx.tokenize(f"Entry {i}: a story"), GREEDY))
+        store = kvfork.BranchStore(ctx)
+        assert store.available == 1
+        assert cache.make_room_sync(1) == 0
+        assert cache.make_room_sync(3) == 2 and store.available == 3
+        live = cache.branch_sync(ctx.tokenize("Live"), GREEDY)
+        with pytest.raises(kvfork.LeaseExhaustedError):
+            cache.make_room_sync(4)  # the live branch keeps its lease
+        with pytest.raises(ValueError, match="sequences"):
+            cache.make_room_sync(5)
+        cache.release(live)
+
+
+async def test_a_cancelled_branch_or_fork_is_handed_back_as_an_entry(
+    model: kvfork.Model,
+) -> None:
+    async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=4) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        tokens = ctx.tokenize(DOC * 4)  # a prefill long enough to be cancelled during it
+        task = asyncio.ensure_future(cache.branch(tokens, GREEDY))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The work completed (a cache prefill is not aborted); nobody holds the branch.
+        assert cache.stats()["live"] == 0 and cache.stats()["entries"] == 1
+        first = await cache.branch(tokens, GREEDY)
+        assert cache.shared_tokens(first) == len(tokens) - 1
+        task = asyncio.ensure_future(cache.fork(first))
+        await asyncio.sleep(0)
+        task.cancel()
+        # Cancelled, nobody holds the fork: the cache took it back. Finished before the
+        # cancel, it is ours to give back.
+        with contextlib.suppress(asyncio.CancelledError):
+            cache.release(await task)
+        stats = cache.stats()
+        assert stats["live"] == 1 and stats["entries"] == 2
+        cache.release(first)
+
+
+def test_an_operation_never_awaited_warns_naming_the_call(ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    b.prefill_sync(ctx.tokenize(PROMPT))
+    child = b.fork_sync()
+    with pytest.warns(RuntimeWarning, match=r"Branch\.prune\(\) was never awaited"):
+        b.prune()  # refused (a live child): without the warning this failure would be silent
+    assert not b.disposed
+    with pytest.warns(RuntimeWarning, match=r"Branch\.prune\(\) was never awaited"):
+        child.prune()
+    # It happens all the same, and every view of the tree says so at once.
+    assert child.disposed and not child.is_active
+    assert b.children == [] and b.is_leaf
+    b.prune_sync()  # the parent has no live child left
+    with pytest.warns(RuntimeWarning, match=r"PrefixCache\.make_room\(\) was never awaited"):
+        kvfork.PrefixCache(ctx).make_room(1)

@@ -52,6 +52,7 @@ __all__ = [
 __version__: str
 
 _T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
 
 @final
 class Ready(Generic[_T]):
@@ -60,9 +61,15 @@ class Ready(Generic[_T]):
     def __next__(self) -> Any: ...
 
 @final
-class Operation(Generic[_T]):
-    def __await__(self) -> Generator[Any, None, _T]: ...
-    def __iter__(self) -> Generator[Any, None, _T]: ...
+class Operation(Generic[_T_co]):
+    """The awaitable of a call that runs on the engine (a `Branch`, `BranchStore`, `Context` or
+    `PrefixCache` method without `_sync`). The work is queued when the call is made; awaiting
+    it gives the result. Cancelled, it either never ran, was rolled back, or completed. Never
+    awaited (nor closed), it warns with a RuntimeWarning when dropped, as a never-awaited
+    coroutine does: its work still happens, but its result and any error are lost."""
+
+    def __await__(self) -> Generator[Any, None, _T_co]: ...
+    def __iter__(self) -> Generator[Any, None, _T_co]: ...
     def __next__(self) -> Any: ...
     def send(self, _value: Any) -> Any: ...
     def throw(self, typ: Any, val: Any = None, _tb: Any = None) -> Any:
@@ -435,13 +442,13 @@ class Context:
         """Remove the cells of `seq` in [p0, p1) (-1 = open). Returns False, removing nothing, when
         a partial removal is impossible (recurrent models). Returns without waiting.
         """
-    def kv_seq_pos_max(self, seq: int) -> Awaitable[int]:
+    def kv_seq_pos_max(self, seq: int) -> Operation[int]:
         """Largest position stored for `seq` (-1 when empty), after all queued work."""
     def kv_seq_pos_max_sync(self, seq: int) -> int:
         """Blocking twin of `kv_seq_pos_max`: returns the position. Waits without the GIL; Ctrl-C cancels it all-or-nothing and raises KeyboardInterrupt."""
     def kv_clear(self) -> None:
         """Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting."""
-    def decode(self, tokens: _Tokens, position: int, seq_id: int) -> Awaitable[None]:
+    def decode(self, tokens: _Tokens, position: int, seq_id: int) -> Operation[None]:
         """Raw decode (the reference's `ctx.decode(tokens, position, seqId)`): `tokens` into
         sequence `seq_id` from `position`, in ceil(n / n_batch) decodes, keeping the last
         token's logits as the sequence's output (`Branch.create(ctx, position, params,
@@ -462,13 +469,13 @@ class Context:
         bits with `base="bits"`); inf for a masked token. KvforkError before any decode;
         ValueError for a token id out of range or another `base`.
         """
-    def snapshot(self) -> Awaitable[bytes]:
+    def snapshot(self) -> Operation[bytes]:
         """Every live branch and the whole KV cache as bytes, after queued work: what
         `save_state` writes to a file (the same framing and checks), kept in memory.
         """
     def snapshot_sync(self) -> bytes:
         """Blocking twin of `snapshot`: returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
-    def restore(self, data: bytes | bytearray) -> Awaitable[list[Branch]]:
+    def restore(self, data: bytes | bytearray) -> Operation[list[Branch]]:
         """Return to a `snapshot` (or a `save_state` file's bytes): the bytes are checked
         first, and a corrupt, truncated or foreign snapshot raises StateFileError,
         changing nothing. Then every live branch is disposed (its handles raise
@@ -477,13 +484,13 @@ class Context:
         """
     def restore_sync(self, data: bytes | bytearray) -> list[Branch]:
         """Blocking twin of `restore`: returns the restored branches, each after its parent; StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
-    def save_state(self, path: str | PathLike[str]) -> Awaitable[None]:
+    def save_state(self, path: str | PathLike[str]) -> Operation[None]:
         """Save every live branch (its record and tree links) and the whole KV cache to
         `path`, after queued work. Shared prefixes are stored once.
         """
     def save_state_sync(self, path: str | PathLike[str]) -> None:
         """Blocking twin of `save_state`: returns None once the file is written. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
-    def load_state(self, path: str | PathLike[str]) -> Awaitable[list[Branch]]:
+    def load_state(self, path: str | PathLike[str]) -> Operation[list[Branch]]:
         """Restore a `save_state` file into this context, which must have no live branch; the
         model must be the same. Returns the restored branches, each after its parent.
         A corrupt, truncated or foreign file raises StateFileError.
@@ -495,7 +502,7 @@ class Context:
         """Width of the vectors `embed` returns."""
     def embed(
         self, text_or_tokens: str | _Tokens, *, normalize: bool = True
-    ) -> Awaitable[npt.NDArray[np.float32]]:
+    ) -> Operation[npt.NDArray[np.float32]]:
         """Embedding of one text (str) or token list, as a float32 array of `embedding_dim`
         (shape `(n_tokens, embedding_dim)` on a context with pooling "none"). Needs a context
         created with `embeddings=True` and no live branches.
@@ -509,7 +516,7 @@ class Context:
         """
     def embed_batch(
         self, texts: Iterable[str | _Tokens], *, normalize: bool = True
-    ) -> Awaitable[npt.NDArray[np.float32]]:
+    ) -> Operation[npt.NDArray[np.float32]]:
         """Embeddings of many texts (str or token lists), shape `(len(texts), embedding_dim)`,
         packed into as few decodes as fit (one text per sequence, each text whole in a batch).
         """
@@ -572,7 +579,7 @@ class Context:
         exc_type: type[BaseException] | None = None,
         exc: BaseException | None = None,
         tb: TracebackType | None = None,
-    ) -> Awaitable[Literal[False]]: ...
+    ) -> Operation[Literal[False]]: ...
 
 class _ContextOptions(TypedDict, total=False):
     """The keyword options of `create_context` and `create_context_sync`, written once;
@@ -593,7 +600,7 @@ class _ContextOptions(TypedDict, total=False):
 def create_context(
     path_or_model: str | PathLike[str] | Model,
     **options: Unpack[_ContextOptions],
-) -> Awaitable[Context]:
+) -> Operation[Context]:
     """Create a context (async): loads the model if given a path, on a thread of its own (the
     event loop never waits). Cancelled before it finishes, it creates nothing: the context is
     freed as soon as it is built.
@@ -624,7 +631,7 @@ class TokenStream:
     def shifts(self) -> int:
         """Context shifts so far (`on_context_full="shift"`)."""
     def __aiter__(self) -> TokenStream: ...
-    def __anext__(self) -> Awaitable[Token]: ...
+    def __anext__(self) -> Operation[Token]: ...
 
 @final
 class TokenStreamSync:
@@ -733,7 +740,7 @@ class Branch:
         branch). LeaseExhaustedError when all `n_seq_max` leases are taken; ValueError for a
         bad argument. A blank `grammar` means none.
         """
-    def prefill(self, tokens: _Tokens) -> Awaitable[None]:
+    def prefill(self, tokens: _Tokens) -> Operation[None]:
         """Decode external tokens at the branch's position (no accept); captures the last
         logits. Prefills of other tasks issued at the same time are packed into the same
         decodes. Cancelled, it either never ran or was aborted and rolled back: nothing
@@ -741,13 +748,13 @@ class Branch:
         """
     def prefill_sync(self, tokens: _Tokens) -> None:
         """Blocking twin of `prefill`: returns None once the tokens are decoded. Waits without the GIL; Ctrl-C aborts and rolls the prefill back, then raises KeyboardInterrupt."""
-    def produce(self) -> Awaitable[Token]:
+    def produce(self) -> Operation[Token]:
         """Sample a token from the snapshot on the engine thread, after any queued work on
         this branch (no KV write, no accept; only a stochastic sampler's RNG moves).
         """
     def produce_sync(self) -> Token:
         """Blocking twin of `produce`: returns the sampled Token, not committed. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
-    def commit(self, token: int | Token) -> Awaitable[None]:
+    def commit(self, token: int | Token) -> Operation[None]:
         """Accept `token` (an int or a Token), decode it, capture logits; rolled back if the
         decode fails. Cancelled, it either never ran (nothing happened) or had started (it
         completed).
@@ -811,7 +818,7 @@ class Branch:
     ) -> SpeculativeStreamSync: ...
     def speculate(
         self, pending: int | Token, draft: list[int]
-    ) -> Awaitable[tuple[list[Token], Token]]:
+    ) -> Operation[tuple[list[Token], Token]]:
         """One round of exact speculative decoding (low level; `generate(draft=...)` drives
         it). `pending`: the token the sampler drew last (from `produce`, not committed);
         `draft`: guessed tokens after it. Decodes both in one llama_decode, then samples the
@@ -827,7 +834,7 @@ class Branch:
         prefills and commits in order, a fork's starting with its parent's. Saved by `save`.
         """
     def __aiter__(self) -> AsyncIterator[Token]: ...
-    def fork(self, *, seed: int | None = None, seq_id: int | None = None) -> Awaitable[Branch]:
+    def fork(self, *, seed: int | None = None, seq_id: int | None = None) -> Operation[Branch]:
         """A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
         grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
         ran (no lease taken) or completed (the child exists, as a child of this branch).
@@ -839,14 +846,14 @@ class Branch:
         """
     def fork_sync(self, *, seed: int | None = None, seq_id: int | None = None) -> Branch:
         """Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists), then KeyboardInterrupt is raised."""
-    def save(self, path: str | PathLike[str]) -> Awaitable[None]:
+    def save(self, path: str | PathLike[str]) -> Operation[None]:
         """Save the branch to `path` (its KV cells, position, history, sampler params and RNG
         state, grammar, biases, steer, perplexity accumulators), after queued work on it.
         """
     def save_sync(self, path: str | PathLike[str]) -> None:
         """Blocking twin of `save`: returns None once the file is written. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @classmethod
-    def load(cls, ctx: Context, path: str | PathLike[str]) -> Awaitable[Branch]:
+    def load(cls, ctx: Context, path: str | PathLike[str]) -> Operation[Branch]:
         """A new root branch on a fresh lease of `ctx` (any context of the same model), restored
         from a file `save` wrote; it continues exactly as the saved branch would have.
         A corrupt, truncated or foreign file raises StateFileError.
@@ -857,7 +864,7 @@ class Branch:
         truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as
         an await would, and raises KeyboardInterrupt.
         """
-    def snapshot(self) -> Awaitable[bytes]:
+    def snapshot(self) -> Operation[bytes]:
         """The branch as bytes, after queued work on it: what `save` writes to a file (its
         KV cells, position, history, sampler and RNG state, grammar, biases, metrics; the
         same framing and checks), kept in memory. `Branch.restore(ctx, data)` brings it
@@ -866,7 +873,7 @@ class Branch:
     def snapshot_sync(self) -> bytes:
         """Blocking twin of `snapshot`: returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     @classmethod
-    def restore(cls, ctx: Context, data: bytes | bytearray) -> Awaitable[Branch]:
+    def restore(cls, ctx: Context, data: bytes | bytearray) -> Operation[Branch]:
         """A new root branch on a fresh lease of `ctx` (any context of the same model), restored
         from `snapshot()` bytes (or a `save` file's): it continues exactly as the snapshot's
         branch would have. StateFileError for corrupt, truncated or foreign bytes.
@@ -883,7 +890,7 @@ class Branch:
         before this branch took it over. A branch that decoded since already holds that
         output (nothing changes). KvforkError when the sequence has no output at all.
         """
-    def decode_and_capture_one(self, token: int | Token) -> Awaitable[None]:
+    def decode_and_capture_one(self, token: int | Token) -> Operation[None]:
         """Decode `token` (an int or a Token) at the branch's position and capture its
         logits, without accepting it (penalties, grammar and perplexity untouched; the
         reference's `decodeAndCaptureOne`). A token `accept`ed just before is decoded by
@@ -899,7 +906,7 @@ class Branch:
         KvforkError while it has live children. `disposed` is True at once; a second call is
         a no-op.
         """
-    def reseed_context(self, sinks: _Tokens, tail: int) -> Awaitable[None]:
+    def reseed_context(self, sinks: _Tokens, tail: int) -> Operation[None]:
         """Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
         first tokens) followed by the last `tail` tokens of its sequence (prompt included;
         a sequence that begins with `sinks` gives its tail from after them), from position
@@ -907,7 +914,7 @@ class Branch:
         """
     def reseed_context_sync(self, sinks: _Tokens, tail: int) -> None:
         """Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
-    def shift_context(self, keep: int = 4) -> Awaitable[None]:
+    def shift_context(self, keep: int = 4) -> Operation[None]:
         """Context shift (llama.cpp's --context-shift): empty the branch's KV, then prefill
         the first `keep` tokens of its sequence and the most recent half of the rest, from
         position 0. Sampler, grammar, biases and metrics carry on. `keep` is at most
@@ -920,7 +927,7 @@ class Branch:
         """The context the branch lives in (a handle to the same context as the one it was made
         with).
         """
-    def prune(self, *, keep_children: bool = False) -> Awaitable[None]:
+    def prune(self, *, keep_children: bool = False) -> Operation[None]:
         """Dispose the branch and free its KV lease; siblings and the shared prefix are
         untouched. RESTRICT by default: raises KvforkError while it has live children.
         `keep_children=True` frees the lease anyway: the children keep the cells they share
@@ -930,7 +937,7 @@ class Branch:
         """
     def prune_sync(self, *, keep_children: bool = False) -> None:
         """Blocking twin of `prune`: returns None once the lease is freed; KvforkError while the branch has live children, unless `keep_children=True`. Always completes, even on Ctrl-C."""
-    def prune_subtree(self) -> Awaitable[None]:
+    def prune_subtree(self) -> Operation[None]:
         """Dispose this branch and its whole subtree (CASCADE). Always completes once called."""
     def prune_subtree_sync(self) -> None:
         """Blocking twin of `prune_subtree`: returns None once the branch and all its descendants are disposed. Waits without the GIL; always completes, even on Ctrl-C."""
@@ -1089,7 +1096,12 @@ class PrefixCache:
     holds in the KV — an entry handed back with `release`, or a branch still generating (a
     fork at a position inside it) — and prefilling only the rest (at least the last token, so
     the snapshot is fresh). Entries are evicted least recently used when a lease or KV cells
-    are needed, or past `max_cached_tokens`. The branches it makes are roots.
+    are needed, or past `max_cached_tokens`. `fork` adds forks of its branches (a request's
+    other choices), making room the same way. The branches it hands out and its entries are the
+    account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
+
+    Nothing leaks when an await is cancelled: a `branch` or `fork` whose work completed anyway
+    is handed back as an entry, and `release` never waits (call it from any clean-up).
     """
     def __new__(cls, ctx: Context, *, max_cached_tokens: int | None = None) -> Self: ...
     def branch(
@@ -1103,7 +1115,8 @@ class PrefixCache:
         longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
         every lease is held by branches handed out; ValueError for tokens that leave no room
         in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
-        and shares only prefixes computed under the same set.
+        and shares only prefixes computed under the same set. Cancelled after the branch was
+        made, it is handed back as an entry.
         """
     def branch_sync(
         self,
@@ -1112,13 +1125,34 @@ class PrefixCache:
         *,
         adapters: dict[LoraAdapter, float] | None = None,
     ) -> Branch:
-        """Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a started call \\
-        completes (the branch is made), then KeyboardInterrupt is raised.
+        """Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a
+        started call completes (the branch is made and handed back as an entry), then
+        KeyboardInterrupt is raised.
         """
     def release(self, branch: Branch) -> None:
-        """Hand back a branch `branch` made: its KV stays as an entry for later requests (the
-        caller's handle is spent: use it no more). ValueError for a branch the cache did not
-        make or already has.
+        """Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
+        (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
+        cancelled task. ValueError for a branch the cache did not make or already has.
+        """
+    def fork(self, branch: Branch, *, seed: int | None = None) -> Operation[Branch]:
+        """A fork of `branch` (a branch of the cache's context, usually one it handed out) on a
+        lease made free by evicting entries when none is: the other choices of a request. It
+        is handed out like a `branch` result (`release` keeps it as an entry).
+        LeaseExhaustedError when branches handed out hold every lease. Cancelled after the fork
+        was made, the fork is handed back as an entry.
+        """
+    def fork_sync(self, branch: Branch, *, seed: int | None = None) -> Branch:
+        """Blocking twin of `fork`: returns the Branch. Waits without the GIL; on Ctrl-C a started
+        fork completes (and is handed back as an entry), then KeyboardInterrupt is raised.
+        """
+    def make_room(self, n: int) -> Operation[int]:
+        """Evict entries, least recently used first, until `n` leases are free (room for a
+        request's `n` branches); resolves to how many were evicted. LeaseExhaustedError when
+        the entries are not enough (branches handed out hold the rest).
+        """
+    def make_room_sync(self, n: int) -> int:
+        """Blocking twin of `make_room`: returns how many entries were evicted. Waits without the
+        GIL; evictions always complete, even on Ctrl-C.
         """
     def shared_tokens(self, branch: Branch) -> int | None:
         """How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
@@ -1142,7 +1176,7 @@ class BranchStore:
     @property
     def available(self) -> int:
         """Leases free now."""
-    def commit(self, entries: Iterable[tuple[Branch, int | Token]]) -> Awaitable[None]:
+    def commit(self, entries: Iterable[tuple[Branch, int | Token]]) -> Operation[None]:
         """Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
         Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback
         unit. Cancelled, it either never ran (nothing happened) or had started (it
@@ -1150,19 +1184,19 @@ class BranchStore:
         """
     def commit_sync(self, entries: Iterable[tuple[Branch, int | Token]]) -> None:
         """Blocking twin of `commit`: returns None once every token is accepted and decoded (a failed decode rolls all of them back and raises). Waits without the GIL; on Ctrl-C a started commit completes, then KeyboardInterrupt is raised."""
-    def prefill(self, entries: Iterable[tuple[Branch, _Tokens]]) -> Awaitable[None]:
+    def prefill(self, entries: Iterable[tuple[Branch, _Tokens]]) -> Operation[None]:
         """Decode `(branch, tokens)` runs packed into ceil(total / n_batch) decodes, all or
         nothing. Cancelled, it either never ran or was aborted and rolled back.
         """
     def prefill_sync(self, entries: Iterable[tuple[Branch, _Tokens]]) -> None:
         """Blocking twin of `prefill`: returns None once every run is decoded. Waits without the GIL; Ctrl-C aborts and rolls the whole prefill back, then raises KeyboardInterrupt."""
-    def retain_only(self, winner: Branch) -> Awaitable[None]:
+    def retain_only(self, winner: Branch) -> Operation[None]:
         """Keep `winner`'s KV only; every other branch of the context is disposed at once, and
         the rest always happens, even if the await is cancelled.
         """
     def retain_only_sync(self, winner: Branch) -> None:
         """Blocking twin of `retain_only`: returns None once every other branch is disposed and its lease freed. Always completes, even on Ctrl-C."""
-    def step(self, branches: Iterable[Branch]) -> Awaitable[list[Token]]:
+    def step(self, branches: Iterable[Branch]) -> Operation[list[Token]]:
         """Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one
         decode (ceil(N / n_batch) over more than n_batch branches). Returns one Token per
         branch, in order (stop tokens are not committed). Cancelled, it either never ran or

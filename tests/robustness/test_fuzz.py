@@ -6,9 +6,13 @@ Bounded for CI; `KVFORK_FUZZ_EXAMPLES` / `KVFORK_FUZZ_STEPS` make it a longer so
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvfork
 import numpy as np
@@ -212,6 +216,63 @@ class BranchTree(RuleBasedStateMachine):
         node.branch.prune_sync()  # a second prune is a no-op
 
     @precondition(lambda self: self.live())
+    @rule(data=st.data(), how=st.sampled_from(["dropped", "cancelled"]))
+    def prune_not_awaited(self, data: st.DataObject, how: str) -> None:
+        """A prune that is dropped unawaited (it warns) or whose await is cancelled at once
+        still happens, and the graph shows it at once: disposed, inactive, gone from its
+        parent's children, the parent a leaf again if it was its only child."""
+        node = data.draw(st.sampled_from(self.live()))
+        if node.children:
+            if how == "dropped":
+                with pytest.warns(RuntimeWarning, match=r"Branch\.prune\(\) was never awaited"):
+                    node.branch.prune()  # refused (live children): the error is lost
+            else:
+                with pytest.raises(kvfork.KvforkError, match="children"):
+                    asyncio.run(_awaited(node.branch.prune()))
+            assert not node.branch.disposed
+            return
+        if how == "dropped":
+            with pytest.warns(RuntimeWarning, match=r"Branch\.prune\(\) was never awaited"):
+                node.branch.prune()
+        else:
+            _cancelled_at_once(node.branch.prune)
+        self.dispose(node)
+        b = node.branch
+        assert b.disposed and not b.is_active
+        if node.parent is not None:
+            parent = node.parent.branch
+            assert b.handle not in {c.handle for c in parent.children}
+            assert parent.is_leaf == (not node.parent.children)
+        self.flush()
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), how=st.sampled_from(["dropped", "cancelled"]))
+    def fork_not_awaited(self, data: st.DataObject, how: str) -> None:
+        """A fork that is dropped or cancelled happened or not at all: once the engine has
+        run the work queued before, the child is in its parent's children, or nowhere."""
+        node = data.draw(st.sampled_from(self.live()))
+        before = {c.handle for c in node.branch.children}
+        if how == "dropped":
+            with pytest.warns(RuntimeWarning, match=r"Branch\.fork\(\) was never awaited"):
+                node.branch.fork()
+        else:
+            _cancelled_at_once(node.branch.fork)
+        self.flush()
+        made = [c for c in node.branch.children if c.handle not in before]
+        assert len(made) <= 1
+        if len(self.live()) == N_SEQ:
+            assert not made  # no lease: the fork failed, its error lost with it
+        if made:
+            child = Node(made[0], list(node.tokens), parent=node, grammar=node.grammar)
+            child.tampered = node.tampered
+            node.children.append(child)
+            self.nodes.append(child)
+
+    def flush(self) -> None:
+        """Wait until the engine has run everything queued (a call that queues behind it)."""
+        self.ctx.kv_seq_pos_max_sync(0)
+
+    @precondition(lambda self: self.live())
     @rule(data=st.data())
     def prune_subtree(self, data: st.DataObject) -> None:
         node = data.draw(st.sampled_from(self.live()))
@@ -334,6 +395,24 @@ class BranchTree(RuleBasedStateMachine):
             assert b.is_leaf == (not n.children)
             if n.position and not n.tampered:
                 assert math.isfinite(b.entropy())
+
+
+async def _awaited(op: Awaitable[Any]) -> Any:
+    return await op
+
+
+def _cancelled_at_once(call: Callable[[], Awaitable[Any]]) -> None:
+    """`call()`'s operation awaited in a task that is cancelled as soon as it suspends; returns
+    once the cancelled await has handed control back (it happened, or never will)."""
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_awaited(call()))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, kvfork.KvforkError):
+            await task
+
+    asyncio.run(main())
 
 
 BranchTree.TestCase.settings = settings(

@@ -8,14 +8,22 @@
 //! running prefill is aborted and rolled back; any other running job is waited for
 //! (everything happened) before `CancelledError` is raised.
 //!
+//! An `Operation` that is never awaited (nor closed) warns when it is dropped, as a
+//! never-awaited coroutine does: its work still happens, but its result and any error are
+//! lost. One whose result would make something the caller then owns (a branch of a
+//! `PrefixCache`) can be given a `Discard`: what it made is handed back when a cancelled await
+//! drops the result.
+//!
 //! `Ready` is an awaitable that is already done (no trip through the event loop).
 
+use std::ffi::CString;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 
-use pyo3::exceptions::{PyRuntimeError, PyStopIteration};
+use pyo3::exceptions::{PyRuntimeError, PyRuntimeWarning, PyStopIteration};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
@@ -138,6 +146,18 @@ impl Deliver for Shared {
     }
 }
 
+/// What to do with a result that a cancelled await leaves behind (nobody will receive it).
+pub type Discard = Box<dyn FnOnce(Python<'_>, Py<PyAny>) + Send>;
+
+/// The Python call an operation came from (`Class.method`), for the never-awaited warning.
+#[derive(Clone, Copy)]
+pub struct Call(pub &'static str, pub &'static str);
+
+/// The awaitable of a call that runs on the engine (a `Branch`, `BranchStore`, `Context` or
+/// `PrefixCache` method without `_sync`). The work is queued when the call is made; awaiting
+/// it gives the result. Cancelled, it either never ran, was rolled back, or completed. Never
+/// awaited (nor closed), it warns with a RuntimeWarning when dropped, as a never-awaited
+/// coroutine does: its work still happens, but its result and any error are lost.
 #[pyclass(frozen, module = "kvfork", name = "Operation")]
 pub struct Operation {
     shared: Arc<Shared>,
@@ -145,6 +165,10 @@ pub struct Operation {
     on_cancel: OnCancel,
     /// The exception of a cancel that had to wait for the job, raised once it is done.
     deferred: Mutex<Option<PyErr>>,
+    call: Call,
+    /// Python drove it (awaited, cancelled or closed): dropped otherwise, it warns.
+    driven: AtomicBool,
+    discard: Mutex<Option<Discard>>,
 }
 
 /// What a cancel does to the work behind an `Operation`.
@@ -158,8 +182,10 @@ pub enum OnCancel {
 }
 
 impl Operation {
-    /// Await `pending` and convert its value with `convert` (with the GIL) when it arrives.
+    /// Await `pending` (the work of `call`) and convert its value with `convert` (with the
+    /// GIL) when it arrives.
     pub fn new<T: Send + 'static>(
+        call: Call,
         pending: Pending<T>,
         on_cancel: OnCancel,
         convert: impl FnOnce(Python<'_>, T) -> PyResult<Py<PyAny>> + Send + 'static,
@@ -180,7 +206,29 @@ impl Operation {
             canceller,
             on_cancel,
             deferred: Mutex::new(None),
+            call,
+            driven: AtomicBool::new(false),
+            discard: Mutex::new(None),
         }
+    }
+
+    /// `discard` receives the converted result when a cancelled await drops it.
+    pub fn with_discard(self, discard: Discard) -> Self {
+        *lock(&self.discard) = Some(discard);
+        self
+    }
+
+    /// A result taken out for nobody (the await was cancelled): hand it to the discard.
+    fn drop_result(&self, py: Python<'_>, result: Option<PyResult<Py<PyAny>>>) {
+        if let Some(Ok(value)) = result {
+            if let Some(discard) = lock(&self.discard).take() {
+                discard(py, value);
+            }
+        }
+    }
+
+    fn drive(&self) {
+        self.driven.store(true, Ordering::Relaxed);
     }
 
     /// One step of the await: the result (as StopIteration or the error), or a loop future
@@ -198,6 +246,7 @@ impl Operation {
                 st.taken = true;
                 drop(st);
                 if let Some(err) = lock(&self.deferred).take() {
+                    self.drop_result(py, Some(result));
                     return Err(err);
                 }
                 let value = result?;
@@ -259,10 +308,12 @@ impl Operation {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.drive();
         self.step(py)
     }
 
     fn send(&self, py: Python<'_>, _value: Py<PyAny>) -> PyResult<Py<PyAny>> {
+        self.drive();
         self.step(py)
     }
 
@@ -275,6 +326,7 @@ impl Operation {
         val: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        self.drive();
         let err = exception(typ, val)?;
         self.shared.settle(py);
         {
@@ -282,6 +334,9 @@ impl Operation {
             if st.result.is_some() || st.taken {
                 // Done already: it fully happened.
                 st.taken = true;
+                let result = st.result.take();
+                drop(st);
+                self.drop_result(py, result);
                 return Err(err);
             }
         }
@@ -297,6 +352,7 @@ impl Operation {
 
     /// Called when the awaiting coroutine is closed: stop the job if it has not started.
     fn close(&self) {
+        self.drive();
         let _ = self.canceller.cancel();
     }
 
@@ -304,6 +360,29 @@ impl Operation {
     fn done(&self) -> bool {
         let st = lock(&self.shared.state);
         st.result.is_some() || st.taken || st.reply.as_ref().is_some_and(|r| r.is_ready())
+    }
+}
+
+impl Drop for Operation {
+    /// Never awaited: warn as a never-awaited coroutine does (the work happened or happens;
+    /// its result and any error are lost).
+    fn drop(&mut self) {
+        if self.driven.load(Ordering::Relaxed) {
+            return;
+        }
+        let Call(owner, method) = self.call;
+        let message = CString::new(format!(
+            "kvfork operation {owner}.{method}() was never awaited (await it, or call \
+             {method}_sync in blocking code)"
+        ))
+        .unwrap_or_default();
+        Python::attach(|py| {
+            let category = py.get_type::<PyRuntimeWarning>();
+            if let Err(err) = PyErr::warn(py, &category, &message, 1) {
+                // Warnings as errors: reported as an unraisable error, as for a coroutine.
+                err.write_unraisable(py, None);
+            }
+        });
     }
 }
 

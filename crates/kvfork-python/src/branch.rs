@@ -9,6 +9,7 @@ use pyo3::types::{PyDict, PyType};
 use pyo3::IntoPyObjectExt;
 
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
+use crate::awaitable::Call;
 use crate::context::{token_id, PyContext};
 use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
@@ -216,9 +217,8 @@ impl PyBranch {
         ctx: Arg<Bound<'py, PyContext>>,
         path: Arg<PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, kvfork::Branch::load(&ctx.0.get().inner, path.0), |b| {
-            Ok(wrap(b))
-        })
+        let pending = kvfork::Branch::load(&ctx.0.get().inner, path.0);
+        awaitable(py, Call("Branch", "load"), pending, |b| Ok(wrap(b)))
     }
 
     /// Blocking twin of `load`: returns the restored Branch; StateFileError for a corrupt,

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
-use crate::awaitable::{OnCancel, Operation};
+use crate::awaitable::{Call, OnCancel, Operation};
 use crate::branch::PyBranch;
 use crate::convert::{self, wait, Arg, Int};
 use crate::embed;
@@ -154,7 +154,8 @@ pub fn create_context<'py>(
         park,
     )?;
     let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
-    let op = Operation::new(pending, OnCancel::Detach, |py, ctx| {
+    let call = Call("kvfork", "create_context");
+    let op = Operation::new(call, pending, OnCancel::Detach, |py, ctx| {
         PyContext { inner: ctx }.into_py_any(py)
     });
     Bound::new(py, op).map(Bound::into_any)
@@ -384,7 +385,8 @@ impl PyContext {
         text_or_tokens: &Bound<'py, PyAny>,
         normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::one(self.open()?, text_or_tokens, normalize.0)?.awaitable(py)
+        embed::Request::one(self.open()?, text_or_tokens, normalize.0)?
+            .awaitable(py, Call("Context", "embed"))
     }
 
     /// Blocking twin of `embed`: returns the float32 array. KvforkError on a context without
@@ -411,7 +413,8 @@ impl PyContext {
         texts: &Bound<'py, PyAny>,
         normalize: Arg<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        embed::Request::many(self.open()?, texts, normalize.0)?.awaitable(py)
+        embed::Request::many(self.open()?, texts, normalize.0)?
+            .awaitable(py, Call("Context", "embed_batch"))
     }
 
     /// Blocking twin of `embed_batch`: returns a float32 array of shape
@@ -565,7 +568,7 @@ impl PyContext {
             ctx.close();
             Ok(())
         });
-        convert::awaitable(py, closing, |()| Ok(false))
+        convert::awaitable(py, Call("Context", "__aexit__"), closing, |()| Ok(false))
     }
 
     fn __repr__(&self) -> String {

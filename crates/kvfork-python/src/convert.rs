@@ -10,7 +10,7 @@ use std::time::Duration;
 use pyo3::types::{PyByteArray, PyDict, PyInt, PyList, PyModule, PyString};
 use pyo3::IntoPyObjectExt;
 
-use crate::awaitable::{OnCancel, Operation};
+use crate::awaitable::{Call, OnCancel, Operation};
 use crate::errors::{naming_argument, type_error, IntoPyResult};
 use kvfork::{Cancel, Pending};
 
@@ -162,6 +162,16 @@ pub fn bias_map(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
 /// Ctrl-C the job is cancelled — dropped if it has not started, aborted and rolled back if it
 /// is a running prefill, else completed — and KeyboardInterrupt is raised.
 pub fn wait<T: Send>(py: Python<'_>, pending: Pending<T>) -> PyResult<T> {
+    wait_or_discard(py, pending, drop)
+}
+
+/// [`wait`], handing a value that Ctrl-C leaves behind (the job completed, nobody receives it)
+/// to `discard`.
+pub fn wait_or_discard<T: Send>(
+    py: Python<'_>,
+    pending: Pending<T>,
+    discard: impl FnOnce(T),
+) -> PyResult<T> {
     let mut pending = pending;
     loop {
         match py.detach(|| pending.wait_timeout(Duration::from_millis(50))) {
@@ -170,16 +180,20 @@ pub fn wait<T: Send>(py: Python<'_>, pending: Pending<T>) -> PyResult<T> {
         }
         if let Err(interrupt) = py.check_signals() {
             if pending.cancel() != Cancel::Prevented {
-                let _ = py.detach(|| pending.wait());
+                if let Ok(value) = py.detach(|| pending.wait()) {
+                    discard(value);
+                }
             }
             return Err(interrupt);
         }
     }
 }
 
-/// An awaitable resolving to the engine's reply, converted by `f` with the GIL.
+/// An awaitable resolving to the engine's reply, converted by `f` with the GIL; `call` names
+/// the Python call it came from (for the never-awaited warning).
 pub fn awaitable<'py, T, R>(
     py: Python<'py>,
+    call: Call,
     pending: Pending<T>,
     f: impl FnOnce(T) -> PyResult<R> + Send + 'static,
 ) -> PyResult<Bound<'py, PyAny>>
@@ -187,17 +201,18 @@ where
     T: Send + 'static,
     R: for<'a> IntoPyObject<'a>,
 {
-    awaitable_py(py, pending, move |py, v| f(v)?.into_py_any(py))
+    awaitable_py(py, call, pending, move |py, v| f(v)?.into_py_any(py))
 }
 
 /// An awaitable resolving to the engine's reply, converted by `f` with the GIL held (for
 /// results that are built from Python objects, e.g. numpy arrays).
 pub fn awaitable_py<'py, T: Send + 'static>(
     py: Python<'py>,
+    call: Call,
     pending: Pending<T>,
     f: impl FnOnce(Python<'_>, T) -> PyResult<Py<PyAny>> + Send + 'static,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let op = Operation::new(pending, OnCancel::Settle, f);
+    let op = Operation::new(call, pending, OnCancel::Settle, f);
     Bound::new(py, op).map(Bound::into_any)
 }
 

@@ -4,6 +4,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::awaitable::Call;
 use crate::convert;
 use crate::errors::IntoPyResult;
 
@@ -67,9 +68,9 @@ impl Request {
     }
 
     /// An awaitable of the array.
-    pub fn awaitable<'py>(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    pub fn awaitable<'py>(self, py: Python<'py>, call: Call) -> PyResult<Bound<'py, PyAny>> {
         let shape = self.shape;
-        convert::awaitable_py(py, self.pending, move |py, rows| {
+        convert::awaitable_py(py, call, self.pending, move |py, rows| {
             array(py, shape, rows).map(Bound::unbind)
         })
     }

@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
-use crate::awaitable::{OnCancel, Operation};
+use crate::awaitable::{Call, OnCancel, Operation};
 use crate::branch::PyBranch;
 use crate::convert::{wait, Int};
 use crate::errors::IntoPyResult;
@@ -29,6 +29,9 @@ fn stepper(
 fn stop_reason(stepper: &Stepper) -> Option<&'static str> {
     stepper.stop_reason().map(kvfork::StopReason::as_str)
 }
+
+/// The call a stream's steps come from (an `async for` always awaits them).
+const NEXT_TOKEN: Call = Call("TokenStream", "__anext__");
 
 /// `async for tok in branch.generate(max_tokens)`. A cancelled step either never ran or
 /// completed (its token is committed but not yielded).
@@ -72,17 +75,23 @@ impl PyGenerator {
 
     fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let op = match self.stepper.next_step() {
-            None => Operation::new(kvfork::Pending::ready(Ok(())), OnCancel::Settle, |_, ()| {
-                Err(PyStopAsyncIteration::new_err(()))
-            }),
+            None => Operation::new(
+                NEXT_TOKEN,
+                kvfork::Pending::ready(Ok(())),
+                OnCancel::Settle,
+                |_, ()| Err(PyStopAsyncIteration::new_err(())),
+            ),
             Some(pending) => {
                 let stepper = self.stepper.clone();
-                Operation::new(pending, OnCancel::Settle, move |py, p| {
-                    match stepper.record(p) {
+                Operation::new(
+                    NEXT_TOKEN,
+                    pending,
+                    OnCancel::Settle,
+                    move |py, p| match stepper.record(p) {
                         Some(tok) => PyToken::from(tok).into_py_any(py),
                         None => Err(PyStopAsyncIteration::new_err(())),
-                    }
-                })
+                    },
+                )
             }
         };
         Bound::new(py, op).map(Bound::into_any)

@@ -3,19 +3,24 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::awaitable::{Call, Discard, OnCancel, Operation};
 use crate::branch::{wrap, PyBranch};
 use crate::context::PyContext;
 use crate::convert::{self, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::params;
-use crate::twins::twins;
 
 /// Automatic prefix reuse on one context: `await cache.branch(tokens, params)` makes a branch
 /// positioned at the end of `tokens` by sharing the longest prefix any branch of the cache
 /// holds in the KV — an entry handed back with `release`, or a branch still generating (a
 /// fork at a position inside it) — and prefilling only the rest (at least the last token, so
 /// the snapshot is fresh). Entries are evicted least recently used when a lease or KV cells
-/// are needed, or past `max_cached_tokens`. The branches it makes are roots.
+/// are needed, or past `max_cached_tokens`. `fork` adds forks of its branches (a request's
+/// other choices), making room the same way. The branches it hands out and its entries are the
+/// account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
+///
+/// Nothing leaks when an await is cancelled: a `branch` or `fork` whose work completed anyway
+/// is handed back as an entry, and `release` never waits (call it from any clean-up).
 #[pyclass(frozen, module = "kvfork", name = "PrefixCache")]
 pub struct PyPrefixCache {
     inner: kvfork::PrefixCache,
@@ -37,11 +42,56 @@ impl PyPrefixCache {
         })
     }
 
-    /// Hand back a branch `branch` made: its KV stays as an entry for later requests (the
-    /// caller's handle is spent: use it no more). ValueError for a branch the cache did not
-    /// make or already has.
+    /// Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
+    /// (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
+    /// cancelled task. ValueError for a branch the cache did not make or already has.
     fn release(&self, branch: Arg<Bound<'_, PyBranch>>) -> PyResult<()> {
         self.inner.release(&branch.0.get().inner).py()
+    }
+
+    /// A fork of `branch` (a branch of the cache's context, usually one it handed out) on a
+    /// lease made free by evicting entries when none is: the other choices of a request. It
+    /// is handed out like a `branch` result (`release` keeps it as an entry).
+    /// LeaseExhaustedError when branches handed out hold every lease. Cancelled after the fork
+    /// was made, the fork is handed back as an entry.
+    #[pyo3(signature = (branch, *, seed=None))]
+    fn fork<'py>(
+        &self,
+        py: Python<'py>,
+        branch: Arg<Bound<'py, PyBranch>>,
+        seed: Option<Int>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+        let pending = self.inner.fork(&branch.0.get().inner, seed);
+        self.handing_out(py, Call("PrefixCache", "fork"), pending)
+    }
+
+    /// Blocking twin of `fork`: returns the Branch. Waits without the GIL; on Ctrl-C a started
+    /// fork completes (and is handed back as an entry), then KeyboardInterrupt is raised.
+    #[pyo3(signature = (branch, *, seed=None))]
+    fn fork_sync(
+        &self,
+        py: Python<'_>,
+        branch: Arg<Bound<'_, PyBranch>>,
+        seed: Option<Int>,
+    ) -> PyResult<PyBranch> {
+        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+        let pending = self.inner.fork(&branch.0.get().inner, seed);
+        self.waiting(py, pending)
+    }
+
+    /// Evict entries, least recently used first, until `n` leases are free (room for a
+    /// request's `n` branches); resolves to how many were evicted. LeaseExhaustedError when
+    /// the entries are not enough (branches handed out hold the rest).
+    fn make_room<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.inner.make_room(n.u32("n", 0)?);
+        convert::awaitable(py, Call("PrefixCache", "make_room"), pending, Ok)
+    }
+
+    /// Blocking twin of `make_room`: returns how many entries were evicted. Waits without the
+    /// GIL; evictions always complete, even on Ctrl-C.
+    fn make_room_sync(&self, py: Python<'_>, n: Int) -> PyResult<usize> {
+        convert::wait(py, self.inner.make_room(n.u32("n", 0)?))
     }
 
     /// How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
@@ -72,33 +122,99 @@ impl PyPrefixCache {
     }
 }
 
-twins! {
-    impl PyPrefixCache {
-        /// A new root branch positioned at the end of `tokens` with fresh logits, sharing the
-        /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
-        /// every lease is held by branches handed out; ValueError for tokens that leave no room
-        /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
-        /// and shares only prefixes computed under the same set.
-        #[sync_doc = "returns the Branch. Waits without the GIL; on Ctrl-C a started call \\
-                      completes (the branch is made), then KeyboardInterrupt is raised."]
-        #[pyo3(signature = (tokens, params=None, *, adapters=None))]
-        fn branch / branch_sync(
-            &self,
-            py,
-            tokens: &Bound<'_, PyAny>,
-            params: Option<&Bound<'_, PyAny>>,
-            adapters: Option<&Bound<'_, PyAny>>,
-        ) -> PyBranch {
-            let tokens = convert::tokens(tokens, "tokens")?;
-            let adapters = match adapters {
-                None => kvfork::Adapters::default(),
-                Some(a) => kvfork::Adapters::from_loras(
-                    self.inner.context().model(),
-                    crate::adapter::lora_set(a)?,
-                )
-                .py()?,
-            };
-            self.inner.branch_under(tokens, params::extract(params)?, adapters)
-        } => |b| Ok(wrap(b));
+impl PyPrefixCache {
+    /// What a cancelled await leaves behind is handed back as an entry.
+    fn discard(&self) -> Discard {
+        let cache = self.inner.clone();
+        Box::new(move |py, made| {
+            if let Ok(branch) = made.bind(py).cast::<PyBranch>() {
+                let _ = cache.release(&branch.get().inner);
+            }
+        })
+    }
+
+    /// An awaitable of a branch handed out: cancelled after it was made, it is released.
+    fn handing_out<'py>(
+        &self,
+        py: Python<'py>,
+        call: Call,
+        pending: kvfork::Pending<kvfork::Branch>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let op = Operation::new(call, pending, OnCancel::Settle, |py, b| {
+            Bound::new(py, wrap(b)).map(|b| b.into_any().unbind())
+        })
+        .with_discard(self.discard());
+        Bound::new(py, op).map(Bound::into_any)
+    }
+
+    /// The blocking wait of a branch handed out: interrupted after it was made, it is released.
+    fn waiting(
+        &self,
+        py: Python<'_>,
+        pending: kvfork::Pending<kvfork::Branch>,
+    ) -> PyResult<PyBranch> {
+        let cache = self.inner.clone();
+        convert::wait_or_discard(py, pending, move |b| {
+            let _ = cache.release(&b);
+        })
+        .map(wrap)
+    }
+}
+
+#[pymethods]
+impl PyPrefixCache {
+    /// A new root branch positioned at the end of `tokens` with fresh logits, sharing the
+    /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
+    /// every lease is held by branches handed out; ValueError for tokens that leave no room
+    /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
+    /// and shares only prefixes computed under the same set. Cancelled after the branch was
+    /// made, it is handed back as an entry.
+    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
+    fn branch<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        params: Option<&Bound<'py, PyAny>>,
+        adapters: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.branching(tokens, params, adapters)?;
+        self.handing_out(py, Call("PrefixCache", "branch"), pending)
+    }
+
+    /// Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a
+    /// started call completes (the branch is made and handed back as an entry), then
+    /// KeyboardInterrupt is raised.
+    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
+    fn branch_sync(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyAny>>,
+        adapters: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyBranch> {
+        let pending = self.branching(tokens, params, adapters)?;
+        self.waiting(py, pending)
+    }
+}
+
+impl PyPrefixCache {
+    fn branching(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyAny>>,
+        adapters: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<kvfork::Pending<kvfork::Branch>> {
+        let tokens = convert::tokens(tokens, "tokens")?;
+        let adapters = match adapters {
+            None => kvfork::Adapters::default(),
+            Some(a) => kvfork::Adapters::from_loras(
+                self.inner.context().model(),
+                crate::adapter::lora_set(a)?,
+            )
+            .py()?,
+        };
+        Ok(self
+            .inner
+            .branch_under(tokens, params::extract(params)?, adapters))
     }
 }

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
+use crate::awaitable::Call;
 use crate::branch::{log_base, token_arg, wrap, PyBranch};
 use crate::context::{token_id, PyContext};
 use crate::convert::{self, awaitable, wait, Arg, Int};
@@ -115,7 +116,7 @@ impl PyBranch {
         data: Arg<Cow<'_, [u8]>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0.into_owned());
-        awaitable(py, pending, |b| Ok(wrap(b)))
+        awaitable(py, Call("Branch", "restore"), pending, |b| Ok(wrap(b)))
     }
 
     /// Blocking twin of `restore`: returns the restored Branch; StateFileError for corrupt,

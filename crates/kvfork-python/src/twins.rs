@@ -42,7 +42,11 @@ macro_rules! twins {
                     $(, $arg: $argty)*
                 ) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
                     let pending = $body;
-                    $crate::convert::awaitable($py, pending, $convert)
+                    let call = $crate::awaitable::Call(
+                        <$class as pyo3::PyClass>::NAME,
+                        stringify!($name),
+                    );
+                    $crate::convert::awaitable($py, call, pending, $convert)
                 }
 
                 #[doc = concat!("Blocking twin of `", stringify!($name), "`: ", $sync_doc)]

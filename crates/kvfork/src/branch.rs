@@ -262,22 +262,33 @@ impl Branch {
         if let Some(settled) = self.prune_settled() {
             return settled;
         }
-        {
+        let how = {
             let reg = self.ctx.shared().registry();
-            match reg.get(self.handle) {
-                None => return Pending::ready(Ok(())),
-                Some(node) if !node.children.is_empty() => {
-                    return Pending::ready(Err(Error::Other(format!(
-                        "branch {} has {} live children: prune them first, or use prune_subtree",
-                        self.handle,
-                        node.children.len()
-                    ))))
-                }
-                Some(_) => {}
+            let Some(node) = reg.get(self.handle) else {
+                return Pending::ready(Ok(()));
+            };
+            // Children already pruned (`disposed`) whose engine half is still queued do not
+            // count: a prune that was not awaited looks done at once, everywhere.
+            let live = node
+                .children
+                .iter()
+                .filter(|&&c| reg.get(c).is_some_and(|n| !n.data.is_disposed()))
+                .count();
+            if live > 0 {
+                return Pending::ready(Err(Error::Other(format!(
+                    "branch {} has {live} live children: prune them first, or use \
+                     prune_subtree",
+                    self.handle
+                ))));
             }
             self.cell.mark_disposed();
-        }
-        self.release(Prune::Leaf)
+            if node.children.is_empty() {
+                Prune::Leaf
+            } else {
+                Prune::KeepChildren // the disposed children leave by their own prunes
+            }
+        };
+        self.release(how)
     }
 
     /// Dispose this branch but not its children: its lease is freed at once, the children
@@ -317,26 +328,39 @@ impl Branch {
 
     /// The branch this one was forked from, if it is still live (`None` for a root).
     pub fn parent(&self) -> Option<Branch> {
-        let parent = self.ctx.shared().registry().get(self.handle)?.parent?;
+        let reg = self.ctx.shared().registry();
+        let mut parent = reg.get(self.handle)?.parent?;
+        // A parent being pruned (`disposed`, its engine half queued) is gone already: its
+        // children move up (`prune(keep_children=True)`), or go with it.
+        while reg.get(parent)?.data.is_disposed() {
+            parent = reg.get(parent)?.parent?;
+        }
+        drop(reg);
         self.wrap(parent)
     }
 
-    /// Live forks of this branch, in creation order.
+    /// Live forks of this branch, in creation order (a fork being pruned is not live: its
+    /// `disposed` is already true).
     pub fn children(&self) -> Vec<Branch> {
         let children = match self.ctx.shared().registry().get(self.handle) {
             Some(node) => node.children.clone(),
             None => return Vec::new(),
         };
-        children.into_iter().filter_map(|h| self.wrap(h)).collect()
+        children
+            .into_iter()
+            .filter_map(|h| self.wrap(h))
+            .filter(|b| !b.disposed())
+            .collect()
     }
 
     /// Whether no live fork hangs off this branch.
     pub fn is_leaf(&self) -> bool {
-        self.ctx
-            .shared()
-            .registry()
-            .get(self.handle)
-            .is_none_or(|n| n.children.is_empty())
+        let reg = self.ctx.shared().registry();
+        reg.get(self.handle).is_none_or(|n| {
+            n.children
+                .iter()
+                .all(|&c| reg.get(c).is_none_or(|c| c.data.is_disposed()))
+        })
     }
 
     /// True while the branch holds a KV lease (false once pruned, and while parked in host

@@ -3,10 +3,14 @@
 //! and prefilling only the rest. Concurrent requests that share a system prompt or a document
 //! (`kvfork serve`) then prefill it once.
 //!
-//! The cache knows the branches it made (live ones, handed out) and the ones handed back
-//! (`release`: entries, evicted least recently used when a lease or KV cells are needed). Which
-//! holder shares the longest prefix is the token trie's job (`kvfork_core::prefix_trie`); here
-//! are the leases, the KV copy and the eviction.
+//! The cache knows the branches it made (live ones, handed out: `branch` and `fork`) and the
+//! ones handed back (`release`: entries, evicted least recently used when a lease or KV cells
+//! are needed). So it is one account of the sequences its users hold: `stats().live` are
+//! handed out, `stats().entries` kept. Which holder shares the longest prefix is the token
+//! trie's job (`kvfork_core::prefix_trie`); here are the leases, the KV copy and the eviction.
+//!
+//! An eviction prunes the entry alone (`prune_keep_children`): forks of it (the `n` choices
+//! of one request, or a user's own) keep their cells and become roots.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -89,9 +93,9 @@ struct State {
 
 /// Hands out branches that share the longest prefix already in the KV cache.
 ///
-/// Cheap to clone (clones share the cache). Branches it hands out are roots (pruning them
-/// never meets a live child); hand them back with [`PrefixCache::release`] to keep their KV
-/// as an entry for later requests.
+/// Cheap to clone (clones share the cache). [`PrefixCache::branch`] hands out roots,
+/// [`PrefixCache::fork`] forks of them; hand either back with [`PrefixCache::release`] to
+/// keep its KV as an entry for later requests.
 #[derive(Clone)]
 pub struct PrefixCache {
     ctx: Context,
@@ -206,6 +210,64 @@ impl PrefixCache {
             }
             return made.map(|(branch, _)| branch);
         }
+    }
+
+    /// A fork of `source` (a branch of this cache's context, usually one it handed out) on a
+    /// lease made free by evicting entries when none is: the `n` choices of one request. The
+    /// fork is handed out like a branch of [`PrefixCache::branch`] (`release` keeps it as an
+    /// entry). LeaseExhaustedError when branches handed out hold every lease.
+    pub fn fork(&self, source: &Branch, seed: Option<u32>) -> Pending<Branch> {
+        if let Err(e) = source.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let (cache, source) = (self.clone(), source.clone());
+        Pending::spawn("kvfork-prefix", move || cache.fork_blocking(&source, seed))
+    }
+
+    fn fork_blocking(&self, source: &Branch, seed: Option<u32>) -> Result<Branch> {
+        let keep = Some(source.handle());
+        loop {
+            if self.ctx.available() == 0 {
+                self.evict_one_but(keep)?;
+                continue;
+            }
+            match source.fork(seed).wait() {
+                // Another request took the lease seen free: make room again.
+                Err(Error::LeaseExhausted { .. }) => self.evict_one_but(keep)?,
+                Err(e) => return Err(e),
+                Ok(branch) => {
+                    let tokens = source.history()?;
+                    let adapters = source.adapters()?;
+                    let sentinel = self.lock().sentinel(adapters.key());
+                    self.hold(&branch, sentinel, &tokens, tokens.len());
+                    return Ok(branch);
+                }
+            }
+        }
+    }
+
+    /// Evict entries, least recently used first, until `n` leases are free (room for a
+    /// request's `n` branches); how many were evicted. LeaseExhaustedError when the entries
+    /// are not enough: branches handed out (or made outside the cache) hold the rest.
+    pub fn make_room(&self, n: u32) -> Pending<usize> {
+        if n > self.ctx.n_seq_max() {
+            return Pending::ready(Err(Error::invalid(
+                "n",
+                format!(
+                    "{n} is more than the context's {} sequences",
+                    self.ctx.n_seq_max()
+                ),
+            )));
+        }
+        let cache = self.clone();
+        Pending::spawn("kvfork-prefix", move || {
+            let mut evicted = 0;
+            while cache.ctx.available() < n {
+                cache.evict_one_but(None)?;
+                evicted += 1;
+            }
+            Ok(evicted)
+        })
     }
 
     /// Record a branch just made as a live holder of `tokens`.
@@ -328,37 +390,48 @@ impl PrefixCache {
         st.stats.prefilled_tokens += prefilled as u64;
     }
 
-    /// Prune the least recently used entry (not `keep`, the source about to be shared when
-    /// another entry can go). LeaseExhaustedError when there is none.
+    /// Prune the least recently used entry (not `keep`, the source about to be shared, when
+    /// another entry can go) and wait until its lease is free. LeaseExhaustedError when there
+    /// is none.
     fn evict_one(&self, keep: Option<Handle>) -> Result<()> {
-        let victim = {
-            let mut st = self.lock();
-            st.refresh();
-            let order = st.trie.evict_order();
-            let pick = order
-                .iter()
-                .copied()
-                .find(|&h| Some(h) != keep)
-                .or_else(|| order.first().copied());
-            match pick {
-                Some(h) => {
-                    st.trie.remove(h);
-                    st.stats.evictions += 1;
-                    st.holders.remove(&h)
-                }
-                None => None,
-            }
-        };
+        self.evict(self.take_victim(keep, false))
+    }
+
+    /// [`PrefixCache::evict_one`] that never takes `keep` (a branch about to be forked).
+    fn evict_one_but(&self, keep: Option<Handle>) -> Result<()> {
+        self.evict(self.take_victim(keep, true))
+    }
+
+    fn evict(&self, victim: Option<Holder>) -> Result<()> {
         match victim {
-            Some(holder) => holder.branch.prune_subtree().wait(),
+            Some(holder) => holder.branch.prune_keep_children().wait(),
             None => Err(Error::LeaseExhausted {
                 n_seq_max: self.ctx.n_seq_max(),
             }),
         }
     }
 
+    /// Take the least recently used entry out of the cache (not `keep` while another can
+    /// go; never `keep` when `strict`). Its prune is the caller's.
+    fn take_victim(&self, keep: Option<Handle>, strict: bool) -> Option<Holder> {
+        let mut st = self.lock();
+        st.refresh();
+        let order = st.trie.evict_order();
+        let mut others = order.iter().copied().filter(|&h| Some(h) != keep);
+        let pick = match others.next() {
+            Some(h) => Some(h),
+            None if strict => None,
+            None => order.first().copied(),
+        }?;
+        st.trie.remove(pick);
+        st.stats.evictions += 1;
+        st.holders.remove(&pick)
+    }
+
     /// Hand a branch the cache made back: its KV stays as an entry for later requests
-    /// (evicted least recently used). A branch the cache did not make is refused.
+    /// (evicted least recently used). A branch the cache did not make is refused. Never waits
+    /// (an async caller may call it from a cancelled task's clean-up): prunes it needs are
+    /// queued, and always happen.
     pub fn release(&self, branch: &Branch) -> Result<()> {
         let over = {
             let mut st = self.lock();
@@ -382,7 +455,8 @@ impl PrefixCache {
                 let holder = st.holders.remove(&handle).expect("found above");
                 st.trie.remove(handle);
                 drop(st);
-                return holder.branch.prune_subtree().wait();
+                queue_eviction(&holder.branch);
+                return Ok(());
             }
             let holder = st.holders.get_mut(&handle).expect("found above");
             holder.live = false;
@@ -392,18 +466,20 @@ impl PrefixCache {
             st.cached_tokens() > self.max_cached_tokens.unwrap_or(usize::MAX)
         };
         if over {
-            self.trim()?;
+            self.trim();
         }
         Ok(())
     }
 
-    /// Evict entries until the cached tokens fit `max_cached_tokens`.
-    fn trim(&self) -> Result<()> {
+    /// Evict entries until the cached tokens fit `max_cached_tokens` (their prunes queued).
+    fn trim(&self) {
         let limit = self.max_cached_tokens.unwrap_or(usize::MAX);
         while self.lock().cached_tokens() > limit {
-            self.evict_one(None)?;
+            match self.take_victim(None, false) {
+                Some(holder) => queue_eviction(&holder.branch),
+                None => break,
+            }
         }
-        Ok(())
     }
 
     /// How many of `branch`'s prompt tokens came from the KV cache when the cache made it
@@ -430,6 +506,12 @@ impl PrefixCache {
         stats.live = st.holders.values().filter(|h| h.live).count();
         stats
     }
+}
+
+/// Prune an entry without waiting for it: a prune always completes once queued (its effect
+/// is visible at once), so the reply is not needed.
+fn queue_eviction(branch: &Branch) {
+    drop(branch.prune_keep_children());
 }
 
 /// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
