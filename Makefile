@@ -40,10 +40,13 @@ wheel:
 test-wheel:
 	scripts/test_wheel.sh
 
-# Long runs (not in `make test`): the full soak and a longer randomized state-machine fuzz.
+# Long runs (not in `make test`): the full soak, a longer randomized state-machine fuzz, and
+# 5,000 chaos requests against a real server (its memory flat).
 soak: setup
 	KVFORK_SOAK=1 KVFORK_FUZZ_EXAMPLES=200 KVFORK_FUZZ_STEPS=50 KVFORK_FUZZ_RANDOM=1 \
-	  $(PY) -m pytest tests/robustness/test_soak.py tests/robustness/test_fuzz.py -q -s
+	KVFORK_CHAOS_REQUESTS=5000 \
+	  $(PY) -m pytest tests/robustness/test_soak.py tests/robustness/test_fuzz.py \
+	  tests/robustness/test_serve_chaos.py -q -s
 
 # The Rust tests under AddressSanitizer (nightly toolchain).
 asan: setup

@@ -3,19 +3,15 @@ package as the client (chat model and default model). Every request loop here is
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http.client
 import json
-import re
 import socket
-import subprocess
-import sys
-import tempfile
+import struct
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -23,82 +19,28 @@ import kvfork
 import openai
 import pytest
 
+from .serving import Server, servers
+
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
 
 
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[str]
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def post(self, path: str, body: bytes, key: str | None = None) -> tuple[int, dict[str, Any]]:
-        headers = {"content-type": "application/json"}
-        if key:
-            headers["authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(self.url + path, data=body, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            return str(resp.read().decode())
-
-    def metric(self, name: str) -> float:
-        text = self.metrics_text()
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-        assert match, f"{name} not in /metrics"
-        return float(match.group(1))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def serve() -> Iterator[Any]:
-    """Start `kvfork serve` processes on loopback; stopped at the end of the module."""
-    started: list[Server] = []
-    logs: list[Any] = []
+def serve() -> Iterator[Callable[..., Server]]:
+    """Start `kvfork serve` processes on loopback; each stops with SIGTERM at the end of the
+    module and must exit cleanly (status 0, no traceback)."""
+    yield from servers()
 
-    def start(*args: str) -> Server:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "kvfork", "serve", *args, "--port", str(port)]
-        # The log goes to a file (a pipe nobody reads could fill and stall the server).
-        log = tempfile.NamedTemporaryFile("w+", prefix="kvfork-serve-", suffix=".log")  # noqa: SIM115
-        logs.append(log)
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        server = Server(f"http://127.0.0.1:{port}", process)
-        started.append(server)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert process.poll() is None, Path(log.name).read_text()
-            try:
-                with urllib.request.urlopen(server.url + "/health", timeout=2):
-                    return server
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError("the server did not start")
 
-    yield start
-    for server in started:
-        server.process.terminate()
-        try:
-            server.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-    for log in logs:
-        text = Path(log.name).read_text()
-        log.close()
-        assert "Traceback" not in text, text  # no request may reach an unexpected failure
+@pytest.fixture(autouse=True)
+def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test, each server it used is at rest: its sequences are all free or
+    prefix-cache entries, its admission free, its queue empty."""
+    yield
+    for name in ("chat_server", "base_server", "small_server"):
+        if name in request.fixturenames:
+            server: Server = request.getfixturevalue(name)
+            server.assert_at_rest()
 
 
 @pytest.fixture(scope="module")
@@ -211,20 +153,28 @@ def test_a_required_tool_call_parses_and_its_arguments_validate(chat_server: Ser
             "tools": tools,
             "tool_choice": "required",
         }
-        if stream:
-            calls: list[Any] = []
+        if stream:  # the id and name first, then the arguments in fragments
+            calls: dict[int, dict[str, str]] = {}
             finish = None
             for chunk in chat_server.client().chat.completions.create(stream=True, **kwargs):
-                delta = chunk.choices[0].delta
-                calls += delta.tool_calls or []
+                for part in chunk.choices[0].delta.tool_calls or []:
+                    call = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                    assert part.function is not None
+                    if part.id is not None:
+                        assert not call["name"] and part.function.name
+                        call["name"] = part.function.name
+                    call["arguments"] += part.function.arguments or ""
                 finish = chunk.choices[0].finish_reason or finish
+            assert list(calls) == [0]
+            name, arguments = calls[0]["name"], calls[0]["arguments"]
         else:
             reply = chat_server.client().chat.completions.create(**kwargs)
-            calls = list(reply.choices[0].message.tool_calls or [])
+            whole = list(reply.choices[0].message.tool_calls or [])
             finish = reply.choices[0].finish_reason
-        assert finish == "tool_calls" and len(calls) == 1
-        assert calls[0].function.name == "get_weather"
-        jsonschema.validate(json.loads(calls[0].function.arguments), params)
+            assert len(whole) == 1
+            name, arguments = whole[0].function.name, whole[0].function.arguments
+        assert finish == "tool_calls" and name == "get_weather"
+        jsonschema.validate(json.loads(arguments), params)
 
 
 def test_embeddings(chat_server: Server) -> None:
@@ -383,3 +333,314 @@ def test_api_key_and_a_full_queue(serve: Any) -> None:
     # One runs, one waits in the queue, the others are refused with 503.
     assert sorted(results).count(200) >= 2 and 503 in results
     assert server.metric("kvfork_leases_in_use") == 0
+
+
+# ---- a server that never wedges: every sequence comes back, pressure gets 200/4xx/503 ----
+
+
+@pytest.fixture(scope="module")
+def small_server(serve: Any) -> Server:
+    """Few sequences, so that leaks and pressure show at once."""
+    server: Server = serve(
+        "chat", "--n-ctx", "4096", "--n-seq-max", "4", "--max-queue", "4", "--stall-seconds", "2"
+    )
+    return server
+
+
+STORY: Any = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def _answers_at_once(server: Server) -> None:
+    """A plain request gets its answer (every earlier request gave its sequences back)."""
+    reply = server.client(timeout=30).chat.completions.create(
+        model="x", messages=_messages(), temperature=0, max_tokens=4
+    )
+    assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_streams_closed_after_k_chunks_give_every_sequence_back(
+    small_server: Server, k: int
+) -> None:
+    client = small_server.client()
+    for i in range(2 * 4):  # twice the server's sequences
+        stream = client.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": f"Tell me a long story, number {i}."}],
+            max_tokens=500,
+            temperature=0.8,
+            stream=True,
+        )
+        for received, _ in enumerate(stream, start=1):
+            if received >= k:
+                break
+        stream.close()
+        small_server.assert_at_rest()
+    _answers_at_once(small_server)
+    assert small_server.metric('kvfork_client_disconnects_total{endpoint="chat"}') > 0
+
+
+def test_async_streams_closed_mid_way_give_every_sequence_back(small_server: Server) -> None:
+    async def drop(i: int) -> None:
+        client = small_server.async_client()
+        stream = await client.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": f"Write a long poem, number {i}."}],
+            max_tokens=500,
+            stream=True,
+        )
+        async for _ in stream:
+            break
+        await stream.close()
+        await client.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(drop(i) for i in range(6)))  # more than the sequences
+
+    asyncio.run(main())
+    small_server.assert_at_rest()
+    _answers_at_once(small_server)
+
+
+def test_a_tcp_reset_mid_stream_gives_the_sequences_back(small_server: Server) -> None:
+    body = json.dumps(
+        {"messages": STORY, "max_tokens": 500, "stream": True, "n": 2, "temperature": 1.0}
+    ).encode()
+    for _ in range(3):
+        with socket.create_connection(small_server.address, timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            received = b""
+            while received.count(b"data:") < 3:
+                chunk = sock.recv(4096)
+                assert chunk, "the server closed the stream"
+                received += chunk
+            # SO_LINGER 0: close() sends a reset, not a FIN.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    small_server.assert_at_rest()
+    _answers_at_once(small_server)
+
+
+def test_a_tool_call_stream_closed_mid_call_gives_the_sequence_back(
+    small_server: Server,
+) -> None:
+    stream = small_server.client().chat.completions.create(
+        model="x",
+        messages=_messages("What is the weather in Paris?"),
+        max_tokens=48,
+        temperature=0,
+        tools=WEATHER_TOOLS,
+        tool_choice="required",
+        stream=True,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            break  # the call's id and name arrived; its arguments did not
+    stream.close()
+    small_server.assert_at_rest()
+    _answers_at_once(small_server)
+
+
+def test_n_choices_on_a_full_prefix_cache_evict_entries_instead_of_failing(
+    small_server: Server,
+) -> None:
+    client = small_server.client()
+    for i in range(6):  # distinct prompts: the cache fills every sequence with entries
+        client.completions.create(model="x", prompt=f"Fact number {i}:", max_tokens=2)
+    assert small_server.sequences()["cache"] == 4
+    for n in (2, 3, 4):
+        chat = client.chat.completions.create(
+            model="x", messages=_messages(f"Name {n} colours."), max_tokens=6, n=n, seed=n
+        )
+        assert len(chat.choices) == n
+        completion = client.completions.create(
+            model="x", prompt=f"A list of {n} animals:", max_tokens=6, n=n, seed=n
+        )
+        assert len(completion.choices) == n
+    assert small_server.metric("kvfork_prefix_cache_evictions_total") > 0
+
+
+def test_a_crowd_gets_answers_or_503_with_retry_after_never_500(small_server: Server) -> None:
+    def call(i: int) -> tuple[int, dict[str, str]]:
+        body = json.dumps(
+            {"messages": _messages(f"Count to {i}."), "max_tokens": 12, "n": 1 + i % 3}
+        ).encode()
+        status, headers, _ = small_server.post_raw("/v1/chat/completions", body)
+        return status, headers
+
+    results: list[tuple[int, dict[str, str]]] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(call(i))) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 16
+    statuses = sorted(status for status, _ in results)
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 4, statuses
+    for status, headers in results:
+        if status == 503:
+            assert headers.get("retry-after") == "1"
+    small_server.assert_at_rest()
+
+
+def test_health_says_busy_then_degraded_while_requests_wait(serve: Any) -> None:
+    server: Server = serve(
+        "chat", "--n-ctx", "4096", "--n-seq-max", "1", "--max-queue", "2", "--stall-seconds", "1"
+    )
+    assert server.get("/health") == (200, {"status": "ok", "free_sequences": 1, "queue": 0})
+    long = server.client().chat.completions.create(
+        model="x", messages=STORY, max_tokens=2000, temperature=0.8, stream=True
+    )
+    next(iter(long))  # it holds the only sequence
+    queued = threading.Thread(
+        target=lambda: server.post("/v1/chat/completions", json.dumps(
+            {"messages": _messages(), "max_tokens": 2}).encode())
+    )  # fmt: skip
+    queued.start()
+    deadline = time.monotonic() + 10
+    while server.get("/health")[1]["queue"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status, state = server.get("/health")
+    assert (status, state["status"], state["free_sequences"]) == (200, "busy", 0)
+    time.sleep(1.2)
+    status, state = server.get("/health")
+    assert (status, state) == (503, {"status": "degraded", "free_sequences": 0, "queue": 1})
+    long.close()
+    queued.join(timeout=60)
+    assert server.get("/health") == (200, {"status": "ok", "free_sequences": 1, "queue": 0})
+    server.assert_at_rest()
+
+
+# ---- streams as OpenAI sends them ----
+
+WEATHER_TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def test_every_stream_opens_with_the_role_of_each_choice(chat_server: Server) -> None:
+    firsts: dict[int, Any] = {}
+    for chunk in chat_server.client().chat.completions.create(
+        model="x", messages=_messages(), max_tokens=6, n=2, seed=1, stream=True
+    ):
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.delta)
+    assert sorted(firsts) == [0, 1]
+    assert all(delta.role == "assistant" for delta in firsts.values())
+
+
+def test_a_streamed_tool_call_accumulates_as_openai_s_own_client_reads_it(
+    chat_server: Server,
+) -> None:
+    # The `openai` package's stream helper accumulates deltas (tool calls included) into the
+    # final completion. Limits: it parses arguments into objects only for strict tools.
+    with chat_server.client().chat.completions.stream(
+        model="x",
+        messages=_messages("What is the weather in Paris?"),
+        max_tokens=48,
+        temperature=0,
+        tools=WEATHER_TOOLS,
+        tool_choice="required",
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert kinds[0] == "chunk" and "tool_calls.function.arguments.delta" in kinds
+    assert kinds.count("tool_calls.function.arguments.done") == 1
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.role == "assistant"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].type == "function"
+    call = calls[0].function
+    assert call.name == "get_weather" and calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOLS[0]["function"]["parameters"])
+
+
+def test_plain_text_accumulates_as_openai_s_own_client_reads_it(chat_server: Server) -> None:
+    plain = chat_server.client().chat.completions.create(
+        model="x", messages=_messages(), temperature=0, max_tokens=16
+    )
+    with chat_server.client().chat.completions.stream(
+        model="x", messages=_messages(), temperature=0, max_tokens=16
+    ) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.role == "assistant" and message.content == plain.choices[0].message.content
+
+
+# ---- no request can stall the others ----
+
+
+def _timed_chat(server: Server) -> float:
+    start = time.monotonic()
+    _answers_at_once(server)
+    return time.monotonic() - start
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(small_server: Server) -> None:
+    with socket.create_connection(small_server.address, timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 52428800\r\n\r\n"
+            b'{"messages": [{"role": "user", "content": "'
+        )  # 50 MB announced, none of it sent
+        reply = b""
+        while not reply.endswith(b"}"):  # the status, the headers, then the JSON error
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_too_large" and "16 MiB" in error["message"]
+    # Chunked, with no Content-Length: refused once what was read passes the limit.
+    conn = http.client.HTTPConnection(*small_server.address, timeout=30)
+    parts = [b'{"messages": "', *([b"x" * (1 << 20)] * 17), b'"}']
+    # Refused before the client sent it all: the answer is still there to read.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        conn.request("POST", "/v1/chat/completions", body=iter(parts), encode_chunked=True)
+    response = conn.getresponse()
+    assert response.status == 413
+    assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    conn.close()
+
+
+def test_deeply_nested_json_is_a_400(small_server: Server) -> None:
+    for depth in (100, 100_000):
+        body = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+        status, reply = small_server.post("/v1/chat/completions", body, timeout=30)
+        assert status == 400 and "nested" in reply["error"]["message"], (depth, reply)
+
+
+def test_a_small_request_beside_a_huge_one_answers_in_its_usual_time(
+    small_server: Server,
+) -> None:
+    alone = min(_timed_chat(small_server) for _ in range(3))
+    huge = json.dumps(
+        {"messages": [{"role": "user", "content": "word " * (3 << 20)}]}  # 15 MB
+    ).encode()
+    outcome: list[int] = []
+    heavy = threading.Thread(
+        target=lambda: outcome.append(small_server.post("/v1/chat/completions", huge)[0])
+    )
+    heavy.start()
+    time.sleep(0.3)  # it is being parsed and tokenized
+    beside = _timed_chat(small_server)
+    heavy.join(timeout=120)
+    assert outcome == [400]  # longer than the context
+    assert beside < alone + 2.0, (alone, beside)

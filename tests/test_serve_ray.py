@@ -12,7 +12,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -21,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 
-from .test_serve import Server, serve  # noqa: F401  (the server-process fixture)
+from .serving import Server, servers
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +34,13 @@ DOCUMENT = " ".join(
 
 
 @pytest.fixture(scope="module")
-def cluster(serve: Callable[..., Server]) -> Server:  # noqa: F811  (the imported fixture)
+def serve() -> Iterator[Callable[..., Server]]:
+    """`kvfork serve` processes, stopped with SIGTERM at the end of the module."""
+    yield from servers()
+
+
+@pytest.fixture(scope="module")
+def cluster(serve: Callable[..., Server]) -> Server:
     return serve(
         "chat", "--ray", "local", "--actors", "2", "--threads", "1",
         "--n-ctx", "4096", "--n-seq-max", "8",
@@ -170,12 +176,12 @@ def test_n_schema_and_tools_work_the_same(cluster: Server) -> None:
         "tools": tools,
         "tool_choice": "required",
     }
-    calls: list[Any] = []
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        calls += chunk.choices[0].delta.tool_calls or [] if chunk.choices else []
+    with client.chat.completions.stream(**kwargs) as stream:  # deltas accumulated by openai
+        calls = stream.get_final_completion().choices[0].message.tool_calls or []
     plain_calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
     for got in (calls, plain_calls):
-        assert len(got) == 1 and got[0].function.name == "get_weather"
+        assert len(got) == 1 and got[0].type == "function"
+        assert got[0].function.name == "get_weather"
         jsonschema.validate(json.loads(got[0].function.arguments or ""), params)
 
 

@@ -45,6 +45,8 @@ from ._speculative import PromptLookup
 
 MODEL_ALIASES = {"default": default_model_path, "chat": default_chat_model_path}
 
+log = logging.getLogger("kvfork.server")
+
 
 class CliError(Exception):
     """A usage problem reported as ``kvfork: error: ...`` with exit status 2."""
@@ -330,17 +332,18 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible server; concurrent requests share prefixes and decodes. With
     ``--ray``, each request runs on one of ``--actors`` Ray actors, routed by prefix."""
     try:
-        import uvicorn
-
         from .server import Service, create_app
         from .server.backend import Backend
         from .server.metrics import Metrics
+        from .server.process import run
     except ImportError as exc:
         raise CliError(
             f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
         ) from exc
     if args.actors < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--actors and --threads must be at least 1")
+    if not (args.max_body_mb > 0 and args.stall_seconds > 0 and args.shutdown_seconds >= 0):
+        raise CliError("--max-body-mb and --stall-seconds must be positive")
     path = resolve_model(args.model)
     # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
     threads = (
@@ -376,21 +379,31 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             f"{args.actors} Ray actors routed by {args.route}, each n_ctx {args.n_ctx}, "
             f"{args.n_seq_max} sequences"
         )
-    app = create_app(backend, api_key=args.api_key)
+    app = create_app(
+        backend,
+        api_key=args.api_key,
+        max_body_mb=args.max_body_mb,
+        stall_seconds=args.stall_seconds,
+    )
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
     logging.getLogger("kvfork.server").addHandler(handler)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
-    )
-    server = uvicorn.Server(config)
     print(
         f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 ({where})",
         file=sys.stderr,
         flush=True,
     )
     try:
-        await server.serve()
+        await run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            graceful_seconds=args.shutdown_seconds,
+            stop_admitting=service.stop_admitting,
+        )
+        if cluster is None and (held := service.live_stats()["sequences_requests"]):
+            log.warning("%d sequences still held by requests at shutdown", held)
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -572,6 +585,26 @@ def _parser() -> argparse.ArgumentParser:
         default="affinity",
         help="with --ray: by the longest prefix an actor holds (default), a consistent hash "
         "of the prompt's leading block, or at random",
+    )
+    serve.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16,
+        help="largest request body in MiB; larger ones get 413 before they are read (default 16)",
+    )
+    serve.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=30,
+        help="/health reports 'degraded' (503) once requests have waited this long with none "
+        "admitted (default 30)",
+    )
+    serve.add_argument(
+        "--shutdown-seconds",
+        type=float,
+        default=10,
+        help="on SIGTERM or Ctrl-C, how long requests in flight may run before they are "
+        "cancelled (default 10)",
     )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(run=cmd_serve)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import ray
 import ray.exceptions
 
 from .._native import Context, create_context
+from .backend import Events
 from .errors import APIError
 from .requests import Sampling
 from .service import Event, Outcome, Service
@@ -94,8 +95,9 @@ class ServeActor:
         """`Service.generate`'s events in lists, then its `Outcome`; an error as a `Failure`
         (the last item). Cancelling the call (``ray.cancel``) ends the generation."""
         service = await self._service()
-        events = service.generate(tokens, sampling, stop, prompt_param)
+        events: Events | None = None
         try:
+            events = service.generate(tokens, sampling, stop, prompt_param)
             async for batch in _coalesced(events, COALESCE):
                 for item in batch:
                     if isinstance(item, Outcome):
@@ -107,7 +109,8 @@ class ServeActor:
             log.exception("generation failed")
             yield Failure.of(APIError(500, "internal error", type="server_error"))
         finally:
-            await events.aclose()
+            if events is not None:
+                events.close()
 
     def _count(self, outcome: Outcome) -> None:
         self._tally["requests"] += 1
@@ -118,20 +121,10 @@ class ServeActor:
     async def snapshot(self) -> dict[str, float]:
         """The actor's numbers for the front's ``/metrics``."""
         s = await self._service()
-        stats = s.ctx.stats()
-        cache = s.cache.stats()
-        return {
-            "pid": os.getpid(),
-            "decode_calls": stats["decode_calls"],
-            "leases_in_use": s.ctx.n_seq_max - s.admission.free,
-            "queue_length": s.admission.waiting,
-            "prefix_cache_entries": cache["entries"],
-            "prefix_cache_evictions": cache["evictions"],
-            **self._tally,
-        }
+        return {"pid": os.getpid(), **s.live_stats(), **self._tally}
 
 
-async def _coalesced(source: AsyncIterator[Any], interval: float) -> AsyncIterator[list[Any]]:
+async def _coalesced(source: AsyncIterable[Any], interval: float) -> AsyncIterator[list[Any]]:
     """The items of `source` in lists: the first at once, later ones gathered until `interval`
     has passed since the last list (an `Outcome` goes at once: it is the end)."""
     batch: list[Any] = []

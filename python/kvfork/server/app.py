@@ -1,8 +1,15 @@
-"""The HTTP layer: OpenAI's endpoints on Starlette, each a thin adapter over `Service`.
+"""The HTTP layer: OpenAI's endpoints on Starlette, each a thin adapter over a `Backend`.
 
 Errors always come back in OpenAI's shape (`errors.APIError`); a streamed request that fails
-after its first chunk ends with an SSE event holding the error. A client that disconnects
-cancels its generation (its leases come back at once)."""
+after its first chunk ends with an SSE event holding the error. A client that goes away (the
+ASGI server's ``http.disconnect``, awaited, not polled) ends its generation, and every
+sequence it held comes back at once: `Generation.close` never suspends, so no cancellation
+can cut the clean-up short.
+
+Nothing a client sends may stall the others: bodies are read up to a limit (413 past it,
+before more is read), large ones are parsed off the event loop, nesting is bounded, and the
+prompt (template, tokenizer) is built off the event loop too.
+"""
 
 from __future__ import annotations
 
@@ -17,18 +24,26 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from .backend import Backend
+from .backend import Backend, Events
 from .errors import APIError
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, Metrics
 from .requests import parse_chat, parse_completion, parse_embeddings, parse_json
 from .service import Event, Outcome
 
 log = logging.getLogger("kvfork.server")
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+#: The default largest request body (`kvfork serve --max-body-mb`).
+DEFAULT_MAX_BODY_MB = 16
+#: Bodies at least this large are parsed off the event loop.
+PARSE_IN_THREAD = 1 << 20
+#: HTTP's "client closed request" (nginx's code), counted for clients that went away.
+CLIENT_GONE = 499
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -39,33 +54,120 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _until_disconnected(request: Request) -> None:
-    # Starlette tells a handler of a disconnect only when asked (no event to wait on).
-    while not await request.is_disconnected():  # noqa: ASYNC110
-        await asyncio.sleep(0.1)
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone away (after the body: the server's next message for
+    this request is ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """`work`, cancelled if the client goes away first (its leases come back)."""
+    """`work`, cancelled if the client goes away first (its sequences come back)."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_until_disconnected(request))
+    gone = asyncio.ensure_future(_disconnected(request.receive))
     try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return Response(status_code=499)
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=CLIENT_GONE)
     return task.result()
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit` bytes: from
+    its Content-Length before any of it is read, else while it is read."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than this server's {limit >> 20} MiB "
+        "(kvfork serve --max-body-mb)",
+        param=None,
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+class EventStream(Response):
+    """A server-sent event stream over a generation. Its first chunk was produced before the
+    headers (so a request that fails at once gets its status); it closes the generation when
+    the stream ends, fails, or the client goes away, and counts the request's final status
+    (200, an error's, or 499 for a client that went away)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        generation: Events,
+        count: Callable[[int], None],
+    ) -> None:
+        # Not Response.__init__: it would declare an empty body's Content-Length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.first = first
+        self.chunks = chunks
+        self.generation = generation
+        self.count = count
+        self.final_status = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self._send(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait([sending, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.generation.close()  # first: it never suspends, nothing can cut it short
+            if not sending.done():
+                self.final_status = CLIENT_GONE
+            sending.cancel()
+            gone.cancel()
+            self.count(self.final_status)
+            await asyncio.gather(sending, gone, return_exceptions=True)
+
+    async def _send(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            tail = b"data: [DONE]\n\n"
+        except APIError as exc:
+            tail, self.final_status = _sse(exc.body()), exc.status
+        except Exception:
+            log.exception("stream failed")
+            error = APIError(500, "internal error", type="server_error")
+            tail, self.final_status = _sse(error.body()), 500
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 class Endpoints:
     """The routes over one backend (a `Service`, or a `ClusterService` of Ray actors)."""
 
-    def __init__(self, service: Backend, api_key: str | None) -> None:
+    def __init__(
+        self, service: Backend, api_key: str | None, max_body: int, stall_seconds: float
+    ) -> None:
         self.service = service
         self.api_key = api_key
+        self.max_body = max_body
+        self.stall_seconds = stall_seconds
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.service.metrics
 
     def guarded(self, name: str, handler: Handler) -> Handler:
         """`handler` behind the API key, with every failure in OpenAI's shape and counted."""
@@ -79,10 +181,18 @@ class Endpoints:
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
                 response = _error_response(APIError(500, "internal error", type="server_error"))
-            self.service.metrics.answered(name, response.status_code)
+            if isinstance(response, EventStream):
+                response.count = lambda status: self.answered(name, status)
+            else:
+                self.answered(name, response.status_code)
             return response
 
         return endpoint
+
+    def answered(self, name: str, status: int) -> None:
+        self.metrics.answered(name, status)
+        if status == CLIENT_GONE:
+            self.metrics.disconnected(name)
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -96,6 +206,13 @@ class Endpoints:
                 code="invalid_api_key",
             )
 
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object: bounded in size, parsed off the event loop when large."""
+        raw = await _body(request, self.max_body)
+        if len(raw) >= PARSE_IN_THREAD:
+            return await asyncio.to_thread(parse_json, raw)
+        return parse_json(raw)
+
     # ---- endpoints ----
 
     async def models(self, request: Request) -> Response:
@@ -104,15 +221,19 @@ class Endpoints:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """`{"status": "ok" | "busy" | "degraded", "free_sequences", "queue"}`: busy when
+        every sequence is taken by requests or some wait; degraded (503) when requests wait
+        and none was admitted for `--stall-seconds`."""
+        state = self.service.health(self.stall_seconds)
+        return JSONResponse(state, status_code=503 if state["status"] == "degraded" else 200)
 
-    async def metrics(self, request: Request) -> Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         return Response(await self.service.metrics_text(), media_type=CONTENT_TYPE)
 
     async def embeddings(self, request: Request) -> Response:
         s = self.service
         vocab = s.embed_ctx.vocab_size if s.embed_ctx is not None else s.ctx.vocab_size
-        req = parse_embeddings(parse_json(await request.body()), vocab)
+        req = parse_embeddings(await self.read_json(request), vocab)
         data, tokens = await s.embed(req)
         return JSONResponse(
             {
@@ -125,8 +246,8 @@ class Endpoints:
 
     async def completions(self, request: Request) -> Response:
         s = self.service
-        req = parse_completion(parse_json(await request.body()), s.ctx.vocab_size, s.max_choices)
-        tokens = s.completion_prompt(req)
+        req = parse_completion(await self.read_json(request), s.ctx.vocab_size, s.max_choices)
+        tokens = await asyncio.to_thread(s.completion_prompt, req)
         prefix = req.prompt if isinstance(req.prompt, str) else s.ctx.detokenize(req.prompt)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -134,7 +255,7 @@ class Endpoints:
             "created": int(time.time()),
             "model": s.model_id,
         }
-        events = s.generate(tokens, req.sampling, [], "prompt")
+        generation = s.generate(tokens, req.sampling, [], "prompt")
         echo = prefix if req.echo else ""
 
         def choice(
@@ -151,7 +272,7 @@ class Endpoints:
 
             async def chunks() -> AsyncGenerator[bytes, None]:
                 started: set[int] = set()
-                async for item in events:
+                async for item in generation:
                     if isinstance(item, Event):
                         text = item.text if item.index in started else echo + item.text
                         started.add(item.index)
@@ -166,10 +287,10 @@ class Endpoints:
                     elif req.sampling.include_usage:
                         yield _sse({**head, "choices": [], "usage": item.usage()})
 
-            return await _stream(chunks(), events)
+            return await _stream(request, chunks(), generation)
 
         async def whole() -> Response:
-            outcome = await _outcome(events)
+            outcome = await _outcome(generation)
             return JSONResponse(
                 {
                     **head,
@@ -181,20 +302,23 @@ class Endpoints:
                 }
             )
 
-        return await _unless_disconnected(request, whole())
+        try:
+            return await _unless_disconnected(request, whole())
+        finally:
+            generation.close()
 
     async def chat(self, request: Request) -> Response:
         s = self.service
-        req = parse_chat(parse_json(await request.body()), s.ctx.vocab_size, s.max_choices)
+        req = parse_chat(await self.read_json(request), s.ctx.vocab_size, s.max_choices)
         s.constrain_tools(req)
-        tokens, stop = s.chat_prompt(req)
+        tokens, stop = await asyncio.to_thread(s.chat_prompt, req)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": s.model_id,
         }
-        events = s.generate(tokens, req.sampling, stop, "messages")
+        generation = s.generate(tokens, req.sampling, stop, "messages")
         tools = bool(req.tools) and req.tool_choice != "none"
 
         def finished(text: str, finish: str) -> tuple[dict[str, Any], str]:
@@ -205,49 +329,48 @@ class Endpoints:
             return {"role": "assistant", "content": text}, finish
 
         if req.sampling.stream:
+            # A reply with tools is a call or text, known at its end: no content yet.
+            role: dict[str, Any] = (
+                {"role": "assistant"}
+                if tools
+                else {
+                    "role": "assistant",
+                    "content": "",
+                }
+            )
+
+            def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any) -> bytes:
+                body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                return _sse({**head, "choices": [body]})
 
             async def chunks() -> AsyncGenerator[bytes, None]:
                 texts: dict[int, str] = {}
-                async for item in events:
+                async for item in generation:
                     if isinstance(item, Outcome):
                         if req.sampling.include_usage:
                             yield _sse({**head, "choices": [], "usage": item.usage()})
                         continue
-                    delta: dict[str, Any] = {}
-                    if item.index not in texts:
-                        delta["role"] = "assistant"
-                    texts[item.index] = texts.get(item.index, "") + item.text
-                    finish = item.finish_reason
-                    if tools:  # a call is only known whole: the text comes at the end
-                        if finish is None:
-                            continue
-                        message, finish = finished(texts[item.index], finish)
-                        delta.update({k: v for k, v in message.items() if k != "role"})
-                        if "tool_calls" in delta:
-                            delta["tool_calls"] = [
-                                {"index": i, **c} for i, c in enumerate(delta["tool_calls"])
-                            ]
-                    elif item.text:
-                        delta["content"] = item.text
+                    if item.index not in texts:  # every choice's first delta names the role
+                        texts[item.index] = ""
+                        yield chunk(item.index, role, None, None)
+                    texts[item.index] += item.text
                     lp = {"content": item.logprobs} if req.sampling.logprobs else None
-                    yield _sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": item.index,
-                                    "delta": delta,
-                                    "logprobs": lp,
-                                    "finish_reason": finish,
-                                }
-                            ],
-                        }
-                    )
+                    if not tools:
+                        delta = {"content": item.text} if item.text else {}
+                        if delta or item.finish_reason or lp:
+                            yield chunk(item.index, delta, item.finish_reason, lp)
+                        continue
+                    if item.finish_reason is None:
+                        continue  # a call is only known whole: its text comes at the end
+                    message, finish = finished(texts[item.index], item.finish_reason)
+                    for delta in _message_deltas(message):
+                        yield chunk(item.index, delta, None, None)
+                    yield chunk(item.index, {}, finish, lp)
 
-            return await _stream(chunks(), events)
+            return await _stream(request, chunks(), generation)
 
         async def whole() -> Response:
-            outcome = await _outcome(events)
+            outcome = await _outcome(generation)
             choices = []
             for c in outcome.choices:
                 message, finish = finished(c.text.content, c.finish_reason or "stop")
@@ -259,54 +382,74 @@ class Endpoints:
                 {**head, "object": "chat.completion", "choices": choices, "usage": outcome.usage()}
             )
 
-        return await _unless_disconnected(request, whole())
+        try:
+            return await _unless_disconnected(request, whole())
+        finally:
+            generation.close()
 
 
-async def _outcome(events: AsyncGenerator[Event | Outcome, None]) -> Outcome:
-    """The end of a generation (closed early when the waiting task is cancelled, so its
-    leases come back at once)."""
-    try:
-        async for item in events:
-            if isinstance(item, Outcome):
-                return item
-    finally:
-        await events.aclose()
+#: Characters of a tool call's arguments per streamed fragment.
+ARGUMENT_FRAGMENT = 24
+
+
+def _message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished message as OpenAI streams it: its content, or each tool call's id, type and
+    name first and then its arguments in fragments."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return [{"content": message["content"]}] if message["content"] else []
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(calls):
+        fn = call["function"]
+        deltas.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": i,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""},
+                    }
+                ]
+            }
+        )
+        args = fn["arguments"]
+        for at in range(0, len(args), ARGUMENT_FRAGMENT):
+            piece = args[at : at + ARGUMENT_FRAGMENT]
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+    return deltas
+
+
+async def _outcome(generation: Events) -> Outcome:
+    """The end of a generation (the caller closes it)."""
+    async for item in generation:
+        if isinstance(item, Outcome):
+            return item
     raise APIError(500, "the generation ended without a result", type="server_error")
 
 
 async def _stream(
-    chunks: AsyncGenerator[bytes, None], events: AsyncGenerator[Any, None]
+    request: Request, chunks: AsyncGenerator[bytes, None], generation: Events
 ) -> Response:
-    """An SSE response. The first chunk is produced before the headers go out, so a request
-    that fails at once (a bad schema, a full queue) gets its error status; a later failure
-    ends the stream with an error event."""
-    try:
-        first = await chunks.__anext__()
-    except StopAsyncIteration:
-        first = b""
-    except BaseException:
-        await events.aclose()
-        raise
+    """An SSE response. The first chunk is produced before the headers go out (a client that
+    goes away meanwhile cancels it), so a request that fails at once (a bad schema, a full
+    queue) gets its error status; a later failure ends the stream with an error event."""
 
-    async def body() -> AsyncIterator[bytes]:
+    async def first() -> Response:
         try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                yield chunk
-            yield b"data: [DONE]\n\n"
-        except APIError as exc:
-            yield _sse(exc.body())
-        except Exception:
-            log.exception("stream failed")
-            yield _sse(APIError(500, "internal error", type="server_error").body())
-        finally:  # also when the client went away: the generation ends, its leases return
-            await chunks.aclose()
-            await events.aclose()
+            head = await chunks.__anext__()
+        except StopAsyncIteration:
+            head = b""
+        return EventStream(head, chunks, generation, lambda status: None)
 
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    try:
+        response = await _unless_disconnected(request, first())
+    except BaseException:
+        generation.close()
+        raise
+    if not isinstance(response, EventStream):
+        generation.close()  # the client went away before the first chunk
+    return response
 
 
 def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -323,16 +466,24 @@ def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def create_app(service: Backend, *, api_key: str | None = None) -> Starlette:
-    """The ASGI app serving `service` (a `Service`, or a `ClusterService`)."""
-    e = Endpoints(service, api_key)
+def create_app(
+    service: Backend,
+    *,
+    api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    stall_seconds: float = 30.0,
+) -> Starlette:
+    """The ASGI app serving `service` (a `Service`, or a `ClusterService`). Bodies over
+    `max_body_mb` MiB get 413; `/health` reports `degraded` (503) once requests have waited
+    `stall_seconds` with none admitted."""
+    e = Endpoints(service, api_key, int(max_body_mb * (1 << 20)), stall_seconds)
     routes = [
         Route("/v1/chat/completions", e.guarded("chat", e.chat), methods=["POST"]),
         Route("/v1/completions", e.guarded("completions", e.completions), methods=["POST"]),
         Route("/v1/embeddings", e.guarded("embeddings", e.embeddings), methods=["POST"]),
         Route("/v1/models", e.guarded("models", e.models), methods=["GET"]),
         Route("/health", e.health, methods=["GET"]),
-        Route("/metrics", e.metrics, methods=["GET"]),
+        Route("/metrics", e.metrics_endpoint, methods=["GET"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -3,13 +3,23 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from .._native import Context
 from .metrics import Metrics
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 from .service import Event, Outcome
+
+
+class Events(Protocol):
+    """One request's generation: `async for` gives its events, then the `Outcome`. `close()`
+    ends it and gives its sequences back; it never suspends (it runs in the clean-up of
+    requests being cancelled), and it is safe to call twice."""
+
+    def __aiter__(self) -> AsyncIterator[Event | Outcome]: ...
+
+    def close(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -33,7 +43,11 @@ class Backend(Protocol):
 
     def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
-    ) -> AsyncGenerator[Event | Outcome, None]: ...
+    ) -> Events: ...
+
+    def health(self, stall_seconds: float) -> dict[str, Any]:
+        """`GET /health`'s body (see `Endpoints.health`)."""
+        ...
 
     async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]: ...
 

@@ -11,7 +11,7 @@ had not started on it is retried on another actor, and the dead one is replaced.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
 
 import ray
@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from .._native import Context
 from .actors import ActorSet, Failure
 from .errors import APIError
-from .metrics import Metrics
+from .metrics import LIVE, Metrics
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 from .router import Policy, Router
 from .service import Event, Outcome, Service
@@ -86,75 +86,109 @@ class ClusterService:
         self.snapshots = await self.actors.snapshots()
         return self.metrics.text()
 
-    async def generate(
+    def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
-    ) -> AsyncGenerator[Event | Outcome, None]:
-        """The routed actor's events, then the Outcome; closing this generator cancels the
-        actor's generation (its leases come back there)."""
-        tried: list[int] = []
-        while True:
-            index = self.router.pick(tokens, exclude=tried).actor
-            handle = self.actors.handles[index]
-            started = ended = False
-            stream = None
-            try:  # from the pick on: `done` gives the router its load back whatever happens
-                stream = handle.generate.remote(tokens, sampling, stop, prompt_param)
-                async for ref in stream:
-                    item = await ref
-                    if isinstance(item, Failure):
-                        ended = True
-                        raise item.error()
-                    started = True
-                    for event in item:
-                        if isinstance(event, Outcome):
-                            ended = True
-                            self.metrics.finished(event)
-                        yield event
-                return
-            except ray.exceptions.RayActorError as exc:
-                ended = True
-                if self.actors.replace(index, handle):
-                    self.router.forget(index)
-                    log.warning("actor %d died (%s); replaced", index, type(exc).__name__)
-                tried.append(index)
-                if started or len(tried) >= len(self.actors):
-                    raise APIError(
-                        503,
-                        "the worker serving this request died; it is being replaced, try again",
-                        type="server_error",
-                        code="worker_died",
-                        headers={"Retry-After": "1"},
-                    ) from None
-                self.retries += 1  # it had not started there: run it on another actor
-            finally:
-                self.router.done(index)
-                if not ended and stream is not None:  # the client went away: stop the work
-                    ray.cancel(stream)
+    ) -> RemoteGeneration:
+        """The routed actor's events, then the Outcome (see `RemoteGeneration`)."""
+        return RemoteGeneration(self, tokens, sampling, stop, prompt_param)
+
+    def health(self, stall_seconds: float) -> dict[str, Any]:
+        """`GET /health` as the front knows it: its actors admit their own requests, so it
+        is "ok" unless every actor is known dead (then "degraded")."""
+        up = [row for row in self.snapshots if row is not None]
+        status = "degraded" if self.snapshots and not up else "ok"
+        free = sum(row["sequences_max"] - row["leases_in_use"] for row in up)
+        return {
+            "status": status,
+            "free_sequences": int(free),
+            "queue": int(sum(row["queue_length"] for row in up)),
+        }
 
     def shutdown(self) -> None:
         """Kill the actors."""
         self.actors.shutdown()
 
 
+class RemoteGeneration:
+    """One request's generation on a routed actor: the actor's events, then the Outcome.
+    `close()` (which never suspends) cancels the actor's work (its sequences come back there)
+    and gives the router its load back."""
+
+    def __init__(
+        self,
+        cluster: ClusterService,
+        tokens: list[int],
+        sampling: Sampling,
+        stop: list[str],
+        prompt_param: str,
+    ) -> None:
+        self.cluster = cluster
+        self.args = (tokens, sampling, stop, prompt_param)
+        self._index: int | None = None
+        self._stream: Any = None
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[Event | Outcome]:
+        return self._events()
+
+    def close(self) -> None:
+        """Let go of the actor now (idempotent, never suspends)."""
+        if self._index is None:
+            return
+        self.cluster.router.done(self._index)
+        if not self._ended and self._stream is not None:  # the client went away
+            ray.cancel(self._stream)
+        self._index = self._stream = None
+
+    async def _events(self) -> AsyncIterator[Event | Outcome]:
+        c, tokens = self.cluster, self.args[0]
+        tried: list[int] = []
+        try:
+            while True:
+                index = c.router.pick(tokens, exclude=tried).actor
+                self._index, self._ended = index, False
+                handle = c.actors.handles[index]
+                started = False
+                try:  # from the pick on: `close` gives the router its load back
+                    self._stream = handle.generate.remote(*self.args)
+                    async for ref in self._stream:
+                        item = await ref
+                        if isinstance(item, Failure):
+                            self._ended = True
+                            raise item.error()
+                        started = True
+                        for event in item:
+                            if isinstance(event, Outcome):
+                                self._ended = True
+                                c.metrics.finished(event)
+                            yield event
+                    return
+                except ray.exceptions.RayActorError as exc:
+                    self._ended = True
+                    if c.actors.replace(index, handle):
+                        c.router.forget(index)
+                        log.warning("actor %d died (%s); replaced", index, type(exc).__name__)
+                    tried.append(index)
+                    if started or len(tried) >= len(c.actors):
+                        raise APIError(
+                            503,
+                            "the worker serving this request died; it is being replaced, try again",
+                            type="server_error",
+                            code="worker_died",
+                            headers={"Retry-After": "1"},
+                        ) from None
+                    c.retries += 1  # it had not started there: run it on another actor
+                finally:
+                    self.close()
+        finally:
+            self.close()
+
+
 class _ActorsLive(Collector):
     """The actors' numbers at scrape time: each under its ``actor`` label, and their sum
     (without the label) for the engine's gauges and counters."""
 
-    SUMMED: ClassVar[dict[str, tuple[str, str, str]]] = {
-        "decode_calls": ("counter", "kvfork_decode_calls", "llama_decode calls of the actors"),
-        "leases_in_use": ("gauge", "kvfork_leases_in_use", "KV sequences held by requests"),
-        "queue_length": ("gauge", "kvfork_queue_length", "requests waiting for a sequence"),
-        "prefix_cache_entries": (
-            "gauge",
-            "kvfork_prefix_cache_entries",
-            "finished requests kept as prefix-cache entries",
-        ),
-        "prefix_cache_evictions": (
-            "counter",
-            "kvfork_prefix_cache_evictions",
-            "prefix-cache entries evicted",
-        ),
-    }
+    SUMMED: ClassVar[dict[str, tuple[str, str]]] = LIVE
     PER_ACTOR: ClassVar[dict[str, tuple[str, str]]] = {
         "requests": ("kvfork_actor_requests", "requests finished by the actor"),
         "prompt_tokens": ("kvfork_actor_prompt_tokens", "prompt tokens on the actor"),
@@ -172,7 +206,8 @@ class _ActorsLive(Collector):
         c = self.cluster
         rows = list(enumerate(c.snapshots))
         live = [(i, row) for i, row in rows if row is not None]
-        for key, (kind, name, doc) in self.SUMMED.items():
+        for key, (kind, doc) in self.SUMMED.items():
+            name = f"kvfork_{key}"
             family: CounterMetricFamily | GaugeMetricFamily = (
                 CounterMetricFamily(name, doc, labels=["actor"])
                 if kind == "counter"

@@ -1,8 +1,13 @@
-"""Prometheus metrics (`GET /metrics`), through `prometheus_client`, with the spec's names."""
+"""Prometheus metrics (`GET /metrics`), through `prometheus_client`, with the spec's names.
+
+Counters the server keeps itself (requests by endpoint and final status, tokens, client
+disconnects), and a live view read at scrape time from a stats callable (`LIVE` names what
+it returns): where the context's sequences are, the queue, the prefix cache.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -10,46 +15,39 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .service import Outcome, Service
+    from .service import Outcome
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+#: The live view: each key of a stats callable's mapping, its kind and its help. Exposed as
+#: ``kvfork_<key>`` (counters with prometheus' ``_total``).
+LIVE: dict[str, tuple[str, str]] = {
+    "decode_calls": ("counter", "llama_decode calls of the generation context"),
+    "leases_in_use": ("gauge", "KV sequences admitted to requests in progress"),
+    "queue_length": ("gauge", "requests waiting for a free sequence"),
+    "sequences_max": ("gauge", "KV sequences of the context"),
+    "sequences_requests": ("gauge", "KV sequences held by requests in progress"),
+    "sequences_cache": ("gauge", "KV sequences held by prefix-cache entries"),
+    "sequences_free": ("gauge", "KV sequences nobody holds"),
+    "parked_branches": ("gauge", "branches parked in host memory"),
+    "prefix_cache_entries": ("gauge", "finished requests kept as prefix-cache entries"),
+    "prefix_cache_evictions": ("counter", "prefix-cache entries evicted"),
+}
+
+Stats = Callable[[], Mapping[str, float]]
+
 
 class _Live(Collector):
-    """What is read from the engine at scrape time: decodes, leases, queue, cache."""
+    """`LIVE`, read from `read` at every scrape."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(self, read: Stats) -> None:
+        self.read = read
 
     def collect(self) -> Iterator[Any]:
-        s = self.service
-        stats = s.ctx.stats()
-        cache = s.cache.stats()
-        yield CounterMetricFamily(
-            "kvfork_decode_calls",
-            "llama_decode calls of the generation context",
-            value=stats["decode_calls"],
-        )
-        yield GaugeMetricFamily(
-            "kvfork_leases_in_use",
-            "KV sequences held by requests in progress",
-            value=s.ctx.n_seq_max - s.admission.free,
-        )
-        yield GaugeMetricFamily(
-            "kvfork_queue_length",
-            "requests waiting for a free sequence",
-            value=s.admission.waiting,
-        )
-        yield GaugeMetricFamily(
-            "kvfork_prefix_cache_entries",
-            "finished requests kept as prefix-cache entries",
-            value=cache["entries"],
-        )
-        yield CounterMetricFamily(
-            "kvfork_prefix_cache_evictions",
-            "prefix-cache entries evicted",
-            value=cache["evictions"],
-        )
+        values = self.read()
+        for key, (kind, doc) in LIVE.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"kvfork_{key}", doc, value=values[key])
 
 
 class Metrics:
@@ -59,7 +57,16 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvfork_requests", "requests answered", ["endpoint", "status"], registry=r
+            "kvfork_requests",
+            "requests answered, by final status (499: the client went away)",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "kvfork_client_disconnects",
+            "requests whose client went away before the answer ended",
+            ["endpoint"],
+            registry=r,
         )
         self.prompt_tokens = Counter("kvfork_prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(
@@ -69,9 +76,9 @@ class Metrics:
         )
         self.completion_tokens = Counter("kvfork_completion_tokens", "generated tokens", registry=r)
 
-    def watch(self, service: Service) -> None:
-        """Read `service`'s engine at every scrape."""
-        self.registry.register(_Live(service))
+    def watch(self, read: Stats) -> None:
+        """Report `read()` (a mapping with `LIVE`'s keys) at every scrape."""
+        self.registry.register(_Live(read))
 
     def finished(self, outcome: Outcome) -> None:
         self.prompt_tokens.inc(outcome.prompt_tokens)
@@ -80,6 +87,9 @@ class Metrics:
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def disconnected(self, endpoint: str) -> None:
+        self.disconnects.labels(endpoint=endpoint).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -81,15 +81,42 @@ class EmbeddingRequest:
     encoding_format: str = "float"
 
 
+#: The deepest nesting of arrays and objects a body may have (a real request needs a
+#: handful; deeper ones only stress the parser and whatever walks the result).
+MAX_NESTING = 64
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object."""
+    """The request body as a JSON object, nested at most `MAX_NESTING` deep."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"the body is nested deeper than {MAX_NESTING} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    if _nesting(body) > MAX_NESTING:
+        raise bad_request(f"the body is nested deeper than {MAX_NESTING} levels")
     return body
+
+
+def _nesting(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:

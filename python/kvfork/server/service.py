@@ -8,7 +8,8 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,39 +34,80 @@ PREFILL_BURST_WAIT = 2.0
 
 
 class Admission:
-    """Leases for live requests: a request needs `n` (one per choice); past the free ones it
-    waits in a queue of at most `max_queue` requests, beyond which it is refused (503)."""
+    """Sequences for live requests: a request needs `n` (one per choice). Past the free ones it
+    waits in a first-come queue of at most `max_queue` requests, beyond which it is refused
+    (503). Giving sequences back never suspends, so a cancelled request's clean-up cannot be
+    cut short."""
 
     def __init__(self, leases: int, max_queue: int) -> None:
+        self.leases = leases
         self.free = leases
         self.max_queue = max_queue
-        self.waiting = 0
-        self._changed = asyncio.Condition()
+        self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+        #: When a request was last admitted (`stalled` compares it with the clock).
+        self.last_admitted = time.monotonic()
+        #: The server is shutting down: no new request is admitted.
+        self.closing = False
 
-    @contextlib.asynccontextmanager
-    async def leases(self, n: int) -> AsyncIterator[None]:
-        async with self._changed:
-            if self.free < n:
-                if self.waiting >= self.max_queue:
-                    raise APIError(
-                        503,
-                        "the server is busy: every sequence is in use and the queue is full",
-                        type="server_error",
-                        code="queue_full",
-                        headers={"Retry-After": "1"},
-                    )
-                self.waiting += 1
-                try:
-                    await self._changed.wait_for(lambda: self.free >= n)
-                finally:
-                    self.waiting -= 1
-            self.free -= n
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue."""
+        return len(self._queue)
+
+    def stalled(self, seconds: float) -> bool:
+        """Requests wait and none was admitted for `seconds`."""
+        return bool(self._queue) and time.monotonic() - self.last_admitted > seconds
+
+    async def acquire(self, n: int) -> None:
+        """Take `n` sequences, waiting in the queue for them; a cancelled wait takes none."""
+        if self.closing:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": "1"},
+            )
+        if not self._queue and self.free >= n:
+            self._take(n)
+            return
+        if len(self._queue) >= self.max_queue:
+            raise APIError(
+                503,
+                "the server is busy: every sequence is in use and the queue is full",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        admitted = asyncio.get_running_loop().create_future()
+        entry = (n, admitted)
+        self._queue.append(entry)
         try:
-            yield
-        finally:
-            async with self._changed:
-                self.free += n
-                self._changed.notify_all()
+            await admitted
+        except BaseException:
+            if admitted.done() and not admitted.cancelled():
+                self.release(n)  # admitted while being cancelled: the sequences go back
+            else:
+                with contextlib.suppress(ValueError):  # not popped by `_admit_waiting`
+                    self._queue.remove(entry)
+                self._admit_waiting()  # the head may have been this request
+            raise
+
+    def release(self, n: int) -> None:
+        """Give `n` sequences back and admit who waits for them."""
+        self.free += n
+        self._admit_waiting()
+
+    def _take(self, n: int) -> None:
+        self.free -= n
+        self.last_admitted = time.monotonic()
+
+    def _admit_waiting(self) -> None:
+        while self._queue and self._queue[0][0] <= self.free:
+            n, admitted = self._queue.popleft()
+            if not admitted.done():
+                self._take(n)
+                admitted.set_result(None)
 
 
 @dataclass
@@ -130,12 +172,12 @@ class Service:
         # Leases: one per live choice; the cache keeps what is left as entries and evicts them
         # when a live request needs the lease.
         self.cache = PrefixCache(ctx)
+        self.store = BranchStore(ctx)  # holds no lease: the free count, and steps
         self.admission = Admission(ctx.n_seq_max, max_queue)
         self.metrics = metrics or Metrics()
-        self.metrics.watch(self)
+        self.metrics.watch(self.live_stats)
         self.created = int(time.time())
-        self.prefilling = 0  # requests between admission and a prefilled branch
-        self.prefills_done = asyncio.Event()
+        self.burst = PrefillBurst()
 
     @property
     def max_choices(self) -> int:
@@ -180,177 +222,48 @@ class Service:
 
     # ---- generation ----
 
-    async def _choices(self, tokens: list[int], sampling: Sampling) -> tuple[list[Branch], int]:
-        """One branch per choice: the first from the prefix cache, the others forked from it
-        (one prefill for all)."""
-        try:
-            first = await self.cache.branch(tokens, sampling.params(0))
-        except LeaseExhaustedError:
-            raise APIError(
-                503, "no free sequence", type="server_error", headers={"Retry-After": "1"}
-            ) from None
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt", "context_length_exceeded") from None  # raced
-        cached = self.cache.shared_tokens(first) or 0
-        branches = [first]
-        try:
-            if sampling.logit_bias:
-                first.set_logit_bias(sampling.logit_bias)
-            if sampling.json_schema is not None:
-                try:
-                    first.set_json_schema(sampling.json_schema)
-                except KvforkError as exc:
-                    raise bad_request(
-                        f"the JSON schema is not usable: {exc}", "response_format"
-                    ) from None
-            for i in range(1, sampling.n):
-                seed = sampling.params(i).get("seed", int.from_bytes(np.random.bytes(4), "little"))
-                branches.append(await first.fork(seed=seed))
-        except BaseException:
-            await self._finish(branches)
-            raise
-        return branches, cached
-
-    async def _finish(self, branches: list[Branch]) -> None:
-        """Forks pruned; the first branch handed back to the cache as an entry."""
-        for b in reversed(branches[1:]):
-            await b.prune()
-        if branches:
-            try:
-                self.cache.release(branches[0])
-            except ValueError:
-                await branches[0].prune_subtree()
-
-    @staticmethod
-    async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseException]) -> None:
-        """Run `work`; the error that ends it goes on `out` for the request's task to raise."""
-        try:
-            await work
-        except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
-            await out.put(exc)
-
-    async def _run_together(
-        self,
-        branches: list[Branch],
-        choices: list[Choice],
-        sampling: Sampling,
-        out: asyncio.Queue[Event | BaseException],
-    ) -> None:
-        """Every choice advanced by `BranchStore.step`: one decode per step for all."""
-        store = BranchStore(self.ctx)
-        limit = min(sampling.max_tokens, self.ctx.n_ctx - branches[0].position)
-        active = list(zip(branches, choices))
-        for _ in range(limit):
-            if not active:
-                break
-            tokens = await store.step([b for b, _ in active])
-            still = []
-            for (branch, choice), tok in zip(active, tokens):
-                finish = None
-                if tok.is_stop:
-                    finish = "stop"
-                else:
-                    choice.tokens += 1
-                    if choice.text.add(tok.text):
-                        finish = "stop"
-                    elif piece := choice.text.take():
-                        await out.put(Event(choice.index, piece, []))
-                if finish is None:
-                    still.append((branch, choice))
-                else:
-                    choice.finish_reason = finish
-                    await out.put(Event(choice.index, choice.text.take(final=True), [], finish))
-            active = still
-        for _, choice in active:
-            choice.finish_reason = "length"
-            await out.put(Event(choice.index, choice.text.take(final=True), [], "length"))
-
-    async def _generate_choice(
-        self,
-        branch: Branch,
-        choice: Choice,
-        sampling: Sampling,
-        out: asyncio.Queue[Event | BaseException],
-    ) -> None:
-        room = self.ctx.n_ctx - branch.position
-        limit = min(sampling.max_tokens, room)
-        stream: AsyncIterator[tuple[str, dict[str, Any] | None]] = (
-            _with_logprobs(branch, limit, sampling.top_logprobs)
-            if sampling.logprobs
-            else _plain(branch, limit)
-        )
-        finish = "length"
-        async for text, lp in stream:
-            choice.tokens += 1
-            stopped = choice.text.add(text)
-            if lp is not None:
-                choice.logprobs.append(lp)
-            piece = choice.text.take()
-            if piece or lp is not None:
-                await out.put(Event(choice.index, piece, [lp] if lp else []))
-            if stopped:
-                finish = "stop"
-                break
-        else:
-            if choice.tokens < limit:
-                finish = "stop"  # a stop token
-        rest = choice.text.take(final=True)
-        choice.finish_reason = finish
-        await out.put(Event(choice.index, rest, [], finish))
-
-    async def generate(
+    def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
-    ) -> AsyncGenerator[Event | Outcome, None]:
-        """Events of every choice as they come, then the Outcome. Cancelling the consumer
-        cancels the generation; the leases come back either way. `prompt_param` names the
-        request's prompt field in errors."""
+    ) -> Generation:
+        """A request's generation: iterate it for the events of every choice as they come,
+        then the Outcome; `close()` it when done or gone (see `Generation`). `prompt_param`
+        names the request's prompt field in errors."""
         self.check_room(tokens, prompt_param)
-        async with self.admission.leases(sampling.n):
-            self.prefilling += 1
-            try:
-                branches, cached = await self._choices(tokens, sampling)
-            finally:
-                self.prefilling -= 1
-                if self.prefilling == 0:
-                    self.prefills_done.set()
-            # Requests that arrived together prefill together: a prefill decode packs up to
-            # n_batch tokens of all of them, where a generation step between them would be a
-            # decode of its own. Generation starts once the burst's prefills are done.
-            if self.prefilling:
-                self.prefills_done.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.prefills_done.wait(), PREFILL_BURST_WAIT)
-            choices = [
-                Choice(i, StopStrings([*stop, *sampling.stop])) for i in range(len(branches))
-            ]
-            out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
-            if len(branches) > 1 and not sampling.logprobs:
-                # n choices of one request: one decode per step for all of them.
-                together = self._run_together(branches, choices, sampling, out)
-                tasks = [asyncio.create_task(self._reporting(together, out))]
-            else:
-                tasks = [
-                    asyncio.create_task(
-                        self._reporting(self._generate_choice(b, c, sampling, out), out)
-                    )
-                    for b, c in zip(branches, choices)
-                ]
-            try:
-                done = 0
-                while done < len(choices):
-                    event = await out.get()
-                    if isinstance(event, BaseException):
-                        raise event
-                    done += event.finish_reason is not None
-                    yield event
-                outcome = Outcome(choices, len(tokens), cached)
-                self.metrics.finished(outcome)
-                yield outcome
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                await self._finish(branches)
+        return Generation(self, tokens, sampling, [*stop, *sampling.stop])
+
+    def live_stats(self) -> dict[str, float]:
+        """What `/metrics` reads at each scrape (`metrics.LIVE` names the keys): one account
+        of the context's sequences — held by requests (the cache's live branches), by the
+        prefix cache's entries, free — with the queue and the cache's numbers."""
+        stats, cache = self.ctx.stats(), self.cache.stats()
+        return {
+            "decode_calls": stats["decode_calls"],
+            "leases_in_use": self.admission.leases - self.admission.free,
+            "queue_length": self.admission.waiting,
+            "sequences_max": self.ctx.n_seq_max,
+            "sequences_requests": cache["live"],
+            "sequences_cache": cache["entries"],
+            "sequences_free": self.store.available,
+            "parked_branches": stats["parked_branches"],
+            "prefix_cache_entries": cache["entries"],
+            "prefix_cache_evictions": cache["evictions"],
+        }
+
+    def health(self, stall_seconds: float) -> dict[str, Any]:
+        """`GET /health`: "degraded" when requests wait and none was admitted for
+        `stall_seconds`, "busy" when requests hold every sequence or some wait, else "ok"."""
+        a = self.admission
+        if a.stalled(stall_seconds):
+            status = "degraded"
+        elif a.waiting or a.free == 0:
+            status = "busy"
+        else:
+            status = "ok"
+        return {"status": status, "free_sequences": a.free, "queue": a.waiting}
+
+    def stop_admitting(self) -> None:
+        """Shutting down: later requests get 503 (those admitted or queued go on)."""
+        self.admission.closing = True
 
     # ---- embeddings ----
 
@@ -394,7 +307,227 @@ class Service:
             req.sampling.json_schema = call_schema(req.tools, name)
 
 
-async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
+class Generation:
+    """One request's generation, from admission to its last event: `async for` gives the
+    events of every choice as they come, then the `Outcome`.
+
+    `close()` ends it at once and gives every sequence back (its branches to the prefix cache
+    as entries, its admission), whatever state it is in. It never suspends: the clean-up of a
+    request whose client went away runs in a task being cancelled, where any `await` could be
+    cut short and leak the sequences. Call it in a `finally`; iterating calls it at the end.
+    """
+
+    def __init__(
+        self, service: Service, tokens: list[int], sampling: Sampling, stop: list[str]
+    ) -> None:
+        self.service = service
+        self.tokens = tokens
+        self.sampling = sampling
+        self.stop = stop
+        self.branches: list[Branch] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._admitted = 0
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[Event | Outcome]:
+        return self._events()
+
+    def close(self) -> None:
+        """End the generation now and give every sequence back (idempotent, never suspends)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()  # a step in flight completes or rolls back on the engine thread
+        cache = self.service.cache
+        for branch in reversed(self.branches):
+            with contextlib.suppress(ValueError):  # pruned already: nothing to give back
+                cache.release(branch)
+        self.branches = []
+        if self._admitted:
+            self.service.admission.release(self._admitted)
+            self._admitted = 0
+
+    async def _events(self) -> AsyncIterator[Event | Outcome]:
+        s, sampling = self.service, self.sampling
+        try:
+            await s.admission.acquire(sampling.n)
+            self._admitted = sampling.n
+            cached = await self._choices()
+            await s.burst.wait_for_prefills()
+            choices = [Choice(i, StopStrings(self.stop)) for i in range(len(self.branches))]
+            out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+            if len(self.branches) > 1 and not sampling.logprobs:
+                # n choices of one request: one decode per step for all of them.
+                together = _run_together(s.ctx, self.branches, choices, sampling, out)
+                self._tasks = [asyncio.create_task(_reporting(together, out))]
+            else:
+                self._tasks = [
+                    asyncio.create_task(
+                        _reporting(_generate_choice(s.ctx, b, c, sampling, out), out)
+                    )
+                    for b, c in zip(self.branches, choices)
+                ]
+            done = 0
+            while done < len(choices):
+                event = await out.get()
+                if isinstance(event, BaseException):
+                    raise event
+                done += event.finish_reason is not None
+                yield event
+            outcome = Outcome(choices, len(self.tokens), cached)
+            s.metrics.finished(outcome)
+            yield outcome
+        finally:
+            self.close()
+
+    async def _choices(self) -> int:
+        """One branch per choice (`self.branches`): the first from the prefix cache, the
+        others forked from it (one prefill for all; entries evicted for their sequences).
+        The prompt tokens that came from the cache."""
+        s, sampling = self.service, self.sampling
+        with s.burst.prefilling():
+            try:
+                first = await s.cache.branch(self.tokens, sampling.params(0))
+            except LeaseExhaustedError:
+                raise _no_free_sequence() from None
+            except ValueError as exc:  # raced
+                raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
+        self.branches.append(first)
+        cached = s.cache.shared_tokens(first) or 0
+        if sampling.logit_bias:
+            first.set_logit_bias(sampling.logit_bias)
+        if sampling.json_schema is not None:
+            try:
+                # Compiling a schema can take a while: off the event loop.
+                await asyncio.to_thread(first.set_json_schema, sampling.json_schema)
+            except KvforkError as exc:
+                raise bad_request(
+                    f"the JSON schema is not usable: {exc}", "response_format"
+                ) from None
+        for i in range(1, sampling.n):
+            seed = sampling.params(i).get("seed", int.from_bytes(np.random.bytes(4), "little"))
+            try:
+                self.branches.append(await s.cache.fork(first, seed=seed))
+            except LeaseExhaustedError:
+                raise _no_free_sequence() from None
+        return cached
+
+
+def _no_free_sequence() -> APIError:
+    """Admission counts live requests' sequences, so this is a race lost to another request:
+    try again."""
+    return APIError(503, "no free sequence", type="server_error", headers={"Retry-After": "1"})
+
+
+class PrefillBurst:
+    """Requests that arrive together prefill together: a prefill decode packs up to n_batch
+    tokens of all of them, where a generation step between them would be a decode of its
+    own. A request whose prefill is done waits (at most `PREFILL_BURST_WAIT`) for the
+    prefills of the others before it starts generating."""
+
+    def __init__(self) -> None:
+        self.count = 0  # requests prefilling now
+        self._done = asyncio.Event()
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._done.set()
+
+    async def wait_for_prefills(self) -> None:
+        if self.count:
+            self._done.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), PREFILL_BURST_WAIT)
+
+
+async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseException]) -> None:
+    """Run `work`; the error that ends it goes on `out` for the request's task to raise."""
+    try:
+        await work
+    except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
+        out.put_nowait(exc)
+
+
+async def _run_together(
+    ctx: Context,
+    branches: list[Branch],
+    choices: list[Choice],
+    sampling: Sampling,
+    out: asyncio.Queue[Event | BaseException],
+) -> None:
+    """Every choice advanced by `BranchStore.step`: one decode per step for all."""
+    store = BranchStore(ctx)
+    limit = min(sampling.max_tokens, ctx.n_ctx - branches[0].position)
+    active = list(zip(branches, choices))
+    for _ in range(limit):
+        if not active:
+            break
+        tokens = await store.step([b for b, _ in active])
+        still = []
+        for (branch, choice), tok in zip(active, tokens):
+            finish = None
+            if tok.is_stop:
+                finish = "stop"
+            else:
+                choice.tokens += 1
+                if choice.text.add(tok.text):
+                    finish = "stop"
+                elif piece := choice.text.take():
+                    out.put_nowait(Event(choice.index, piece, []))
+            if finish is None:
+                still.append((branch, choice))
+            else:
+                choice.finish_reason = finish
+                out.put_nowait(Event(choice.index, choice.text.take(final=True), [], finish))
+        active = still
+    for _, choice in active:
+        choice.finish_reason = "length"
+        out.put_nowait(Event(choice.index, choice.text.take(final=True), [], "length"))
+
+
+async def _generate_choice(
+    ctx: Context,
+    branch: Branch,
+    choice: Choice,
+    sampling: Sampling,
+    out: asyncio.Queue[Event | BaseException],
+) -> None:
+    """One choice on its own branch (its tokens' decodes gather with the other requests')."""
+    limit = min(sampling.max_tokens, ctx.n_ctx - branch.position)
+    stream: AsyncGenerator[tuple[str, dict[str, Any] | None], None] = (
+        _with_logprobs(branch, limit, sampling.top_logprobs)
+        if sampling.logprobs
+        else _plain(branch, limit)
+    )
+    finish = "length"
+    async with contextlib.aclosing(stream):
+        async for text, lp in stream:
+            choice.tokens += 1
+            stopped = choice.text.add(text)
+            if lp is not None:
+                choice.logprobs.append(lp)
+            piece = choice.text.take()
+            if piece or lp is not None:
+                out.put_nowait(Event(choice.index, piece, [lp] if lp else []))
+            if stopped:
+                finish = "stop"
+                break
+        else:
+            if choice.tokens < limit:
+                finish = "stop"  # a stop token
+    rest = choice.text.take(final=True)
+    choice.finish_reason = finish
+    out.put_nowait(Event(choice.index, rest, [], finish))
+
+
+async def _plain(branch: Branch, limit: int) -> AsyncGenerator[tuple[str, None], None]:
     """The branch's tokens. The first goes out as soon as it is drawn from the prompt's
     logits, before its own decode: the time to first token is the prefill's alone."""
     if limit < 1:
@@ -405,7 +538,11 @@ async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
     # Queued before the chunk goes out: streaming it first would delay this commit past the
     # window in which the engine gathers the other choices' first commits into one decode.
     committed = branch.commit(first)
-    yield first.text, None
+    try:
+        yield first.text, None
+    except BaseException:
+        committed.close()  # closed early: the generation is over, the commit not awaited
+        raise
     await committed
     if limit > 1:
         async for tok in branch.generate(max_tokens=limit - 1):
@@ -414,7 +551,7 @@ async def _plain(branch: Branch, limit: int) -> AsyncIterator[tuple[str, None]]:
 
 async def _with_logprobs(
     branch: Branch, limit: int, top: int
-) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
     """Tokens with the logprob of each and the `top` best alternatives (before sampling);
     each goes out before its own decode, as in `_plain`."""
     ctx = branch.context
@@ -432,5 +569,9 @@ async def _with_logprobs(
             ],
         }
         committed = branch.commit(tok)  # queued first: see `_plain`
-        yield tok.text, entry
+        try:
+            yield tok.text, entry
+        except BaseException:
+            committed.close()  # as in `_plain`
+            raise
         await committed
