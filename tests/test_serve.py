@@ -644,3 +644,22 @@ def test_a_small_request_beside_a_huge_one_answers_in_its_usual_time(
     heavy.join(timeout=120)
     assert outcome == [400]  # longer than the context
     assert beside < alone + 2.0, (alone, beside)
+
+
+def test_sigterm_with_a_stream_in_flight_ends_it_and_exits_cleanly(serve: Any) -> None:
+    server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "2", "--shutdown-seconds", "1")
+    stream = server.client().chat.completions.create(
+        model="x", messages=STORY, max_tokens=3000, temperature=0.8, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)
+    start = time.monotonic()
+    server.process.terminate()
+    # The stream ends, cut at the end of the grace period (the client's error, whatever its
+    # HTTP library calls an incomplete body, is not what this test checks).
+    with contextlib.suppress(Exception):
+        for _ in chunks:
+            assert time.monotonic() - start < 30
+    assert server.process.wait(timeout=30) == 0
+    assert time.monotonic() - start < 15  # the grace period (1 s) and the close, not 3,000 tokens
+    assert "shutting down" in server.stop()

@@ -319,3 +319,8 @@ def test_a_client_that_disconnects_gives_the_actors_lease_back(cluster: Server) 
     while cluster.metric("kvfork_leases_in_use") != 0:
         assert time.monotonic() < deadline, "the lease did not come back"
         time.sleep(0.1)
+
+
+def test_health_sums_the_actors(cluster: Server) -> None:
+    status, state = cluster.get("/health")
+    assert status == 200 and state == {"status": "ok", "free_sequences": 16, "queue": 0}

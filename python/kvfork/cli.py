@@ -400,7 +400,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             graceful_seconds=args.shutdown_seconds,
-            stop_admitting=service.stop_admitting,
+            stop_admitting=backend.stop_admitting,
+            end_all=backend.end_all,
         )
         if cluster is None and (held := service.live_stats()["sequences_requests"]):
             log.warning("%d sequences still held by requests at shutdown", held)

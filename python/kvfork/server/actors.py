@@ -121,7 +121,8 @@ class ServeActor:
     async def snapshot(self) -> dict[str, float]:
         """The actor's numbers for the front's ``/metrics``."""
         s = await self._service()
-        return {"pid": os.getpid(), **s.live_stats(), **self._tally}
+        admitted_ago = time.monotonic() - s.admission.last_admitted
+        return {"pid": os.getpid(), **s.live_stats(), **self._tally, "admitted_ago": admitted_ago}
 
 
 async def _coalesced(source: AsyncIterable[Any], interval: float) -> AsyncIterator[list[Any]]:

@@ -224,7 +224,7 @@ class Endpoints:
         """`{"status": "ok" | "busy" | "degraded", "free_sequences", "queue"}`: busy when
         every sequence is taken by requests or some wait; degraded (503) when requests wait
         and none was admitted for `--stall-seconds`."""
-        state = self.service.health(self.stall_seconds)
+        state = await self.service.health(self.stall_seconds)
         return JSONResponse(state, status_code=503 if state["status"] == "degraded" else 200)
 
     async def metrics_endpoint(self, request: Request) -> Response:

@@ -45,9 +45,15 @@ class Backend(Protocol):
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> Events: ...
 
-    def health(self, stall_seconds: float) -> dict[str, Any]:
+    async def health(self, stall_seconds: float) -> dict[str, Any]:
         """`GET /health`'s body (see `Endpoints.health`)."""
         ...
+
+    def stop_admitting(self) -> None:
+        """A shutdown starts: later requests get 503."""
+
+    def end_all(self) -> None:
+        """A shutdown's grace is over: generations still under way end with a 503."""
 
     async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]: ...
 

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from .._native import Context
 from .actors import ActorSet, Failure
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .metrics import LIVE, Metrics
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 from .router import Policy, Router
@@ -53,6 +53,9 @@ class ClusterService:
         self.n_seq_max = n_seq_max
         self.metrics = metrics
         self.retries = 0  # requests moved to another actor after theirs died
+        self.generations: set[RemoteGeneration] = set()
+        #: Set when the server shuts down: the error every later request gets.
+        self.closed: APIError | None = None
         self.snapshots: list[dict[str, float] | None] = []
         metrics.registry.register(_ActorsLive(self))
 
@@ -92,17 +95,31 @@ class ClusterService:
         """The routed actor's events, then the Outcome (see `RemoteGeneration`)."""
         return RemoteGeneration(self, tokens, sampling, stop, prompt_param)
 
-    def health(self, stall_seconds: float) -> dict[str, Any]:
-        """`GET /health` as the front knows it: its actors admit their own requests, so it
-        is "ok" unless every actor is known dead (then "degraded")."""
+    async def health(self, stall_seconds: float) -> dict[str, Any]:
+        """`GET /health` over the actors, asked now: "degraded" when none answers or one has
+        requests waiting with none admitted for `stall_seconds`, "busy" when one has requests
+        waiting or every sequence taken, else "ok"; the free sequences and the queue summed."""
+        self.snapshots = await self.actors.snapshots(timeout=2.0)
         up = [row for row in self.snapshots if row is not None]
-        status = "degraded" if self.snapshots and not up else "ok"
         free = sum(row["sequences_max"] - row["leases_in_use"] for row in up)
-        return {
-            "status": status,
-            "free_sequences": int(free),
-            "queue": int(sum(row["queue_length"] for row in up)),
-        }
+        queue = sum(row["queue_length"] for row in up)
+        stalled = any(r["queue_length"] and r["admitted_ago"] > stall_seconds for r in up)
+        if not up or stalled:
+            status = "degraded"
+        elif queue or not free:
+            status = "busy"
+        else:
+            status = "ok"
+        return {"status": status, "free_sequences": int(free), "queue": int(queue)}
+
+    def stop_admitting(self) -> None:
+        """Shutting down: new requests get 503; those under way go on."""
+        self.closed = shutting_down()
+
+    def end_all(self) -> None:
+        """The shutdown's grace is over: generations still under way end with a 503."""
+        for generation in list(self.generations):
+            generation.end(shutting_down())
 
     def shutdown(self) -> None:
         """Kill the actors."""
@@ -127,12 +144,22 @@ class RemoteGeneration:
         self._index: int | None = None
         self._stream: Any = None
         self._ended = False
+        self._error: APIError | None = None  # `end`'s
+        cluster.generations.add(self)
 
     def __aiter__(self) -> AsyncIterator[Event | Outcome]:
         return self._events()
 
+    def end(self, error: APIError) -> None:
+        """End it from outside (a shutdown): the actor's work is cancelled, and the iteration
+        raises `error`."""
+        self._error = error
+        if self._stream is not None and not self._ended:
+            ray.cancel(self._stream)
+
     def close(self) -> None:
         """Let go of the actor now (idempotent, never suspends)."""
+        self.cluster.generations.discard(self)
         if self._index is None:
             return
         self.cluster.router.done(self._index)
@@ -143,6 +170,8 @@ class RemoteGeneration:
     async def _events(self) -> AsyncIterator[Event | Outcome]:
         c, tokens = self.cluster, self.args[0]
         tried: list[int] = []
+        if c.closed is not None:
+            raise c.closed
         try:
             while True:
                 index = c.router.pick(tokens, exclude=tried).actor
@@ -163,6 +192,11 @@ class RemoteGeneration:
                                 c.metrics.finished(event)
                             yield event
                     return
+                except ray.exceptions.TaskCancelledError:
+                    if self._error is None:
+                        raise
+                    self._ended = True
+                    raise self._error from None
                 except ray.exceptions.RayActorError as exc:
                     self._ended = True
                     if c.actors.replace(index, handle):

@@ -42,3 +42,14 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 naming the field at fault."""
     return APIError(400, message, param=param, code=code)
+
+
+def shutting_down() -> APIError:
+    """The 503 of a request that the server's shutdown refuses or ends."""
+    return APIError(
+        503,
+        "the server is shutting down",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )

@@ -1,9 +1,9 @@
 """Running the server process: uvicorn on the app, and a shutdown that ends in order.
 
-SIGTERM or Ctrl-C stops admitting (new requests get 503, new connections are refused), lets
-the requests in flight finish for at most `graceful_seconds`, then cancels the rest; every
-generation gives its sequences back as it ends (`Generation.close`), and the process exits
-with status 0. uvicorn's own handling would re-raise the signal after its shutdown (exit status
+SIGTERM or Ctrl-C stops admitting (new and queued requests get 503, new connections are
+refused), lets the requests in flight finish for at most `graceful_seconds`, then ends the
+rest with a 503 (a stream with an error event); every generation gives its sequences back as
+it ends (`Generation.close`), and the process exits with status 0. uvicorn's own handling would re-raise the signal after its shutdown (exit status
 -15); here a signal is a request to shut down, not a failure.
 """
 
@@ -24,6 +24,9 @@ log = logging.getLogger("kvfork.server")
 
 #: The default bound on a graceful shutdown (`kvfork serve --shutdown-seconds`).
 DEFAULT_SHUTDOWN_SECONDS = 10.0
+#: How long before uvicorn's deadline the requests still in flight are ended: time for their
+#: responses to finish (an error event, the end of the stream).
+END_BEFORE_DEADLINE = 0.5
 
 
 class _Server(uvicorn.Server):
@@ -65,8 +68,11 @@ async def run(
     log_level: str,
     graceful_seconds: float = DEFAULT_SHUTDOWN_SECONDS,
     stop_admitting: Callable[[], None] = lambda: None,
+    end_all: Callable[[], None] = lambda: None,
 ) -> None:
-    """Serve `app` until a signal; `stop_admitting` is called when the shutdown starts."""
+    """Serve `app` until a signal. When the shutdown starts `stop_admitting` is called, and
+    `end_all` once the requests in flight have had `graceful_seconds` (a little before
+    uvicorn's own deadline, so that they end in order rather than by cancellation)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -75,7 +81,13 @@ async def run(
         access_log=False,
         timeout_graceful_shutdown=math.ceil(graceful_seconds),
     )
-    server = _Server(config, stop_admitting)
+
+    def shutting_down() -> None:
+        stop_admitting()
+        grace = max(0.0, graceful_seconds - END_BEFORE_DEADLINE)
+        asyncio.get_running_loop().call_later(grace, end_all)
+
+    server = _Server(config, shutting_down)
     await server.serve()
     # Requests cancelled at the end of the grace period give their sequences back as their
     # tasks end: let them run before the context closes.

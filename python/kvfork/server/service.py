@@ -25,7 +25,7 @@ from .._native import (
 )
 from .._stops import StopStrings
 from .._tools import call_schema, parse_tool_calls, template_renders_tools, with_tool_prompt
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, shutting_down
 from .metrics import Metrics
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 
@@ -46,8 +46,8 @@ class Admission:
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
         #: When a request was last admitted (`stalled` compares it with the clock).
         self.last_admitted = time.monotonic()
-        #: The server is shutting down: no new request is admitted.
-        self.closing = False
+        #: Set when the server shuts down: the error every later request gets.
+        self.closed: APIError | None = None
 
     @property
     def waiting(self) -> int:
@@ -60,14 +60,8 @@ class Admission:
 
     async def acquire(self, n: int) -> None:
         """Take `n` sequences, waiting in the queue for them; a cancelled wait takes none."""
-        if self.closing:
-            raise APIError(
-                503,
-                "the server is shutting down",
-                type="server_error",
-                code="shutting_down",
-                headers={"Retry-After": "1"},
-            )
+        if self.closed is not None:
+            raise self.closed
         if not self._queue and self.free >= n:
             self._take(n)
             return
@@ -85,13 +79,21 @@ class Admission:
         try:
             await admitted
         except BaseException:
-            if admitted.done() and not admitted.cancelled():
+            if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
                 self.release(n)  # admitted while being cancelled: the sequences go back
             else:
                 with contextlib.suppress(ValueError):  # not popped by `_admit_waiting`
                     self._queue.remove(entry)
                 self._admit_waiting()  # the head may have been this request
             raise
+
+    def close(self, error: APIError) -> None:
+        """Admit no one any more: later requests and those waiting get `error`."""
+        self.closed = error
+        while self._queue:
+            _, admitted = self._queue.popleft()
+            if not admitted.done():
+                admitted.set_exception(error)
 
     def release(self, n: int) -> None:
         """Give `n` sequences back and admit who waits for them."""
@@ -178,6 +180,8 @@ class Service:
         self.metrics.watch(self.live_stats)
         self.created = int(time.time())
         self.burst = PrefillBurst()
+        #: Generations under way (a shutdown ends those still running when its grace ends).
+        self.generations: set[Generation] = set()
 
     @property
     def max_choices(self) -> int:
@@ -249,7 +253,7 @@ class Service:
             "prefix_cache_evictions": cache["evictions"],
         }
 
-    def health(self, stall_seconds: float) -> dict[str, Any]:
+    async def health(self, stall_seconds: float) -> dict[str, Any]:
         """`GET /health`: "degraded" when requests wait and none was admitted for
         `stall_seconds`, "busy" when requests hold every sequence or some wait, else "ok"."""
         a = self.admission
@@ -262,8 +266,14 @@ class Service:
         return {"status": status, "free_sequences": a.free, "queue": a.waiting}
 
     def stop_admitting(self) -> None:
-        """Shutting down: later requests get 503 (those admitted or queued go on)."""
-        self.admission.closing = True
+        """Shutting down: new requests and those in the queue get 503; those admitted go on."""
+        self.admission.close(shutting_down())
+
+    def end_all(self) -> None:
+        """The shutdown's grace is over: every generation still under way ends with a 503
+        (a stream with an error event), and gives its sequences back."""
+        for generation in list(self.generations):
+            generation.end(shutting_down())
 
     # ---- embeddings ----
 
@@ -315,6 +325,9 @@ class Generation:
     as entries, its admission), whatever state it is in. It never suspends: the clean-up of a
     request whose client went away runs in a task being cancelled, where any `await` could be
     cut short and leak the sequences. Call it in a `finally`; iterating calls it at the end.
+
+    `end(error)` ends it from outside (a shutdown): the iteration raises `error` at its next
+    step, so a stream ends with an error event instead of being cut.
     """
 
     def __init__(
@@ -328,15 +341,28 @@ class Generation:
         self._tasks: list[asyncio.Task[None]] = []
         self._admitted = 0
         self._closed = False
+        self._ended: APIError | None = None
+        self._out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        service.generations.add(self)
 
     def __aiter__(self) -> AsyncIterator[Event | Outcome]:
         return self._events()
+
+    def end(self, error: APIError) -> None:
+        """Make the iteration raise `error` at its next step (after a prefill in progress)."""
+        self._ended = error
+        self._out.put_nowait(error)
+
+    def _check_ended(self) -> None:
+        if self._ended is not None:
+            raise self._ended
 
     def close(self) -> None:
         """End the generation now and give every sequence back (idempotent, never suspends)."""
         if self._closed:
             return
         self._closed = True
+        self.service.generations.discard(self)
         for task in self._tasks:
             task.cancel()  # a step in flight completes or rolls back on the engine thread
         cache = self.service.cache
@@ -351,12 +377,15 @@ class Generation:
     async def _events(self) -> AsyncIterator[Event | Outcome]:
         s, sampling = self.service, self.sampling
         try:
+            self._check_ended()
             await s.admission.acquire(sampling.n)
             self._admitted = sampling.n
             cached = await self._choices()
+            self._check_ended()
             await s.burst.wait_for_prefills()
+            self._check_ended()
             choices = [Choice(i, StopStrings(self.stop)) for i in range(len(self.branches))]
-            out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+            out = self._out
             if len(self.branches) > 1 and not sampling.logprobs:
                 # n choices of one request: one decode per step for all of them.
                 together = _run_together(s.ctx, self.branches, choices, sampling, out)
