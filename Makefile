@@ -55,19 +55,20 @@ asan: setup
 lint:
 	cargo fmt --all -- --check
 	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
-	$(PY) scripts/check_cycles.py crates/kvfork/src
+	$(PY) scripts/check_cycles.py crates/kvfork-core/src crates/kvfork/src crates/kvfork-python/src python/kvfork
 	$(PY) -m ruff check python tests benchmarks examples scripts
 	$(PY) -m ruff format --check python tests benchmarks examples scripts
 	$(PY) -m mypy --strict python/kvfork examples tests scripts
 	$(PY) -m mypy.stubtest kvfork._native --allowlist stubtest-allowlist.txt
 	$(PY) scripts/stub_docs.py --check
+	$(PY) scripts/api_docs.py --check
 
 fmt:
 	cargo fmt --all
 	$(PY) -m ruff format python tests benchmarks examples scripts
 
-# The documentation site (mkdocs, after `make setup`): the API reference comes from the
-# docstrings of the installed package.
+# The documentation site (mkdocs, after `make setup`): the pages of docs/, plain Markdown
+# (the API reference, docs/api.md, is generated from the sources by scripts/api_docs.py).
 docs:
 	$(PY) -m mkdocs build --strict -d site
 

@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Fail when the modules of a Rust crate import each other in a cycle.
+"""Fail when the modules of a Rust crate, or of a Python package, import each other in a cycle.
 
-Usage: scripts/check_cycles.py crates/kvfork/src [more src dirs]
+Usage: scripts/check_cycles.py crates/kvfork/src python/kvfork [more crates' src/ or packages]
 
-Every `.rs` file under `src/` is a module (`lib.rs` the root, `x/mod.rs` the module `x`).
-Its dependencies are the paths it names from inside the crate: `use crate::...`,
+Rust: every `.rs` file under `src/` is a module (`lib.rs` the root, `x/mod.rs` the module
+`x`). Its dependencies are the paths it names from inside the crate: `use crate::...`,
 `use super::...`, `use child::...` (a module declared beside it) and qualified paths such as
 `crate::x::f()` in code. A path counts as a dependency on the deepest module it names.
+
+Python: every `.py` file of the package is a module (`__init__.py` its folder's). Its
+dependencies are its imports of the package's own modules, absolute (`kvfork.server.app`)
+or relative (`from .app import x`, `from .. import x`), wherever they are: at the top, in a
+function (a lazy import), or under `if TYPE_CHECKING:`. The rule for the last two: they
+count. A lazy import still makes two modules that need each other, and a type-only import
+still makes two modules that cannot be read (or moved) apart; the cure is the same, a third
+module both import.
 
 The check is levelled, as a module tree reads: an import between two modules counts as an
 arrow between their ancestors that are siblings (`engine/commit.rs` importing `branch.rs`
@@ -20,6 +28,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 import sys
@@ -208,6 +217,62 @@ class Crate:
         return [(t[: len(here)] if t[: len(here)] == here else t, e) for t, e in found]
 
 
+class Package:
+    """A Python package: its modules and their imports of each other."""
+
+    def __init__(self, root: Path) -> None:
+        self.src = root
+        self.name = root.name
+        self.files = sorted(root.rglob("*.py"))
+        self.modules: dict[Module, Path] = {self.module_of(f): f for f in self.files}
+
+    def module_of(self, file: Path) -> Module:
+        parts = list(file.relative_to(self.src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        return tuple(parts)
+
+    def deepest(self, parts: list[str]) -> Module:
+        found: Module = ()
+        for part in parts:
+            if (*found, part) in self.modules:
+                found = (*found, part)
+            else:
+                break
+        return found
+
+    def imports(self, file: Path) -> list[tuple[Module, Evidence]]:
+        """The package's modules `file` imports (the deepest module each import names)."""
+        here = self.module_of(file)
+        package = here if file.name == "__init__.py" else here[:-1]
+        found: list[tuple[Module, Evidence]] = []
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            targets: list[list[str]] = []
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == self.name:
+                        targets.append(parts[1:])
+            else:
+                module = node.module.split(".") if node.module else []
+                if node.level:  # relative: from the package `level - 1` folders up
+                    up = node.level - 1
+                    if up > len(package):
+                        continue
+                    base = [*package[: len(package) - up], *module]
+                elif module and module[0] == self.name:
+                    base = module[1:]
+                else:
+                    continue  # another package
+                # `from x import y`: y is a module of x, or a name defined in x.
+                targets += [[*base, alias.name] for alias in node.names]
+            for target in targets:
+                found.append((self.deepest(target), (file, node.lineno, ".".join(target))))
+        return found
+
+
 def common_prefix(a: Module, b: Module) -> Module:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -244,12 +309,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def check(src: Path) -> list[str]:
-    crate = Crate(src)
+    crate: Crate | Package = Package(src) if (src / "__init__.py").exists() else Crate(src)
     # parent module -> child name -> child names it imports, with the evidence of each arrow
     graphs: dict[Module, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     why: dict[tuple[Module, str, str], list[Evidence]] = defaultdict(list)
     for file in crate.files:
-        here = module_of(src, file)
+        here = crate.module_of(file) if isinstance(crate, Package) else module_of(src, file)
         for target, evidence in crate.imports(file):
             top = common_prefix(here, target)
             if top in (here, target):
@@ -262,7 +327,11 @@ def check(src: Path) -> list[str]:
         graph = graphs[parent]
         # Report every cycle: remove one arrow of each found, look again.
         while (cycle := find_cycle(graph)) is not None:
-            where = "::".join(("crate", *parent))
+            where = (
+                ".".join((crate.name, *parent))
+                if isinstance(crate, Package)
+                else "::".join(("crate", *parent))
+            )
             lines = [f"import cycle among the modules of {where}: " + " -> ".join(cycle)]
             for a, b in itertools.pairwise(cycle):
                 for file, line, path in why[(parent, a, b)][:3]:
@@ -279,8 +348,13 @@ def main(argv: list[str]) -> int:
     problems = []
     for arg in argv:
         src = Path(arg)
-        if not (src / "lib.rs").exists() and not (src / "main.rs").exists():
-            print(f"{src}: no lib.rs or main.rs (give a crate's src/ folder)", file=sys.stderr)
+        rust = (src / "lib.rs").exists() or (src / "main.rs").exists()
+        if not rust and not (src / "__init__.py").exists():
+            print(
+                f"{src}: no lib.rs, main.rs or __init__.py (give a crate's src/ folder or a "
+                "Python package)",
+                file=sys.stderr,
+            )
             return 2
         problems += check(src)
     for p in problems:

@@ -31,7 +31,12 @@ def test_embed_and_save(tmp_path: Path) -> None:
 
 
 def test_best_of_n() -> None:
-    asyncio.run(example("best_of_n").main(3, 8))
+    ranked, decodes = asyncio.run(example("best_of_n").best_of_n(3, 8))
+    assert len(ranked) == 3
+    ppls = [ppl for ppl, _ in ranked]
+    assert ppls == sorted(ppls) and all(math.isfinite(p) and p >= 1.0 for p in ppls)
+    assert all(text for _, text in ranked) and len({text for _, text in ranked}) > 1  # reseeded
+    assert decodes <= 1 + 8  # one prefill, then one decode per step for all three
 
 
 def test_concurrent_requests() -> None:

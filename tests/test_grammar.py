@@ -99,7 +99,7 @@ def test_a_blank_grammar_removes_the_constraint(ctx: kvfork.Context, blank: str)
     b = root(ctx)
     b.set_grammar('root ::= "zzz"')
     assert b.produce_sync().token != expected  # constrained
-    b.set_grammar(blank)  # as the reference's setGrammar(""): no constraint
+    b.set_grammar(blank)  # as lloyal.node's setGrammar(""): no constraint
     assert b.produce_sync().token == expected
     b.commit_sync(expected)
     created = kvfork.Branch.create(ctx, 0, GREEDY, grammar=blank)

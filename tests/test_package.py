@@ -4,7 +4,9 @@ a user's first manual)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import kvfork
 
@@ -31,17 +33,27 @@ def test_system_info_names_the_cpu_code_in_use_and_why() -> None:
         assert info["cpu_features"], info
 
 
-def test_exception_hierarchy() -> None:
-    assert issubclass(kvfork.KvCacheFullError, kvfork.DecodeError)
-    for e in (
-        kvfork.ModelLoadError,
-        kvfork.DecodeError,
-        kvfork.LeaseExhaustedError,
-        kvfork.BranchDisposedError,
-        kvfork.GrammarError,
-        kvfork.ChatTemplateError,
-    ):
-        assert issubclass(e, kvfork.KvforkError)
+def test_exception_hierarchy_is_the_stub_s_and_every_error_is_a_kvfork_error() -> None:
+    # The hierarchy the stub declares (what editors and mypy see) is the one at run time, and
+    # every exception kvfork exports derives from KvforkError (its warning from UserWarning).
+    stub = ast.parse((Path(kvfork.__file__).parent / "_native.pyi").read_text())
+    declared = {
+        node.name: [ast.unparse(base) for base in node.bases]
+        for node in stub.body
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(b).endswith(("Error", "Exception", "Warning")) for b in node.bases)
+    }
+    assert "KvforkError" in declared and "KvCacheFullError" in declared
+    for name, bases in declared.items():
+        assert [b.__name__ for b in getattr(kvfork._native, name).__bases__] == bases, name
+    exported = [
+        obj
+        for name in kvfork.__all__
+        if isinstance(obj := getattr(kvfork, name), type) and issubclass(obj, BaseException)
+    ]
+    assert {e.__name__ for e in exported} <= set(declared)
+    for e in exported:
+        assert issubclass(e, kvfork.KvforkError) or issubclass(e, UserWarning), e
 
 
 def _undocumented() -> list[str]:

@@ -1,4 +1,4 @@
-"""The raw context layer (the reference library's low level): the reference's README example
+"""The raw context layer (lloyal.node's low level): lloyal.node's README example
 and 1.0.7's best-of-N example ported line by line, giving the tokens kvfork's own idiom gives;
 `ctx.decode`, `Branch.create` over a sequence's cells, `fork(seq_id=)`, `capture_logits`,
 `decode_and_capture_one`, `destroy`, and the context-level metrics of the last output, with
@@ -35,7 +35,7 @@ def six(model: kvfork.Model) -> Iterator[kvfork.Context]:
 
 
 async def readme_ported(ctx: kvfork.Context) -> tuple[list[list[int]], int, int]:
-    """The reference README's first example, line by line (async calls awaited)."""
+    """lloyal.node's README's first example, line by line (async calls awaited)."""
     store = kvfork.BranchStore(ctx)
 
     prompt = ctx.tokenize(QUESTION)
@@ -177,7 +177,7 @@ async def test_the_best_of_n_example_ported_gives_the_idiom_s_tokens(model: kvfo
     # throughout; every one agrees for its first half at least.
     whole = 0
     for p, i in zip(ported, idiom, strict=True):
-        # The idiom's stream ends at a stop token; the reference loop draws again instead.
+        # The idiom's stream ends at a stop token; lloyal.node's loop draws again instead.
         agree = next((k for k, (a, b) in enumerate(zip(p, i)) if a != b), min(len(p), len(i)))
         assert agree >= min(len(i), BEST_OF_N_STEPS // 2), (agree, p, i)
         if agree == len(i):
@@ -349,7 +349,7 @@ def test_decode_and_capture_one_decodes_without_accepting(six: kvfork.Context) -
     assert low.perplexity == float("inf")  # not accepted
     split = kvfork.Branch.create(six, 0, GREEDY)
     split.prefill_sync(prompt)
-    split.accept(t)  # the reference's commit: accept, then decodeAndCaptureOne
+    split.accept(t)  # lloyal.node's commit: accept, then decodeAndCaptureOne
     split.decode_and_capture_one_sync(t)
     assert split.perplexity == committed.perplexity
     with pytest.raises(ValueError, match="token"):

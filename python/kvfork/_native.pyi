@@ -449,7 +449,7 @@ class Context:
     def kv_clear(self) -> None:
         """Empty the whole KV cache. Bypasses branch tenancy. Returns without waiting."""
     def decode(self, tokens: _Tokens, position: int, seq_id: int) -> Operation[None]:
-        """Raw decode (the reference's `ctx.decode(tokens, position, seqId)`): `tokens` into
+        """Raw decode (lloyal.node's `ctx.decode(tokens, position, seqId)`): `tokens` into
         sequence `seq_id` from `position`, in ceil(n / n_batch) decodes, keeping the last
         token's logits as the sequence's output (`Branch.create(ctx, position, params,
         seq_id=...)` then `capture_logits()` takes both over). `position` must follow the
@@ -841,7 +841,7 @@ class Branch:
 
         Without `seed` the child samples exactly like its parent until reseeded: forks made
         for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
-        is free. `seq_id` (the reference's `fork(newSeqId)`) puts the child on that very
+        is free. `seq_id` (lloyal.node's `fork(newSeqId)`) puts the child on that very
         sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
         """
     def fork_sync(self, *, seed: int | None = None, seq_id: int | None = None) -> Branch:
@@ -886,7 +886,7 @@ class Branch:
         """
     def capture_logits(self) -> None:
         """The context's last output for this branch's sequence becomes its logits snapshot
-        (the reference's `captureLogits()`): the logits a `ctx.decode` into the sequence left
+        (lloyal.node's `captureLogits()`): the logits a `ctx.decode` into the sequence left
         before this branch took it over. A branch that decoded since already holds that
         output (nothing changes). KvforkError when the sequence has no output at all.
         """
@@ -900,7 +900,7 @@ class Branch:
     def decode_and_capture_one_sync(self, token: int | Token) -> None:
         """Blocking twin of `decode_and_capture_one`: returns None once the token is decoded. Waits without the GIL; Ctrl-C aborts and rolls it back, then raises KeyboardInterrupt."""
     def destroy(self) -> None:
-        """Release the handle and the KV lease but keep the cells (the reference's `destroy()`:
+        """Release the handle and the KV lease but keep the cells (lloyal.node's `destroy()`:
         carry on with `ctx.decode` on `seq_id`, or take the cells over again with
         `Branch.create(ctx, position, params, seq_id=...)`). RESTRICT like `prune`:
         KvforkError while it has live children. `disposed` is True at once; a second call is

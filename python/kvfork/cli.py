@@ -332,7 +332,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible server; concurrent requests share prefixes and decodes. With
     ``--ray``, each request runs on one of ``--actors`` Ray actors, routed by prefix."""
     try:
-        from .server import Service, create_app
+        from .server import Generator, Prompts, Service, create_app
         from .server.backend import Backend
         from .server.metrics import Metrics
         from .server.process import run
@@ -361,19 +361,16 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         embed_ctx = await open_context(
             path, n_ctx=4096, n_seq_max=8, embeddings=True, pooling="mean"
         )
+    prompts = Prompts(ctx, chat_template=_chat_template(args.chat_template), embed_ctx=embed_ctx)
     metrics = Metrics()
-    service = Service(
-        ctx,
-        model_id=path.stem,
-        max_queue=args.max_queue,
-        chat_template=_chat_template(args.chat_template),
-        embed_ctx=embed_ctx,
-        metrics=metrics if args.ray is None else Metrics(),
-    )
-    backend: Backend = service
-    where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
-    if args.ray is not None:
-        cluster = await _open_cluster(args, path, service, metrics)
+    backend: Backend
+    if args.ray is None:
+        generator = Generator(ctx, max_queue=args.max_queue)
+        backend = Service(prompts, generator, model_id=path.stem, metrics=metrics)
+        where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
+    else:
+        generator = None
+        cluster = await _open_cluster(args, path, prompts, metrics)
         backend = cluster
         where = (
             f"{args.actors} Ray actors routed by {args.route}, each n_ctx {args.n_ctx}, "
@@ -403,7 +400,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             stop_admitting=backend.stop_admitting,
             end_all=backend.end_all,
         )
-        if cluster is None and (held := service.live_stats()["sequences_requests"]):
+        if generator is not None and (held := generator.live_stats()["sequences_requests"]):
             log.warning("%d sequences still held by requests at shutdown", held)
     finally:
         if cluster is not None:
@@ -414,8 +411,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _open_cluster(args: argparse.Namespace, path: Path, front: Any, metrics: Any) -> Any:
-    """`kvfork serve --ray`: join (or start) the cluster, load the actors."""
+async def _open_cluster(args: argparse.Namespace, path: Path, prompts: Any, metrics: Any) -> Any:
+    """`kvfork serve --ray`: join (or start) the cluster, load the actors; requests' inputs
+    from `prompts` (on this process's own small context)."""
     try:
         from .server.cluster import connect, open_cluster
     except ImportError as exc:
@@ -427,13 +425,14 @@ async def _open_cluster(args: argparse.Namespace, path: Path, front: Any, metric
     with Progress(f"starting {args.actors} actors on {path.name}"):
         return await open_cluster(
             str(path),
-            front,
+            prompts,
             actors=args.actors,
             threads=args.threads,
             route=args.route,
             n_ctx=args.n_ctx,
             n_seq_max=args.n_seq_max,
             max_queue=args.max_queue,
+            model_id=path.stem,
             metrics=metrics,
         )
 

@@ -6,6 +6,7 @@
 pub mod arena;
 pub mod bias;
 pub mod error;
+pub mod gather;
 pub mod gbnf;
 pub mod handle;
 pub mod json;
@@ -14,9 +15,9 @@ pub mod metrics;
 pub mod output_tile;
 pub mod packer;
 pub mod park;
-pub mod persist;
 pub mod prefix_trie;
 pub mod speculation;
+pub mod state_file;
 pub mod text;
 pub mod threads;
 pub mod tree;

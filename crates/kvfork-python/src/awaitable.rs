@@ -3,7 +3,7 @@
 //! `Operation` is awaited by asyncio without a trip through `asyncio.Future` wrappers or a
 //! helper thread: it yields a loop future, and the engine's reply reaches the loop through
 //! its `Delivery` (see `delivery.rs`), which resolves the future on the loop thread. It keeps
-//! the spec's cancellation rule — when a cancelled `await` hands control back, the operation
+//! kvfork's cancellation rule (`docs/concepts.md`, "Cancellation") — when a cancelled `await` hands control back, the operation
 //! has fully happened or not at all: a job still queued is dropped (nothing happened); a
 //! running prefill is aborted and rolled back; any other running job is waited for
 //! (everything happened) before `CancelledError` is raised.

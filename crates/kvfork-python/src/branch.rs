@@ -10,31 +10,19 @@ use pyo3::IntoPyObjectExt;
 
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
 use crate::awaitable::Call;
-use crate::context::{token_id, PyContext};
-use crate::convert::{self, awaitable, wait, Arg, Int};
+use crate::convert::token_id;
+use crate::convert::{self, awaitable, draft_tokens, wait, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
+use crate::handles::{wrap, PyBranch, PyContext};
 use crate::params;
 use crate::token::PyToken;
 use crate::twins::twins;
-
-/// One decode sequence on its own KV lease, with its own sampler chain, grammar, logit bias,
-/// steer, logits snapshot and perplexity trackers; forks share their parent's KV prefix.
-/// Made by `Branch.create(ctx, ...)` or `fork()`; it holds its lease until `prune()`, and any
-/// use after that raises BranchDisposedError.
-#[pyclass(frozen, module = "kvfork", name = "Branch")]
-pub struct PyBranch {
-    pub inner: kvfork::Branch,
-}
 
 pub(crate) fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
     kvfork::LogBase::from_name(base).ok_or_else(|| {
         PyValueError::new_err(format!("base must be 'nats' or 'bits', not {base:?}"))
     })
-}
-
-pub(crate) fn wrap(b: kvfork::Branch) -> PyBranch {
-    PyBranch { inner: b }
 }
 
 /// A token argument: an int id or a `Token`.
@@ -126,7 +114,7 @@ impl PyBranch {
         Ok(wrap(created.branch))
     }
 
-    // ---- decoding ----
+    // ---- sampling and accepting by hand ----
 
     /// Sample a token id (low level: no state change but the sampler RNG).
     fn sample(&self, py: Python<'_>) -> PyResult<i32> {
@@ -203,9 +191,7 @@ impl PyBranch {
         PyGenerator::new(self.inner.clone(), None, kvfork::OnContextFull::Stop)
     }
 
-    // ---- tree ----
-
-    // ---- persistence and infinite context ----
+    // ---- loading a saved branch ----
 
     /// A new root branch on a fresh lease of `ctx` (any context of the same model), restored
     /// from a file `save` wrote; it continues exactly as the saved branch would have.
@@ -236,6 +222,8 @@ impl PyBranch {
             kvfork::Branch::load(&ctx.0.get().inner, path.0),
         )?))
     }
+
+    // ---- tree and state ----
 
     /// The Branch this one was forked from, or None for a root (and for a disposed branch).
     #[getter]
@@ -314,7 +302,7 @@ impl PyBranch {
         })
     }
 
-    // ---- sampler control ----
+    // ---- sampler, constraints, adapters, biases ----
 
     /// Restart the sampler's RNG stream from `seed` (an int in [0, 2**32)), keeping the params,
     /// penalty/DRY history and Mirostat state. Forks sample like their parent until reseeded.
@@ -538,6 +526,8 @@ impl PyBranch {
         self.inner.set_logits(&v).py()
     }
 
+    // ---- identity ----
+
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
         other
             .cast::<PyBranch>()
@@ -610,7 +600,7 @@ twins! {
         ///
         /// Without `seed` the child samples exactly like its parent until reseeded: forks made
         /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
-        /// is free. `seq_id` (the reference's `fork(newSeqId)`) puts the child on that very
+        /// is free. `seq_id` (lloyal.node's `fork(newSeqId)`) puts the child on that very
         /// sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
         #[sync_doc = "returns the child Branch; LeaseExhaustedError when no lease is free. \
                       Waits without the GIL; on Ctrl-C a started fork completes (the child \
@@ -737,7 +727,7 @@ fn speculative_stream(
 
 /// `on_context_full` and `keep` as the engine's choice, checked against the branch's context.
 fn on_full(branch: &kvfork::Branch, name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
-    let on_full = crate::generate::on_full_arg(name, keep)?;
+    let on_full = crate::convert::on_full_arg(name, keep)?;
     on_full.check(branch).py()?;
     Ok(on_full)
 }
@@ -753,16 +743,6 @@ fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
          prompt into a sequence first (`await ctx.decode(tokens, 0, seq_id)`)"
     );
     crate::errors::warn(py, msg)
-}
-
-pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
-    draft
-        .into_iter()
-        .map(|t| {
-            kvfork::Token::try_from(t)
-                .map_err(|_| PyValueError::new_err(format!("draft token {t} is out of range")))
-        })
-        .collect()
 }
 
 fn speculated(s: kvfork::Speculated) -> PyResult<(Vec<PyToken>, PyToken)> {

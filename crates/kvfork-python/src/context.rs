@@ -4,23 +4,16 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
-use crate::branch::PyBranch;
-use crate::convert::{self, wait, Arg, Int};
+use crate::convert::{self, token_id, wait, Arg, Int};
 use crate::embed;
 use crate::errors::IntoPyResult;
+use crate::handles::{PyBranch, PyContext};
 use crate::model::PyModel;
 use crate::twins::twins;
-
-/// A llama context: owns a unified KV cache and the engine thread that runs every decode.
-#[pyclass(frozen, module = "kvfork", name = "Context")]
-pub struct PyContext {
-    pub inner: kvfork::Context,
-}
 
 /// What `create_context` was given: a model or a path to load.
 enum ModelSource {
@@ -32,21 +25,6 @@ struct Options {
     source: ModelSource,
     params: kvfork::ContextParams,
     n_gpu_layers: Option<i32>,
-}
-
-fn pooling_type(name: Option<&str>) -> PyResult<Option<i32>> {
-    Ok(match name {
-        None => None,
-        Some("none") => Some(0),
-        Some("mean") => Some(1),
-        Some("cls") => Some(2),
-        Some("last") => Some(3),
-        Some(other) => {
-            return Err(PyValueError::new_err(format!(
-                "pooling: unknown pooling {other:?}"
-            )))
-        }
-    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -82,7 +60,10 @@ fn options(
         type_k: kvfork::CacheType::from_name(type_k.0).py()?,
         type_v: kvfork::CacheType::from_name(type_v.0).py()?,
         embeddings: embeddings.0,
-        pooling: pooling_type(pooling.map(|p| p.0))?,
+        pooling: pooling
+            .map(|p| kvfork::pooling_from_name(p.0))
+            .transpose()
+            .py()?,
         park: park.0,
     };
     params.validate().py()?;
@@ -112,100 +93,82 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     kvfork::Context::new(model, o.params)
 }
 
-/// Create a context (async): loads the model if given a path, on a thread of its own (the
-/// event loop never waits). Cancelled before it finishes, it creates nothing: the context is
-/// freed as soon as it is built.
-#[pyfunction]
-#[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
-                    embeddings=Arg(false), pooling=None, n_gpu_layers=None, park=Arg(false)),
-       // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
-       text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
-                         n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
-                         pooling=None, n_gpu_layers=None, park=False)")]
-#[allow(clippy::too_many_arguments)]
-pub fn create_context<'py>(
-    py: Python<'py>,
-    path_or_model: &Bound<'py, PyAny>,
-    n_ctx: Int,
-    n_batch: Int,
-    n_seq_max: Int,
-    n_threads: Option<Int>,
-    n_threads_batch: Option<Int>,
-    type_k: Arg<&str>,
-    type_v: Arg<&str>,
-    embeddings: Arg<bool>,
-    pooling: Option<Arg<&str>>,
-    n_gpu_layers: Option<Int>,
-    park: Arg<bool>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let o = options(
-        path_or_model,
-        n_ctx,
-        n_batch,
-        n_seq_max,
-        n_threads,
-        n_threads_batch,
-        type_k,
-        type_v,
-        embeddings,
-        pooling,
-        n_gpu_layers,
-        park,
-    )?;
-    let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
-    let call = Call("kvfork", "create_context");
-    let op = Operation::new(call, pending, OnCancel::Detach, |py, ctx| {
-        PyContext { inner: ctx }.into_py_any(py)
-    });
-    Bound::new(py, op).map(Bound::into_any)
+/// `create_context` and its blocking twin from one signature: the twelve options read into
+/// [`Options`] by `options`, then `$body` with them as `$o`.
+macro_rules! context_creator {
+    ($(#[doc = $doc:literal])* fn $name:ident<$py:lifetime>($pyv:ident) -> $ret:ty { |$o:ident| $body:expr }) => {
+        $(#[doc = $doc])*
+        #[pyfunction]
+        #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
+                            n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None,
+                            type_k=Arg("f16"), type_v=Arg("f16"), embeddings=Arg(false),
+                            pooling=None, n_gpu_layers=None, park=Arg(false)),
+               // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
+               text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, \
+                                 n_threads=None, n_threads_batch=None, type_k='f16', \
+                                 type_v='f16', embeddings=False, pooling=None, \
+                                 n_gpu_layers=None, park=False)")]
+        #[allow(clippy::too_many_arguments)]
+        pub fn $name<$py>(
+            $pyv: Python<$py>,
+            path_or_model: &Bound<$py, PyAny>,
+            n_ctx: Int,
+            n_batch: Int,
+            n_seq_max: Int,
+            n_threads: Option<Int>,
+            n_threads_batch: Option<Int>,
+            type_k: Arg<&str>,
+            type_v: Arg<&str>,
+            embeddings: Arg<bool>,
+            pooling: Option<Arg<&str>>,
+            n_gpu_layers: Option<Int>,
+            park: Arg<bool>,
+        ) -> $ret {
+            let $o = options(
+                path_or_model,
+                n_ctx,
+                n_batch,
+                n_seq_max,
+                n_threads,
+                n_threads_batch,
+                type_k,
+                type_v,
+                embeddings,
+                pooling,
+                n_gpu_layers,
+                park,
+            )?;
+            $body
+        }
+    };
 }
 
-/// Create a context (blocking twin of `create_context`).
-#[pyfunction]
-#[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
-                    n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None, type_k=Arg("f16"), type_v=Arg("f16"),
-                    embeddings=Arg(false), pooling=None, n_gpu_layers=None, park=Arg(false)),
-       // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
-       text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, n_threads=None, \
-                         n_threads_batch=None, type_k='f16', type_v='f16', embeddings=False, \
-                         pooling=None, n_gpu_layers=None, park=False)")]
-#[allow(clippy::too_many_arguments)]
-pub fn create_context_sync(
-    py: Python<'_>,
-    path_or_model: &Bound<'_, PyAny>,
-    n_ctx: Int,
-    n_batch: Int,
-    n_seq_max: Int,
-    n_threads: Option<Int>,
-    n_threads_batch: Option<Int>,
-    type_k: Arg<&str>,
-    type_v: Arg<&str>,
-    embeddings: Arg<bool>,
-    pooling: Option<Arg<&str>>,
-    n_gpu_layers: Option<Int>,
-    park: Arg<bool>,
-) -> PyResult<PyContext> {
-    let o = options(
-        path_or_model,
-        n_ctx,
-        n_batch,
-        n_seq_max,
-        n_threads,
-        n_threads_batch,
-        type_k,
-        type_v,
-        embeddings,
-        pooling,
-        n_gpu_layers,
-        park,
-    )?;
-    Ok(PyContext {
-        inner: wait(
-            py,
-            kvfork::Pending::spawn("kvfork-create", move || build(o)),
-        )?,
-    })
+context_creator! {
+    /// Create a context (async): loads the model if given a path, on a thread of its own (the
+    /// event loop never waits). Cancelled before it finishes, it creates nothing: the context is
+    /// freed as soon as it is built.
+    fn create_context<'py>(py) -> PyResult<Bound<'py, PyAny>> {
+        |o| {
+            let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
+            let call = Call("kvfork", "create_context");
+            let op = Operation::new(call, pending, OnCancel::Detach, |py, ctx| {
+                PyContext { inner: ctx }.into_py_any(py)
+            });
+            Bound::new(py, op).map(Bound::into_any)
+        }
+    }
+}
+
+context_creator! {
+    /// Create a context (blocking twin of `create_context`).
+    fn create_context_sync<'py>(py) -> PyResult<PyContext> {
+        |o| {
+            let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
+            Ok(PyContext {
+                inner: wait(py, pending)?,
+            })
+        }
+    }
 }
 
 impl PyContext {
@@ -228,6 +191,8 @@ impl PyContext {
              `await kvfork.create_context(path_or_model, ...)` or create_context_sync(...)",
         ))
     }
+
+    // ---- what it is ----
 
     /// The Model this context runs (possibly shared with other contexts).
     #[getter]
@@ -269,6 +234,8 @@ impl PyContext {
     fn closed(&self) -> bool {
         self.inner.is_closed()
     }
+
+    // ---- tokens ----
 
     /// Token ids of `text`, exactly as llama.cpp tokenizes it. `add_special` adds BOS etc. as
     /// the model asks; `parse_special` reads special-token text (e.g. "<|im_start|>") as those
@@ -330,6 +297,8 @@ impl PyContext {
         self.inner.model().bos()
     }
 
+    // ---- raw KV operations ----
+
     /// Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
     /// Queued in order with all engine work; returns without waiting.
     #[pyo3(signature = (src, dst, p0=Int(Some(0)), p1=Int(Some(-1))),
@@ -363,8 +332,6 @@ impl PyContext {
     fn kv_clear(&self) -> PyResult<()> {
         queued(self.open()?.kv_clear())
     }
-
-    // ---- persistence ----
 
     // ---- embeddings ----
 
@@ -431,6 +398,8 @@ impl PyContext {
         embed::Request::many(self.open()?, texts, normalize.0)?.wait(py)
     }
 
+    // ---- chat templates ----
+
     /// Render `messages` (OpenAI-style dicts: role, content, optional tool_calls /
     /// tool_call_id) with the model's own chat template (GGUF `tokenizer.chat_template`, as
     /// Hugging Face's `apply_chat_template` renders it), or with `template`: a Jinja string or
@@ -471,6 +440,8 @@ impl PyContext {
             .py()?;
         Ok(formatted.into())
     }
+
+    // ---- the engine: threads, counters, life ----
 
     /// Make the engine thread panic (tests of the panic path only).
     fn _debug_panic(&self, py: Python<'_>) -> PyResult<()> {
@@ -582,6 +553,7 @@ impl PyContext {
     }
 }
 
+// The calls with a blocking twin: a raw KV read, saving and loading the whole context.
 twins! {
     impl PyContext {
         /// Largest position stored for `seq` (-1 when empty), after all queued work.
@@ -630,11 +602,6 @@ fn queued<T>(pending: kvfork::Pending<T>) -> PyResult<()> {
         pending.wait().py()?;
     }
     Ok(())
-}
-
-pub fn token_id(token: i64) -> PyResult<i32> {
-    i32::try_from(token)
-        .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
 }
 
 fn wrap_all(branches: Vec<kvfork::Branch>) -> Vec<PyBranch> {

@@ -279,3 +279,32 @@ impl Int {
         Ok(self.within(name, lo as i64, i32::MAX as i64)? as i32)
     }
 }
+
+/// A token id argument: in range of the engine's token type (the vocabulary check is the
+/// engine's).
+pub(crate) fn token_id(token: i64) -> PyResult<i32> {
+    i32::try_from(token)
+        .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
+}
+
+/// A guess of draft tokens, each in range of the engine's token type.
+pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
+    draft
+        .into_iter()
+        .map(|t| {
+            kvfork::Token::try_from(t)
+                .map_err(|_| PyValueError::new_err(format!("draft token {t} is out of range")))
+        })
+        .collect()
+}
+
+/// The `on_context_full` and `keep` arguments as the engine's choice (not yet checked
+/// against a context).
+pub(crate) fn on_full_arg(name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
+    let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
+    kvfork::OnContextFull::from_name(name, keep).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "on_context_full must be \"stop\" or \"shift\", not {name:?}"
+        ))
+    })
+}

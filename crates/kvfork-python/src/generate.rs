@@ -4,14 +4,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration, PyValueError};
+use pyo3::exceptions::{PyStopAsyncIteration, PyStopIteration};
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
-use crate::branch::PyBranch;
-use crate::convert::{wait, Int};
+use crate::convert::{on_full_arg, wait, Int};
 use crate::errors::IntoPyResult;
+use crate::handles::PyBranch;
 use crate::token::PyToken;
 
 /// The engine's stream, shared by the awaitables of its steps.
@@ -235,7 +235,7 @@ impl PySpeculativeSchedule {
     fn proposed(&self, guess: Vec<i64>, len: Int) -> PyResult<Vec<kvfork::Token>> {
         let len = len.within("len", 0, i64::MAX)? as usize;
         let cut = len.min(guess.len());
-        let mut tokens = crate::branch::draft_tokens(guess[..cut].to_vec())?;
+        let mut tokens = crate::convert::draft_tokens(guess[..cut].to_vec())?;
         // After the draft, a number that is no token is never drawn: the checks stop there.
         tokens.extend(
             guess[cut..]
@@ -284,15 +284,4 @@ impl PySpeculativeSchedule {
     fn acceptance(&self) -> f64 {
         self.with(|s| s.acceptance())
     }
-}
-
-/// The `on_context_full` and `keep` arguments as the engine's choice (not yet checked
-/// against a context).
-pub(crate) fn on_full_arg(name: &str, keep: Int) -> PyResult<kvfork::OnContextFull> {
-    let keep = keep.within("keep", 0, i64::from(i32::MAX))? as usize;
-    kvfork::OnContextFull::from_name(name, keep).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "on_context_full must be \"stop\" or \"shift\", not {name:?}"
-        ))
-    })
 }

@@ -4,10 +4,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::awaitable::{Call, Discard, OnCancel, Operation};
-use crate::branch::{wrap, PyBranch};
-use crate::context::PyContext;
 use crate::convert::{self, Arg, Int};
 use crate::errors::IntoPyResult;
+use crate::handles::PyContext;
+use crate::handles::{wrap, PyBranch};
 use crate::params;
 
 /// Automatic prefix reuse on one context: `await cache.branch(tokens, params)` makes a branch

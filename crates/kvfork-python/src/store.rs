@@ -2,9 +2,10 @@
 
 use pyo3::prelude::*;
 
-use crate::branch::{token_arg, PyBranch};
-use crate::context::PyContext;
+use crate::branch::token_arg;
 use crate::convert::{self, Arg};
+use crate::handles::PyBranch;
+use crate::handles::PyContext;
 use crate::token::PyToken;
 use crate::twins::twins;
 

@@ -62,7 +62,7 @@ impl LoraAdapter {
         if !bytes.starts_with(b"GGUF") {
             return Err(load_error(path, "not a GGUF file (bad magic)"));
         }
-        let fingerprint = kvfork_core::persist::checksum(&bytes);
+        let fingerprint = kvfork_core::state_file::checksum(&bytes);
         let registry = model.derived(|_| LoadedLoras::default());
         let mut loaded = registry.0.lock().unwrap_or_else(|e| e.into_inner());
         loaded.retain(|w| w.strong_count() > 0);

@@ -235,6 +235,25 @@ impl Branch {
         self.fork_on(seed, None)
     }
 
+    /// `fork` onto the lease of `seq_id` itself (lloyal.node's `fork(newSeqId)`), or the
+    /// lowest free one without it. `SeqLeased` when a branch holds that sequence; cells it
+    /// held are replaced by the parent's.
+    pub fn fork_on(&self, seed: Option<u32>, seq_id: Option<i32>) -> Pending<Branch> {
+        let on = match seq_id.map(|s| self.context().seq_arg(s)).transpose() {
+            Ok(on) => on,
+            Err(e) => return Pending::ready(Err(e)),
+        };
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let (ctx, parent, parent_cell) =
+            (self.context().clone(), self.handle(), self.cell().clone());
+        self.context().run(move |w| {
+            let (handle, cell) = w.fork(parent, &parent_cell, seed, on)?;
+            Ok(Branch::from_parts(ctx, handle, cell))
+        })
+    }
+
     /// Ready when a prune has nothing to do (already pruned) or cannot run (closed context).
     fn prune_settled(&self) -> Option<Pending<()>> {
         if self.cell.is_disposed() {

@@ -7,9 +7,9 @@ use kvfork_core::metrics::Perplexity;
 use kvfork_core::{Biases, Utf8Carry};
 
 mod candidates;
-mod persist;
+mod record;
 mod snapshot;
-pub(crate) use persist::state_error;
+pub(crate) use record::state_error;
 pub(crate) use snapshot::LogitsSnapshot;
 
 use candidates::{biased_count, guided_window, legal_window, Candidates};

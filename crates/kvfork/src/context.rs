@@ -2,9 +2,10 @@
 
 use std::sync::Arc;
 
+use crate::context_params::ContextParams;
 use crate::engine::{CancelPolicy, Engine, Pending, Shared, Worker};
-use crate::error::Result;
-use crate::llama_ctx::{check_range, ContextParams};
+use crate::error::{Error, Result};
+use crate::llama_ctx::check_range;
 use crate::model::{Model, Token};
 use crate::seq::Seq;
 
@@ -108,6 +109,20 @@ impl Context {
     /// Whether the context was closed (or closed itself after an internal failure).
     pub fn is_closed(&self) -> bool {
         self.shared().check_open().is_err()
+    }
+
+    /// A sequence id argument (the raw layer's, `fork(seq_id=)`), checked against the
+    /// context's sequences.
+    pub(crate) fn seq_arg(&self, seq_id: i32) -> Result<Seq> {
+        Seq::checked(seq_id, self.n_seq_max()).map_err(|_| {
+            Error::invalid(
+                "seq_id",
+                format!(
+                    "sequence id {seq_id} is not in [0, n_seq_max = {})",
+                    self.n_seq_max()
+                ),
+            )
+        })
     }
 
     /// Leases free now.

@@ -3,9 +3,9 @@
 //! engine's half is `engine/embed.rs`).
 
 use crate::context::Context;
+use crate::context_params::{POOLING_NONE, POOLING_RANK};
 use crate::engine::Pending;
 use crate::error::{Error, Result};
-use crate::llama_ctx::{POOLING_NONE, POOLING_RANK};
 use crate::model::Token;
 
 /// Embeddings of one text: one row when pooled, one row per token without pooling.

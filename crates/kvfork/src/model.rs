@@ -306,7 +306,7 @@ impl Model {
     /// A fingerprint of the weights (metadata, parameter count and size): state files carry
     /// it so a file saved with another model is refused.
     pub fn identity(&self) -> u64 {
-        let mut w = kvfork_core::persist::Writer::new();
+        let mut w = kvfork_core::state_file::Writer::new();
         for (k, v) in self.metadata() {
             w.str(&k).str(&v);
         }
@@ -319,7 +319,7 @@ impl Model {
         };
         w.u64(n_params).u64(size);
         w.u64(self.n_vocab as u64);
-        kvfork_core::persist::checksum(&w.into_bytes())
+        kvfork_core::state_file::checksum(&w.into_bytes())
     }
 
     /// The Jinja chat template of the GGUF (`tokenizer.chat_template`), if any.

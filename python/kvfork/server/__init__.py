@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from .app import create_app
 from .errors import APIError
+from .generation import Generator
+from .prompts import Prompts
 from .service import Service
 
-__all__ = ["APIError", "Service", "create_app"]
+__all__ = ["APIError", "Generator", "Prompts", "Service", "create_app"]

@@ -1,5 +1,6 @@
-"""The Ray side of ``kvfork serve --ray``: actors that each run a `Service` (a context and its
-`PrefixCache`), and the set of them the front keeps, replacing one that dies.
+"""The Ray side of ``kvfork serve --ray``: actors that each run a `Generator` (a context, its
+`PrefixCache` and its admission), and the set of them the front keeps, replacing one that
+dies.
 
 An actor's `ServeActor.generate` is an async generator method: the front reads it as a Ray
 stream (an ``ObjectRefGenerator``), a list of events per item. Events are coalesced (the first
@@ -23,8 +24,8 @@ import ray.exceptions
 from .._native import Context, create_context
 from .backend import Events
 from .errors import APIError
+from .generation import Event, Generator, Outcome
 from .requests import Sampling
-from .service import Event, Outcome, Service
 
 log = logging.getLogger("kvfork.server")
 
@@ -65,24 +66,24 @@ Item = list[Event | Outcome] | Failure
 
 
 class ServeActor:
-    """One Ray actor: a context on the model, a `Service` over it, and its tallies."""
+    """One Ray actor: a context on the model, a `Generator` over it, and its tallies."""
 
     def __init__(self, model_path: str, context_options: dict[str, Any], max_queue: int) -> None:
         self._model_path = model_path
         self._context_options = context_options
         self._max_queue = max_queue
-        self._opening: asyncio.Future[Service] | None = None
+        self._opening: asyncio.Future[Generator] | None = None
         self._tally = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion": 0}
 
-    async def _service(self) -> Service:
+    async def _service(self) -> Generator:
         # Opened on first use, on the actor's loop; concurrent first calls share the opening.
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
         return await self._opening
 
-    async def _open(self) -> Service:
+    async def _open(self) -> Generator:
         ctx: Context = await create_context(self._model_path, **self._context_options)
-        return Service(ctx, model_id="", max_queue=self._max_queue)
+        return Generator(ctx, max_queue=self._max_queue)
 
     async def ready(self) -> int:
         """Load the model now; the actor's process id."""
@@ -92,7 +93,7 @@ class ServeActor:
     async def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> AsyncGenerator[Item, None]:
-        """`Service.generate`'s events in lists, then its `Outcome`; an error as a `Failure`
+        """`Generator.generate`'s events in lists, then its `Outcome`; an error as a `Failure`
         (the last item). Cancelling the call (``ray.cancel``) ends the generation."""
         service = await self._service()
         events: Events | None = None

@@ -30,9 +30,9 @@ from starlette.types import Receive, Scope, Send
 
 from .backend import Backend, Events
 from .errors import APIError
+from .generation import Event, Outcome
 from .metrics import CONTENT_TYPE, Metrics
 from .requests import parse_chat, parse_completion, parse_embeddings, parse_json
-from .service import Event, Outcome
 
 log = logging.getLogger("kvfork.server")
 
@@ -232,9 +232,9 @@ class Endpoints:
 
     async def embeddings(self, request: Request) -> Response:
         s = self.service
-        vocab = s.embed_ctx.vocab_size if s.embed_ctx is not None else s.ctx.vocab_size
+        vocab = s.prompts.embed_ctx.vocab_size if s.prompts.embed_ctx else s.prompts.ctx.vocab_size
         req = parse_embeddings(await self.read_json(request), vocab)
-        data, tokens = await s.embed(req)
+        data, tokens = await s.prompts.embed(req)
         return JSONResponse(
             {
                 "object": "list",
@@ -246,9 +246,11 @@ class Endpoints:
 
     async def completions(self, request: Request) -> Response:
         s = self.service
-        req = parse_completion(await self.read_json(request), s.ctx.vocab_size, s.max_choices)
-        tokens = await asyncio.to_thread(s.completion_prompt, req)
-        prefix = req.prompt if isinstance(req.prompt, str) else s.ctx.detokenize(req.prompt)
+        req = parse_completion(
+            await self.read_json(request), s.prompts.ctx.vocab_size, s.max_choices
+        )
+        tokens = await asyncio.to_thread(s.prompts.completion_prompt, req)
+        prefix = req.prompt if isinstance(req.prompt, str) else s.prompts.ctx.detokenize(req.prompt)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -309,9 +311,9 @@ class Endpoints:
 
     async def chat(self, request: Request) -> Response:
         s = self.service
-        req = parse_chat(await self.read_json(request), s.ctx.vocab_size, s.max_choices)
-        s.constrain_tools(req)
-        tokens, stop = await asyncio.to_thread(s.chat_prompt, req)
+        req = parse_chat(await self.read_json(request), s.prompts.ctx.vocab_size, s.max_choices)
+        s.prompts.constrain_tools(req)
+        tokens, stop = await asyncio.to_thread(s.prompts.chat_prompt, req)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -323,7 +325,7 @@ class Endpoints:
 
         def finished(text: str, finish: str) -> tuple[dict[str, Any], str]:
             """The message of a finished choice, and its finish reason."""
-            calls = s.tool_calls(req, text) if tools else []
+            calls = s.prompts.tool_calls(req, text) if tools else []
             if calls:
                 return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
             return {"role": "assistant", "content": text}, finish

@@ -1,15 +1,19 @@
 """What the HTTP layer needs from the model behind it: one `Service` in this process, or a
-`ClusterService` over Ray actors (``kvfork serve --ray``). The endpoints see only this."""
+`ClusterService` over Ray actors (``kvfork serve --ray``). The endpoints see only this.
+
+The layers: `app` (HTTP: bodies, errors, streams, disconnects) → `requests` (bodies into
+typed requests) → a `Backend`: `prompts` (requests into tokens) and `generation` (tokens
+into events, on a context)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from .._native import Context
+from .generation import Event, Outcome
 from .metrics import Metrics
-from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
-from .service import Event, Outcome
+from .prompts import Prompts
+from .requests import Sampling
 
 
 class Events(Protocol):
@@ -23,11 +27,10 @@ class Events(Protocol):
 
 
 class Backend(Protocol):
-    """The endpoints' view of a server: prompts are built on `ctx` (the model's tokenizer and
-    chat template), generations come from `generate`."""
+    """The endpoints' view of a server: requests' inputs from `prompts` (the model's tokenizer
+    and chat template), generations from `generate`."""
 
-    ctx: Context
-    embed_ctx: Context | None
+    prompts: Prompts
     model_id: str
     created: int
     metrics: Metrics
@@ -36,10 +39,6 @@ class Backend(Protocol):
     def max_choices(self) -> int:
         """The largest `n` a request may ask for."""
         ...
-
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]: ...
-
-    def completion_prompt(self, req: CompletionRequest) -> list[int]: ...
 
     def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
@@ -54,12 +53,6 @@ class Backend(Protocol):
 
     def end_all(self) -> None:
         """A shutdown's grace is over: generations still under way end with a 503."""
-
-    async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]: ...
-
-    def tool_calls(self, req: ChatRequest, text: str) -> list[dict[str, Any]]: ...
-
-    def constrain_tools(self, req: ChatRequest) -> None: ...
 
     async def metrics_text(self) -> bytes:
         """The Prometheus text of `GET /metrics`."""

@@ -1,9 +1,9 @@
 """``kvfork serve --ray``: the same endpoints, each generation run on one of N Ray actors.
 
-The front (this process) builds prompts on a small context of its own (the tokenizer and the
-chat template; the embedding context too, with ``--embeddings``), picks an actor with the
-`Router` from the prompt's tokens, and streams the actor's events back. Each actor is a
-`Service` of its own: a context, its `PrefixCache`, its admission queue. An actor that dies
+The front (this process) builds prompts (`Prompts`) on a small context of its own (the
+tokenizer and the chat template; the embedding context too, with ``--embeddings``), picks an
+actor with the `Router` from the prompt's tokens, and streams the actor's events back. Each
+actor runs a `Generator` of its own: a context, its `PrefixCache`, its admission queue. An actor that dies
 fails the requests it had started (503, or an SSE error event once a stream began); one that
 had not started on it is retried on another actor, and the dead one is replaced.
 """
@@ -11,6 +11,7 @@ had not started on it is retried on another actor, and the dead one is replaced.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
 
@@ -19,37 +20,36 @@ import ray.exceptions
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .._native import Context
 from .actors import ActorSet, Failure
 from .errors import APIError, shutting_down
+from .generation import Event, Outcome
 from .metrics import LIVE, Metrics
-from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
+from .prompts import Prompts
+from .requests import Sampling
 from .router import Policy, Router
-from .service import Event, Outcome, Service
 
 log = logging.getLogger("kvfork.server")
 
 
 class ClusterService:
-    """The endpoints' backend over `actors`: prompts from `front` (a `Service` on the front's
-    tokenizer context, whose own generation is unused), generations on the routed actor."""
+    """The endpoints' backend over `actors`: the requests' inputs from `prompts` (on the
+    front's own context), generations on the routed actor."""
 
     def __init__(
         self,
-        front: Service,
+        prompts: Prompts,
         actors: ActorSet,
         router: Router,
         *,
+        model_id: str,
         n_seq_max: int,
         metrics: Metrics,
     ) -> None:
-        self.front = front
+        self.prompts = prompts
         self.actors = actors
         self.router = router
-        self.ctx: Context = front.ctx
-        self.embed_ctx: Context | None = front.embed_ctx
-        self.model_id = front.model_id
-        self.created = front.created
+        self.model_id = model_id
+        self.created = int(time.time())
         self.n_seq_max = n_seq_max
         self.metrics = metrics
         self.retries = 0  # requests moved to another actor after theirs died
@@ -63,26 +63,6 @@ class ClusterService:
     def max_choices(self) -> int:
         """The largest `n`: an actor's sequences."""
         return self.n_seq_max
-
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
-        """`Service.chat_prompt`, on the front's context."""
-        return self.front.chat_prompt(req)
-
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        """`Service.completion_prompt`, on the front's context."""
-        return self.front.completion_prompt(req)
-
-    async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
-        """`Service.embed`, on the front's embedding context."""
-        return await self.front.embed(req)
-
-    def tool_calls(self, req: ChatRequest, text: str) -> list[dict[str, Any]]:
-        """`Service.tool_calls`."""
-        return self.front.tool_calls(req, text)
-
-    def constrain_tools(self, req: ChatRequest) -> None:
-        """`Service.constrain_tools`."""
-        self.front.constrain_tools(req)
 
     async def metrics_text(self) -> bytes:
         """The front's counters and every actor's numbers, read now."""
@@ -295,7 +275,7 @@ def connect(address: str, cpus: int) -> None:
 
 async def open_cluster(
     model_path: str,
-    front: Service,
+    prompts: Prompts,
     *,
     actors: int,
     threads: int | None,
@@ -303,6 +283,7 @@ async def open_cluster(
     n_ctx: int,
     n_seq_max: int,
     max_queue: int,
+    model_id: str,
     metrics: Metrics,
 ) -> ClusterService:
     """`actors` actors on `model_path` (each a context of `n_ctx` cells, `n_seq_max`
@@ -313,4 +294,6 @@ async def open_cluster(
     pool = ActorSet(model_path, options, actors=actors, num_cpus=threads or 1, max_queue=max_queue)
     await pool.ready()
     router = Router(actors, route, capacity_tokens=n_ctx)
-    return ClusterService(front, pool, router, n_seq_max=n_seq_max, metrics=metrics)
+    return ClusterService(
+        prompts, pool, router, model_id=model_id, n_seq_max=n_seq_max, metrics=metrics
+    )

@@ -1,4 +1,4 @@
-"""Prometheus metrics (`GET /metrics`), through `prometheus_client`, with the spec's names.
+"""Prometheus metrics (`GET /metrics`), through `prometheus_client` (`docs/serve.md` lists them).
 
 Counters the server keeps itself (requests by endpoint and final status, tokens, client
 disconnects), and a live view read at scrape time from a stats callable (`LIVE` names what
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .service import Outcome
+    from .generation import Outcome
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

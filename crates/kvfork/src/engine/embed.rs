@@ -3,8 +3,8 @@
 //! while it embeds), emptied after.
 
 use super::Worker;
+use crate::context_params::POOLING_NONE;
 use crate::error::Result;
-use crate::llama_ctx::POOLING_NONE;
 use crate::model::Token;
 use crate::seq::Seq;
 

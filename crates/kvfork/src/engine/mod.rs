@@ -3,8 +3,9 @@
 //!
 //! Requests of independent callers on different branches share decodes: while a commit (or
 //! a prefill) waits, the thread gathers the compatible requests queued behind it into ONE
-//! `llama_decode` (see `gather.rs`); a failure in a shared decode is narrowed down to the
-//! request that caused it, and the others still succeed.
+//! `llama_decode` (`gather.rs` executes the decisions of `kvfork_core::gather`, the policy);
+//! a failure in a shared decode is narrowed down to the request that caused it, and the
+//! others still succeed.
 //!
 //! Every job carries a [`Ticket`] (cancellation, see `pending.rs`). A panic inside a job is
 //! caught: its caller gets `Error::Internal` and the context closes (its state may be torn).
@@ -13,8 +14,8 @@
 //! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
 //! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
 //! retain_only), `park.rs` (parked branches of a `park` context), `reseed.rs`,
-//! `speculate.rs`, `persist.rs`, `embed.rs`, `kv.rs` (raw KV), `raw.rs` (the raw layer:
-//! `Context::decode`, a branch taking a sequence's cells over).
+//! `speculate.rs`, `state_io.rs` (save, load, snapshots), `embed.rs`, `kv.rs` (raw KV),
+//! `takeover.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
 mod commit;
@@ -27,14 +28,14 @@ mod outputs;
 mod parallel;
 mod park;
 mod pending;
-mod persist;
 mod prefill;
-mod raw;
 mod reseed;
 mod scratch;
 mod share;
 pub(crate) mod shared;
 mod speculate;
+mod state_io;
+mod takeover;
 mod tree;
 mod worker;
 
@@ -46,13 +47,14 @@ use std::thread::JoinHandle;
 pub(crate) use outputs::LastOutput;
 pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
-pub(crate) use raw::check_unleased;
 pub(crate) use shared::{BranchCell, Shared};
+pub(crate) use takeover::check_unleased;
 pub(crate) use tree::Prune;
 pub(crate) use worker::Worker;
 
+use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
-use crate::llama_ctx::{ContextParams, LlamaCtx};
+use crate::llama_ctx::LlamaCtx;
 use crate::model::{Model, Token};
 use crate::produced::Produced;
 use crate::seq::Seq;

@@ -1,4 +1,4 @@
-//! The context's outputs outside any branch (the raw layer, `raw.rs`): the logits row each
+//! The context's outputs outside any branch (the raw layer, `raw_layer.rs`): the logits row each
 //! `Context::decode` left for its sequence, and which sequence the last decode of all was for.
 //!
 //! A raw row lives until something else happens to its sequence's cells: a branch decodes

@@ -24,8 +24,9 @@ use kvfork_core::packer::{logits_index, Chunk as PrefillChunk};
 
 use super::shared::Stats;
 use super::{PrefillItem, Worker};
+use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
-use crate::llama_ctx::{ContextParams, LlamaCtx};
+use crate::llama_ctx::LlamaCtx;
 use crate::seq::Seq;
 
 /// Prompts the scratch context prefills at once (its sequences).

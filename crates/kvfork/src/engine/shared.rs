@@ -9,8 +9,8 @@ use kvfork_core::{Handle, ParkLedger, Registry};
 use super::outputs::Outputs;
 use crate::abort::AbortSignal;
 use crate::branch_state::BranchState;
+use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
-use crate::llama_ctx::ContextParams;
 use crate::model::Model;
 use crate::seq::Seq;
 

@@ -3,14 +3,14 @@
 //! `prefill.rs`; every other operation has its file beside this one (see `mod.rs`). They
 //! reach the context, the batch and the loans through the few methods below.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvfork_core::gather::GatherPolicy;
 use kvfork_core::threads::{ceiling_for, ThreadTuner};
 
-use super::gather::{CommitGathering, PrefillGathering, Window};
 use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
@@ -27,15 +27,9 @@ pub(crate) struct Worker {
     /// Jobs pulled while gathering a group that could not join it, in their queue order:
     /// they run before anything still in the channel (see `gather.rs`).
     stash: VecDeque<Job>,
-    /// Tokens decoded by the last commit group (how many to wait for next time), and the
-    /// sequences it stepped (a branch prefilled since counts once more only if not one).
-    last_group: usize,
-    last_seqs: HashSet<Seq>,
-    last_decode: Duration,
-    /// The decode of the last commit group that decoded: what splitting a step costs.
-    last_step: Duration,
-    /// A prefill group ran since the last commit group: the next one expects its branches.
-    after_prefill: bool,
+    /// Which queued jobs share a decode, and how long to wait for them (`kvfork_core::gather`;
+    /// `gather.rs` executes its decisions). It hears of every decode's time.
+    pub(super) policy: GatherPolicy,
     /// Adapts the thread counts to the machine's load (None when both are fixed), with the
     /// meter that tells it how many cores other processes leave free.
     tuner: Option<(ThreadTuner, LoadMeter)>,
@@ -77,6 +71,7 @@ impl Worker {
             (tuner, meter)
         });
         let (_, threads_batch) = shared.params.threads_with(max);
+        let n_seq_max = shared.n_seq_max as usize;
         let mut worker = Worker {
             tuner,
             threads_batch: threads_batch as usize,
@@ -85,11 +80,7 @@ impl Worker {
             batch,
             shared,
             stash: VecDeque::new(),
-            last_group: 0,
-            last_seqs: HashSet::new(),
-            last_decode: Duration::ZERO,
-            last_step: Duration::ZERO,
-            after_prefill: false,
+            policy: GatherPolicy::new(n_seq_max),
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
             scratch: None,
             scratch_allowed: std::env::var_os("KVFORK_NO_SCRATCH_PREFILL").is_none(),
@@ -114,39 +105,8 @@ impl Worker {
                 Job::Clear(seq) => self.clear_seq(seq),
                 Job::Commit(first) if first.is_sample_only() => self.answer_sample(first),
                 Job::Commit(first) if first.runs_alone() => self.run_commits(vec![first]),
-                Job::Commit(first) => {
-                    let mut group = CommitGathering::new(first, self.last_group, self.n_batch());
-                    let window = if std::mem::take(&mut self.after_prefill) {
-                        Window::after_prefill(self.last_decode, self.last_step)
-                    } else {
-                        Window::new(self.last_decode)
-                    };
-                    self.gather(&rx, &mut group, window);
-                    self.last_group = group.n_items;
-                    self.last_seqs = group.take_seqs();
-                    let decodes = Stats::get(&self.shared.stats.decode_calls);
-                    self.run_commits(group.requests);
-                    if Stats::get(&self.shared.stats.decode_calls) != decodes {
-                        self.last_step = self.last_decode;
-                    }
-                }
-                Job::Prefill(first) => {
-                    let mut group = PrefillGathering::new(first);
-                    self.gather(&rx, &mut group, Window::new(self.last_decode));
-                    // The branches just prefilled are about to step, with those stepping
-                    // already (a burst's earlier prefill groups): expect them all together.
-                    // An overestimate (streams that ended meanwhile) costs one window, once.
-                    let prefilled: HashSet<Seq> = group
-                        .requests
-                        .iter()
-                        .flat_map(|r| r.items.iter().map(|(cell, _)| cell.seq()))
-                        .collect();
-                    let new = prefilled.difference(&self.last_seqs).count();
-                    self.last_group = (self.last_group + new).min(self.shared.n_seq_max as usize);
-                    self.last_seqs.extend(prefilled);
-                    self.run_prefills(group.requests);
-                    self.after_prefill = true;
-                }
+                Job::Commit(first) => self.gather_commits(&rx, first),
+                Job::Prefill(first) => self.gather_prefills(&rx, first),
             }
         }
     }
@@ -223,7 +183,7 @@ impl Worker {
         self.threads_batch
     }
 
-    fn n_batch(&self) -> usize {
+    pub(super) fn n_batch(&self) -> usize {
         self.ctx.n_batch as usize
     }
 
@@ -310,7 +270,7 @@ impl Worker {
         pad: usize,
         main: bool,
     ) -> Result<()> {
-        self.last_decode = elapsed;
+        self.policy.decoded(elapsed);
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
@@ -320,7 +280,7 @@ impl Worker {
         self.tune_threads(self.batch.len() + pad);
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
-        Stats::add(&stats.decode_ns, self.last_decode.as_nanos() as u64);
+        Stats::add(&stats.decode_ns, elapsed.as_nanos() as u64);
         Stats::add(&stats.padded_rows, pad as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
@@ -372,7 +332,7 @@ impl Worker {
             "kvfork decode: t={:.3} tokens={} pad={pad} ms={:.1} threads={} ok={ok}{}",
             now.as_secs_f64(),
             self.batch.len(),
-            self.last_decode.as_secs_f64() * 1e3,
+            self.policy.last_decode().as_secs_f64() * 1e3,
             self.threads_batch,
             if main { "" } else { " scratch" },
         );
@@ -385,7 +345,7 @@ impl Worker {
             return;
         };
         let before = tuner.threads();
-        tuner.observe(tokens, self.last_decode.as_nanos() as f64);
+        tuner.observe(tokens, self.policy.last_decode().as_nanos() as f64);
         self.apply_threads(before);
     }
 

@@ -5,8 +5,8 @@ use std::ffi::CString;
 
 use llama_cpp_sys_2 as sys;
 
+use super::llama_sampler::RawSampler;
 use super::params::SamplingParams;
-use super::raw::RawSampler;
 use super::stochastic::{self, Rng};
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};

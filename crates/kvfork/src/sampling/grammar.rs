@@ -7,7 +7,7 @@ use std::ffi::{c_char, CString};
 use llama_cpp_sys_2 as sys;
 
 use super::guidance::{GuidanceKind, Guided};
-use super::raw::RawSampler;
+use super::llama_sampler::RawSampler;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 

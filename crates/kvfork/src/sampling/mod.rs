@@ -3,8 +3,9 @@
 pub(crate) mod chain;
 pub(crate) mod grammar;
 pub(crate) mod guidance;
+pub(crate) mod json_schema;
+pub(crate) mod llama_sampler;
 pub mod params;
-pub(crate) mod raw;
 pub(crate) mod stochastic;
 
 pub use grammar::GrammarSpec;

@@ -1,7 +1,7 @@
-//! The raw context layer (the reference library's low level): decode into a sequence no
+//! The raw context layer (lloyal.node's low level: the Node.js library kvfork re-creates): decode into a sequence no
 //! branch holds, take its cells over with a branch, capture its last output, decode without
 //! accepting, release a branch but keep its cells, and the context-level metrics of the last
-//! output. The work runs on the engine thread in `engine/raw.rs`; the outputs are kept in
+//! output. The work runs on the engine thread in `engine/takeover.rs`; the outputs are kept in
 //! `engine/outputs.rs`.
 
 use kvfork_core::metrics::LogBase;
@@ -15,20 +15,6 @@ use crate::model::Token;
 use crate::sampling::chain::SamplerChain;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
-use crate::seq::Seq;
-
-/// A sequence id argument of the raw layer, checked against the context.
-fn seq_id(ctx: &Context, seq_id: i32) -> Result<Seq> {
-    Seq::checked(seq_id, ctx.n_seq_max()).map_err(|_| {
-        Error::invalid(
-            "seq_id",
-            format!(
-                "sequence id {seq_id} is not in [0, n_seq_max = {})",
-                ctx.n_seq_max()
-            ),
-        )
-    })
-}
 
 /// A branch made by [`Branch::create_over`], and whether it kept the sequence's cells.
 #[derive(Debug, Clone)]
@@ -62,7 +48,7 @@ impl Context {
         let checked = (|| {
             self.shared().check_open()?;
             refuse_park(self, "Context.decode")?;
-            let seq = self::seq_id(self, seq_id)?;
+            let seq = self.seq_arg(seq_id)?;
             if position < 0 {
                 return Err(Error::invalid(
                     "position",
@@ -142,7 +128,7 @@ impl Branch {
                     format!("{position} is not in [0, n_ctx = {})", ctx.n_ctx()),
                 ));
             }
-            let seq = seq_id.map(|s| self::seq_id(ctx, s)).transpose()?;
+            let seq = seq_id.map(|s| ctx.seq_arg(s)).transpose()?;
             let sampler = SamplerChain::new(params, ctx.model())?;
             let grammar = grammar
                 .filter(|g| !g.is_blank())
@@ -181,25 +167,6 @@ impl Branch {
                 seq.id()
             ))),
         }
-    }
-
-    /// `fork` onto the lease of `seq_id` itself (the reference's `fork(newSeqId)`), or the
-    /// lowest free one without it. `SeqLeased` when a branch holds that sequence; cells it
-    /// held are replaced by the parent's.
-    pub fn fork_on(&self, seed: Option<u32>, seq_id: Option<i32>) -> Pending<Branch> {
-        let on = match seq_id.map(|s| self::seq_id(self.context(), s)).transpose() {
-            Ok(on) => on,
-            Err(e) => return Pending::ready(Err(e)),
-        };
-        if let Err(e) = self.check_live() {
-            return Pending::ready(Err(e));
-        }
-        let (ctx, parent, parent_cell) =
-            (self.context().clone(), self.handle(), self.cell().clone());
-        self.context().run(move |w| {
-            let (handle, cell) = w.fork(parent, &parent_cell, seed, on)?;
-            Ok(Branch::from_parts(ctx, handle, cell))
-        })
     }
 
     /// Decode `token` at the branch's position and capture its logits, without accepting

@@ -1,4 +1,4 @@
-//! The raw context layer (the reference library's low level) and in-memory snapshots: the
+//! The raw context layer (lloyal.node's low level: the Node.js library kvfork re-creates) and in-memory snapshots: the
 //! methods `Context` and `Branch` gain from them, beside their other methods.
 
 use std::borrow::Cow;
@@ -7,10 +7,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 use crate::awaitable::Call;
-use crate::branch::{log_base, token_arg, wrap, PyBranch};
-use crate::context::{token_id, PyContext};
+use crate::branch::{log_base, token_arg};
+use crate::convert::token_id;
 use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
+use crate::handles::PyContext;
+use crate::handles::{wrap, PyBranch};
 use crate::twins::twins;
 
 /// Bytes for Python (`bytes`, not a list of ints).
@@ -41,7 +43,7 @@ impl PyContext {
 
 twins! {
     impl PyContext {
-        /// Raw decode (the reference's `ctx.decode(tokens, position, seqId)`): `tokens` into
+        /// Raw decode (lloyal.node's `ctx.decode(tokens, position, seqId)`): `tokens` into
         /// sequence `seq_id` from `position`, in ceil(n / n_batch) decodes, keeping the last
         /// token's logits as the sequence's output (`Branch.create(ctx, position, params,
         /// seq_id=...)` then `capture_logits()` takes both over). `position` must follow the
@@ -89,14 +91,14 @@ twins! {
 #[pymethods]
 impl PyBranch {
     /// The context's last output for this branch's sequence becomes its logits snapshot
-    /// (the reference's `captureLogits()`): the logits a `ctx.decode` into the sequence left
+    /// (lloyal.node's `captureLogits()`): the logits a `ctx.decode` into the sequence left
     /// before this branch took it over. A branch that decoded since already holds that
     /// output (nothing changes). KvforkError when the sequence has no output at all.
     fn capture_logits(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.capture_logits()).py()
     }
 
-    /// Release the handle and the KV lease but keep the cells (the reference's `destroy()`:
+    /// Release the handle and the KV lease but keep the cells (lloyal.node's `destroy()`:
     /// carry on with `ctx.decode` on `seq_id`, or take the cells over again with
     /// `Branch.create(ctx, position, params, seq_id=...)`). RESTRICT like `prune`:
     /// KvforkError while it has live children. `disposed` is True at once; a second call is

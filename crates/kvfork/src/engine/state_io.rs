@@ -1,5 +1,5 @@
 //! Saving and loading branches and whole contexts. A file is sealed by
-//! `kvfork_core::persist` (version, model identity, checksum) and is fully verified and
+//! `kvfork_core::state_file` (version, model identity, checksum) and is fully verified and
 //! parsed before anything reaches llama.cpp, which trusts the KV bytes it is given.
 //!
 //! - Branch file: the branch's record, then its sequence's KV cells.
@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvfork_core::persist::{self, Kind, Reader, Writer};
+use kvfork_core::state_file::{self, Kind, Reader, Writer};
 use kvfork_core::Handle;
 
 use super::shared::BranchCell;
@@ -93,7 +93,7 @@ impl Worker {
         cell.lock().write(&mut out);
         out.bytes(&self.ctx().kv_state(Some(cell.seq()))?);
         let model_id = self.shared().model.identity();
-        Ok(persist::seal(Kind::Branch, model_id, &out.into_bytes()))
+        Ok(state_file::seal(Kind::Branch, model_id, &out.into_bytes()))
     }
 
     /// `Branch::load`: a saved branch as a new root on a fresh lease.
@@ -105,7 +105,8 @@ impl Worker {
     /// new root on a fresh lease.
     pub(crate) fn restore_branch(&mut self, file: &[u8]) -> Result<(Handle, Arc<BranchCell>)> {
         let model = self.shared().model.clone();
-        let payload = persist::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
+        let payload =
+            state_file::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
         let state = BranchState::read(&mut r, &model)?;
         let kv = r.bytes().map_err(state_error)?;
@@ -157,7 +158,7 @@ impl Worker {
         }
         out.bytes(&self.ctx().kv_state(None)?);
         let model_id = self.shared().model.identity();
-        Ok(persist::seal(Kind::Context, model_id, &out.into_bytes()))
+        Ok(state_file::seal(Kind::Context, model_id, &out.into_bytes()))
     }
 
     /// `Context::load_state`: the branches of a context file, each after its parent, on the
@@ -181,7 +182,8 @@ impl Worker {
     ) -> Result<Vec<(Handle, Arc<BranchCell>)>> {
         self.refuse_parking("restore")?;
         let model = self.shared().model.clone();
-        let payload = persist::open(file, Kind::Context, model.identity()).map_err(state_error)?;
+        let payload =
+            state_file::open(file, Kind::Context, model.identity()).map_err(state_error)?;
         let mut r = Reader::new(payload);
         let n = r.u64().map_err(state_error)?;
         let mut saved = Vec::new();

@@ -1,6 +1,6 @@
 //! A branch's state (everything but its KV cells) as a record of a kvfork state file.
 
-use kvfork_core::persist::{Reader, StateError, Writer};
+use kvfork_core::state_file::{Reader, StateError, Writer};
 use kvfork_core::{Biases, Perplexity, Utf8Carry};
 
 use std::path::PathBuf;

@@ -1,6 +1,6 @@
 //! Saving and loading branches and whole contexts, to files or in-memory snapshots (the same
 //! bytes): the calls, queued on the engine thread, whose work (format included) is in
-//! `engine/persist.rs`.
+//! `engine/state_io.rs`.
 
 use std::path::PathBuf;
 

@@ -1,0 +1,205 @@
+//! The public options of a context: sizes, threads, cache element types, embeddings and
+//! pooling, parking — each checked before llama.cpp sees it (`ContextParams::validate`), and
+//! the names callers give them (`CacheType::from_name`, `pooling_from_name`).
+
+use llama_cpp_sys_2 as sys;
+
+use crate::error::{Error, Result};
+use crate::seq::Seq;
+
+/// llama.cpp's `LLAMA_POOLING_TYPE_NONE`: embeddings are one vector per token.
+pub(crate) const POOLING_NONE: i32 = 0;
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`: a reranker's scores per text.
+pub(crate) const POOLING_RANK: i32 = 4;
+
+/// KV cache element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit float (the default).
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 8-bit blocks (llama.cpp's `q8_0`).
+    Q8_0,
+    /// 4-bit blocks (llama.cpp's `q4_0`).
+    Q4_0,
+}
+
+impl CacheType {
+    /// By name: `f32`, `f16`, `bf16`, `q8_0` or `q4_0` (any case).
+    pub fn from_name(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "f32" => CacheType::F32,
+            "f16" => CacheType::F16,
+            "bf16" => CacheType::BF16,
+            "q8_0" => CacheType::Q8_0,
+            "q4_0" => CacheType::Q4_0,
+            other => {
+                return Err(Error::invalid(
+                    "type_k/type_v",
+                    format!("unknown cache type {other:?}"),
+                ))
+            }
+        })
+    }
+
+    pub(crate) fn ggml(self) -> sys::ggml_type {
+        match self {
+            CacheType::F32 => sys::GGML_TYPE_F32,
+            CacheType::F16 => sys::GGML_TYPE_F16,
+            CacheType::BF16 => sys::GGML_TYPE_BF16,
+            CacheType::Q8_0 => sys::GGML_TYPE_Q8_0,
+            CacheType::Q4_0 => sys::GGML_TYPE_Q4_0,
+        }
+    }
+}
+
+/// llama.cpp's pooling type for embeddings by name: `none`, `mean`, `cls` or `last`.
+pub fn pooling_from_name(name: &str) -> Result<i32> {
+    Ok(match name {
+        "none" => POOLING_NONE,
+        "mean" => 1,
+        "cls" => 2,
+        "last" => 3,
+        other => {
+            return Err(Error::invalid(
+                "pooling",
+                format!("unknown pooling {other:?} (none, mean, cls or last)"),
+            ))
+        }
+    })
+}
+
+/// Options of a context (see `create_context` in the Python API).
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    /// KV cache size in tokens, shared by all sequences.
+    pub n_ctx: u32,
+    /// Most tokens one decode takes.
+    pub n_batch: u32,
+    /// Number of KV sequences (live branches at once), at most [`MAX_SEQUENCES`].
+    pub n_seq_max: u32,
+    /// Threads of single-token decodes. `None`: adapt (see `kvfork_core::threads`), between
+    /// 1 and the number of cores (at most 8).
+    pub n_threads: Option<i32>,
+    /// Threads of multi-token decodes (prefill, batched steps). `None`: adapt, likewise.
+    pub n_threads_batch: Option<i32>,
+    /// Element type of the cached keys.
+    pub type_k: CacheType,
+    /// Element type of the cached values.
+    pub type_v: CacheType,
+    /// Compute embeddings, for `Context::embed`.
+    pub embeddings: bool,
+    /// llama.cpp pooling type for embeddings (`None`: the model's).
+    pub pooling: Option<i32>,
+    /// More branches than leases: a branch without a lease is parked in host memory
+    /// (`engine/park.rs`). llama.cpp then gets one more sequence, the engine's scratch.
+    pub park: bool,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        ContextParams {
+            n_ctx: 4096,
+            n_batch: 512,
+            n_seq_max: 8,
+            n_threads: None,
+            n_threads_batch: None,
+            type_k: CacheType::F16,
+            type_v: CacheType::F16,
+            embeddings: false,
+            pooling: None,
+            park: false,
+        }
+    }
+}
+
+/// llama.cpp's limit on sequences per context.
+pub const MAX_SEQUENCES: u32 = 256;
+
+impl ContextParams {
+    /// Reject values llama.cpp would assert on.
+    pub fn validate(&self) -> Result<()> {
+        // With `park`, llama.cpp gets one more sequence (the scratch) than branches lease.
+        let most = MAX_SEQUENCES - self.park as u32;
+        if self.n_seq_max == 0 || self.n_seq_max > most {
+            return Err(Error::invalid(
+                "n_seq_max",
+                format!("{} is not in [1, {most}]", self.n_seq_max),
+            ));
+        }
+        if self.park && self.embeddings {
+            return Err(Error::invalid(
+                "park",
+                "parking is for generation contexts, not embeddings=True",
+            ));
+        }
+        if self.n_ctx < 16 || self.n_ctx > 1 << 24 {
+            return Err(Error::invalid(
+                "n_ctx",
+                format!("{} is not in [16, 16777216]", self.n_ctx),
+            ));
+        }
+        if self.n_batch == 0 || self.n_batch > 1 << 16 {
+            return Err(Error::invalid(
+                "n_batch",
+                format!("{} is not in [1, 65536]", self.n_batch),
+            ));
+        }
+        for (name, value) in [
+            ("n_threads", self.n_threads),
+            ("n_threads_batch", self.n_threads_batch),
+        ] {
+            if let Some(t) = value {
+                if !(1..=512).contains(&t) {
+                    return Err(Error::invalid(name, format!("{t} is not in [1, 512]")));
+                }
+            }
+        }
+        if let Some(p) = self.pooling {
+            if !(-1..=3).contains(&p) {
+                return Err(Error::invalid(
+                    "pooling",
+                    format!("unknown pooling type {p}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The most threads an adapting decode uses: the number of cores, at most 8.
+    pub fn max_threads() -> i32 {
+        std::thread::available_parallelism()
+            .map(|n| n.get().min(8) as i32)
+            .unwrap_or(4)
+    }
+
+    /// Sequences llama.cpp holds: the leases, plus the scratch sequence of `park`, plus the
+    /// padding sequence when there is one.
+    pub fn llama_seqs(&self) -> u32 {
+        self.n_seq_max + self.park as u32 + self.pad_seq().is_some() as u32
+    }
+
+    /// The sequence no branch leases whose rows pad a decode's outputs to whole tiles of the
+    /// CPU's output matmul (`kvfork_core::output_tile`); emptied after every decode. None
+    /// for embeddings, or when llama.cpp's sequence limit leaves no room for it.
+    pub(crate) fn pad_seq(&self) -> Option<Seq> {
+        let first_free = self.n_seq_max + self.park as u32;
+        (!self.embeddings && first_free < MAX_SEQUENCES).then(|| Seq::new(first_free))
+    }
+
+    /// Whether either thread count adapts to the machine's load.
+    pub fn adapts_threads(&self) -> bool {
+        self.n_threads.is_none() || self.n_threads_batch.is_none()
+    }
+
+    /// (single-token, batch) thread counts when the adaptive choice is `adaptive`.
+    pub fn threads_with(&self, adaptive: i32) -> (i32, i32) {
+        (
+            self.n_threads.unwrap_or(adaptive),
+            self.n_threads_batch.unwrap_or(adaptive),
+        )
+    }
+}

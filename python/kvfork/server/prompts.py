@@ -1,0 +1,92 @@
+"""Requests into model inputs: a chat's messages through the model's template (tools
+included) into tokens and stop strings, a completion's prompt into tokens, embeddings inputs
+into vectors; and a finished reply's text back into tool calls. The tokenizer and the template
+are the model's, so any context of it will do (`kvfork serve --ray`'s front has a small one
+of its own; the actors generate)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+from .._native import Context, KvforkError
+from .._tools import call_schema, parse_tool_calls, template_renders_tools, with_tool_prompt
+from .errors import APIError, bad_request
+from .requests import ChatRequest, CompletionRequest, EmbeddingRequest
+
+
+class Prompts:
+    """The inputs of the requests, built on `ctx` (the model's tokenizer and chat template, or
+    `chat_template`), with `embed_ctx` for `/v1/embeddings` (None: no embedding model)."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        chat_template: str | None = None,
+        embed_ctx: Context | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.chat_template = chat_template
+        self.embed_ctx = embed_ctx
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
+        """The prompt tokens of a chat request and the template's stop strings."""
+        messages, tools = req.messages, req.tools if req.tool_choice != "none" else None
+        kwargs: dict[str, Any] = {}
+        if self.chat_template is not None:
+            kwargs["template"] = self.chat_template
+        try:
+            if tools and not template_renders_tools(self.ctx, messages, **kwargs):
+                messages, tools = with_tool_prompt(messages, tools), None
+            chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
+        except KvforkError as exc:
+            raise bad_request(str(exc), "messages", "chat_template") from None
+        tokens = self.ctx.tokenize(chat.prompt, add_special=True, parse_special=True)
+        return tokens, list(chat.stop)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            return list(req.prompt)
+        return self.ctx.tokenize(req.prompt, add_special=True, parse_special=False)
+
+    async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
+        """(data items, prompt tokens) of an embeddings request."""
+        if self.embed_ctx is None:
+            raise APIError(
+                404,
+                "this server has no embedding model: start it with --embeddings",
+                param="input",
+                code="embeddings_disabled",
+            )
+        ctx = self.embed_ctx
+        token_lists = [
+            item if isinstance(item, list) else ctx.tokenize(item, add_special=True)
+            for item in req.inputs
+        ]
+        if any(len(t) > ctx.n_batch for t in token_lists):
+            raise bad_request(f"an input is longer than {ctx.n_batch} tokens", "input")
+        rows = await ctx.embed_batch(token_lists)
+        data = []
+        for i, row in enumerate(rows):
+            vector = np.asarray(row, dtype=np.float32)
+            value: Any = (
+                base64.b64encode(vector.tobytes()).decode()
+                if req.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return data, sum(len(t) for t in token_lists)
+
+    def tool_calls(self, req: ChatRequest, text: str) -> list[dict[str, Any]]:
+        if not req.tools or req.tool_choice == "none":
+            return []
+        return parse_tool_calls(text, req.tools)
+
+    def constrain_tools(self, req: ChatRequest) -> None:
+        """A required or named tool call: the output is that call's JSON."""
+        if req.tools and req.tool_choice not in ("none", "auto"):
+            name = None if req.tool_choice == "required" else req.tool_choice
+            req.sampling.json_schema = call_schema(req.tools, name)
