@@ -312,6 +312,7 @@ impl Operation {
         self.step(py)
     }
 
+    /// Called by asyncio as it drives the await (the value sent in is not used).
     fn send(&self, py: Python<'_>, _value: Py<PyAny>) -> PyResult<Py<PyAny>> {
         self.drive();
         self.step(py)
