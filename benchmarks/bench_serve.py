@@ -3,24 +3,32 @@ llama.cpp's own `llama-server --parallel 16` and llama-cpp-python's example serv
 
 Workloads (default model, 2 threads for every server, greedy, `/v1/completions`, streamed):
 - shared: CLIENTS requests at once, each one ~1,000-token preamble plus its own question;
-- disjoint: CLIENTS requests at once, each its own ~250-token prompt.
-Each server starts cold for each round; the same requests are then sent again to the warm
-server (the "warm" column). Wall time of all requests, median time to first token (TTFT).
-Servers are interleaved round by round; medians over ROUNDS. Every server binds 127.0.0.1.
+- disjoint: CLIENTS requests at once, each its own ~250-token prompt;
+- steady: requests arriving one by one as a Poisson stream (`--rate` per second, `--requests`
+  of them, prompts of 50–1,000 tokens and 64 output tokens, all drawn from a fixed seed),
+  as a real server sees them: p50/p95 time to first token, p50/p95 time between tokens,
+  throughput (generated tokens per second of wall time).
+For the bursts each server starts cold for each round; the same requests are then sent again
+to the warm server (the "warm" column). Wall time of all requests, median time to first token
+(TTFT). Servers are interleaved round by round; medians over ROUNDS. Every server binds
+127.0.0.1.
 
     .venv/bin/python benchmarks/bench_serve.py [--rounds 2] [--clients 16]
         [--llama-server PATH]   # scripts/build_llama_server.sh builds it (default: found there)
         [--peer-python .venv-peer/bin/python]   # `make peer`, plus fastapi, uvicorn, openai
         [--example-server .peer-server/src/examples/server/server.py]  # from the same sdist
         [--adaptive]            # kvfork with its default adaptive thread count, not 2
+        [--only shared|disjoint|steady] [--rate 2] [--requests 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -102,6 +110,71 @@ async def one(client: openai.AsyncOpenAI, prompt: str, t0: float) -> float:
         if chunk.choices and chunk.choices[0].text and ttft != ttft:
             ttft = time.perf_counter() - t0
     return ttft
+
+
+STEADY_TOKENS = 64
+STEADY_SEED = 2026
+
+
+def steady_requests(n: int, rate: float) -> list[tuple[float, str]]:
+    """`n` (arrival time, prompt) pairs: exponential gaps at `rate` per second, prompts of
+    50–1,000 tokens (a note of `preamble` is 13 words, ~22 Gemma 3 tokens), from a fixed
+    seed."""
+    rng = random.Random(STEADY_SEED)
+    at, out = 0.0, []
+    for i in range(n):
+        at += rng.expovariate(rate)
+        notes = max(2, round(rng.uniform(50, 1000) / 22))
+        out.append((at, preamble(12 * notes, 100 + i) + f" Request {i}:"))
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if x == x)
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def timed_stream(
+    client: openai.AsyncOpenAI, prompt: str, start: float
+) -> tuple[float, list[float], int]:
+    """Stream one completion sent at `start`: its TTFT, the gaps between its tokens, and
+    how many chunks of text it got."""
+    stream = await client.completions.create(
+        model="m", prompt=prompt, max_tokens=STEADY_TOKENS, temperature=0, stream=True
+    )
+    times = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+    if not times:
+        return float("nan"), [], 0
+    return times[0] - start, [b - a for a, b in itertools.pairwise(times)], len(times)
+
+
+async def steady(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
+    """Requests sent at their arrival times; TTFT and between-token quantiles, throughput."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
+    t0 = time.perf_counter()
+
+    async def at(when: float, prompt: str) -> tuple[float, list[float], int]:
+        await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
+        return await timed_stream(client, prompt, time.perf_counter())
+
+    results = await asyncio.gather(*(at(w, p) for w, p in plan))
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttfts = [r[0] for r in results]
+    gaps = [g for r in results for g in r[1]]
+    return {
+        "ttft_p50": quantile(ttfts, 0.5),
+        "ttft_p95": quantile(ttfts, 0.95),
+        "tbt_p50": quantile(gaps, 0.5),
+        "tbt_p95": quantile(gaps, 0.95),
+        "tokens_per_s": sum(r[2] for r in results) / wall,
+        "wall": wall,
+    }
 
 
 async def burst(url: str, prompts: list[str]) -> tuple[float, float]:
@@ -202,16 +275,39 @@ def main() -> None:
     ap.add_argument(
         "--example-server", default=str(ROOT / ".peer-server/src/examples/server/server.py")
     )
-    ap.add_argument("--only", choices=["shared", "disjoint"], default=None)
+    ap.add_argument("--only", choices=["shared", "disjoint", "steady"], default=None)
+    ap.add_argument("--rate", type=float, default=2.0, help="steady: arrivals per second")
+    ap.add_argument("--requests", type=int, default=64, help="steady: how many")
     ap.add_argument("--adaptive", action="store_true", help="kvfork with its adaptive thread count")
     args = ap.parse_args()
     model = kvfork.default_model_path()
     loads = workloads(args.clients)
-    if args.only:
+    if args.only in ("shared", "disjoint"):
         loads = {args.only: loads[args.only]}
+    elif args.only == "steady":
+        loads = {}
     specs = servers(args, model, args.clients)
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    steady_rows: dict[str, list[dict[str, float]]] = {}
+    plan = steady_requests(args.requests, args.rate)
     for _ in range(args.rounds):
+        if args.only in (None, "steady"):
+            for spec in specs:
+                proc, url, log = start(spec)
+                try:
+                    row = asyncio.run(steady(url, plan))
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+                    log.close()
+                steady_rows.setdefault(spec.name, []).append(row)
+                print(
+                    f"  steady   {spec.name:15} TTFT p50 {row['ttft_p50']:5.2f} p95 "
+                    f"{row['ttft_p95']:5.2f} s  between tokens p50 {row['tbt_p50'] * 1e3:5.0f} "
+                    f"p95 {row['tbt_p95'] * 1e3:5.0f} ms  {row['tokens_per_s']:6.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for load, prompts in loads.items():
             for spec in specs:
                 proc, url, log = start(spec)
@@ -233,11 +329,27 @@ def main() -> None:
         f"\n{args.clients} clients, {TOKENS} greedy tokens each, streamed; median of "
         f"{args.rounds} cold starts\n"
     )
-    print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
-    print("|---|---|---|---|---|")
+    if results:
+        print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
+        print("|---|---|---|---|---|")
     for (load, name), rows in results.items():
         med = [statistics.median(r[i] for r in rows) for i in range(3)]
         print(f"| {load} | {name} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")
+    if steady_rows:
+        print(
+            f"\nsteady: {args.requests} requests, Poisson arrivals at {args.rate}/s, prompts of "
+            f"50–1,000 tokens, {STEADY_TOKENS} tokens each; median of {args.rounds} runs\n"
+        )
+        print(
+            "| server | TTFT p50 (s) | TTFT p95 (s) | between tokens p50 (ms) | p95 (ms) | tok/s |"
+        )
+        print("|---|---|---|---|---|---|")
+        for name, runs in steady_rows.items():
+            m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print(
+                f"| {name} | {m['ttft_p50']:.2f} | {m['ttft_p95']:.2f} | {m['tbt_p50'] * 1e3:.0f} "
+                f"| {m['tbt_p95'] * 1e3:.0f} | {m['tokens_per_s']:.1f} |"
+            )
 
 
 if __name__ == "__main__":
