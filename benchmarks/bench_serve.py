@@ -325,11 +325,11 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-    print(
-        f"\n{args.clients} clients, {TOKENS} greedy tokens each, streamed; median of "
-        f"{args.rounds} cold starts\n"
-    )
     if results:
+        print(
+            f"\n{args.clients} clients, {TOKENS} greedy tokens each, streamed; median of "
+            f"{args.rounds} cold starts\n"
+        )
         print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
         print("|---|---|---|---|---|")
     for (load, name), rows in results.items():
