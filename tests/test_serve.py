@@ -348,6 +348,8 @@ def small_server(serve: Any) -> Server:
 
 
 STORY: Any = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+#: The chat model's stop tokens banned: a stream that must outlast the test's checks.
+NO_STOP = {"0": -100, "2": -100, "4": -100}
 
 
 def _answers_at_once(server: Server) -> None:
@@ -493,7 +495,12 @@ def test_health_says_busy_then_degraded_while_requests_wait(serve: Any) -> None:
     )
     assert server.get("/health") == (200, {"status": "ok", "free_sequences": 1, "queue": 0})
     long = server.client().chat.completions.create(
-        model="x", messages=STORY, max_tokens=2000, temperature=0.8, stream=True
+        model="x",
+        messages=STORY,
+        max_tokens=2000,
+        temperature=0.8,
+        stream=True,
+        logit_bias=NO_STOP,  # it cannot end before the test ends it
     )
     next(iter(long))  # it holds the only sequence
     queued = threading.Thread(
@@ -649,7 +656,7 @@ def test_a_small_request_beside_a_huge_one_answers_in_its_usual_time(
 def test_sigterm_with_a_stream_in_flight_ends_it_and_exits_cleanly(serve: Any) -> None:
     server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "2", "--shutdown-seconds", "1")
     stream = server.client().chat.completions.create(
-        model="x", messages=STORY, max_tokens=3000, temperature=0.8, stream=True
+        model="x", messages=STORY, max_tokens=3000, temperature=0.8, stream=True, logit_bias=NO_STOP
     )
     chunks = iter(stream)
     next(chunks)
