@@ -430,15 +430,7 @@ def test_a_tcp_reset_mid_stream_gives_the_sequences_back(small_server: Server) -
 def test_a_tool_call_stream_closed_mid_call_gives_the_sequence_back(
     small_server: Server,
 ) -> None:
-    stream = small_server.client().chat.completions.create(
-        model="x",
-        messages=_messages("What is the weather in Paris?"),
-        max_tokens=48,
-        temperature=0,
-        tools=WEATHER_TOOLS,
-        tool_choice="required",
-        stream=True,
-    )
+    stream = small_server.client().chat.completions.create(**WEATHER_CALL, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.tool_calls:
             break  # the call's id and name arrived; its arguments did not
@@ -540,6 +532,15 @@ WEATHER_TOOLS: Any = [
         },
     }
 ]
+#: A chat request that must call `get_weather` (its arguments constrained to the schema).
+WEATHER_CALL: Any = {
+    "model": "x",
+    "messages": _messages("What is the weather in Paris?"),
+    "max_tokens": 48,
+    "temperature": 0,
+    "tools": WEATHER_TOOLS,
+    "tool_choice": "required",
+}
 
 
 def test_every_stream_opens_with_the_role_of_each_choice(chat_server: Server) -> None:
@@ -558,14 +559,7 @@ def test_a_streamed_tool_call_accumulates_as_openai_s_own_client_reads_it(
 ) -> None:
     # The `openai` package's stream helper accumulates deltas (tool calls included) into the
     # final completion. Limits: it parses arguments into objects only for strict tools.
-    with chat_server.client().chat.completions.stream(
-        model="x",
-        messages=_messages("What is the weather in Paris?"),
-        max_tokens=48,
-        temperature=0,
-        tools=WEATHER_TOOLS,
-        tool_choice="required",
-    ) as stream:
+    with chat_server.client().chat.completions.stream(**WEATHER_CALL) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_completion()
     assert kinds[0] == "chunk" and "tool_calls.function.arguments.delta" in kinds
