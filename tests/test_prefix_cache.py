@@ -173,6 +173,11 @@ def test_bad_calls_raise(ctx: kvfork.Context) -> None:
     cache.release(b)
     with pytest.raises(ValueError, match="already released"):
         cache.release(b)
+    with kvfork.create_context_sync(ctx.model, n_ctx=512, n_seq_max=2) as other:
+        theirs = kvfork.PrefixCache(other).branch_sync(other.tokenize(PROMPT), GREEDY)
+        for call in (cache.fork_sync, cache.release):
+            with pytest.raises(ValueError, match="another context"):
+                call(theirs)  # its handle may equal one of this cache's
 
 
 def test_forks_evict_entries_for_their_leases_and_are_handed_back_as_entries(

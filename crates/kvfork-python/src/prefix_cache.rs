@@ -42,6 +42,39 @@ impl PyPrefixCache {
         })
     }
 
+    /// A new root branch positioned at the end of `tokens` with fresh logits, sharing the
+    /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
+    /// every lease is held by branches handed out; ValueError for tokens that leave no room
+    /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
+    /// and shares only prefixes computed under the same set. Cancelled after the branch was
+    /// made, it is handed back as an entry.
+    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
+    fn branch<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        params: Option<&Bound<'py, PyAny>>,
+        adapters: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.branching(tokens, params, adapters)?;
+        self.handing_out(py, Call("PrefixCache", "branch"), pending)
+    }
+
+    /// Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a
+    /// started call completes (the branch is made and handed back as an entry), then
+    /// KeyboardInterrupt is raised.
+    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
+    fn branch_sync(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyAny>>,
+        adapters: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyBranch> {
+        let pending = self.branching(tokens, params, adapters)?;
+        self.waiting(py, pending)
+    }
+
     /// Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
     /// (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
     /// cancelled task. ValueError for a branch the cache did not make or already has.
@@ -123,81 +156,7 @@ impl PyPrefixCache {
 }
 
 impl PyPrefixCache {
-    /// What a cancelled await leaves behind is handed back as an entry.
-    fn discard(&self) -> Discard {
-        let cache = self.inner.clone();
-        Box::new(move |py, made| {
-            if let Ok(branch) = made.bind(py).cast::<PyBranch>() {
-                let _ = cache.release(&branch.get().inner);
-            }
-        })
-    }
-
-    /// An awaitable of a branch handed out: cancelled after it was made, it is released.
-    fn handing_out<'py>(
-        &self,
-        py: Python<'py>,
-        call: Call,
-        pending: kvfork::Pending<kvfork::Branch>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let op = Operation::new(call, pending, OnCancel::Settle, |py, b| {
-            Bound::new(py, wrap(b)).map(|b| b.into_any().unbind())
-        })
-        .with_discard(self.discard());
-        Bound::new(py, op).map(Bound::into_any)
-    }
-
-    /// The blocking wait of a branch handed out: interrupted after it was made, it is released.
-    fn waiting(
-        &self,
-        py: Python<'_>,
-        pending: kvfork::Pending<kvfork::Branch>,
-    ) -> PyResult<PyBranch> {
-        let cache = self.inner.clone();
-        convert::wait_or_discard(py, pending, move |b| {
-            let _ = cache.release(&b);
-        })
-        .map(wrap)
-    }
-}
-
-#[pymethods]
-impl PyPrefixCache {
-    /// A new root branch positioned at the end of `tokens` with fresh logits, sharing the
-    /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
-    /// every lease is held by branches handed out; ValueError for tokens that leave no room
-    /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
-    /// and shares only prefixes computed under the same set. Cancelled after the branch was
-    /// made, it is handed back as an entry.
-    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
-    fn branch<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-        params: Option<&Bound<'py, PyAny>>,
-        adapters: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let pending = self.branching(tokens, params, adapters)?;
-        self.handing_out(py, Call("PrefixCache", "branch"), pending)
-    }
-
-    /// Blocking twin of `branch`: returns the Branch. Waits without the GIL; on Ctrl-C a
-    /// started call completes (the branch is made and handed back as an entry), then
-    /// KeyboardInterrupt is raised.
-    #[pyo3(signature = (tokens, params=None, *, adapters=None))]
-    fn branch_sync(
-        &self,
-        py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        params: Option<&Bound<'_, PyAny>>,
-        adapters: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyBranch> {
-        let pending = self.branching(tokens, params, adapters)?;
-        self.waiting(py, pending)
-    }
-}
-
-impl PyPrefixCache {
+    /// The engine call of `branch` and `branch_sync`.
     fn branching(
         &self,
         tokens: &Bound<'_, PyAny>,
@@ -216,5 +175,42 @@ impl PyPrefixCache {
         Ok(self
             .inner
             .branch_under(tokens, params::extract(params)?, adapters))
+    }
+
+    /// Hand a branch nobody received back as an entry (its maker's await was cancelled).
+    fn hand_back(cache: &kvfork::PrefixCache, branch: &kvfork::Branch) {
+        // The cache made it and it is live: release cannot refuse it.
+        let _ = cache.release(branch);
+    }
+
+    /// An awaitable of a branch handed out: cancelled after it was made, it is handed back.
+    fn handing_out<'py>(
+        &self,
+        py: Python<'py>,
+        call: Call,
+        pending: kvfork::Pending<kvfork::Branch>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cache = self.inner.clone();
+        let discard: Discard = Box::new(move |py, made| {
+            if let Ok(branch) = made.bind(py).cast::<PyBranch>() {
+                Self::hand_back(&cache, &branch.get().inner);
+            }
+        });
+        let op = Operation::new(call, pending, OnCancel::Settle, |py, b| {
+            Bound::new(py, wrap(b)).map(|b| b.into_any().unbind())
+        })
+        .with_discard(discard);
+        Bound::new(py, op).map(Bound::into_any)
+    }
+
+    /// The blocking wait of a branch handed out: interrupted after it was made, it is handed
+    /// back.
+    fn waiting(
+        &self,
+        py: Python<'_>,
+        pending: kvfork::Pending<kvfork::Branch>,
+    ) -> PyResult<PyBranch> {
+        let cache = self.inner.clone();
+        convert::wait_or_discard(py, pending, move |b| Self::hand_back(&cache, &b)).map(wrap)
     }
 }

@@ -4,7 +4,7 @@ use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, Steerin
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
-use kvfork_core::Handle;
+use kvfork_core::{Handle, Registry};
 
 use crate::branch_state::BranchState;
 use crate::context::Context;
@@ -286,13 +286,7 @@ impl Branch {
             let Some(node) = reg.get(self.handle) else {
                 return Pending::ready(Ok(()));
             };
-            // Children already pruned (`disposed`) whose engine half is still queued do not
-            // count: a prune that was not awaited looks done at once, everywhere.
-            let live = node
-                .children
-                .iter()
-                .filter(|&&c| reg.get(c).is_some_and(|n| !n.data.is_disposed()))
-                .count();
+            let live = live_children(&reg, &node.children).count();
             if live > 0 {
                 return Pending::ready(Err(Error::Other(format!(
                     "branch {} has {live} live children: prune them first, or use \
@@ -361,25 +355,22 @@ impl Branch {
     /// Live forks of this branch, in creation order (a fork being pruned is not live: its
     /// `disposed` is already true).
     pub fn children(&self) -> Vec<Branch> {
-        let children = match self.ctx.shared().registry().get(self.handle) {
-            Some(node) => node.children.clone(),
-            None => return Vec::new(),
+        let live: Vec<Handle> = {
+            let reg = self.ctx.shared().registry();
+            match reg.get(self.handle) {
+                Some(node) => live_children(&reg, &node.children).collect(),
+                None => return Vec::new(),
+            }
         };
-        children
-            .into_iter()
-            .filter_map(|h| self.wrap(h))
-            .filter(|b| !b.disposed())
-            .collect()
+        // (`wrap` locks the registry itself.)
+        live.into_iter().filter_map(|h| self.wrap(h)).collect()
     }
 
     /// Whether no live fork hangs off this branch.
     pub fn is_leaf(&self) -> bool {
         let reg = self.ctx.shared().registry();
-        reg.get(self.handle).is_none_or(|n| {
-            n.children
-                .iter()
-                .all(|&c| reg.get(c).is_none_or(|c| c.data.is_disposed()))
-        })
+        reg.get(self.handle)
+            .is_none_or(|n| live_children(&reg, &n.children).next().is_none())
     }
 
     /// True while the branch holds a KV lease (false once pruned, and while parked in host
@@ -670,4 +661,16 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The children among `children` that are live: one already pruned (`disposed`, its engine
+/// half still queued) is not, so a prune that was not awaited shows at once, everywhere.
+fn live_children<'a>(
+    reg: &'a Registry<Arc<BranchCell>>,
+    children: &'a [Handle],
+) -> impl Iterator<Item = Handle> + 'a {
+    children
+        .iter()
+        .copied()
+        .filter(|&c| reg.get(c).is_some_and(|n| !n.data.is_disposed()))
 }

@@ -217,7 +217,7 @@ impl PrefixCache {
     /// fork is handed out like a branch of [`PrefixCache::branch`] (`release` keeps it as an
     /// entry). LeaseExhaustedError when branches handed out hold every lease.
     pub fn fork(&self, source: &Branch, seed: Option<u32>) -> Pending<Branch> {
-        if let Err(e) = source.check_live() {
+        if let Err(e) = self.check_ours(source).and_then(|_| source.check_live()) {
             return Pending::ready(Err(e));
         }
         let (cache, source) = (self.clone(), source.clone());
@@ -236,8 +236,15 @@ impl PrefixCache {
                 Err(Error::LeaseExhausted { .. }) => self.evict_one_but(keep)?,
                 Err(e) => return Err(e),
                 Ok(branch) => {
-                    let tokens = source.history()?;
-                    let adapters = source.adapters()?;
+                    // The fork's own tokens and adapters: `source` may have moved on since.
+                    let made = branch.history().and_then(|h| Ok((h, branch.adapters()?)));
+                    let (tokens, adapters) = match made {
+                        Ok(made) => made,
+                        Err(e) => {
+                            drop(branch.prune()); // queued; always completes
+                            return Err(e);
+                        }
+                    };
                     let sentinel = self.lock().sentinel(adapters.key());
                     self.hold(&branch, sentinel, &tokens, tokens.len());
                     return Ok(branch);
@@ -268,6 +275,17 @@ impl PrefixCache {
             }
             Ok(evicted)
         })
+    }
+
+    /// Refuse a branch of another context (its handle could equal one of ours).
+    fn check_ours(&self, branch: &Branch) -> Result<()> {
+        if branch.context().shared().id != self.ctx.shared().id {
+            return Err(Error::invalid(
+                "branch",
+                format!("branch {} belongs to another context", branch.handle()),
+            ));
+        }
+        Ok(())
     }
 
     /// Record a branch just made as a live holder of `tokens`.
@@ -433,6 +451,7 @@ impl PrefixCache {
     /// (an async caller may call it from a cancelled task's clean-up): prunes it needs are
     /// queued, and always happen.
     pub fn release(&self, branch: &Branch) -> Result<()> {
+        self.check_ours(branch)?;
         let over = {
             let mut st = self.lock();
             let handle = branch.handle();

@@ -107,13 +107,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-        generation: Events,
-        count: Callable[[int], None],
-    ) -> None:
+    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], generation: Events) -> None:
         # Not Response.__init__: it would declare an empty body's Content-Length.
         self.status_code = 200
         self.background = None
@@ -121,7 +115,8 @@ class EventStream(Response):
         self.first = first
         self.chunks = chunks
         self.generation = generation
-        self.count = count
+        #: Told the final status when the stream ends (`Endpoints.guarded` sets it).
+        self.count: Callable[[int], None] = lambda status: None
         self.final_status = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -442,7 +437,7 @@ async def _stream(
             head = await chunks.__anext__()
         except StopAsyncIteration:
             head = b""
-        return EventStream(head, chunks, generation, lambda status: None)
+        return EventStream(head, chunks, generation)
 
     try:
         response = await _unless_disconnected(request, first())

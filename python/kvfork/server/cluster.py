@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from .actors import ActorSet, Failure
 from .errors import APIError, shutting_down
-from .generation import Event, Outcome
+from .generation import Event, Outcome, health_body
 from .metrics import LIVE, Metrics
 from .prompts import Prompts
 from .requests import Sampling
@@ -84,13 +84,7 @@ class ClusterService:
         free = sum(row["sequences_max"] - row["leases_in_use"] for row in up)
         queue = sum(row["queue_length"] for row in up)
         stalled = any(r["queue_length"] and r["admitted_ago"] > stall_seconds for r in up)
-        if not up or stalled:
-            status = "degraded"
-        elif queue or not free:
-            status = "busy"
-        else:
-            status = "ok"
-        return {"status": status, "free_sequences": int(free), "queue": int(queue)}
+        return health_body(not up or stalled, int(free), int(queue))
 
     def stop_admitting(self) -> None:
         """Shutting down: new requests get 503; those under way go on."""

@@ -218,13 +218,7 @@ class Generator:
         """`GET /health`: "degraded" when requests wait and none was admitted for
         `stall_seconds`, "busy" when requests hold every sequence or some wait, else "ok"."""
         a = self.admission
-        if a.stalled(stall_seconds):
-            status = "degraded"
-        elif a.waiting or a.free == 0:
-            status = "busy"
-        else:
-            status = "ok"
-        return {"status": status, "free_sequences": a.free, "queue": a.waiting}
+        return health_body(a.stalled(stall_seconds), a.free, a.waiting)
 
     def stop_admitting(self) -> None:
         """Shutting down: new requests and those in the queue get 503; those admitted go on."""
@@ -235,6 +229,13 @@ class Generator:
         (a stream with an error event), and gives its sequences back."""
         for generation in list(self.generations):
             generation.end(shutting_down())
+
+
+def health_body(degraded: bool, free: int, queue: int) -> dict[str, Any]:
+    """`GET /health`'s body: "degraded" when `degraded`, else "busy" when requests wait or
+    hold every sequence, else "ok"; with the free sequences and the queue."""
+    status = "degraded" if degraded else "busy" if queue or not free else "ok"
+    return {"status": status, "free_sequences": free, "queue": queue}
 
 
 class Generation:
@@ -251,9 +252,9 @@ class Generation:
     """
 
     def __init__(
-        self, service: Generator, tokens: list[int], sampling: Sampling, stop: list[str]
+        self, generator: Generator, tokens: list[int], sampling: Sampling, stop: list[str]
     ) -> None:
-        self.service = service
+        self.generator = generator
         self.tokens = tokens
         self.sampling = sampling
         self.stop = stop
@@ -263,7 +264,7 @@ class Generation:
         self._closed = False
         self._ended: APIError | None = None
         self._out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
-        service.generations.add(self)
+        generator.generations.add(self)
 
     def __aiter__(self) -> AsyncIterator[Event | Outcome]:
         return self._events()
@@ -282,23 +283,23 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self.service.generations.discard(self)
+        self.generator.generations.discard(self)
         for task in self._tasks:
             task.cancel()  # a step in flight completes or rolls back on the engine thread
-        cache = self.service.cache
+        cache = self.generator.cache
         for branch in reversed(self.branches):
             with contextlib.suppress(ValueError):  # pruned already: nothing to give back
                 cache.release(branch)
         self.branches = []
         if self._admitted:
-            self.service.admission.release(self._admitted)
+            self.generator.admission.release(self._admitted)
             self._admitted = 0
 
     async def _events(self) -> AsyncIterator[Event | Outcome]:
-        s, sampling = self.service, self.sampling
+        g, sampling = self.generator, self.sampling
         try:
             self._check_ended()
-            await s.admission.acquire(sampling.n)
+            await g.admission.acquire(sampling.n)
             self._admitted = sampling.n
             cached = await self._choices()
             self._check_ended()
@@ -306,12 +307,12 @@ class Generation:
             out = self._out
             if len(self.branches) > 1 and not sampling.logprobs:
                 # n choices of one request: one decode per step for all of them.
-                together = _run_together(s.ctx, self.branches, choices, sampling, out)
+                together = _run_together(g.ctx, self.branches, choices, sampling, out)
                 self._tasks = [asyncio.create_task(_reporting(together, out))]
             else:
                 self._tasks = [
                     asyncio.create_task(
-                        _reporting(_generate_choice(s.ctx, b, c, sampling, out), out)
+                        _reporting(_generate_choice(g.ctx, b, c, sampling, out), out)
                     )
                     for b, c in zip(self.branches, choices)
                 ]
@@ -323,7 +324,7 @@ class Generation:
                 done += event.finish_reason is not None
                 yield event
             outcome = Outcome(choices, len(self.tokens), cached)
-            s.finished(outcome)
+            g.finished(outcome)
             yield outcome
         finally:
             self.close()
@@ -332,15 +333,15 @@ class Generation:
         """One branch per choice (`self.branches`): the first from the prefix cache, the
         others forked from it (one prefill for all; entries evicted for their sequences).
         The prompt tokens that came from the cache."""
-        s, sampling = self.service, self.sampling
+        g, sampling = self.generator, self.sampling
         try:
-            first = await s.cache.branch(self.tokens, sampling.params(0))
+            first = await g.cache.branch(self.tokens, sampling.params(0))
         except LeaseExhaustedError:
             raise _no_free_sequence() from None
         except ValueError as exc:  # raced
             raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
         self.branches.append(first)
-        cached = s.cache.shared_tokens(first) or 0
+        cached = g.cache.shared_tokens(first) or 0
         if sampling.logit_bias:
             first.set_logit_bias(sampling.logit_bias)
         if sampling.json_schema is not None:
@@ -354,7 +355,7 @@ class Generation:
         for i in range(1, sampling.n):
             seed = sampling.params(i).get("seed", int.from_bytes(np.random.bytes(4), "little"))
             try:
-                self.branches.append(await s.cache.fork(first, seed=seed))
+                self.branches.append(await g.cache.fork(first, seed=seed))
             except LeaseExhaustedError:
                 raise _no_free_sequence() from None
         return cached
