@@ -91,7 +91,7 @@ class Server:
             "requests": m["kvfork_sequences_requests"],
             "cache": m["kvfork_sequences_cache"],
             "held": m["kvfork_sequences_max"] - m["kvfork_sequences_free"],
-            "admitted": m["kvfork_leases_in_use"],
+            "admitted": m["kvfork_sequences_admitted"],
             "queue": m["kvfork_queue_length"],
         }
 

@@ -267,7 +267,7 @@ def test_bad_requests_get_400_naming_the_field_and_leak_nothing(chat_server: Ser
         error = reply["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert error["param"] == param, (body[:80], error)
-    assert chat_server.metric("kvfork_leases_in_use") == 0
+    assert chat_server.metric("kvfork_sequences_requests") == 0
     answer = chat_server.client().chat.completions.create(
         model="x", messages=_messages(), temperature=0, max_tokens=4
     )
@@ -303,9 +303,9 @@ def test_a_client_that_disconnects_gives_its_lease_back(chat_server: Server) -> 
             chunk = sock.recv(4096)
             assert chunk, "the server closed the stream"
             received += chunk
-        assert chat_server.metric("kvfork_leases_in_use") == 1
+        assert chat_server.metric("kvfork_sequences_requests") == 1
     deadline = time.monotonic() + 20
-    while chat_server.metric("kvfork_leases_in_use") != 0:
+    while chat_server.metric("kvfork_sequences_requests") != 0:
         assert time.monotonic() < deadline, "the lease did not come back"
         time.sleep(0.1)
 
@@ -332,7 +332,7 @@ def test_api_key_and_a_full_queue(serve: Any) -> None:
         t.join(timeout=120)
     # One runs, one waits in the queue, the others are refused with 503.
     assert sorted(results).count(200) >= 2 and 503 in results
-    assert server.metric("kvfork_leases_in_use") == 0
+    assert server.metric("kvfork_sequences_requests") == 0
 
 
 # ---- a server that never wedges: every sequence comes back, pressure gets 200/4xx/503 ----

@@ -252,15 +252,15 @@ def test_a_killed_actor_fails_only_what_it_started_and_is_replaced(cluster: Serv
     runner = threading.Thread(target=lambda: results.extend(in_threads(streamed, plain)))
     runner.start()
     deadline = time.monotonic() + 60
-    while chunks < 5 or 2 not in per_actor(cluster, "kvfork_leases_in_use").values():
+    while chunks < 5 or 2 not in per_actor(cluster, "kvfork_sequences_requests").values():
         assert time.monotonic() < deadline and runner.is_alive(), (
             results,
             chunks,
-            per_actor(cluster, "kvfork_leases_in_use"),
+            per_actor(cluster, "kvfork_sequences_requests"),
             per_actor(cluster, "kvfork_actor_in_flight"),
         )
         time.sleep(0.05)
-    victim = next(a for a, n in per_actor(cluster, "kvfork_leases_in_use").items() if n == 2)
+    victim = next(a for a, n in per_actor(cluster, "kvfork_sequences_requests").items() if n == 2)
     other = in_threads(elsewhere, lambda: os.kill(pid_of(cluster, victim), signal.SIGKILL))
     runner.join(timeout=120)
     stream_error, plain_error = results
@@ -279,7 +279,7 @@ def test_a_killed_actor_fails_only_what_it_started_and_is_replaced(cluster: Serv
         model="x", messages=messages("Which lamp is on?", DOCUMENT), max_tokens=4, temperature=0
     )
     assert usage.choices[0].message.content is not None
-    assert cluster.metric("kvfork_leases_in_use") == 0
+    assert cluster.metric("kvfork_sequences_requests") == 0
 
 
 def pid_of(server: Server, actor: int) -> int:
@@ -313,10 +313,10 @@ def test_a_client_that_disconnects_gives_the_actors_lease_back(cluster: Server) 
         stream=True,
     )
     next(iter(stream))
-    assert cluster.metric("kvfork_leases_in_use") == 1
+    assert cluster.metric("kvfork_sequences_requests") == 1
     stream.close()
     deadline = time.monotonic() + 20
-    while cluster.metric("kvfork_leases_in_use") != 0:
+    while cluster.metric("kvfork_sequences_requests") != 0:
         assert time.monotonic() < deadline, "the lease did not come back"
         time.sleep(0.1)
 

@@ -81,7 +81,7 @@ class ClusterService:
         waiting or every sequence taken, else "ok"; the free sequences and the queue summed."""
         self.snapshots = await self.actors.snapshots(timeout=2.0)
         up = [row for row in self.snapshots if row is not None]
-        free = sum(row["sequences_max"] - row["leases_in_use"] for row in up)
+        free = sum(row["sequences_max"] - row["sequences_admitted"] for row in up)
         queue = sum(row["queue_length"] for row in up)
         stalled = any(r["queue_length"] and r["admitted_ago"] > stall_seconds for r in up)
         return health_body(not up or stalled, int(free), int(queue))

@@ -203,7 +203,8 @@ class Generator:
         stats, cache = self.ctx.stats(), self.cache.stats()
         return {
             "decode_calls": stats["decode_calls"],
-            "leases_in_use": self.admission.leases - self.admission.free,
+            "leases_in_use": self.ctx.n_seq_max - self.store.available,
+            "sequences_admitted": self.admission.leases - self.admission.free,
             "queue_length": self.admission.waiting,
             "sequences_max": self.ctx.n_seq_max,
             "sequences_requests": cache["live"],

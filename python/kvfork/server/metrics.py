@@ -23,7 +23,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: ``kvfork_<key>`` (counters with prometheus' ``_total``).
 LIVE: dict[str, tuple[str, str]] = {
     "decode_calls": ("counter", "llama_decode calls of the generation context"),
-    "leases_in_use": ("gauge", "KV sequences admitted to requests in progress"),
+    "leases_in_use": ("gauge", "KV sequences held: by requests and by prefix-cache entries"),
+    "sequences_admitted": ("gauge", "KV sequences admitted to requests in progress"),
     "queue_length": ("gauge", "requests waiting for a free sequence"),
     "sequences_max": ("gauge", "KV sequences of the context"),
     "sequences_requests": ("gauge", "KV sequences held by requests in progress"),
