@@ -25,6 +25,16 @@
 //! one shared preamble prefill their questions in ONE decode, and its streams keep stepping
 //! together while new requests arrive. Jobs on a deferred job's branches never overtake it.
 //!
+//! **Between the decodes of a continuous prefill** ([`GatherPolicy::open_chunk`]; the engine's
+//! `continuous.rs`): prompts are decoded chunk after chunk, and before each chunk a gathering
+//! pulls the queue. A stream's step on another branch rides the chunk's decode (up to
+//! [`max_riders`]), a new prompt joins the run's queue, a job that decodes nothing runs in
+//! passing, and a step or prompt that may not (on a prompt still in flight, past the riders'
+//! room) waits for the run to end, which then takes no new prompt, so that it ends. The
+//! window waits for as many steps as rode the last chunk plus the prompts it finished (each
+//! about to step), within the window after a prefill. What waits is carried from one
+//! gathering to the next ([`Behind`]).
+//!
 //! Why here and not in the engine crate: the decision needs nothing of llama.cpp, and this
 //! crate is where the other pure policies live (the batch packer, the thread tuner, the
 //! speculation policy) with proptest at hand.
@@ -218,6 +228,27 @@ pub enum Kind {
     },
     /// Prefills packed into one plan (any number: the plan splits them into decodes).
     Prefills,
+    /// The jobs met between two decodes of a continuous prefill ([`GatherPolicy::open_chunk`]):
+    /// the running streams' steps ride its next decode, new prompts join its queue.
+    Chunk(ChunkGathering),
+}
+
+/// What a gathering between two decodes of a continuous prefill counts and allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkGathering {
+    /// Streams' tokens riding the next decode so far.
+    pub riders: usize,
+    /// At most this many may ride (the rest of the decode is the prompts').
+    pub max_riders: usize,
+    /// Streams' steps so far, riding or waiting behind the run: what the window waits for.
+    pub arrivals: usize,
+    /// As many as are worth waiting for: the last decode's riders and the prompts it finished
+    /// (each about to step; a `produce` met first runs in passing and restarts the gap).
+    pub expected: usize,
+    /// Steps may ride (not when the prompts decode in a scratch context of their own).
+    pub rides: bool,
+    /// New prompts may join the queue (not once a job waits behind the run: it must end).
+    pub takes_prompts: bool,
 }
 
 /// A group being gathered: what it is, who is in it, who waits behind it, its window.
@@ -238,6 +269,7 @@ impl Gathering {
                 n_items, expected, ..
             } => n_items < expected,
             Kind::Prefills => true,
+            Kind::Chunk(c) => c.arrivals < c.expected,
         };
         if wants_more {
             self.window.remaining(now)
@@ -249,10 +281,15 @@ impl Gathering {
     /// `job` joins the group at `now` (after [`Gathering::fate`] said [`Fate::Join`] and the
     /// engine admitted it): its branches are members, and the window restarts its gap.
     pub fn join(&mut self, job: &JobView, now: Instant) {
-        if let (Kind::Commits { n_items, .. }, JobView::Commit { cells, .. }) =
-            (&mut self.kind, job)
-        {
-            *n_items += cells.len();
+        match (&mut self.kind, job) {
+            (Kind::Commits { n_items, .. }, JobView::Commit { cells, .. }) => {
+                *n_items += cells.len();
+            }
+            (Kind::Chunk(c), JobView::Commit { cells, .. }) => {
+                c.riders += cells.len();
+                c.arrivals += cells.len();
+            }
+            _ => {}
         }
         self.members.add(job.cells());
         self.window.arrived(now);
@@ -269,6 +306,14 @@ impl Gathering {
     /// overtake it.
     pub fn defer(&mut self, job: &JobView) {
         self.behind.add(job.cells());
+        if let Kind::Chunk(c) = &mut self.kind {
+            // A job waits for the continuous prefill to end: it takes no new prompt, so it
+            // ends. (A stream's step that may not ride counts among the arrivals it expected.)
+            c.takes_prompts = false;
+            if let JobView::Commit { cells, .. } = job {
+                c.arrivals += cells.len();
+            }
+        }
     }
 
     /// Where `job` goes (see the module doc); pure.
@@ -293,11 +338,22 @@ impl Gathering {
         };
         if after_deferred {
             // Never ahead of a job queued before it on the same branch.
-            let kept = !in_group && (matches!(job, JobView::Light { .. }) || self.defers(job));
+            // (A continuous prefill keeps a job on its prompts' branches too: it waits anyway.)
+            let chunk = matches!(self.kind, Kind::Chunk(_));
+            let kept = (!in_group && matches!(job, JobView::Light { .. }))
+                || ((!in_group || chunk) && self.defers(job));
             return if kept { Fate::Defer } else { Fate::Stop };
         }
         if in_group {
-            Fate::Stop
+            // A job on a prompt being prefilled (or a stream riding already) waits for the
+            // continuous prefill; in a plain group it ends the gathering.
+            let waits = matches!(self.kind, Kind::Chunk(_))
+                && matches!(job, JobView::Commit { .. } | JobView::Prefill { .. });
+            if waits {
+                Fate::Defer
+            } else {
+                Fate::Stop
+            }
         } else if job.decodes_nothing(parks) {
             Fate::InPassing
         } else if self.accepts(job) {
@@ -321,6 +377,13 @@ impl Gathering {
                 },
             ) => !runs_alone && n_items + cells.len() <= n_batch,
             (Kind::Prefills, JobView::Prefill { .. }) => true,
+            (
+                Kind::Chunk(c),
+                JobView::Commit {
+                    cells, runs_alone, ..
+                },
+            ) => c.rides && !runs_alone && c.riders + cells.len() <= c.max_riders,
+            (Kind::Chunk(c), JobView::Prefill { .. }) => c.takes_prompts,
             _ => false,
         }
     }
@@ -329,6 +392,8 @@ impl Gathering {
     /// prefills), may wait until the group has run, the gathering going on past it.
     fn defers(&self, job: &JobView) -> bool {
         match self.kind {
+            // A step that may not ride, a prompt that may not join: after the run.
+            Kind::Chunk(_) => matches!(job, JobView::Commit { .. } | JobView::Prefill { .. }),
             Kind::Commits { .. } => matches!(job, JobView::Prefill { .. }),
             Kind::Prefills => matches!(
                 job,
@@ -349,9 +414,59 @@ impl Gathering {
     pub fn n_items(&self) -> usize {
         match self.kind {
             Kind::Commits { n_items, .. } => n_items,
+            Kind::Chunk(c) => c.riders,
             Kind::Prefills => 0,
         }
     }
+
+    /// A continuous prefill's gathering is over: what the next one inherits (the jobs
+    /// waiting behind the run, and whether it still takes new prompts).
+    pub fn into_behind(self) -> Behind {
+        Behind {
+            members: self.behind,
+            takes_prompts: matches!(self.kind, Kind::Chunk(c) if c.takes_prompts),
+        }
+    }
+}
+
+/// What a continuous prefill carries from one gathering to the next: the branches of the
+/// jobs waiting for it to end, and whether it still takes new prompts.
+#[derive(Debug, Clone)]
+pub struct Behind {
+    members: Members,
+    takes_prompts: bool,
+}
+
+impl Behind {
+    /// A run that just started: nothing waits behind it; it takes new prompts if `open`.
+    pub fn new(open: bool) -> Self {
+        Behind {
+            members: Members::default(),
+            takes_prompts: open,
+        }
+    }
+
+    /// Whether new prompts may still join.
+    pub fn takes_prompts(&self) -> bool {
+        self.takes_prompts
+    }
+}
+
+/// The shape of the next decode of a continuous prefill, for its gathering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextChunk {
+    /// Streams' steps may ride it.
+    pub rides: bool,
+    /// Arrivals worth waiting for (the last decode's riders and the prompts it finished).
+    pub expected: usize,
+    /// Most tokens of steps riding it.
+    pub max_riders: usize,
+}
+
+/// Steps riding one decode of a continuous prefill, at most: the decode's outputs, and half
+/// its tokens (the prompts keep the other half, so a prefill always moves on).
+pub fn max_riders(n_batch: usize, n_seq_max: usize) -> usize {
+    n_seq_max.min(n_batch / 2)
 }
 
 /// What the gatherings remember from one to the next: the last commit group (how many to wait
@@ -415,6 +530,34 @@ impl GatherPolicy {
             members,
             behind: Members::default(),
             window,
+        }
+    }
+
+    /// The gathering before the next decode of a continuous prefill, opened at `now`: the
+    /// branches of its prompts still in flight (`prompts`) are its members, `behind` what it
+    /// carries from the last one. It waits for the arrivals `next` expects, within the
+    /// window after a prefill (the streams it feeds come back one caller after another).
+    pub fn open_chunk(
+        &self,
+        prompts: &[Cell],
+        behind: Behind,
+        next: NextChunk,
+        now: Instant,
+    ) -> Gathering {
+        let mut members = Members::default();
+        members.add(prompts.iter());
+        Gathering {
+            kind: Kind::Chunk(ChunkGathering {
+                riders: 0,
+                max_riders: next.max_riders,
+                arrivals: 0,
+                expected: next.expected,
+                rides: next.rides,
+                takes_prompts: behind.takes_prompts,
+            }),
+            members,
+            behind: behind.members,
+            window: Window::after_prefill(self.last_decode, self.last_step, now),
         }
     }
 

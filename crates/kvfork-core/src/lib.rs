@@ -28,7 +28,7 @@ pub use error::TenancyError;
 pub use handle::Handle;
 pub use lease::LeaseAllocator;
 pub use metrics::{LogBase, Perplexity};
-pub use packer::{logits_index, plan_prefill, Chunk, Span};
+pub use packer::{logits_index, plan_chunk, plan_prefill, Chunk, ChunkRoom, Progress, Span};
 pub use park::{ParkLedger, Parked, Place, Segment};
 pub use prefix_trie::PrefixTrie;
 pub use speculation::GuessPolicy;

@@ -63,6 +63,66 @@ pub fn plan_prefill(lens: &[usize], n_batch: usize) -> Vec<Chunk> {
     chunks
 }
 
+/// Where a prompt of a continuous prefill stands: `done` of its `len` tokens decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Tokens decoded already.
+    pub done: usize,
+    /// Tokens in all.
+    pub len: usize,
+}
+
+/// What one decode of a continuous prefill may hold: `tokens` prompt tokens (a batch less
+/// the running streams' tokens riding along), `outputs` logits rows (prompts it may finish:
+/// llama.cpp reserves `n_seq_max` rows and moves its buffer for more) and `spans` spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkRoom {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Prompts it may finish.
+    pub outputs: usize,
+    /// Spans (sequences in flight in a scratch context).
+    pub spans: usize,
+}
+
+/// The next decode of a continuous prefill: the prompts' remaining tokens in queue order
+/// (`span.item` indexes `prompts`), as many as `room` holds. A prompt is finished in order:
+/// where no output is left, the chunk takes all of the next prompt but its last token and
+/// ends, so later prompts never overtake an earlier one. Empty when nothing is left (or
+/// `room` holds nothing).
+pub fn plan_chunk(prompts: &[Progress], room: ChunkRoom) -> Chunk {
+    let mut chunk = Chunk::default();
+    let (mut tokens, mut outputs) = (room.tokens, room.outputs);
+    for (item, p) in prompts.iter().enumerate() {
+        let left = p.len.saturating_sub(p.done);
+        if left == 0 {
+            continue;
+        }
+        if tokens == 0 || chunk.spans.len() == room.spans {
+            break;
+        }
+        let mut take = left.min(tokens);
+        let finishes = take == left;
+        if finishes && outputs == 0 {
+            take -= 1; // its last token waits for a decode with an output free
+        }
+        if take > 0 {
+            chunk.spans.push(Span {
+                item,
+                start: p.done,
+                len: take,
+                is_last: finishes && outputs > 0,
+            });
+        }
+        if !finishes || outputs == 0 {
+            break;
+        }
+        tokens -= take;
+        outputs -= 1;
+    }
+    chunk
+}
+
 /// Position, within the flattened chunk, of the last token of span `span_idx`:
 /// the batch row whose logits belong to that span.
 ///

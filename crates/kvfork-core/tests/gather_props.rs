@@ -4,7 +4,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use kvfork_core::gather::{Cell, Fate, GatherPolicy, JobView, Window, GAP, MAX_LINGER};
+use kvfork_core::gather::{
+    max_riders, Behind, Cell, Fate, GatherPolicy, JobView, NextChunk, Window, GAP, MAX_LINGER,
+};
 use proptest::prelude::*;
 
 const MS: Duration = Duration::from_millis(1);
@@ -135,6 +137,71 @@ proptest! {
             }
         }
         prop_assert_eq!(g.n_items(), if first_is_commit { items } else { 0 });
+    }
+
+    /// Between two decodes of a continuous prefill: a stream's step rides only when it
+    /// touches no prompt in flight, no rider and nothing waiting behind the run, within the
+    /// riders' room, and never in a scratch run; a new prompt joins only while nothing waits
+    /// behind the run; any other work ends the gathering; nothing waiting behind the run is
+    /// overtaken on its branches, and what waits stays waiting in the next gathering.
+    #[test]
+    fn a_continuous_prefill_takes_riders_and_prompts_in_order(
+        prompts in prop::collection::vec(0usize..8, 1..3),
+        queue in prop::collection::vec(job(), 0..24),
+        rides in any::<bool>(),
+        max in 0usize..6,
+        split in 0usize..24,
+    ) {
+        let t0 = Instant::now();
+        let policy = GatherPolicy::new(8);
+        let prompt_cells: Vec<Cell> = prompts.iter().map(|&i| cell(i)).collect();
+        let next = NextChunk { rides, expected: 3, max_riders: max };
+        let mut g = policy.open_chunk(&prompt_cells, Behind::new(true), next, t0);
+        let mut members: HashSet<usize> = prompts.iter().map(|&i| cell(i).id).collect();
+        let mut behind: HashSet<usize> = HashSet::new();
+        let mut riders = 0;
+        let mut waited = false;
+        for (k, job) in queue.iter().enumerate() {
+            if k == split {
+                // The next decode's gathering: riders leave, the prompts and what waits stay.
+                let carried = g.into_behind();
+                prop_assert_eq!(carried.takes_prompts(), !waited);
+                g = policy.open_chunk(&prompt_cells, carried, next, t0);
+                members = prompts.iter().map(|&i| cell(i).id).collect();
+                riders = 0;
+            }
+            let fate = g.fate(job, false);
+            let touches = !writes_of(job).is_disjoint(&members);
+            let touches_behind = !cells_of(job).is_disjoint(&behind);
+            if matches!(job, JobView::Run) {
+                prop_assert_eq!(fate, Fate::Stop);
+            }
+            if touches || touches_behind {
+                prop_assert!(!matches!(fate, Fate::Join | Fate::InPassing), "job {} {:?}", k, job);
+            }
+            match fate {
+                Fate::Join => {
+                    match job {
+                        JobView::Commit { cells, runs_alone, sample_only } => {
+                            prop_assert!(rides && !runs_alone && !sample_only);
+                            riders += cells.len();
+                            prop_assert!(riders <= max);
+                        }
+                        JobView::Prefill { .. } => prop_assert!(!waited, "a prompt joined late"),
+                        other => prop_assert!(false, "{:?} joined", other),
+                    }
+                    g.join(job, t0);
+                    members.extend(cells_of(job));
+                }
+                Fate::InPassing => g.arrived(t0),
+                Fate::Defer => {
+                    g.defer(job);
+                    behind.extend(cells_of(job));
+                    waited = true;
+                }
+                Fate::Stop => break,
+            }
+        }
     }
 
     /// However jobs arrive, a window is never open past its cap, nor a gap past the last
@@ -292,4 +359,56 @@ fn jobs_of_the_other_kind_wait_behind_the_group() {
     assert_eq!(p.fate(&prefill(&[2]), false), Fate::Join);
     assert_eq!(p.fate(&JobView::Clear { seq: 6 }, false), Fate::InPassing);
     assert_eq!(p.fate(&JobView::Clear { seq: 0 }, false), Fate::Stop);
+}
+
+/// A continuous prefill waits for the streams it feeds: the riders of its last decode and the
+/// first samples of the prompts that decode finished, then no longer; riders stay within
+/// half a batch and the outputs.
+#[test]
+fn a_continuous_prefill_waits_for_the_streams_it_expects() {
+    let mut policy = GatherPolicy::new(16);
+    policy.decoded(MS * 700); // a 512-token chunk
+    let t0 = Instant::now();
+    let next = NextChunk {
+        rides: true,
+        expected: 2,
+        max_riders: max_riders(512, 16),
+    };
+    let mut g = policy.open_chunk(&[cell(0)], Behind::new(true), next, t0);
+    assert!(g.wait(t0) > Duration::ZERO);
+    // A finished prompt's first sample runs in passing (the gap restarts); steps ride.
+    let produce = JobView::Commit {
+        cells: vec![cell(1)],
+        sample_only: true,
+        runs_alone: false,
+    };
+    assert_eq!(g.fate(&produce, false), Fate::InPassing);
+    g.arrived(t0 + MS);
+    assert!(g.wait(t0 + MS) > Duration::ZERO);
+    assert_eq!(g.fate(&commit(&[2]), false), Fate::Join);
+    g.join(&commit(&[2]), t0 + MS * 2);
+    assert!(g.wait(t0 + MS * 2) > Duration::ZERO, "one of two has come");
+    assert_eq!(g.fate(&commit(&[1]), false), Fate::Join);
+    g.join(&commit(&[1]), t0 + MS * 3);
+    assert_eq!(
+        g.wait(t0 + MS * 3),
+        Duration::ZERO,
+        "all expected have come"
+    );
+    assert_eq!(g.n_items(), 2);
+    // A step on the prompt's own branch waits for the run; so does one the run cannot take.
+    assert_eq!(g.fate(&commit(&[0]), false), Fate::Defer);
+    assert_eq!(max_riders(512, 64), 64);
+    assert_eq!(max_riders(64, 64), 32);
+    // A scratch run takes no rider: steps wait behind it, and it takes no more prompts.
+    let scratch = NextChunk {
+        rides: false,
+        ..next
+    };
+    let mut g = policy.open_chunk(&[cell(0)], Behind::new(true), scratch, t0);
+    assert_eq!(g.fate(&prefill(&[3]), false), Fate::Join);
+    assert_eq!(g.fate(&commit(&[2]), false), Fate::Defer);
+    g.defer(&commit(&[2]));
+    assert_eq!(g.fate(&prefill(&[4]), false), Fate::Defer);
+    assert!(!g.into_behind().takes_prompts());
 }
