@@ -108,27 +108,109 @@ async def test_prefills_of_tasks_are_packed(wide: kvfork.Context) -> None:
         assert int(np.argmax(b.logits())) == int(np.argmax(ref))
 
 
-async def test_steps_and_prefills_of_other_branches_wait_behind_each_others_group(
+async def test_steps_of_running_streams_ride_the_decode_of_new_prompts(
     wide: kvfork.Context,
 ) -> None:
-    """Queued interleaved (a server: streams stepping while new requests prefill), commits
-    and prefills of different branches still take one decode per kind: a job of the other
-    kind waits behind the group being gathered instead of ending it."""
+    """Queued interleaved (a server: streams stepping while new requests prefill), the
+    streams' commits and the new prompts of other branches share ONE decode (continuous
+    prefill): the prompt tokens and one token of each stream."""
     prompts = [wide.tokenize(counting(k)) for k in range(4)]
     stepping = [kvfork.Branch.create(wide, 0, GREEDY) for _ in prompts]
     await asyncio.gather(*(b.prefill(p) for b, p in zip(stepping, prompts, strict=True)))
     tokens = [b.produce_sync() for b in stepping]
     fresh = [kvfork.Branch.create(wide, 0, GREEDY) for _ in prompts]
-    before = wide.stats()["decode_calls"]
+    before = wide.stats()
     jobs = []
     for b, t, f, p in zip(stepping, tokens, fresh, prompts, strict=True):
         jobs += [f.prefill(p), b.commit(t)]  # queued now, in this order
     await asyncio.gather(*jobs)
-    assert wide.stats()["decode_calls"] - before == 2
+    after = wide.stats()
+    assert after["decode_calls"] - before["decode_calls"] == 1
+    assert after["mixed_decodes"] - before["mixed_decodes"] == 1
     for b, f, p in zip(stepping, fresh, prompts, strict=True):
         assert (b.position, f.position) == (len(p) + 1, len(p))
         # The fresh branch decoded the same prompt the stepping one did: same first token.
         assert f.produce_sync().token == tokens[stepping.index(b)].token
+
+
+LONG = " ".join(f"item {i}," for i in range(400))
+
+
+async def test_a_prompt_is_answered_when_its_own_tokens_are_in_and_steps_meanwhile(
+    wide: kvfork.Context,
+) -> None:
+    """A short prompt queued before a long one is answered after the first decode, not the
+    long one's last; its stream then steps in the long prompt's later decodes (its tokens
+    riding them), and both get what they get alone."""
+    long_prompt = wide.tokenize(LONG)[:1500]
+    short = wide.tokenize(counting(3))
+    ref = kvfork.Branch.create(wide, 0, GREEDY)
+    ref.prefill_sync(short)
+    expected, margins = greedy_with_margins(ref, 8)
+    ref.prune_sync()
+    ref = kvfork.Branch.create(wide, 0, GREEDY)
+    ref.prefill_sync(long_prompt)
+    long_first = int(np.argmax(ref.logits()))
+    ref.prune_sync()
+
+    a = kvfork.Branch.create(wide, 0, GREEDY)
+    b = kvfork.Branch.create(wide, 0, GREEDY)
+    before = wide.stats()
+    short_task = asyncio.ensure_future(a.prefill(short))  # queued first: finished first
+    long_task = asyncio.ensure_future(b.prefill(long_prompt))
+    await short_task
+    assert not long_task.done(), "the short prompt waited for the long one"
+    got: list[int] = []
+    while not long_task.done() and len(got) < 8:
+        t = await a.produce()
+        await a.commit(t)
+        got.append(t.token)
+    stepped_meanwhile = len(got)
+    await long_task
+    got += await produce_commit(a, 8 - len(got))
+    after = wide.stats()
+    assert stepped_meanwhile >= 1
+    assert after["mixed_decodes"] - before["mixed_decodes"] >= 1
+    # ceil(1,530 / 512) decodes for the prompts (the riders' tokens fit beside them), one
+    # per step after the long prompt is in, and one of slack (a stream that came back late).
+    prompt_decodes = -(-(len(long_prompt) + len(short) + stepped_meanwhile) // wide.n_batch)
+    assert after["decode_calls"] - before["decode_calls"] <= (
+        prompt_decodes + (8 - stepped_meanwhile) + 1
+    )
+    assert_same_greedy(got, expected, margins)
+    assert int(np.argmax(b.logits())) == long_first
+    assert b.position == len(long_prompt)
+
+
+async def test_streams_stepping_while_prompts_arrive_get_their_tokens_alone(
+    wide: kvfork.Context,
+) -> None:
+    """Streams step while new prompts of every length arrive one by one and start stepping
+    too: every stream's tokens equal its tokens alone (up to near-ties)."""
+    lens = [800, 10, 450, 60, 250, 0]  # beside each counting prompt's ~30 tokens
+    words = wide.tokenize(LONG, add_special=False)
+    prompts = [wide.tokenize(counting(k)) + words[:n] for k, n in enumerate(lens)]
+    alone = []
+    for p in prompts:
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b.prefill_sync(p)
+        alone.append(greedy_with_margins(b, 12))
+        b.prune_sync()
+    before = wide.stats()
+
+    async def request(k: int) -> list[int]:
+        await asyncio.sleep(0.25 * k)  # arrivals while the earlier ones step
+        b = kvfork.Branch.create(wide, 0, GREEDY)
+        try:
+            await b.prefill(prompts[k])
+            return await produce_commit(b, 12)
+        finally:
+            await b.prune()
+
+    got = await asyncio.gather(*(request(k) for k in range(len(prompts))))
+    for k, (tokens, margins) in enumerate(alone):
+        assert_same_greedy(got[k], tokens, margins)
+    assert wide.stats()["mixed_decodes"] > before["mixed_decodes"]
 
 
 async def test_a_failed_commit_fails_only_its_task(wide: kvfork.Context) -> None:

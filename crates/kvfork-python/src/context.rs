@@ -474,6 +474,9 @@ impl PyContext {
     /// - `scratch_tokens`: tokens of new prompts prefilled in a scratch context that holds
     ///   only them (a busy cache slows every prefill decode; `KVFORK_NO_SCRATCH_PREFILL`
     ///   turns it off), then moved into the cache;
+    /// - `mixed_decodes`: decodes that held the next chunk of prompts being prefilled and
+    ///   one token of each stream stepping meanwhile (continuous prefill;
+    ///   `KVFORK_NO_CONTINUOUS_PREFILL` turns it off);
     /// - `commit_requests`: commit requests served — each `commit` or generation step, and
     ///   each `store.commit` / `store.step` (one request for all its branches); concurrent
     ///   requests coalesced into one decode each count;
@@ -491,6 +494,7 @@ impl PyContext {
         );
         d.insert("padded_rows", s.padded_rows.into_py_any(py)?);
         d.insert("scratch_tokens", s.scratch_tokens.into_py_any(py)?);
+        d.insert("mixed_decodes", s.mixed_decodes.into_py_any(py)?);
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
         d.insert("parked_branches", s.parked_branches.into_py_any(py)?);
         d.insert("parked_bytes", s.parked_bytes.into_py_any(py)?);

@@ -267,12 +267,20 @@ impl Branch {
     }
 
     /// Queue the engine half of a prune (`engine/tree.rs`). `disposed` is already visible,
-    /// so it always happens, even if the caller cancels.
+    /// so it always happens, even if the caller cancels. A leaf's prune touches its own
+    /// cells only: the others' gatherings run it in passing (a server's finished request
+    /// does not hold up the streams still stepping).
     fn release(&self, how: Prune) -> Pending<()> {
         let handle = self.handle;
-        self.ctx
-            .engine()
-            .run_with(CancelPolicy::Never, move |w| w.prune(handle, how))
+        let prune = move |w: &mut crate::engine::Worker| w.prune(handle, how);
+        if how == Prune::Leaf {
+            let writes = vec![self.cell.clone()];
+            self.ctx
+                .engine()
+                .run_light(CancelPolicy::Never, Vec::new(), writes, prune)
+        } else {
+            self.ctx.engine().run_with(CancelPolicy::Never, prune)
+        }
     }
 
     /// Dispose (RESTRICT: fails while live children exist). Frees the lease and the branch's

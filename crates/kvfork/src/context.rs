@@ -24,6 +24,9 @@ pub struct ContextStats {
     /// Prompt tokens of new sequences prefilled in a scratch context whose attention sees
     /// only them, then moved to the cache (see `engine/scratch.rs`); in `decoded_tokens` too.
     pub scratch_tokens: u64,
+    /// Decodes that held the next chunk of prompts being prefilled and one token of each of
+    /// the streams stepping meanwhile (see `engine/continuous.rs`).
+    pub mixed_decodes: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
     /// Branches parked in host memory now (`park` contexts).
@@ -150,6 +153,7 @@ impl Context {
             decode_ns: Stats::get(&s.decode_ns),
             padded_rows: Stats::get(&s.padded_rows),
             scratch_tokens: Stats::get(&s.scratch_tokens),
+            mixed_decodes: Stats::get(&s.mixed_decodes),
             commit_requests: Stats::get(&s.commit_requests),
         }
     }

@@ -21,7 +21,7 @@ use kvfork_core::Handle;
 use crate::adapter::{AdapterKey, Adapters};
 use crate::branch::Branch;
 use crate::context::Context;
-use crate::engine::Pending;
+use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::sampling::SamplingParams;
@@ -561,9 +561,11 @@ impl Branch {
         let (source, target, prefix) =
             (source.cell().clone(), self.cell().clone(), prefix.to_vec());
         let (reads, writes) = (vec![source.clone()], vec![target.clone()]);
-        self.context().engine().run_light(reads, writes, move |w| {
-            w.share_prefix(&source, &target, &prefix)
-        })
+        self.context()
+            .engine()
+            .run_light(CancelPolicy::Drop, reads, writes, move |w| {
+                w.share_prefix(&source, &target, &prefix)
+            })
     }
 }
 

@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, MutexGuard};
 
 use super::adapters::group_by_adapters;
+use super::continuous::Riding;
 use super::parallel;
 use super::shared::{BranchCell, Stats};
 use super::{CommitItem, CommitRequest, Worker};
@@ -289,6 +290,12 @@ impl Worker {
             }
             first += n;
         }
+        // A continuous prefill's next chunk rides a commit that is one decode (`continuous.rs`).
+        let mut riding = if chunks.len() == 1 && !copy_rows && sets[0].0.key().is_empty() {
+            self.riding.take().filter(Riding::waits)
+        } else {
+            None
+        };
         for (set, start, end) in chunks {
             let group: Vec<&Arc<BranchCell>> =
                 items[start..end].iter().map(|(cell, _)| cell).collect();
@@ -308,8 +315,15 @@ impl Worker {
                     {
                         batch.push(*token, pos, *seq, true);
                     }
+                    if let Some(riding) = &riding {
+                        riding.push_into(batch);
+                    }
                     self.decode_batch()
                 });
+            if let Some(mut riding) = riding.take() {
+                riding.landed(self, &decoded, end - start);
+                self.riding = Some(riding);
+            }
             if let Err(e) = decoded {
                 // llama.cpp removed this decode's cells; remove those of the earlier ones.
                 for ((cell, _), &pos) in items[..start].iter().zip(places) {

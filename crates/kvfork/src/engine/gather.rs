@@ -14,7 +14,7 @@ use super::{next_run_id, CommitRequest, Job, PrefillRequest, Worker};
 use crate::error::Error;
 
 /// A branch as the policy sees it: its cell's address, and its sequence.
-fn cell(c: &Arc<BranchCell>) -> Cell {
+pub(super) fn cell(c: &Arc<BranchCell>) -> Cell {
     Cell {
         id: Arc::as_ptr(c) as usize,
         seq: c.seq().id() as u32,
@@ -33,14 +33,14 @@ fn commit_view(req: &CommitRequest) -> JobView {
     }
 }
 
-fn prefill_view(req: &PrefillRequest) -> JobView {
+pub(super) fn prefill_view(req: &PrefillRequest) -> JobView {
     JobView::Prefill {
         cells: cells(req.items.iter().map(|(c, _)| c)),
     }
 }
 
 /// `job` as the policy sees it.
-fn view(job: &Job) -> JobView {
+pub(super) fn view(job: &Job) -> JobView {
     match job {
         Job::Run(_) => JobView::Run,
         Job::Clear(seq) => JobView::Clear {
@@ -74,7 +74,8 @@ impl Worker {
         self.policy.commits_ran(decoded);
     }
 
-    /// Gather the prefills packed with `first` into one plan, then run them.
+    /// Gather the prefills that start with `first`, then run them: continuously
+    /// (`continuous.rs`), or packed into one plan.
     pub(super) fn gather_prefills(&mut self, rx: &Receiver<Job>, first: PrefillRequest) {
         let mut gathering = self
             .policy
@@ -84,6 +85,9 @@ impl Worker {
             Job::Prefill(req) => Ok(req),
             other => Err(other),
         });
+        if self.runs_continuously(&group) {
+            return self.run_continuous(rx, group);
+        }
         let prefilled = group
             .iter()
             .flat_map(|r| r.items.iter().map(|(c, _)| c.seq().id() as u32))
@@ -143,7 +147,7 @@ impl Worker {
     }
 
     /// A job that decodes nothing and touches no branch of the group being gathered.
-    fn run_in_passing(&mut self, job: Job) {
+    pub(super) fn run_in_passing(&mut self, job: Job) {
         let Some(job) = self.admit(job) else { return };
         match job {
             Job::Clear(seq) => self.clear_seq(seq),

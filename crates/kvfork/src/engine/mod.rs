@@ -12,13 +12,15 @@
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
 //!
 //! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
-//! `commit.rs` (commits and generation steps), `prefill.rs`, `tree.rs` (fork, prunes,
+//! `commit.rs` (commits and generation steps), `continuous.rs` (prefills chunk by chunk, with
+//! the streams' steps riding their decodes), `prefill.rs` (packed prefills), `tree.rs` (fork, prunes,
 //! retain_only), `park.rs` (parked branches of a `park` context), `reseed.rs`,
 //! `speculate.rs`, `state_io.rs` (save, load, snapshots), `embed.rs`, `kv.rs` (raw KV),
 //! `takeover.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
 mod commit;
+mod continuous;
 mod embed;
 mod gather;
 mod kv;
@@ -345,11 +347,12 @@ impl Engine {
     /// instead of stopping at it.
     pub fn run_light<T: Send + 'static>(
         &self,
+        policy: CancelPolicy,
         reads: Vec<Arc<BranchCell>>,
         writes: Vec<Arc<BranchCell>>,
         f: impl FnOnce(&mut Worker) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
-        self.queue_task(CancelPolicy::Drop, f, |task| Job::Light {
+        self.queue_task(policy, f, |task| Job::Light {
             reads,
             writes,
             task,

@@ -86,7 +86,7 @@ impl Worker {
     }
 
     /// The first position of an item's tokens, or why they cannot go there.
-    fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<i32> {
+    pub(super) fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<i32> {
         if cell.is_disposed() {
             return Err(Error::BranchDisposed("in prefill".into()));
         }

@@ -97,57 +97,78 @@ impl Worker {
         rows: &mut [Option<Vec<f32>>],
     ) -> Result<()> {
         self.open_scratch()?;
-        // The scratch sequence of each item while its tokens are in flight.
-        let mut lent: Vec<Option<Seq>> = vec![None; items.len()];
-        let mut free: Vec<Seq> = (0..SCRATCH_SEQS).rev().map(Seq::new).collect();
-        let result = plan.iter().try_for_each(|chunk| {
-            let batch = self.start_batch();
-            for span in &chunk.spans {
-                let seq = match lent[span.item] {
-                    Some(seq) => seq,
-                    None => {
-                        let seq = free
-                            .pop()
-                            .ok_or_else(|| Error::Internal("no free scratch sequence".into()))?;
-                        lent[span.item] = Some(seq);
-                        seq
-                    }
-                };
-                let tokens = &items[span.item].1[span.start..span.start + span.len];
-                for (j, &t) in tokens.iter().enumerate() {
-                    let wants_logits = span.is_last && j + 1 == span.len;
-                    batch.push(t, (span.start + j) as i32, seq, wants_logits);
-                }
-            }
-            self.decode_in_scratch()?;
-            Stats::add(&self.shared().stats.scratch_tokens, chunk.n_tokens() as u64);
-            for (k, span) in chunk.spans.iter().enumerate().filter(|(_, s)| s.is_last) {
-                let seq = lent[span.item]
-                    .take()
-                    .ok_or_else(|| Error::Internal("a scratch prompt without a sequence".into()))?;
-                let scratch = self.scratch.as_mut().expect("opened above");
-                rows[span.item] = Some(scratch.logits_ith(logits_index(chunk, k))?.to_vec());
-                let cells = scratch.kv_state(Some(seq))?;
-                scratch.clear_seq(seq)?;
-                free.push(seq);
-                // Fails only without enough free cells, where a decode would fail alike.
-                let n = span.start + span.len;
-                self.ctx_mut()
-                    .set_kv_state(Some(seqs[span.item]), &cells)
-                    .map_err(|_| {
-                        Error::KvCacheFull(format!(
-                            "no room for the {n} cells of a prompt prefilled apart"
-                        ))
-                    })?;
-            }
-            Ok(())
-        });
+        let mut slots = ScratchSlots::new(items.len());
+        let result = plan
+            .iter()
+            .try_for_each(|chunk| self.scratch_chunk(items, seqs, chunk, &mut slots, rows));
         if result.is_err() {
-            if let Some(scratch) = self.scratch.as_mut() {
-                scratch.clear();
-            }
+            self.empty_scratch();
         }
         result
+    }
+
+    /// One decode of a prefill through the scratch context (opened first): `chunk`'s spans
+    /// of `items` (at position 0 of `seqs` in the main cache); each prompt it finishes moves
+    /// to its sequence, its last row to `rows`. On failure the caller empties the scratch
+    /// ([`Worker::empty_scratch`]) and removes what reached the main cache.
+    pub(super) fn scratch_chunk(
+        &mut self,
+        items: &[&PrefillItem],
+        seqs: &[Seq],
+        chunk: &PrefillChunk,
+        slots: &mut ScratchSlots,
+        rows: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        self.open_scratch()?;
+        let batch = self.start_batch();
+        for span in &chunk.spans {
+            let seq = slots.seq_of(span.item)?;
+            let tokens = &items[span.item].1[span.start..span.start + span.len];
+            for (j, &t) in tokens.iter().enumerate() {
+                let wants_logits = span.is_last && j + 1 == span.len;
+                batch.push(t, (span.start + j) as i32, seq, wants_logits);
+            }
+        }
+        self.decode_in_scratch()?;
+        Stats::add(&self.shared().stats.scratch_tokens, chunk.n_tokens() as u64);
+        for (k, span) in chunk.spans.iter().enumerate().filter(|(_, s)| s.is_last) {
+            let seq = slots.give_back(span.item)?;
+            let scratch = self.scratch.as_mut().expect("opened above");
+            rows[span.item] = Some(scratch.logits_ith(logits_index(chunk, k))?.to_vec());
+            let cells = scratch.kv_state(Some(seq))?;
+            scratch.clear_seq(seq)?;
+            // Fails only without enough free cells, where a decode would fail alike.
+            let n = span.start + span.len;
+            self.ctx_mut()
+                .set_kv_state(Some(seqs[span.item]), &cells)
+                .map_err(|_| {
+                    Error::KvCacheFull(format!(
+                        "no room for the {n} cells of a prompt prefilled apart"
+                    ))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Empty one scratch sequence (a prompt in flight left).
+    pub(super) fn empty_scratch_seq(&mut self, seq: Seq) {
+        if let Some(scratch) = self.scratch.as_mut() {
+            // Fails only on a closed context, which the next decode reports.
+            let _ = scratch.clear_seq(seq);
+        }
+    }
+
+    /// Empty the scratch context (after a failure: prompts in flight are dropped).
+    pub(super) fn empty_scratch(&mut self) {
+        if let Some(scratch) = self.scratch.as_mut() {
+            scratch.clear();
+        }
+    }
+
+    /// Whether a prompt of `len` tokens may go through the scratch context: one decode
+    /// inside the sliding window (see [`Worker::scratch_pays`]).
+    pub(super) fn fits_scratch(&self, len: usize) -> bool {
+        len <= self.longest_scratch_prompt() as usize
     }
 
     /// The scratch context, created on first use: the main one's model, threads and cache
@@ -173,6 +194,63 @@ impl Worker {
         Ok(())
     }
 }
+
+/// The scratch sequence of each prompt while its tokens are in flight (`item`: the prompt's
+/// index, as in the chunks' spans).
+pub(super) struct ScratchSlots {
+    lent: Vec<Option<Seq>>,
+    free: Vec<Seq>,
+}
+
+impl ScratchSlots {
+    /// Slots for `n` prompts (more may be added: [`ScratchSlots::grow`]).
+    pub(super) fn new(n: usize) -> Self {
+        ScratchSlots {
+            lent: vec![None; n],
+            free: (0..SCRATCH_SEQS).rev().map(Seq::new).collect(),
+        }
+    }
+
+    /// Room for prompts up to index `n - 1`.
+    pub(super) fn grow(&mut self, n: usize) {
+        if self.lent.len() < n {
+            self.lent.resize(n, None);
+        }
+    }
+
+    /// The sequence `item` decodes into (lent on its first span).
+    fn seq_of(&mut self, item: usize) -> Result<Seq> {
+        if let Some(seq) = self.lent[item] {
+            return Ok(seq);
+        }
+        let seq = self
+            .free
+            .pop()
+            .ok_or_else(|| Error::Internal("no free scratch sequence".into()))?;
+        self.lent[item] = Some(seq);
+        Ok(seq)
+    }
+
+    /// `item` left before its last span (aborted): its sequence, if it had one, free again
+    /// (its cells are the caller's to empty).
+    pub(super) fn forget(&mut self, item: usize) -> Option<Seq> {
+        let seq = self.lent.get_mut(item)?.take()?;
+        self.free.push(seq);
+        Some(seq)
+    }
+
+    /// `item`'s last span is decoded: its sequence, free again.
+    fn give_back(&mut self, item: usize) -> Result<Seq> {
+        let seq = self.lent[item]
+            .take()
+            .ok_or_else(|| Error::Internal("a scratch prompt without a sequence".into()))?;
+        self.free.push(seq);
+        Ok(seq)
+    }
+}
+
+/// Prompts a scratch decode may hold at once.
+pub(super) const SCRATCH_SPANS: usize = SCRATCH_SEQS as usize;
 
 fn plan_tokens(plan: &[PrefillChunk]) -> usize {
     plan.iter().map(PrefillChunk::n_tokens).sum()

@@ -91,6 +91,8 @@ pub(crate) struct Stats {
     pub padded_rows: AtomicU64,
     /// Prompt tokens prefilled in the scratch context (`engine/scratch.rs`).
     pub scratch_tokens: AtomicU64,
+    /// Decodes that held prompt tokens and streams' steps together (`engine/continuous.rs`).
+    pub mixed_decodes: AtomicU64,
     pub commit_requests: AtomicU64,
     /// Branches moved to host memory (`park` contexts).
     pub parks: AtomicU64,

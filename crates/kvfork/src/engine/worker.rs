@@ -46,6 +46,9 @@ pub(crate) struct Worker {
     pub(super) scratch: Option<LlamaCtx>,
     /// `KVFORK_NO_SCRATCH_PREFILL` unset.
     pub(super) scratch_allowed: bool,
+    /// A continuous prefill's chunk waiting to ride the next commit's decode
+    /// (`continuous.rs`).
+    pub(super) riding: Option<super::continuous::Riding>,
 }
 
 impl Drop for Worker {
@@ -84,6 +87,7 @@ impl Worker {
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
             scratch: None,
             scratch_allowed: std::env::var_os("KVFORK_NO_SCRATCH_PREFILL").is_none(),
+            riding: None,
             adapters: AdapterKey::default(),
         };
         worker.apply_threads(max as u32);

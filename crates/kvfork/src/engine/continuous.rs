@@ -1,0 +1,560 @@
+//! Continuous prefill: prompts decoded chunk after chunk, each answered as soon as its own
+//! last token is in, with the running streams' steps riding the same decodes.
+//!
+//! A gathered group of prefills starts a run. Before each decode the run pulls the queue
+//! (`kvfork_core::gather`, [`GatherPolicy::open_chunk`]): a stream's step rides the decode (its
+//! token beside the prompts'), a new prompt joins the run's queue, a `produce` is answered in
+//! passing (a prompt just finished samples its first token at once), anything else waits for
+//! the run to end. The decode then holds the riders' tokens and as many prompt tokens as the
+//! batch has room for (`kvfork_core::plan_chunk`: queue order; a prompt that ends in it gets
+//! its logits row), so a running stream waits at most one `n_batch` decode for its next token,
+//! as in llama.cpp's server. The riders go through the commit path (`commit.rs`), which puts the
+//! chunk ([`Riding`]) into its one decode; without riders the chunk is decoded alone.
+//!
+//! A decode with no rider may go to the scratch context instead (`scratch.rs`: new prompts
+//! beside a busy cache decode faster alone, then move into the cache). Each prompt is decoded
+//! wholly in one context, chosen at its first chunk; while one decoded in the scratch is cut
+//! between two decodes, the next is the scratch's too, and steps that came meanwhile decode
+//! apart just before it.
+//!
+//! A failed decode ends the run: the prompts not yet answered lose what they wrote and go
+//! through the packed path (`prefill.rs`), which narrows the failure down to its request.
+//! Contexts and prompts the run does not handle (`park`, embeddings, recurrent models,
+//! adapters) take the packed path from the start. `KVFORK_NO_CONTINUOUS_PREFILL=1` turns it
+//! off (to compare).
+
+use std::collections::HashSet;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvfork_core::gather::{max_riders, Behind, Fate, NextChunk};
+use kvfork_core::packer::{plan_chunk, plan_prefill, Chunk, ChunkRoom, Progress};
+
+use super::gather::{prefill_view, start_run, view};
+use super::pending::Reply;
+use super::scratch::{ScratchSlots, SCRATCH_SPANS};
+use super::shared::{BranchCell, Stats};
+use super::{CommitRequest, Job, PrefillItem, PrefillRequest, Ticket, Worker};
+use crate::adapter::Adapters;
+use crate::error::{Error, Result};
+use crate::llama_ctx::Batch;
+use crate::model::Token;
+use crate::seq::Seq;
+
+/// Prompts a run takes in all: then it drains and ends (its bookkeeping stays small).
+const MOST_PROMPTS: usize = 256;
+
+/// A chunk of prompt tokens riding a commit's decode: its tokens go into the batch after the
+/// steps', its logits rows are copied out once the decode lands.
+pub(super) struct Riding {
+    /// (token, position, sequence, wants logits), in batch order.
+    tokens: Vec<(Token, i32, Seq, bool)>,
+    /// The rows of its outputs, in order.
+    rows: Vec<Vec<f32>>,
+    /// None until it was decoded (or its decode failed).
+    outcome: Option<Result<()>>,
+}
+
+impl Riding {
+    /// Not decoded yet.
+    pub(super) fn waits(&self) -> bool {
+        self.outcome.is_none()
+    }
+
+    pub(super) fn push_into(&self, batch: &mut Batch) {
+        for &(token, pos, seq, logits) in &self.tokens {
+            batch.push(token, pos, seq, logits);
+        }
+    }
+
+    /// The decode that held it (after `n_steps` step rows) ended with `decoded`.
+    pub(super) fn landed(&mut self, w: &Worker, decoded: &Result<()>, n_steps: usize) {
+        let outcome = decoded.clone().and_then(|()| {
+            if n_steps > 0 {
+                Stats::add(&w.shared().stats.mixed_decodes, 1);
+            }
+            // (`logits_ith` takes the token's index in the batch.)
+            for (j, _) in self.tokens.iter().enumerate().filter(|(_, t)| t.3) {
+                self.rows.push(w.ctx().logits_ith(n_steps + j)?.to_vec());
+            }
+            Ok(())
+        });
+        self.outcome = Some(outcome);
+    }
+}
+
+/// A prompt request of a run: its items, where each starts and how far it is, and its
+/// reply (None once answered).
+struct Prompt {
+    items: Vec<PrefillItem>,
+    reply: Option<Reply<()>>,
+    ticket: Arc<Ticket>,
+    starts: Vec<i32>,
+    /// The index of its first item among the run's items.
+    first: usize,
+}
+
+/// Where an item of a run is decoded, chosen at its first chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Unplaced,
+    Main,
+    Scratch,
+}
+
+/// A run: its prompts in queue order, their items (flat), and what waits behind it.
+struct Run {
+    prompts: Vec<Prompt>,
+    /// (prompt, item) of each item, and its progress.
+    items: Vec<(usize, usize)>,
+    progress: Vec<Progress>,
+    rows: Vec<Option<Vec<f32>>>,
+    place: Vec<Place>,
+    /// Scratch sequences of items in flight there.
+    slots: ScratchSlots,
+    behind: Option<Behind>,
+    /// Jobs that wait for the run to end, in queue order.
+    waiting: Vec<Job>,
+    /// A job that may not be overtaken at all came: nothing more is pulled.
+    stopped: bool,
+    /// Its decodes' abort target.
+    run_id: u64,
+    /// Sequences of the prompts answered and the streams that rode: they step next.
+    stepping: HashSet<u32>,
+    /// Streams' steps worth waiting for before the next decode.
+    expected: usize,
+}
+
+impl Run {
+    fn in_flight(&self) -> impl Iterator<Item = &Prompt> {
+        self.prompts.iter().filter(|p| p.reply.is_some())
+    }
+}
+
+impl Worker {
+    /// Whether a gathered group of prefills runs continuously: the context and every prompt
+    /// allow it (else it is packed, `prefill.rs`).
+    pub(super) fn runs_continuously(&self, group: &[PrefillRequest]) -> bool {
+        self.continuous_allowed() && group.iter().all(|r| self.continuous_takes(r))
+    }
+
+    fn continuous_allowed(&self) -> bool {
+        std::env::var_os("KVFORK_NO_CONTINUOUS_PREFILL").is_none()
+            && !self.parks()
+            && !self.shared().params.embeddings
+            && !self.shared().model.is_recurrent()
+    }
+
+    /// Whether a run may take `req`: no adapter on its branches.
+    fn continuous_takes(&self, req: &PrefillRequest) -> bool {
+        req.items
+            .iter()
+            .all(|(cell, _)| cell.lock().adapters().key().is_empty())
+    }
+
+    /// Run `group` (gathered) continuously; the jobs that waited for it run next.
+    pub(super) fn run_continuous(&mut self, rx: &Receiver<Job>, group: Vec<PrefillRequest>) {
+        let run_id = start_run(group.iter().map(|r| &*r.ticket));
+        let mut run = Run {
+            prompts: Vec::new(),
+            items: Vec::new(),
+            progress: Vec::new(),
+            rows: Vec::new(),
+            place: Vec::new(),
+            slots: ScratchSlots::new(0),
+            behind: Some(Behind::new(true)),
+            waiting: Vec::new(),
+            stopped: false,
+            run_id,
+            stepping: HashSet::new(),
+            expected: 0,
+        };
+        for req in group {
+            self.take_prompt(&mut run, req);
+        }
+        let outcome = self.guarded(1, |w| vec![w.run_chunks(rx, &mut run)]);
+        if let Some(Err(e)) = outcome.into_iter().next() {
+            self.fall_back(&mut run, e);
+        }
+        self.policy
+            .prefills_gathered(std::mem::take(&mut run.stepping));
+        self.run_next(run.waiting.into_iter());
+    }
+
+    /// Where the next decode goes, and up to which item (exclusive) its prompts may come
+    /// from: the context of the first item in flight when it is cut already; else the
+    /// scratch when no step rides and the scratch pays for the items that may go there
+    /// (new prompts that fit it, `scratch.rs`); else the main context.
+    fn next_place(&self, run: &Run, riders: bool) -> (Place, usize) {
+        let Some(first) =
+            (0..run.items.len()).find(|&k| run.progress[k].done < run.progress[k].len)
+        else {
+            return (Place::Main, run.items.len());
+        };
+        let fits_scratch = |k: usize| {
+            let (p, i) = run.items[k];
+            run.prompts[p].starts[i] == 0 && self.fits_scratch(run.progress[k].len)
+        };
+        let unfinished = |k: &usize| run.progress[*k].done < run.progress[*k].len;
+        // Items from `first` that `place` may take, in queue order.
+        let takes = |place: Place, k: usize| {
+            run.place[k] == place
+                || (run.place[k] == Place::Unplaced && (place == Place::Main || fits_scratch(k)))
+        };
+        let limit = |place: Place| {
+            (first..run.items.len())
+                .filter(unfinished)
+                .find(|&k| !takes(place, k))
+                .unwrap_or(run.items.len())
+        };
+        let place = match run.place[first] {
+            Place::Unplaced if !riders && fits_scratch(first) => {
+                let end = limit(Place::Scratch);
+                let ks: Vec<usize> = (first..end).filter(unfinished).collect();
+                let items: Vec<&PrefillItem> = ks
+                    .iter()
+                    .map(|&k| &run.prompts[run.items[k].0].items[run.items[k].1])
+                    .collect();
+                let lens: Vec<usize> = ks.iter().map(|&k| run.progress[k].len).collect();
+                let plan = plan_prefill(&lens, self.n_batch());
+                if self.scratch_pays(&items, true, &plan) {
+                    Place::Scratch
+                } else {
+                    Place::Main
+                }
+            }
+            Place::Unplaced => Place::Main,
+            placed => placed,
+        };
+        (place, limit(place))
+    }
+
+    /// `req` joins the run (its ticket started): refused at once if it cannot fit, answered at
+    /// once if it has nothing to decode.
+    fn take_prompt(&mut self, run: &mut Run, req: PrefillRequest) {
+        let PrefillRequest {
+            items,
+            reply,
+            ticket,
+        } = req;
+        let starts: Result<Vec<i32>> = items.iter().map(|it| self.prefill_place(it)).collect();
+        let starts = match starts {
+            Ok(starts) => starts,
+            Err(e) => {
+                ticket.finish();
+                reply.send(Err(e));
+                return;
+            }
+        };
+        ticket.join_run(run.run_id);
+        let p = run.prompts.len();
+        let first = run.items.len();
+        for (i, (_, tokens)) in items.iter().enumerate() {
+            run.items.push((p, i));
+            run.progress.push(Progress {
+                done: 0,
+                len: tokens.len(),
+            });
+            run.rows.push(None);
+            run.place.push(Place::Unplaced);
+        }
+        run.slots.grow(run.items.len());
+        run.prompts.push(Prompt {
+            items,
+            reply: Some(reply),
+            ticket,
+            starts,
+            first,
+        });
+        self.answer_finished(run);
+    }
+
+    /// Decode the run's prompts chunk after chunk until every one is answered.
+    fn run_chunks(&mut self, rx: &Receiver<Job>, run: &mut Run) -> Result<()> {
+        loop {
+            self.drop_aborted(run);
+            if run.in_flight().next().is_none() {
+                return Ok(());
+            }
+            let mut riders = Vec::new();
+            if !run.stopped {
+                self.gather_chunk(rx, run, &mut riders);
+            }
+            let rider_tokens: usize = riders.iter().map(|r| r.items.len()).sum();
+            let n_seq_max = self.shared().n_seq_max as usize;
+            let (place, limit) = self.next_place(run, !riders.is_empty());
+            let room = if place == Place::Scratch {
+                ChunkRoom {
+                    tokens: self.n_batch(),
+                    outputs: SCRATCH_SPANS,
+                    spans: SCRATCH_SPANS,
+                }
+            } else {
+                ChunkRoom {
+                    tokens: self.n_batch() - rider_tokens,
+                    outputs: n_seq_max.saturating_sub(rider_tokens),
+                    spans: usize::MAX,
+                }
+            };
+            let chunk = plan_chunk(&run.progress[..limit], room);
+            for span in &chunk.spans {
+                run.place[span.item] = place;
+            }
+            run.stepping.extend(
+                riders
+                    .iter()
+                    .flat_map(|r| r.items.iter().map(|(c, _)| seq_id(c))),
+            );
+            run.expected = rider_tokens;
+            let rows = if place == Place::Scratch {
+                if !riders.is_empty() {
+                    self.run_commits(riders); // they cannot share the scratch's decode
+                }
+                self.scratch_decode(run, &chunk)?
+            } else {
+                self.main_decode(run, &chunk, riders)?
+            };
+            let mut rows = rows.into_iter();
+            for span in &chunk.spans {
+                run.progress[span.item].done += span.len;
+                if span.is_last {
+                    run.rows[span.item] = rows.next();
+                }
+            }
+            run.expected += self.answer_finished(run);
+        }
+    }
+
+    /// Pull the queue before the next decode: riders, new prompts, jobs in passing, jobs
+    /// that wait for the run (see the module doc).
+    fn gather_chunk(&mut self, rx: &Receiver<Job>, run: &mut Run, riders: &mut Vec<CommitRequest>) {
+        let prompts: Vec<_> = run
+            .in_flight()
+            .flat_map(|p| p.items.iter().map(|(c, _)| super::gather::cell(c)))
+            .collect();
+        let next = NextChunk {
+            rides: true,
+            expected: run.expected,
+            max_riders: max_riders(self.n_batch(), self.shared().n_seq_max as usize),
+        };
+        let behind = run.behind.take().unwrap_or_else(|| Behind::new(false));
+        let mut g = self
+            .policy
+            .open_chunk(&prompts, behind, next, Instant::now());
+        while let Some(job) = self.next_queued(rx, g.wait(Instant::now())) {
+            let seen = view(&job);
+            let fate = match (g.fate(&seen, false), &job) {
+                // A prompt this run cannot take (adapters, or the run is full) waits.
+                (Fate::Join, Job::Prefill(req)) if !self.run_takes(run, req) => Fate::Defer,
+                (fate, _) => fate,
+            };
+            match fate {
+                Fate::Join => match self.admit(job) {
+                    Some(Job::Commit(req)) => {
+                        g.join(&seen, Instant::now());
+                        riders.push(req);
+                    }
+                    Some(Job::Prefill(req)) => {
+                        g.join(&prefill_view(&req), Instant::now());
+                        self.take_prompt(run, req);
+                    }
+                    Some(other) => other.fail(Error::Internal("joined a run not its kind".into())),
+                    None => g.arrived(Instant::now()),
+                },
+                Fate::InPassing => {
+                    self.run_in_passing(job);
+                    g.arrived(Instant::now());
+                }
+                Fate::Defer => {
+                    g.defer(&seen);
+                    run.waiting.push(job);
+                }
+                Fate::Stop => {
+                    run.waiting.push(job);
+                    run.stopped = true;
+                    break;
+                }
+            }
+        }
+        run.behind = Some(g.into_behind());
+    }
+
+    fn run_takes(&self, run: &Run, req: &PrefillRequest) -> bool {
+        run.prompts.len() < MOST_PROMPTS && self.continuous_takes(req)
+    }
+
+    /// The run's items (as the chunks' spans index them), with their first positions.
+    fn chunk_items(run: &Run) -> Vec<(&PrefillItem, i32)> {
+        run.items
+            .iter()
+            .map(|&(p, i)| (&run.prompts[p].items[i], run.prompts[p].starts[i]))
+            .collect()
+    }
+
+    /// One decode of the chunk in the main context, with the riders when there are any.
+    /// The rows of the prompts it finishes, in order.
+    fn main_decode(
+        &mut self,
+        run: &Run,
+        chunk: &Chunk,
+        riders: Vec<CommitRequest>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let items = Self::chunk_items(run);
+        let mut tokens = Vec::with_capacity(chunk.n_tokens());
+        for span in &chunk.spans {
+            let ((cell, all), start) = items[span.item];
+            let seq = cell.seq();
+            for j in 0..span.len {
+                let wants_logits = span.is_last && j + 1 == span.len;
+                let at = span.start + j;
+                tokens.push((all[at], start + at as i32, seq, wants_logits));
+            }
+        }
+        let mut riding = Riding {
+            tokens,
+            rows: Vec::new(),
+            outcome: None,
+        };
+        if !riders.is_empty() && !chunk.spans.is_empty() {
+            self.riding = Some(riding);
+            self.run_commits(riders);
+            riding = self.riding.take().expect("the commit path gives it back");
+        } else if !riders.is_empty() {
+            self.run_commits(riders);
+        }
+        match riding.outcome.take() {
+            Some(outcome) => outcome.map(|()| riding.rows),
+            None if chunk.spans.is_empty() => Ok(Vec::new()),
+            None => {
+                // Alone (no rider, or the riders' decode was not one the chunk could ride).
+                self.use_adapters(&Adapters::default())?;
+                let batch = self.start_batch();
+                riding.push_into(batch);
+                self.shared().abort.set_running(run.run_id);
+                let decoded = self.decode();
+                self.shared().abort.set_running(0);
+                riding.landed(self, &decoded, 0);
+                riding
+                    .outcome
+                    .take()
+                    .unwrap_or(Ok(()))
+                    .map(|()| riding.rows)
+            }
+        }
+    }
+
+    /// One decode of the chunk in the scratch context; the prompts it finishes move to their
+    /// sequences. Their rows, in order.
+    fn scratch_decode(&mut self, run: &mut Run, chunk: &Chunk) -> Result<Vec<Vec<f32>>> {
+        let mut slots = std::mem::replace(&mut run.slots, ScratchSlots::new(0));
+        let items: Vec<&PrefillItem> = Self::chunk_items(run)
+            .into_iter()
+            .map(|(it, _)| it)
+            .collect();
+        let seqs: Vec<Seq> = items.iter().map(|(cell, _)| cell.seq()).collect();
+        let mut rows = vec![None; items.len()];
+        self.shared().abort.set_running(run.run_id);
+        let decoded = self.scratch_chunk(&items, &seqs, chunk, &mut slots, &mut rows);
+        self.shared().abort.set_running(0);
+        drop(items);
+        run.slots = slots;
+        decoded?;
+        Ok(chunk
+            .spans
+            .iter()
+            .filter(|s| s.is_last)
+            .filter_map(|s| rows[s.item].take())
+            .collect())
+    }
+
+    /// Answer every prompt whose items are all in: its branches take their tokens and last
+    /// rows. How many were answered.
+    fn answer_finished(&mut self, run: &mut Run) -> usize {
+        let mut answered = 0;
+        for prompt in run.prompts.iter_mut().filter(|p| p.reply.is_some()) {
+            let n = prompt.items.len();
+            let range = prompt.first..prompt.first + n;
+            if !run.progress[range.clone()].iter().all(|p| p.done == p.len) {
+                continue;
+            }
+            for ((cell, tokens), row) in prompt.items.iter().zip(&mut run.rows[range]) {
+                cell.lock().prefilled(tokens, row.take().as_deref());
+                run.stepping.insert(seq_id(cell));
+            }
+            prompt.ticket.finish();
+            if let Some(reply) = prompt.reply.take() {
+                reply.send(Ok(()));
+            }
+            answered += n;
+        }
+        answered
+    }
+
+    /// Prompts whose caller asked for an abort leave: what they wrote is removed.
+    fn drop_aborted(&mut self, run: &mut Run) {
+        for p in 0..run.prompts.len() {
+            let prompt = &run.prompts[p];
+            if prompt.reply.is_none() || !prompt.ticket.abort_requested() {
+                continue;
+            }
+            self.undo(run, p);
+            let prompt = &mut run.prompts[p];
+            prompt.ticket.finish();
+            if let Some(reply) = prompt.reply.take() {
+                reply.send(Err(Error::Cancelled("aborted and rolled back".into())));
+            }
+        }
+    }
+
+    /// Remove what prompt `p` wrote (and take its items out of the run's queue).
+    fn undo(&mut self, run: &mut Run, p: usize) {
+        let prompt = &run.prompts[p];
+        for (i, (cell, _)) in prompt.items.iter().enumerate() {
+            let k = prompt.first + i;
+            // (A failed decode, or one whose rows could not be read, may have written
+            // cells that `done` does not count yet.)
+            self.truncate(cell, prompt.starts[i]);
+            if let Some(seq) = run.slots.forget(k) {
+                self.empty_scratch_seq(seq);
+            }
+            run.progress[k].done = run.progress[k].len;
+            run.rows[k] = None;
+        }
+    }
+
+    /// A decode failed: the prompts not yet answered lose what they wrote and go through
+    /// the packed path, which narrows the failure down to its request.
+    fn fall_back(&mut self, run: &mut Run, e: Error) {
+        if run.place.contains(&Place::Scratch) {
+            self.empty_scratch();
+        }
+        let mut again = Vec::new();
+        for p in 0..run.prompts.len() {
+            if run.prompts[p].reply.is_none() {
+                continue;
+            }
+            self.undo(run, p);
+            let prompt = &mut run.prompts[p];
+            if let Some(reply) = prompt.reply.take() {
+                again.push(PrefillRequest {
+                    items: std::mem::take(&mut prompt.items),
+                    reply,
+                    ticket: prompt.ticket.clone(),
+                });
+            }
+        }
+        if matches!(e, Error::Closed) {
+            for req in again {
+                req.ticket.finish();
+                req.reply.send(Err(Error::Closed));
+            }
+            return;
+        }
+        self.run_prefills(again);
+    }
+}
+
+fn seq_id(cell: &Arc<BranchCell>) -> u32 {
+    cell.seq().id() as u32
+}
