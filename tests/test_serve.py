@@ -19,6 +19,7 @@ import kvfork
 import openai
 import pytest
 
+from .conftest import greedy_with_margins
 from .serving import Server, servers
 
 SYSTEM = "You are a helpful assistant."
@@ -208,6 +209,41 @@ def test_completions_on_the_base_model_equal_the_library(base_server: Server) ->
     )
     assert logprobs is not None and len(logprobs.tokens or []) == 3
     assert all(len(t) == 2 for t in logprobs.top_logprobs or [])
+
+
+def test_requests_arriving_while_others_stream_get_their_tokens_alone(base_server: Server) -> None:
+    """Continuous batching as a server sees it: requests of every length arrive one by one
+    while the earlier ones stream (prompt chunks and streams' steps share decodes); each
+    completion equals the library's greedy text alone, up to its first near-tie."""
+    words = " ".join(f"item {i}," for i in range(400))
+    prompts = [f"{k}, {k + 1}, {k + 2}," + words[:n] for k, n in enumerate([3000, 60, 1800, 300])]
+    n_tokens = 16
+    with kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=2048) as ctx:
+        expected = []
+        for prompt in prompts:
+            b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+            b.prefill_sync(ctx.tokenize(prompt))
+            tokens, margins = greedy_with_margins(b, n_tokens)
+            clear = next((i for i, m in enumerate(margins) if m < 1.0), n_tokens)
+            expected.append("".join(ctx.token_to_text(t) for t in tokens[:clear]))
+            b.prune_sync()
+
+    async def request(client: openai.AsyncOpenAI, k: int) -> str:
+        await asyncio.sleep(0.4 * k)  # while the earlier ones stream
+        stream = await client.completions.create(
+            model="x", prompt=prompts[k], max_tokens=n_tokens, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_requests() -> list[str]:
+        async with base_server.async_client() as client:
+            return await asyncio.gather(*(request(client, k) for k in range(len(prompts))))
+
+    mixed = base_server.metric("kvfork_mixed_decodes_total")
+    texts = asyncio.run(all_requests())
+    assert base_server.metric("kvfork_mixed_decodes_total") > mixed
+    for text, prefix in zip(texts, expected, strict=True):
+        assert text.startswith(prefix), (text, prefix)
 
 
 BAD = [

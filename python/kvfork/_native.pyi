@@ -558,6 +558,9 @@ class Context:
         - `scratch_tokens`: tokens of new prompts prefilled in a scratch context that holds
           only them (a busy cache slows every prefill decode; `KVFORK_NO_SCRATCH_PREFILL`
           turns it off), then moved into the cache;
+        - `mixed_decodes`: decodes that held the next chunk of prompts being prefilled and
+          one token of each stream stepping meanwhile (continuous prefill;
+          `KVFORK_NO_CONTINUOUS_PREFILL` turns it off);
         - `commit_requests`: commit requests served — each `commit` or generation step, and
           each `store.commit` / `store.step` (one request for all its branches); concurrent
           requests coalesced into one decode each count;

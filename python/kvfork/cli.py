@@ -344,16 +344,20 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--actors and --threads must be at least 1")
     if not (args.max_body_mb > 0 and args.stall_seconds > 0 and args.shutdown_seconds >= 0):
         raise CliError("--max-body-mb and --stall-seconds must be positive")
+    if args.ray is not None and args.n_batch is not None:
+        raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     path = resolve_model(args.model)
     # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
-    threads = (
+    options: dict[str, int] = (
         {}
         if args.threads is None
         else dict.fromkeys(("n_threads", "n_threads_batch"), args.threads)
     )
+    if args.n_batch is not None:
+        options["n_batch"] = args.n_batch
     cluster = None
     if args.ray is None:
-        ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **threads)
+        ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **options)
     else:
         ctx = await open_context(path, n_ctx=512, n_seq_max=1)  # the front's tokenizer
     embed_ctx = None
@@ -548,6 +552,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=32,
         help="sequences: requests' choices plus prefix-cache entries",
+    )
+    serve.add_argument(
+        "--n-batch",
+        type=int,
+        default=None,
+        help="tokens one decode holds (default 512): prompt chunks and the running streams' "
+        "steps share it, so a stream waits at most one such decode while prompts arrive",
     )
     serve.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a sequence before 503"

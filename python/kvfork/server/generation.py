@@ -203,6 +203,7 @@ class Generator:
         stats, cache = self.ctx.stats(), self.cache.stats()
         return {
             "decode_calls": stats["decode_calls"],
+            "mixed_decodes": stats["mixed_decodes"],
             "leases_in_use": self.ctx.n_seq_max - self.store.available,
             "sequences_admitted": self.admission.leases - self.admission.free,
             "queue_length": self.admission.waiting,

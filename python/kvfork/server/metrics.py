@@ -23,6 +23,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: ``kvfork_<key>`` (counters with prometheus' ``_total``).
 LIVE: dict[str, tuple[str, str]] = {
     "decode_calls": ("counter", "llama_decode calls of the generation context"),
+    "mixed_decodes": (
+        "counter",
+        "decodes that held prompt chunks and running streams' steps together",
+    ),
     "leases_in_use": ("gauge", "KV sequences held: by requests and by prefix-cache entries"),
     "sequences_admitted": ("gauge", "KV sequences admitted to requests in progress"),
     "queue_length": ("gauge", "requests waiting for a free sequence"),
