@@ -5,6 +5,7 @@ the log, every sequence back)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -148,12 +149,15 @@ def servers() -> Iterator[Callable[..., Server]]:
     """A fixture body: `start(*args)` starts `kvfork serve *args`; all stop at the end."""
     started: list[Server] = []
 
-    def start(*args: str) -> Server:
+    def start(*args: str, env: dict[str, str] | None = None) -> Server:
+        """`env`: variables set for the server beside this process's."""
         port = free_port()
         cmd = [sys.executable, "-m", "kvfork", "serve", *args, "--port", str(port)]
         # The log goes to a file (a pipe nobody reads could fill and stall the server).
         log = tempfile.NamedTemporaryFile("w+", prefix="kvfork-serve-", suffix=".log")  # noqa: SIM115
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         server = Server(f"http://127.0.0.1:{port}", process, log)
         started.append(server)
         deadline = time.monotonic() + 120

@@ -9,7 +9,7 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import GPU_LAYERS, GREEDY, PROMPT, root
+from .conftest import GPU_LAYERS, GREEDY, PROMPT, assert_same_greedy, greedy_with_margins, root
 
 
 def test_commit_of_n_is_one_decode_and_equals_single_commits(ctx: kvfork.Context) -> None:
@@ -91,6 +91,42 @@ def test_new_prompts_beside_a_busy_cache_prefill_in_a_scratch_context_alike(
     np.testing.assert_allclose(scratch[1], cache[1], rtol=0, atol=2.0)
     assert scratch[0] == cache[0] == alone[0]
     assert len({tuple(t) for t in scratch[0]}) == len(scratch[0]), "each its own"
+
+
+def test_a_long_prompt_goes_through_the_scratch_alone_and_forks_inside_it_read_it_whole(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside a busy cache, a prompt longer than the sliding window (Gemma 3: 512 tokens) is
+    prefilled alone in the scratch context. Its cells must all reach the cache, those of the
+    sliding-window layers too: a prefix-cache branch sharing its first 700 tokens (a fork
+    inside it, whose sliding-window layers read cells from position 188 on) and the long
+    branch itself continue exactly as without the scratch (up to near-ties)."""
+
+    def run(scratch: bool) -> tuple[list[tuple[list[int], list[float]]], int]:
+        if scratch:
+            monkeypatch.delenv("KVFORK_NO_SCRATCH_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("KVFORK_NO_SCRATCH_PREFILL", "1")
+        with kvfork.create_context_sync(model, n_ctx=8192, n_seq_max=8) as c:
+            text = c.tokenize(PROMPT * 400, add_special=False)  # ~3,200 tokens
+            other = kvfork.Branch.create(c, 0, GREEDY)
+            other.prefill_sync(text[:1500])  # a busy cache
+            cache = kvfork.PrefixCache(c)
+            count = c.tokenize(", ".join(str(k) for k in range(1, 9)) + ",", add_special=False)
+            long_prompt = c.tokenize("Notes:") + text[2000:3200] + count
+            assert len(long_prompt) > 1200
+            inside = long_prompt[:700] + count
+            got = []
+            for prompt in (long_prompt, inside):
+                b = cache.branch_sync(prompt, GREEDY)
+                got.append(greedy_with_margins(b, 8))
+            return got, int(c.stats()["scratch_tokens"])
+
+    scratch, moved = run(True)
+    reference, none = run(False)
+    assert none == 0 and moved >= 1200, "the long prompt went through the scratch"
+    for (tokens, _), (expected, margins) in zip(scratch, reference, strict=True):
+        assert_same_greedy(tokens, expected, margins)
 
 
 def test_new_prompts_that_do_not_fit_beside_a_busy_cache_roll_back_from_the_scratch(

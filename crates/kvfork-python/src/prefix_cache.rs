@@ -14,7 +14,8 @@ use crate::params;
 /// positioned at the end of `tokens` by sharing the longest prefix any branch of the cache
 /// holds in the KV — an entry handed back with `release`, or a branch still generating (a
 /// fork at a position inside it) — and prefilling only the rest (at least the last token, so
-/// the snapshot is fresh). Entries are evicted least recently used when a lease or KV cells
+/// the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
+/// (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
 /// are needed, or past `max_cached_tokens`. `fork` adds forks of its branches (a request's
 /// other choices), making room the same way. The branches it hands out and its entries are the
 /// account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).

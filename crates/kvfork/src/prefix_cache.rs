@@ -80,6 +80,11 @@ enum Turn {
 /// the prompt (a system prompt or document, not a common first word).
 const WORTH_WAITING: usize = 64;
 
+/// The shortest prefix worth sharing, unless it is half the prompt: a few common first
+/// tokens (`<bos>Note`) save next to nothing, and a prompt that starts its own sequence may
+/// be prefilled apart from a busy cache (`engine/scratch.rs`), twice as fast.
+const WORTH_SHARING: usize = 16;
+
 struct State {
     holders: HashMap<Handle, Holder>,
     /// Adapter sets seen so far: set `i` is keyed in the trie by the token `-(i + 1)` before
@@ -359,7 +364,7 @@ impl PrefixCache {
             return Ok((None, 0));
         };
         let shared = found.len - usize::from(sentinel.is_some());
-        if shared == 0 {
+        if shared == 0 || (shared < WORTH_SHARING && 2 * shared < tokens.len()) {
             return Ok((None, 0));
         }
         st.trie.touch(found.key);

@@ -11,11 +11,13 @@
 //! as in llama.cpp's server. The riders go through the commit path (`commit.rs`), which puts the
 //! chunk ([`Riding`]) into its one decode; without riders the chunk is decoded alone.
 //!
-//! A decode with no rider may go to the scratch context instead (`scratch.rs`: new prompts
-//! beside a busy cache decode faster alone, then move into the cache). Each prompt is decoded
-//! wholly in one context, chosen at its first chunk; while one decoded in the scratch is cut
-//! between two decodes, the next is the scratch's too, and steps that came meanwhile decode
-//! apart just before it.
+//! Beside a busy cache, new prompts go to the scratch context instead (`scratch.rs`): there
+//! a 512-token decode stays at the empty cache's speed, where in the main context it slowed
+//! from ~0.7 s to 1.0–1.5 s with a server's cache full of finished requests (measured: the
+//! steady workload of `bench_serve.py`), far more than a separate decode of the steps costs.
+//! The steps that came meanwhile then decode apart, just before the scratch's decode. Each
+//! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
+//! between two decodes, the next decode is its context's.
 //!
 //! A failed decode ends the run: the prompts not yet answered lose what they wrote and go
 //! through the packed path (`prefill.rs`), which narrows the failure down to its request.
@@ -33,7 +35,7 @@ use kvfork_core::packer::{plan_chunk, plan_prefill, Chunk, ChunkRoom, Progress};
 
 use super::gather::{prefill_view, start_run, view};
 use super::pending::Reply;
-use super::scratch::{ScratchSlots, SCRATCH_SPANS};
+use super::scratch::{ScratchKind, ScratchSlots, LONG_SCRATCH_PROMPT, SCRATCH_SPANS};
 use super::shared::{BranchCell, Stats};
 use super::{CommitRequest, Job, PrefillItem, PrefillRequest, Ticket, Worker};
 use crate::adapter::Adapters;
@@ -44,6 +46,14 @@ use crate::seq::Seq;
 
 /// Prompts a run takes in all: then it drains and ends (its bookkeeping stays small).
 const MOST_PROMPTS: usize = 256;
+
+/// Prompt tokens decoded in a scratch between two steps of the streams that wait meanwhile
+/// (they cannot ride those decodes): llama.cpp's server decodes up to 2,048 prompt tokens
+/// (its default `n_batch`) between two of a stream's tokens. Fewer, longer waits cost the
+/// streams no more time in all, and save the steps' own decodes: on the steady workload of
+/// `bench_serve.py`, stepping them after every 512-token decode put 6 % of the gaps between
+/// tokens at a decode's length (p95 0.32 s against llama-server's 0.10 s).
+const STEP_EVERY: usize = 2048;
 
 /// A chunk of prompt tokens riding a commit's decode: its tokens go into the batch after the
 /// steps', its logits rows are copied out once the decode lands.
@@ -124,6 +134,10 @@ struct Run {
     stepping: HashSet<u32>,
     /// Streams' steps worth waiting for before the next decode.
     expected: usize,
+    /// Streams' steps held while prompts decode in a scratch (see [`STEP_EVERY`]).
+    held: Vec<CommitRequest>,
+    /// Prompt tokens decoded in a scratch since the streams last stepped.
+    since_steps: usize,
 }
 
 impl Run {
@@ -169,11 +183,17 @@ impl Worker {
             run_id,
             stepping: HashSet::new(),
             expected: 0,
+            held: Vec::new(),
+            since_steps: STEP_EVERY,
         };
         for req in group {
             self.take_prompt(&mut run, req);
         }
         let outcome = self.guarded(1, |w| vec![w.run_chunks(rx, &mut run)]);
+        let held = std::mem::take(&mut run.held);
+        if !held.is_empty() {
+            self.run_commits(held);
+        }
         if let Some(Err(e)) = outcome.into_iter().next() {
             self.fall_back(&mut run, e);
         }
@@ -183,51 +203,74 @@ impl Worker {
     }
 
     /// Where the next decode goes, and up to which item (exclusive) its prompts may come
-    /// from: the context of the first item in flight when it is cut already; else the
-    /// scratch when no step rides and the scratch pays for the items that may go there
-    /// (new prompts that fit it, `scratch.rs`); else the main context.
-    fn next_place(&self, run: &Run, riders: bool) -> (Place, usize) {
-        let Some(first) =
-            (0..run.items.len()).find(|&k| run.progress[k].done < run.progress[k].len)
-        else {
-            return (Place::Main, run.items.len());
-        };
-        let fits_scratch = |k: usize| {
-            let (p, i) = run.items[k];
-            run.prompts[p].starts[i] == 0 && self.fits_scratch(run.progress[k].len)
-        };
+    /// from. A prompt cut between two decodes finishes where it started. A new prompt goes to
+    /// the scratch when it fits there (`scratch.rs`: it starts its sequence, within one
+    /// decode and the sliding window, or up to `LONG_SCRATCH_PROMPT` tokens alone) and the
+    /// scratch pays for it and the new prompts after it; a decode in the main context then
+    /// ends before it (so that it starts a decode).
+    fn next_place(&self, run: &Run) -> (Place, usize) {
+        let n = run.items.len();
         let unfinished = |k: &usize| run.progress[*k].done < run.progress[*k].len;
-        // Items from `first` that `place` may take, in queue order.
-        let takes = |place: Place, k: usize| {
-            run.place[k] == place
-                || (run.place[k] == Place::Unplaced && (place == Place::Main || fits_scratch(k)))
+        let Some(first) = (0..n).find(unfinished) else {
+            return (Place::Main, n);
         };
-        let limit = |place: Place| {
-            (first..run.items.len())
-                .filter(unfinished)
-                .find(|&k| !takes(place, k))
-                .unwrap_or(run.items.len())
+        let new = |k: usize| {
+            let (p, i) = run.items[k];
+            run.place[k] == Place::Unplaced && run.prompts[p].starts[i] == 0
         };
-        let place = match run.place[first] {
-            Place::Unplaced if !riders && fits_scratch(first) => {
-                let end = limit(Place::Scratch);
-                let ks: Vec<usize> = (first..end).filter(unfinished).collect();
-                let items: Vec<&PrefillItem> = ks
-                    .iter()
-                    .map(|&k| &run.prompts[run.items[k].0].items[run.items[k].1])
-                    .collect();
-                let lens: Vec<usize> = ks.iter().map(|&k| run.progress[k].len).collect();
-                let plan = plan_prefill(&lens, self.n_batch());
-                if self.scratch_pays(&items, true, &plan) {
-                    Place::Scratch
-                } else {
-                    Place::Main
-                }
+        let prompt_of = |k: usize| &run.prompts[run.items[k].0];
+        // Alone: a request of one prompt only.
+        let alone = |k: usize| {
+            prompt_of(k).items.len() == 1 && self.fits_scratch_alone(run.progress[k].len)
+        };
+        // A request's prompts go to one context (a `BranchStore::prefill` of several keeps
+        // its packing into ceil(total / n_batch) decodes): beside others in the scratch
+        // when every one of them fits there.
+        let fits_beside = |k: usize| {
+            let prompt = prompt_of(k);
+            let own = prompt.first..prompt.first + prompt.items.len();
+            new(k)
+                && own.into_iter().all(|j| {
+                    let i = run.items[j].1;
+                    prompt.starts[i] == 0 && self.fits_scratch(run.progress[j].len)
+                })
+        };
+        let fits = |k: usize| fits_beside(k) || (new(k) && alone(k));
+        // The end of the scratch's prompts from `k`: a prompt that goes alone is alone.
+        let scratch_end = |k: usize| {
+            if alone(k) {
+                return k + 1;
             }
-            Place::Unplaced => Place::Main,
-            placed => placed,
+            (k + 1..n)
+                .filter(unfinished)
+                .find(|&j| !fits_beside(j))
+                .unwrap_or(n)
         };
-        (place, limit(place))
+        let scratch_pays_from = |k: usize| {
+            let ks: Vec<usize> = (k..scratch_end(k)).filter(unfinished).collect();
+            let items: Vec<&PrefillItem> = ks
+                .iter()
+                .map(|&j| &run.prompts[run.items[j].0].items[run.items[j].1])
+                .collect();
+            let lens: Vec<usize> = ks.iter().map(|&j| run.progress[j].len).collect();
+            let plan = plan_prefill(&lens, self.n_batch());
+            self.scratch_pays_up_to(&items, true, &plan, LONG_SCRATCH_PROMPT)
+        };
+        // A decode in the main context ends before the next new prompt the scratch takes.
+        let main_end = || {
+            (first + 1..n)
+                .filter(unfinished)
+                .find(|&k| run.place[k] == Place::Unplaced)
+                .filter(|&k| run.items[k].1 == 0 && fits(k) && scratch_pays_from(k))
+                .unwrap_or(n)
+        };
+        match run.place[first] {
+            Place::Scratch => (Place::Scratch, scratch_end(first)),
+            Place::Unplaced if fits(first) && scratch_pays_from(first) => {
+                (Place::Scratch, scratch_end(first))
+            }
+            _ => (Place::Main, main_end()),
+        }
     }
 
     /// `req` joins the run (its ticket started): refused at once if it cannot fit, answered at
@@ -277,13 +320,13 @@ impl Worker {
             if run.in_flight().next().is_none() {
                 return Ok(());
             }
-            let mut riders = Vec::new();
+            let mut riders = std::mem::take(&mut run.held);
             if !run.stopped {
                 self.gather_chunk(rx, run, &mut riders);
             }
             let rider_tokens: usize = riders.iter().map(|r| r.items.len()).sum();
             let n_seq_max = self.shared().n_seq_max as usize;
-            let (place, limit) = self.next_place(run, !riders.is_empty());
+            let (place, limit) = self.next_place(run);
             let room = if place == Place::Scratch {
                 ChunkRoom {
                     tokens: self.n_batch(),
@@ -308,11 +351,19 @@ impl Worker {
             );
             run.expected = rider_tokens;
             let rows = if place == Place::Scratch {
-                if !riders.is_empty() {
-                    self.run_commits(riders); // they cannot share the scratch's decode
+                // The streams cannot share the scratch's decode: they step apart, once
+                // every `STEP_EVERY` prompt tokens.
+                if run.since_steps >= STEP_EVERY && !riders.is_empty() {
+                    self.run_commits(riders);
+                    run.since_steps = 0;
+                } else {
+                    run.held = riders;
+                    run.expected = 0;
                 }
+                run.since_steps += chunk.n_tokens();
                 self.scratch_decode(run, &chunk)?
             } else {
+                run.since_steps = STEP_EVERY;
                 self.main_decode(run, &chunk, riders)?
             };
             let mut rows = rows.into_iter();
@@ -328,15 +379,21 @@ impl Worker {
 
     /// Pull the queue before the next decode: riders, new prompts, jobs in passing, jobs
     /// that wait for the run (see the module doc).
+    /// `riders`: the steps held so far (members of the gathering too).
     fn gather_chunk(&mut self, rx: &Receiver<Job>, run: &mut Run, riders: &mut Vec<CommitRequest>) {
+        let held = riders.iter().flat_map(|r| r.items.iter().map(|(c, _)| c));
         let prompts: Vec<_> = run
             .in_flight()
-            .flat_map(|p| p.items.iter().map(|(c, _)| super::gather::cell(c)))
+            .flat_map(|p| p.items.iter().map(|(c, _)| c))
+            .chain(held)
+            .map(super::gather::cell)
             .collect();
+        let held_tokens: usize = riders.iter().map(|r| r.items.len()).sum();
+        let most = max_riders(self.n_batch(), self.shared().n_seq_max as usize);
         let next = NextChunk {
             rides: true,
             expected: run.expected,
-            max_riders: max_riders(self.n_batch(), self.shared().n_seq_max as usize),
+            max_riders: most.saturating_sub(held_tokens),
         };
         let behind = run.behind.take().unwrap_or_else(|| Behind::new(false));
         let mut g = self
@@ -454,8 +511,14 @@ impl Worker {
             .collect();
         let seqs: Vec<Seq> = items.iter().map(|(cell, _)| cell.seq()).collect();
         let mut rows = vec![None; items.len()];
+        let kind = scratch_kind(self, run, chunk);
+        let starts_alone = chunk.spans.first().is_some_and(|span| span.start == 0);
+        if kind == ScratchKind::Alone && starts_alone {
+            // Its cells go one after the other from the first (see `scratch.rs`).
+            self.empty_scratch(kind);
+        }
         self.shared().abort.set_running(run.run_id);
-        let decoded = self.scratch_chunk(&items, &seqs, chunk, &mut slots, &mut rows);
+        let decoded = self.scratch_chunk(kind, &items, &seqs, chunk, &mut slots, &mut rows);
         self.shared().abort.set_running(0);
         drop(items);
         run.slots = slots;
@@ -516,7 +579,8 @@ impl Worker {
             // cells that `done` does not count yet.)
             self.truncate(cell, prompt.starts[i]);
             if let Some(seq) = run.slots.forget(k) {
-                self.empty_scratch_seq(seq);
+                let kind = self.scratch_kind_of(run.progress[k].len);
+                self.empty_scratch_seq(kind, seq);
             }
             run.progress[k].done = run.progress[k].len;
             run.rows[k] = None;
@@ -527,7 +591,8 @@ impl Worker {
     /// the packed path, which narrows the failure down to its request.
     fn fall_back(&mut self, run: &mut Run, e: Error) {
         if run.place.contains(&Place::Scratch) {
-            self.empty_scratch();
+            self.empty_scratch(ScratchKind::Shared);
+            self.empty_scratch(ScratchKind::Alone);
         }
         let mut again = Vec::new();
         for p in 0..run.prompts.len() {
@@ -552,6 +617,15 @@ impl Worker {
             return;
         }
         self.run_prefills(again);
+    }
+}
+
+/// The scratch a chunk decodes in: the one a long prompt has alone (a chunk of the scratch's
+/// holds one such prompt only), else the shared one.
+fn scratch_kind(w: &Worker, run: &Run, chunk: &Chunk) -> ScratchKind {
+    match chunk.spans.first() {
+        Some(span) => w.scratch_kind_of(run.progress[span.item].len),
+        None => ScratchKind::Shared,
     }
 }
 

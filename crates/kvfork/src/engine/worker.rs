@@ -43,7 +43,7 @@ pub(crate) struct Worker {
     /// long, how many threads — to see how requests share decodes.
     trace: bool,
     /// The context new prompts are prefilled in, created on first use (see `scratch.rs`).
-    pub(super) scratch: Option<LlamaCtx>,
+    pub(super) scratch: super::scratch::Scratches,
     /// `KVFORK_NO_SCRATCH_PREFILL` unset.
     pub(super) scratch_allowed: bool,
     /// A continuous prefill's chunk waiting to ride the next commit's decode
@@ -85,7 +85,7 @@ impl Worker {
             stash: VecDeque::new(),
             policy: GatherPolicy::new(n_seq_max),
             trace: std::env::var_os("KVFORK_TRACE_DECODES").is_some(),
-            scratch: None,
+            scratch: Default::default(),
             scratch_allowed: std::env::var_os("KVFORK_NO_SCRATCH_PREFILL").is_none(),
             riding: None,
             adapters: AdapterKey::default(),
@@ -257,9 +257,9 @@ impl Worker {
 
     /// `llama_decode` of the current batch in the scratch context, timed and counted like
     /// the main context's (no output padding; its rows are read at once).
-    pub(super) fn decode_in_scratch(&mut self) -> Result<()> {
+    pub(super) fn decode_in_scratch(&mut self, kind: super::scratch::ScratchKind) -> Result<()> {
         self.read_load();
-        let scratch = self.scratch.as_mut().expect("opened before its decodes");
+        let scratch = self.scratch.get(kind).expect("opened before its decodes");
         let t0 = Instant::now();
         let r = scratch.decode(&self.batch);
         self.after_decode(t0.elapsed(), r, 0, false)
@@ -387,7 +387,7 @@ impl Worker {
         }
         let (single, batch) = self.shared.params.threads_with(next as i32);
         self.ctx.set_threads(single, batch);
-        if let Some(scratch) = self.scratch.as_mut() {
+        for scratch in self.scratch.opened() {
             scratch.set_threads(single, batch);
         }
         self.threads_batch = batch as usize;
