@@ -15,7 +15,7 @@
 //! a 512-token decode stays at the empty cache's speed, where in the main context it slowed
 //! from ~0.7 s to 1.0–1.5 s with a server's cache full of finished requests (measured: the
 //! steady workload of `bench_serve.py`), far more than a separate decode of the steps costs.
-//! The steps that came meanwhile then decode apart, just before the scratch's decode. Each
+//! The steps that came meanwhile decode apart, once every [`STEP_EVERY`] prompt tokens. Each
 //! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
 //! between two decodes, the next decode is its context's.
 //!
