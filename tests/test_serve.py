@@ -219,7 +219,7 @@ def test_requests_arriving_while_others_stream_get_their_tokens_alone(
     while the earlier ones stream; each completion equals the library's greedy text alone,
     up to its first near-tie. Beside a busy cache new prompts decode in the scratch context
     (the streams step apart); without it, prompt chunks and the streams' steps share decodes
-    (`kvfork_mixed_decodes_total`)."""
+    (`kvfork_mixed_decodes_total`), here with a 256-token `--n-batch`."""
     server = (
         base_server
         if scratch
@@ -229,6 +229,8 @@ def test_requests_arriving_while_others_stream_get_their_tokens_alone(
             "4096",
             "--n-seq-max",
             "6",
+            "--n-batch",
+            "256",
             env={"KVFORK_NO_SCRATCH_PREFILL": "1"},
         )
     )

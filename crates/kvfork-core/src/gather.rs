@@ -245,8 +245,6 @@ pub struct ChunkGathering {
     /// As many as are worth waiting for: the last decode's riders and the prompts it finished
     /// (each about to step; a `produce` met first runs in passing and restarts the gap).
     pub expected: usize,
-    /// Steps may ride (not when the prompts decode in a scratch context of their own).
-    pub rides: bool,
     /// New prompts may join the queue (not once a job waits behind the run: it must end).
     pub takes_prompts: bool,
 }
@@ -382,7 +380,7 @@ impl Gathering {
                 JobView::Commit {
                     cells, runs_alone, ..
                 },
-            ) => c.rides && !runs_alone && c.riders + cells.len() <= c.max_riders,
+            ) => !runs_alone && c.riders + cells.len() <= c.max_riders,
             (Kind::Chunk(c), JobView::Prefill { .. }) => c.takes_prompts,
             _ => false,
         }
@@ -455,11 +453,9 @@ impl Behind {
 /// The shape of the next decode of a continuous prefill, for its gathering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NextChunk {
-    /// Streams' steps may ride it.
-    pub rides: bool,
     /// Arrivals worth waiting for (the last decode's riders and the prompts it finished).
     pub expected: usize,
-    /// Most tokens of steps riding it.
+    /// Most tokens of steps riding it (0: none may).
     pub max_riders: usize,
 }
 
@@ -552,7 +548,6 @@ impl GatherPolicy {
                 max_riders: next.max_riders,
                 arrivals: 0,
                 expected: next.expected,
-                rides: next.rides,
                 takes_prompts: behind.takes_prompts,
             }),
             members,

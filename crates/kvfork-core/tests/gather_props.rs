@@ -141,21 +141,20 @@ proptest! {
 
     /// Between two decodes of a continuous prefill: a stream's step rides only when it
     /// touches no prompt in flight, no rider and nothing waiting behind the run, within the
-    /// riders' room, and never in a scratch run; a new prompt joins only while nothing waits
+    /// riders' room (none when it is 0); a new prompt joins only while nothing waits
     /// behind the run; any other work ends the gathering; nothing waiting behind the run is
     /// overtaken on its branches, and what waits stays waiting in the next gathering.
     #[test]
     fn a_continuous_prefill_takes_riders_and_prompts_in_order(
         prompts in prop::collection::vec(0usize..8, 1..3),
         queue in prop::collection::vec(job(), 0..24),
-        rides in any::<bool>(),
         max in 0usize..6,
         split in 0usize..24,
     ) {
         let t0 = Instant::now();
         let policy = GatherPolicy::new(8);
         let prompt_cells: Vec<Cell> = prompts.iter().map(|&i| cell(i)).collect();
-        let next = NextChunk { rides, expected: 3, max_riders: max };
+        let next = NextChunk { expected: 3, max_riders: max };
         let mut g = policy.open_chunk(&prompt_cells, Behind::new(true), next, t0);
         let mut members: HashSet<usize> = prompts.iter().map(|&i| cell(i).id).collect();
         let mut behind: HashSet<usize> = HashSet::new();
@@ -183,7 +182,7 @@ proptest! {
                 Fate::Join => {
                     match job {
                         JobView::Commit { cells, runs_alone, sample_only } => {
-                            prop_assert!(rides && !runs_alone && !sample_only);
+                            prop_assert!(max > 0 && !runs_alone && !sample_only);
                             riders += cells.len();
                             prop_assert!(riders <= max);
                         }
@@ -370,7 +369,6 @@ fn a_continuous_prefill_waits_for_the_streams_it_expects() {
     policy.decoded(MS * 700); // a 512-token chunk
     let t0 = Instant::now();
     let next = NextChunk {
-        rides: true,
         expected: 2,
         max_riders: max_riders(512, 16),
     };
@@ -400,9 +398,9 @@ fn a_continuous_prefill_waits_for_the_streams_it_expects() {
     assert_eq!(g.fate(&commit(&[0]), false), Fate::Defer);
     assert_eq!(max_riders(512, 64), 64);
     assert_eq!(max_riders(64, 64), 32);
-    // A scratch run takes no rider: steps wait behind it, and it takes no more prompts.
+    // A decode no step may ride: steps wait behind the run, which takes no more prompts.
     let scratch = NextChunk {
-        rides: false,
+        max_riders: 0,
         ..next
     };
     let mut g = policy.open_chunk(&[cell(0)], Behind::new(true), scratch, t0);

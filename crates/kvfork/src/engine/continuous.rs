@@ -33,7 +33,7 @@ use std::time::Instant;
 use kvfork_core::gather::{max_riders, Behind, Fate, NextChunk};
 use kvfork_core::packer::{plan_chunk, plan_prefill, Chunk, ChunkRoom, Progress};
 
-use super::gather::{prefill_view, start_run, view};
+use super::gather::{start_run, view};
 use super::pending::Reply;
 use super::scratch::{ScratchKind, ScratchSlots, LONG_SCRATCH_PROMPT, SCRATCH_SPANS};
 use super::shared::{BranchCell, Stats};
@@ -123,7 +123,7 @@ struct Run {
     place: Vec<Place>,
     /// Scratch sequences of items in flight there.
     slots: ScratchSlots,
-    behind: Option<Behind>,
+    behind: Behind,
     /// Jobs that wait for the run to end, in queue order.
     waiting: Vec<Job>,
     /// A job that may not be overtaken at all came: nothing more is pulled.
@@ -177,7 +177,7 @@ impl Worker {
             rows: Vec::new(),
             place: Vec::new(),
             slots: ScratchSlots::new(0),
-            behind: Some(Behind::new(true)),
+            behind: Behind::new(true),
             waiting: Vec::new(),
             stopped: false,
             run_id,
@@ -391,11 +391,10 @@ impl Worker {
         let held_tokens: usize = riders.iter().map(|r| r.items.len()).sum();
         let most = max_riders(self.n_batch(), self.shared().n_seq_max as usize);
         let next = NextChunk {
-            rides: true,
             expected: run.expected,
             max_riders: most.saturating_sub(held_tokens),
         };
-        let behind = run.behind.take().unwrap_or_else(|| Behind::new(false));
+        let behind = std::mem::replace(&mut run.behind, Behind::new(false));
         let mut g = self
             .policy
             .open_chunk(&prompts, behind, next, Instant::now());
@@ -413,7 +412,7 @@ impl Worker {
                         riders.push(req);
                     }
                     Some(Job::Prefill(req)) => {
-                        g.join(&prefill_view(&req), Instant::now());
+                        g.join(&seen, Instant::now());
                         self.take_prompt(run, req);
                     }
                     Some(other) => other.fail(Error::Internal("joined a run not its kind".into())),
@@ -434,18 +433,22 @@ impl Worker {
                 }
             }
         }
-        run.behind = Some(g.into_behind());
+        run.behind = g.into_behind();
     }
 
     fn run_takes(&self, run: &Run, req: &PrefillRequest) -> bool {
         run.prompts.len() < MOST_PROMPTS && self.continuous_takes(req)
     }
 
-    /// The run's items (as the chunks' spans index them), with their first positions.
-    fn chunk_items(run: &Run) -> Vec<(&PrefillItem, i32)> {
-        run.items
+    /// The run's items (`items`, as the chunks' spans index them, of `prompts`), with their
+    /// first positions.
+    fn chunk_items<'r>(
+        items: &[(usize, usize)],
+        prompts: &'r [Prompt],
+    ) -> Vec<(&'r PrefillItem, i32)> {
+        items
             .iter()
-            .map(|&(p, i)| (&run.prompts[p].items[i], run.prompts[p].starts[i]))
+            .map(|&(p, i)| (&prompts[p].items[i], prompts[p].starts[i]))
             .collect()
     }
 
@@ -457,7 +460,7 @@ impl Worker {
         chunk: &Chunk,
         riders: Vec<CommitRequest>,
     ) -> Result<Vec<Vec<f32>>> {
-        let items = Self::chunk_items(run);
+        let items = Self::chunk_items(&run.items, &run.prompts);
         let mut tokens = Vec::with_capacity(chunk.n_tokens());
         for span in &chunk.spans {
             let ((cell, all), start) = items[span.item];
@@ -480,32 +483,26 @@ impl Worker {
         } else if !riders.is_empty() {
             self.run_commits(riders);
         }
-        match riding.outcome.take() {
+        if riding.waits() && !chunk.spans.is_empty() {
+            // Alone (no rider, or the riders' decode was not one the chunk could ride).
+            self.use_adapters(&Adapters::default())?;
+            let batch = self.start_batch();
+            riding.push_into(batch);
+            self.shared().abort.set_running(run.run_id);
+            let decoded = self.decode();
+            self.shared().abort.set_running(0);
+            riding.landed(self, &decoded, 0);
+        }
+        match riding.outcome {
             Some(outcome) => outcome.map(|()| riding.rows),
-            None if chunk.spans.is_empty() => Ok(Vec::new()),
-            None => {
-                // Alone (no rider, or the riders' decode was not one the chunk could ride).
-                self.use_adapters(&Adapters::default())?;
-                let batch = self.start_batch();
-                riding.push_into(batch);
-                self.shared().abort.set_running(run.run_id);
-                let decoded = self.decode();
-                self.shared().abort.set_running(0);
-                riding.landed(self, &decoded, 0);
-                riding
-                    .outcome
-                    .take()
-                    .unwrap_or(Ok(()))
-                    .map(|()| riding.rows)
-            }
+            None => Ok(Vec::new()), // an empty chunk: the riders ran alone
         }
     }
 
     /// One decode of the chunk in the scratch context; the prompts it finishes move to their
     /// sequences. Their rows, in order.
     fn scratch_decode(&mut self, run: &mut Run, chunk: &Chunk) -> Result<Vec<Vec<f32>>> {
-        let mut slots = std::mem::replace(&mut run.slots, ScratchSlots::new(0));
-        let items: Vec<&PrefillItem> = Self::chunk_items(run)
+        let items: Vec<&PrefillItem> = Self::chunk_items(&run.items, &run.prompts)
             .into_iter()
             .map(|(it, _)| it)
             .collect();
@@ -518,10 +515,8 @@ impl Worker {
             self.empty_scratch(kind);
         }
         self.shared().abort.set_running(run.run_id);
-        let decoded = self.scratch_chunk(kind, &items, &seqs, chunk, &mut slots, &mut rows);
+        let decoded = self.scratch_chunk(kind, &items, &seqs, chunk, &mut run.slots, &mut rows);
         self.shared().abort.set_running(0);
-        drop(items);
-        run.slots = slots;
         decoded?;
         Ok(chunk
             .spans

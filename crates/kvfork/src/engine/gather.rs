@@ -33,7 +33,7 @@ fn commit_view(req: &CommitRequest) -> JobView {
     }
 }
 
-pub(super) fn prefill_view(req: &PrefillRequest) -> JobView {
+fn prefill_view(req: &PrefillRequest) -> JobView {
     JobView::Prefill {
         cells: cells(req.items.iter().map(|(c, _)| c)),
     }

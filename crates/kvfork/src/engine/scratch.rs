@@ -12,12 +12,13 @@
 //!
 //! Taken only where it pays and nothing else changes: a model on the CPU (where the mask
 //! scan was measured), not recurrent, prompts that start their sequence and fit one decode
-//! (and the sliding window) each — or, in a continuous prefill (`continuous.rs`), a longer
-//! prompt of up to [`LONG_SCRATCH_PROMPT`] tokens decoded alone in the emptied scratch
-//! (its cells then go one after the other, so no sliding-window layer reuses one of them), no adapter, no `park`, a plan whose decodes hold at most
+//! (and the sliding window) each, no adapter, no `park`, a plan whose decodes hold at most
 //! [`SCRATCH_SEQS`] prompts, a scratch of at most [`SCRATCH_MAX_CELLS`] cells (one decode and
 //! one prompt), and a main cache holding two decodes' worth of cells on average over the
-//! plan (what it held before, and half the plan's own tokens).
+//! plan (what it held before, and half the plan's own tokens). A continuous prefill
+//! (`continuous.rs`) also sends a longer prompt, of up to [`LONG_SCRATCH_PROMPT`] tokens, to
+//! a second scratch it has alone, emptied first ([`ScratchKind::Alone`]): its cells then go
+//! one after the other, so no sliding-window cell of it is handed to another token.
 //! `KVFORK_NO_SCRATCH_PREFILL=1` turns it off (to compare).
 
 use std::sync::Arc;
@@ -69,7 +70,7 @@ impl Worker {
             && !model.is_recurrent()
             && !self.parks()
             && !self.shared().params.embeddings
-            && self.scratch_cells().max(LONG_SCRATCH_PROMPT as u32) <= SCRATCH_MAX_CELLS
+            && self.scratch_cells() <= SCRATCH_MAX_CELLS
             && items.iter().all(|(_, tokens)| tokens.len() <= longest)
             && plan
                 .iter()

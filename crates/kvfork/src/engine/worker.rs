@@ -42,7 +42,7 @@ pub(crate) struct Worker {
     /// One line on stderr per decode (`KVFORK_TRACE_DECODES` set): when, how many tokens, how
     /// long, how many threads — to see how requests share decodes.
     trace: bool,
-    /// The context new prompts are prefilled in, created on first use (see `scratch.rs`).
+    /// The contexts new prompts are prefilled in, created on first use (see `scratch.rs`).
     pub(super) scratch: super::scratch::Scratches,
     /// `KVFORK_NO_SCRATCH_PREFILL` unset.
     pub(super) scratch_allowed: bool,
