@@ -1,11 +1,12 @@
-"""Shared fixtures: the real default model (Gemma 3 270M), loaded once per session."""
+"""Shared fixtures: the real default model (Gemma 3 270M), loaded once per session, and the
+tiny random-weight models of other architecture families (`family_models.py`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import kvfork
 import numpy as np
 import pytest
+
+from .family_models import model_path
 
 PROMPT = "The history of the printing press begins with"
 # Greedy continues this with margins of 3+ logits: safe to compare across batch shapes.
@@ -59,6 +62,27 @@ def chat_model() -> kvfork.Model:
 def chat_ctx(chat_model: kvfork.Model) -> Iterator[kvfork.Context]:
     with kvfork.create_context_sync(chat_model, n_ctx=2048, n_seq_max=4) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's tiny family models are written (each on first use)."""
+    return tmp_path_factory.mktemp("family_models")
+
+
+@pytest.fixture(scope="session")
+def family_models(family_model_dir: Path) -> Callable[[str], kvfork.Model]:
+    """`family_models("lfm2")`: the tiny model of that family (`family_models.FAMILIES`),
+    written and loaded once per session."""
+    loaded: dict[str, kvfork.Model] = {}
+
+    def load(family: str) -> kvfork.Model:
+        if family not in loaded:
+            path = model_path(family, family_model_dir)
+            loaded[family] = kvfork.Model.load(path, n_gpu_layers=GPU_LAYERS)
+        return loaded[family]
+
+    return load
 
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)

@@ -5,6 +5,7 @@
 
 pub mod arena;
 pub mod bias;
+pub mod checkpoints;
 pub mod error;
 pub mod gather;
 pub mod gbnf;
@@ -24,6 +25,7 @@ pub mod tree;
 
 pub use arena::Arena;
 pub use bias::Biases;
+pub use checkpoints::{Budget, Checkpoint, Checkpoints};
 pub use error::TenancyError;
 pub use handle::Handle;
 pub use lease::LeaseAllocator;

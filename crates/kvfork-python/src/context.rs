@@ -41,6 +41,8 @@ fn options(
     pooling: Option<Arg<&str>>,
     n_gpu_layers: Option<Int>,
     park: Arg<bool>,
+    checkpoints: Int,
+    checkpoint_bytes: Int,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
@@ -65,6 +67,8 @@ fn options(
             .transpose()
             .py()?,
         park: park.0,
+        checkpoints: checkpoints.u32("checkpoints", 0)?,
+        checkpoint_bytes: checkpoint_bytes.within("checkpoint_bytes", 0, i64::MAX)? as u64,
     };
     params.validate().py()?;
     Ok(Options {
@@ -93,7 +97,7 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     kvfork::Context::new(model, o.params)
 }
 
-/// `create_context` and its blocking twin from one signature: the twelve options read into
+/// `create_context` and its blocking twin from one signature: the fourteen options read into
 /// [`Options`] by `options`, then `$body` with them as `$o`.
 macro_rules! context_creator {
     ($(#[doc = $doc:literal])* fn $name:ident<$py:lifetime>($pyv:ident) -> $ret:ty { |$o:ident| $body:expr }) => {
@@ -102,12 +106,14 @@ macro_rules! context_creator {
         #[pyo3(signature = (path_or_model, *, n_ctx=Int(Some(4096)), n_batch=Int(Some(512)),
                             n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None,
                             type_k=Arg("f16"), type_v=Arg("f16"), embeddings=Arg(false),
-                            pooling=None, n_gpu_layers=None, park=Arg(false)),
+                            pooling=None, n_gpu_layers=None, park=Arg(false),
+                            checkpoints=Int(Some(16)), checkpoint_bytes=Int(Some(268435456))),
                // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
                text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, \
                                  n_threads=None, n_threads_batch=None, type_k='f16', \
                                  type_v='f16', embeddings=False, pooling=None, \
-                                 n_gpu_layers=None, park=False)")]
+                                 n_gpu_layers=None, park=False, checkpoints=16, \
+                                 checkpoint_bytes=268435456)")]
         #[allow(clippy::too_many_arguments)]
         pub fn $name<$py>(
             $pyv: Python<$py>,
@@ -123,6 +129,8 @@ macro_rules! context_creator {
             pooling: Option<Arg<&str>>,
             n_gpu_layers: Option<Int>,
             park: Arg<bool>,
+            checkpoints: Int,
+            checkpoint_bytes: Int,
         ) -> $ret {
             let $o = options(
                 path_or_model,
@@ -137,6 +145,8 @@ macro_rules! context_creator {
                 pooling,
                 n_gpu_layers,
                 park,
+                checkpoints,
+                checkpoint_bytes,
             )?;
             $body
         }
@@ -482,7 +492,13 @@ impl PyContext {
     ///   requests coalesced into one decode each count;
     /// - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
     ///   of KV cells they hold there (`park=True` contexts; 0 otherwise);
-    /// - `parks`, `unparks`: times a branch was moved to host memory and brought back.
+    /// - `parks`, `unparks`: times a branch was moved to host memory and brought back;
+    /// - `checkpoints`, `checkpoint_bytes`: recurrent-state checkpoints the live branches
+    ///   hold now and their bytes in host memory (recurrent and hybrid models; 0 otherwise);
+    /// - `checkpoints_taken`, `checkpoint_bytes_taken`: checkpoints taken so far (at the end
+    ///   of each prefill decode and before a speculative guess) and their bytes;
+    /// - `checkpoint_restores`: checkpoints put back (a fork inside a sequence, a rejected
+    ///   guess, a rolled-back decode); `replayed_tokens`: tokens decoded again after them.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = self.inner.stats();
         let mut d: BTreeMap<&str, Py<PyAny>> = BTreeMap::new();
@@ -498,6 +514,18 @@ impl PyContext {
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
         d.insert("parked_branches", s.parked_branches.into_py_any(py)?);
         d.insert("parked_bytes", s.parked_bytes.into_py_any(py)?);
+        d.insert("checkpoints", s.checkpoints.into_py_any(py)?);
+        d.insert("checkpoint_bytes", s.checkpoint_bytes.into_py_any(py)?);
+        d.insert("checkpoints_taken", s.checkpoints_taken.into_py_any(py)?);
+        d.insert(
+            "checkpoint_bytes_taken",
+            s.checkpoint_bytes_taken.into_py_any(py)?,
+        );
+        d.insert(
+            "checkpoint_restores",
+            s.checkpoint_restores.into_py_any(py)?,
+        );
+        d.insert("replayed_tokens", s.replayed_tokens.into_py_any(py)?);
         d.insert("parks", s.parks.into_py_any(py)?);
         d.insert("unparks", s.unparks.into_py_any(py)?);
         d.into_bound_py_any(py)

@@ -117,6 +117,35 @@ impl PyModel {
         self.inner.n_layer()
     }
 
+    /// The model's family: `"transformer"`, `"recurrent"` (Mamba, RWKV) or `"hybrid"`
+    /// (attention beside recurrent or convolution layers: LFM2, Granite 4 hybrids, Jamba,
+    /// Nemotron-H), with `"+sliding-window"` and `"+moe"` where they apply. On a recurrent or
+    /// hybrid model a fork inside a sequence or a rollback goes through recurrent-state
+    /// checkpoints (see the model-families table in the docs).
+    #[getter]
+    fn family(&self) -> String {
+        self.inner.family()
+    }
+
+    /// Whether the model keeps a recurrent state, alone (`"recurrent"`) or beside a KV cache
+    /// (`"hybrid"`).
+    #[getter]
+    fn is_recurrent(&self) -> bool {
+        self.inner.is_recurrent()
+    }
+
+    /// The window of its sliding-window attention layers; 0 when it has none.
+    #[getter]
+    fn n_swa(&self) -> u32 {
+        self.inner.n_swa()
+    }
+
+    /// Experts of a mixture-of-experts model; 0 for a dense one.
+    #[getter]
+    fn n_expert(&self) -> u32 {
+        self.inner.n_expert()
+    }
+
     /// Load a LoRA adapter (GGUF) for this model (blocking). Raises ModelLoadError for a
     /// file of another architecture, with shapes that do not fit, truncated, or not a LoRA.
     fn load_lora(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<PyLoraAdapter> {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvfork_core::metrics::Perplexity;
-use kvfork_core::{Biases, Utf8Carry};
+use kvfork_core::{Biases, Budget, Checkpoints, Utf8Carry};
 
 mod candidates;
 mod record;
@@ -66,6 +66,9 @@ pub(crate) struct BranchState {
     cache: FilteredCache,
     /// LoRA adapters and control vector its tokens are decoded under (inherited by forks).
     adapters: Adapters,
+    /// Copies of a recurrent model's state at chosen positions of `history` (inherited by
+    /// forks; see `engine/checkpoints.rs`). Always empty on other models.
+    checkpoints: Checkpoints<Arc<[u8]>>,
 }
 
 /// What `commit` restores when the decode fails.
@@ -100,6 +103,7 @@ impl BranchState {
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
             adapters: Adapters::default(),
+            checkpoints: Checkpoints::default(),
         }
     }
 
@@ -123,6 +127,7 @@ impl BranchState {
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
             adapters: self.adapters.clone(),
+            checkpoints: self.checkpoints.clone(),
         }
     }
 
@@ -232,6 +237,46 @@ impl BranchState {
     pub fn sequence_emptied(&mut self) {
         self.position = 0;
         self.history.clear();
+        self.checkpoints.clear();
+    }
+
+    // ---- recurrent-state checkpoints (engine thread) ----
+
+    /// Keep `state`, the recurrent state after `pos` tokens of the history; false when it
+    /// alone is over `budget`.
+    pub fn keep_checkpoint(&mut self, pos: u32, state: Arc<[u8]>, budget: Budget) -> bool {
+        let bytes = state.len();
+        self.checkpoints.insert(pos, bytes, state, budget)
+    }
+
+    /// Forget the checkpoints after `pos` (a decode past it was rolled back).
+    pub fn forget_checkpoints_after(&mut self, pos: u32) {
+        self.checkpoints.truncate(pos);
+    }
+
+    /// The last checkpoint at or before `pos`: its position and state.
+    pub fn checkpoint_at_or_before(&self, pos: u32) -> Option<(u32, Arc<[u8]>)> {
+        self.checkpoints
+            .at_or_before(pos)
+            .map(|c| (c.pos, c.state.clone()))
+    }
+
+    /// The checkpoints up to `pos`, for a branch that shares this one's first `pos` tokens
+    /// (the states are shared, not copied).
+    pub fn checkpoints_upto(&self, pos: u32) -> Checkpoints<Arc<[u8]>> {
+        let mut c = self.checkpoints.clone();
+        c.truncate(pos);
+        c
+    }
+
+    /// Take checkpoints `checkpoints_upto` gave (the sequence shares those tokens).
+    pub fn set_checkpoints(&mut self, checkpoints: Checkpoints<Arc<[u8]>>) {
+        self.checkpoints = checkpoints;
+    }
+
+    /// The states of the checkpoints kept (forks share them).
+    pub fn checkpoint_states(&self) -> impl Iterator<Item = &Arc<[u8]>> {
+        self.checkpoints.iter().map(|c| &c.state)
     }
 
     // ---- the logits row ----

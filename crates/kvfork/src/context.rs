@@ -29,6 +29,19 @@ pub struct ContextStats {
     pub mixed_decodes: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
+    /// Recurrent-state checkpoints taken (recurrent and hybrid models; see
+    /// `engine/checkpoints.rs`).
+    pub checkpoints_taken: u64,
+    /// Bytes of the checkpoints taken.
+    pub checkpoint_bytes_taken: u64,
+    /// Checkpoints put back: a fork inside a sequence, a rolled-back guess or decode.
+    pub checkpoint_restores: u64,
+    /// Tokens decoded again after a checkpoint was put back.
+    pub replayed_tokens: u64,
+    /// Checkpoints the live branches hold now (each once; forks share their parent's).
+    pub checkpoints: u64,
+    /// Bytes of those checkpoints, in host memory.
+    pub checkpoint_bytes: u64,
     /// Branches parked in host memory now (`park` contexts).
     pub parked_branches: u64,
     /// Bytes of KV cells those branches hold in host memory now.
@@ -138,11 +151,33 @@ impl Context {
         self.shared().park.is_some()
     }
 
+    /// Checkpoints the live branches hold and their bytes, each state once (forks share
+    /// their parent's).
+    fn checkpoints_held(&self) -> (u64, u64) {
+        let cells: Vec<_> = self
+            .shared()
+            .registry()
+            .iter()
+            .map(|(_, node)| node.data.clone())
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut bytes = 0u64;
+        for cell in cells {
+            for state in cell.lock().checkpoint_states() {
+                if seen.insert(state.as_ptr()) {
+                    bytes += state.len() as u64;
+                }
+            }
+        }
+        (seen.len() as u64, bytes)
+    }
+
     /// Counters since the context was created.
     pub fn stats(&self) -> ContextStats {
         use crate::engine::shared::Stats;
         let s = &self.shared().stats;
         let (parked, bytes) = self.shared().ledger().map_or((0, 0), |l| l.parked_totals());
+        let held = self.checkpoints_held();
         ContextStats {
             parked_branches: parked as u64,
             parked_bytes: bytes as u64,
@@ -155,6 +190,12 @@ impl Context {
             scratch_tokens: Stats::get(&s.scratch_tokens),
             mixed_decodes: Stats::get(&s.mixed_decodes),
             commit_requests: Stats::get(&s.commit_requests),
+            checkpoints_taken: Stats::get(&s.checkpoints_taken),
+            checkpoint_bytes_taken: Stats::get(&s.checkpoint_bytes_taken),
+            checkpoint_restores: Stats::get(&s.checkpoint_restores),
+            replayed_tokens: Stats::get(&s.replayed_tokens),
+            checkpoints: held.0,
+            checkpoint_bytes: held.1,
         }
     }
 

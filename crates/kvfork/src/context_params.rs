@@ -97,6 +97,11 @@ pub struct ContextParams {
     /// More branches than leases: a branch without a lease is parked in host memory
     /// (`engine/park.rs`). llama.cpp then gets one more sequence, the engine's scratch.
     pub park: bool,
+    /// Recurrent-state checkpoints a branch of a recurrent or hybrid model keeps at most
+    /// (`engine/checkpoints.rs`); 0 keeps none (forks inside a sequence then prefill it all).
+    pub checkpoints: u32,
+    /// Bytes those checkpoints may take per branch (host memory).
+    pub checkpoint_bytes: u64,
 }
 
 impl Default for ContextParams {
@@ -112,6 +117,8 @@ impl Default for ContextParams {
             embeddings: false,
             pooling: None,
             park: false,
+            checkpoints: 16,
+            checkpoint_bytes: 256 << 20,
         }
     }
 }
@@ -188,6 +195,14 @@ impl ContextParams {
     pub(crate) fn pad_seq(&self) -> Option<Seq> {
         let first_free = self.n_seq_max + self.park as u32;
         (!self.embeddings && first_free < MAX_SEQUENCES).then(|| Seq::new(first_free))
+    }
+
+    /// The checkpoints one branch keeps at most.
+    pub(crate) fn checkpoint_budget(&self) -> kvfork_core::Budget {
+        kvfork_core::Budget {
+            count: self.checkpoints as usize,
+            bytes: usize::try_from(self.checkpoint_bytes).unwrap_or(usize::MAX),
+        }
     }
 
     /// Whether either thread count adapts to the machine's load.

@@ -45,7 +45,7 @@ pub use generate::{
 };
 pub use kvfork_core::metrics::LogBase;
 pub use kvfork_core::Handle;
-pub use model::{Model, ModelParams, Token};
+pub use model::{Memory, Model, ModelParams, Token};
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 pub use produced::Produced;
 pub use raw_layer::Created;

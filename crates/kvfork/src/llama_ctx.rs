@@ -422,6 +422,53 @@ impl LlamaCtx {
     }
 }
 
+/// `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY` (llama.h; a `#define` the bindings do not carry):
+/// only the recurrent or sliding-window part of a sequence's memory.
+const PARTIAL_ONLY: sys::llama_state_seq_flags = 1;
+
+impl LlamaCtx {
+    /// The recurrent part of `seq`'s memory only (a recurrent model's whole state; a
+    /// hybrid's recurrent layers, not its KV cells): a checkpoint of the state after the
+    /// sequence's last token, in host memory.
+    pub fn recurrent_state(&self, seq: Seq) -> Result<Vec<u8>> {
+        let seq = self.check_seq(seq)?;
+        let ctx = self.ptr.as_ptr();
+        let flags = PARTIAL_ONLY;
+        // SAFETY: the context is live and `seq` a checked id.
+        let size = unsafe { sys::llama_state_seq_get_size_ext(ctx, seq, flags) };
+        let mut buf = vec![0u8; size];
+        // SAFETY: `buf` has exactly `size` writable bytes, the length passed.
+        let written =
+            unsafe { sys::llama_state_seq_get_data_ext(ctx, buf.as_mut_ptr(), size, seq, flags) };
+        if written == 0 && size != 0 {
+            return Err(Error::Other(
+                "llama.cpp could not copy the recurrent state out".into(),
+            ));
+        }
+        buf.truncate(written);
+        Ok(buf)
+    }
+
+    /// Put back a state `recurrent_state` copied from a sequence of this context: `seq`'s
+    /// recurrent part becomes it (its KV cells, on a hybrid, stay as they are).
+    pub fn set_recurrent_state(&mut self, seq: Seq, data: &[u8]) -> Result<()> {
+        let seq = self.check_seq(seq)?;
+        let ctx = self.ptr.as_ptr();
+        let flags = PARTIAL_ONLY;
+        // SAFETY: the context is live and `seq` checked; `data` is readable for its length,
+        // and came from `recurrent_state` of this same context (same layout and sizes).
+        let read = unsafe {
+            sys::llama_state_seq_set_data_ext(ctx, data.as_ptr(), data.len(), seq, flags)
+        };
+        if read == data.len() {
+            return Ok(());
+        }
+        Err(Error::State(
+            "llama.cpp refused a recurrent-state checkpoint".into(),
+        ))
+    }
+}
+
 /// KV positions are >= 0, or -1 for an open end.
 pub(crate) fn check_range(p0: i32, p1: i32) -> Result<()> {
     if p0 < -1 || p1 < -1 {

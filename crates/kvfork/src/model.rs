@@ -338,6 +338,48 @@ impl Model {
         )
     }
 
+    /// What the model keeps per sequence: a KV cache, a recurrent state, or both.
+    pub fn memory(&self) -> Memory {
+        // SAFETY: getters of the loaded model, which lives as long as `self`.
+        let (recurrent, hybrid) = unsafe {
+            (
+                sys::llama_model_is_recurrent(self.as_ptr()),
+                sys::llama_model_is_hybrid(self.as_ptr()),
+            )
+        };
+        match (recurrent, hybrid) {
+            (_, true) => Memory::Hybrid,
+            (true, false) => Memory::Recurrent,
+            (false, false) => Memory::Attention,
+        }
+    }
+
+    /// Experts of a mixture-of-experts model (`{arch}.expert_count`), 0 for a dense one.
+    pub fn n_expert(&self) -> u32 {
+        let arch = self.meta("general.architecture").unwrap_or_default();
+        self.meta(&format!("{arch}.expert_count"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// The model's family in words: its memory (`transformer`, `recurrent`, `hybrid`), with
+    /// `+sliding-window` and `+moe` where they apply (e.g. `hybrid+sliding-window`).
+    pub fn family(&self) -> String {
+        let mut family = match self.memory() {
+            Memory::Attention => "transformer",
+            Memory::Recurrent => "recurrent",
+            Memory::Hybrid => "hybrid",
+        }
+        .to_string();
+        if self.n_swa() > 0 {
+            family.push_str("+sliding-window");
+        }
+        if self.n_expert() > 0 {
+            family.push_str("+moe");
+        }
+        family
+    }
+
     /// Whether the model keeps a recurrent state (Mamba, RWKV, hybrids) instead of a KV cache.
     pub fn is_recurrent(&self) -> bool {
         // SAFETY: getters of the loaded model, which lives as long as `self`.
@@ -511,4 +553,16 @@ fn read_c_string(mut f: impl FnMut(*mut c_char, usize) -> i32) -> Option<String>
         }
         buf.resize(n as usize + 1, 0);
     }
+}
+
+/// What a model keeps per sequence (see [`Model::memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// A KV cache: one cell per position, cut and shared at any position.
+    Attention,
+    /// A recurrent state only (Mamba, RWKV): the state after the last token.
+    Recurrent,
+    /// Attention layers with a KV cache beside recurrent or convolution layers (LFM2,
+    /// Granite 4 hybrids, Nemotron-H, Jamba, Qwen3.5).
+    Hybrid,
 }

@@ -386,11 +386,13 @@ impl PrefixCache {
             let _ = branch.prune().wait();
             return Err(e);
         }
+        let asked = shared;
         let shared = match source {
             Some(source) if shared > 0 => {
+                // Fewer than asked on a recurrent state (from its last checkpoint), none when
+                // the source was pruned or rewritten meanwhile: the rest is prefilled.
                 match branch.share_prefix(source, &tokens[..shared]).wait() {
-                    Ok(true) => shared,
-                    Ok(false) => 0, // pruned or rewritten meanwhile: prefill it all
+                    Ok(n) => n,
                     Err(e) => {
                         let _ = branch.prune().wait();
                         return Err(e);
@@ -399,7 +401,24 @@ impl PrefixCache {
             }
             _ => 0,
         };
-        if let Err(e) = branch.prefill(tokens[shared..].to_vec()).wait() {
+        // A recurrent state shared fewer tokens than the prefix (the source had no checkpoint
+        // at its end): the prefix's rest is prefilled apart, so that a checkpoint marks where
+        // this prompt and the source part (a shared preamble's end), here and in the source.
+        let split = match source {
+            Some(source) if shared < asked && self.ctx.model().is_recurrent() => {
+                Some((source, asked))
+            }
+            _ => None,
+        };
+        let prefilled = match split {
+            Some((source, at)) => branch
+                .prefill(tokens[shared..at].to_vec())
+                .wait()
+                .map(|()| share_checkpoint(&branch, source, &tokens[..at]))
+                .and_then(|()| branch.prefill(tokens[at..].to_vec()).wait()),
+            None => branch.prefill(tokens[shared..].to_vec()).wait(),
+        };
+        if let Err(e) = prefilled {
             let _ = branch.prune().wait();
             return Err(e);
         }
@@ -547,6 +566,24 @@ fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Give `source` the recurrent-state checkpoint `branch` holds at the end of `prefix`, which
+/// both hold: later prompts sharing that prefix with `source` fork there. Nothing when
+/// either lacks it (the budget thinned it away, `source` was cut back meanwhile).
+fn share_checkpoint(branch: &Branch, source: &Branch, prefix: &[Token]) {
+    let at = prefix.len() as u32;
+    let Some((pos, state)) = branch.cell().lock().checkpoint_at_or_before(at) else {
+        return;
+    };
+    if pos != at {
+        return;
+    }
+    let budget = source.context().shared().params.checkpoint_budget();
+    let mut src = source.cell().lock();
+    if src.history().starts_with(prefix) {
+        src.keep_checkpoint(at, state, budget);
+    }
+}
+
 fn wait_done(done: &(Mutex<bool>, Condvar)) {
     let mut finished = done.0.lock().unwrap_or_else(|e| e.into_inner());
     while !*finished {
@@ -557,9 +594,12 @@ fn wait_done(done: &(Mutex<bool>, Condvar)) {
 impl Branch {
     /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence
     /// (created at position 0, nothing decoded yet): a fork at a position inside `source`,
-    /// which may be generating meanwhile. False when `source` was pruned or no longer holds
-    /// `prefix`, or this branch is not empty; nothing happened then.
-    pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<bool> {
+    /// which may be generating meanwhile. How many tokens of `prefix` it took: all of them,
+    /// except on a recurrent or hybrid model, where a fork inside the source's sequence
+    /// starts at its last recurrent-state checkpoint in the prefix (the caller prefills the
+    /// rest). 0 when `source` was pruned or no longer holds `prefix`, or this branch is not
+    /// empty; nothing happened then.
+    pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<usize> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }

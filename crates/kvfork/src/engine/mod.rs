@@ -19,6 +19,7 @@
 //! `takeover.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
+mod checkpoints;
 mod commit;
 mod continuous;
 mod embed;

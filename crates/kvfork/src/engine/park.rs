@@ -304,7 +304,8 @@ impl Worker {
                 l.truncate(h, pos.max(0) as u32);
             }
         } else {
-            let _ = self.ctx_mut().seq_rm(cell.seq(), pos, -1);
+            // Best effort, as a rollback: a recurrent state decodes from a checkpoint again.
+            let _ = self.rewind(cell, pos);
         }
     }
 

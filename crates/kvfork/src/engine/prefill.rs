@@ -110,6 +110,13 @@ impl Worker {
         for &item in items {
             starts.push(self.prefill_place(item)?);
         }
+        if self.keeps_checkpoints() && !self.parks() {
+            // A recurrent state rolls back to a checkpoint: one where each prefill starts.
+            for (&(cell, _), &start) in items.iter().zip(&starts) {
+                self.give_leases(&[cell])?;
+                self.take_checkpoint(cell, start)?;
+            }
+        }
         let room = if self.parks() {
             self.shared().n_seq_max as usize
         } else {
@@ -184,6 +191,13 @@ impl Worker {
                         rows[members[span.item]] =
                             Some(self.ctx().logits_ith(logits_index(&chunk, k))?.to_vec());
                     }
+                }
+                // Recurrent models: a checkpoint where each prompt's chunk ends, for forks
+                // inside it later (`checkpoints.rs`).
+                for span in &chunk.spans {
+                    let item = members[span.item];
+                    let end = starts[item] + (span.start + span.len) as i32;
+                    self.take_checkpoint(&items[item].0, end)?;
                 }
             }
         }

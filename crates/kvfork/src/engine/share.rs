@@ -9,32 +9,32 @@ use crate::model::Token;
 
 impl Worker {
     /// Copy `source`'s cells for `prefix` into `target`'s empty sequence, which then holds
-    /// them. False, with nothing done, when `source` was pruned or no longer holds `prefix`
-    /// (it was reseeded), or `target` is not empty. Runs between decodes, so the cells
-    /// copied are exactly those `source` held for these tokens.
+    /// them; how many tokens of it were shared: all on a KV cache, on a recurrent state
+    /// those up to its last checkpoint inside the prefix (`checkpoints.rs`). 0, with nothing
+    /// done, when `source` was pruned or no longer holds `prefix` (it was reseeded), or
+    /// `target` is not empty. Runs between decodes, so the cells copied are exactly those
+    /// `source` held for these tokens.
     pub(crate) fn share_prefix(
         &mut self,
         source: &Arc<BranchCell>,
         target: &Arc<BranchCell>,
         prefix: &[Token],
-    ) -> Result<bool> {
+    ) -> Result<usize> {
         if source.is_disposed() || target.is_disposed() {
-            return Ok(false);
+            return Ok(0);
         }
         {
             let src = source.lock();
             if !src.history().starts_with(prefix) || (src.position() as usize) < prefix.len() {
-                return Ok(false);
+                return Ok(0);
             }
         }
         if target.lock().position() != 0 {
-            return Ok(false);
+            return Ok(0);
         }
         self.give_leases(&[source, target])?;
-        let mut dst = target.lock();
-        self.ctx_mut()
-            .seq_cp(source.seq(), target.seq(), 0, prefix.len() as i32)?;
-        dst.decoded(prefix);
-        Ok(true)
+        let shared = self.copy_prefix(source, target, prefix)?;
+        target.lock().decoded(&prefix[..shared]);
+        Ok(shared)
     }
 }

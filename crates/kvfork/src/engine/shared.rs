@@ -94,6 +94,13 @@ pub(crate) struct Stats {
     /// Decodes that held prompt tokens and streams' steps together (`engine/continuous.rs`).
     pub mixed_decodes: AtomicU64,
     pub commit_requests: AtomicU64,
+    /// Recurrent-state checkpoints taken, and their bytes (`engine/checkpoints.rs`).
+    pub checkpoints_taken: AtomicU64,
+    pub checkpoint_bytes_taken: AtomicU64,
+    /// Checkpoints put back (a fork inside a sequence, a rollback).
+    pub checkpoint_restores: AtomicU64,
+    /// Tokens decoded again after a checkpoint was put back.
+    pub replayed_tokens: AtomicU64,
     /// Branches moved to host memory (`park` contexts).
     pub parks: AtomicU64,
     /// Branches brought back from host memory.

@@ -1,6 +1,7 @@
 //! `Branch::speculate` on the engine thread: `pending` and the draft in one decode, then the
 //! branch's chain samples position by position and keeps the draft while it agrees; the KV
-//! cells of the rejected draft tokens are removed.
+//! cells of the rejected draft tokens are removed (a recurrent state goes back to the
+//! checkpoint taken before the guess and decodes the kept tokens again).
 
 use std::sync::Arc;
 
@@ -45,6 +46,9 @@ impl Worker {
             }
             (cell.seq(), st.position(), snap)
         };
+        // A recurrent state cannot drop the rejected guesses afterwards: it goes back to a
+        // checkpoint of the state before them (`checkpoints.rs`).
+        self.take_checkpoint(cell, start)?;
         let adapters = cell.lock().adapters().clone();
         // A decode of at most n_seq_max outputs neither moves llama.cpp's output buffer nor
         // writes it unless it succeeds (`loans.rs`): the branch keeps its lent row through it
@@ -64,9 +68,15 @@ impl Worker {
             self.decode_batch()
         });
         if let Err(e) = decoded {
-            let mut st = cell.lock();
-            st.restore(before);
-            st.land_row();
+            {
+                let mut st = cell.lock();
+                st.restore(before);
+                st.land_row();
+            }
+            if self.keeps_checkpoints() {
+                // A failed decode may have written part of the state.
+                self.rewind(cell, start)?;
+            }
             return Err(e);
         }
         let mut st = cell.lock();
@@ -100,7 +110,9 @@ impl Worker {
         st.decoded(&kept);
         drop(st);
         self.loans().record(cell);
-        self.ctx_mut().seq_rm(seq, start + kept.len() as i32, -1)?;
+        if kept.len() < 1 + draft.len() {
+            self.rewind(cell, start + kept.len() as i32)?;
+        }
         Ok((accepted, drawn?))
     }
 }
