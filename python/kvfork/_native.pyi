@@ -154,6 +154,25 @@ class Model:
     @property
     def n_layer(self) -> int:
         """Transformer blocks (layers)."""
+    @property
+    def family(self) -> str:
+        """The model's family: `"transformer"`, `"recurrent"` (Mamba, RWKV) or `"hybrid"`
+        (attention beside recurrent or convolution layers: LFM2, Granite 4 hybrids, Jamba,
+        Nemotron-H), with `"+sliding-window"` and `"+moe"` where they apply. On a recurrent or
+        hybrid model a fork inside a sequence or a rollback goes through recurrent-state
+        checkpoints (see the model-families table in the docs).
+        """
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the model keeps a recurrent state, alone (`"recurrent"`) or beside a KV cache
+        (`"hybrid"`).
+        """
+    @property
+    def n_swa(self) -> int:
+        """The window of its sliding-window attention layers; 0 when it has none."""
+    @property
+    def n_expert(self) -> int:
+        """Experts of a mixture-of-experts model; 0 for a dense one."""
     def load_lora(self, path: str | PathLike[str]) -> LoraAdapter:
         """Load a LoRA adapter (GGUF) for this model (blocking). Raises ModelLoadError for a
         file of another architecture, with shapes that do not fit, truncated, or not a LoRA.
@@ -566,7 +585,13 @@ class Context:
           requests coalesced into one decode each count;
         - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
           of KV cells they hold there (`park=True` contexts; 0 otherwise);
-        - `parks`, `unparks`: times a branch was moved to host memory and brought back.
+        - `parks`, `unparks`: times a branch was moved to host memory and brought back;
+        - `checkpoints`, `checkpoint_bytes`: recurrent-state checkpoints the live branches
+          hold now and their bytes in host memory (recurrent and hybrid models; 0 otherwise);
+        - `checkpoints_taken`, `checkpoint_bytes_taken`: checkpoints taken so far (at the end
+          of each prefill decode and before a speculative guess) and their bytes;
+        - `checkpoint_restores`: checkpoints put back (a fork inside a sequence, a rejected
+          guess, a rolled-back decode); `replayed_tokens`: tokens decoded again after them.
         """
     def close(self) -> None:
         """Free the context (after queued work). Idempotent; later use raises KvforkError."""
@@ -600,6 +625,8 @@ class _ContextOptions(TypedDict, total=False):
     pooling: str | None
     n_gpu_layers: int | None
     park: bool
+    checkpoints: int
+    checkpoint_bytes: int
 
 def create_context(
     path_or_model: str | PathLike[str] | Model,

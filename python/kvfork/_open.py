@@ -76,6 +76,13 @@ def create_context(
       branch's KV brings it back, parking the least recently used idle branch. Results equal
       those with enough leases. `n_seq_max` then counts leases (at most 255), not branches;
       `save_state`/`load_state` are refused (save branches one by one).
+    - `checkpoints=16`, `checkpoint_bytes=268435456`: on a recurrent or hybrid model
+      (`Model.is_recurrent`), the most recurrent-state checkpoints each branch keeps in host
+      memory, and their bytes. Taken at the end of each prefill decode and before each
+      speculative guess, they let a fork inside a sequence (`PrefixCache`) start from the
+      last one at or before the fork and prefill the rest, and a rejected guess or failed
+      decode roll back exactly. 0 keeps none: such forks then prefill everything, rollbacks
+      decode the branch's tokens again. Ignored on other models.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

@@ -204,6 +204,8 @@ class Generator:
         return {
             "decode_calls": stats["decode_calls"],
             "mixed_decodes": stats["mixed_decodes"],
+            "checkpoint_restores": stats["checkpoint_restores"],
+            "checkpoint_bytes": stats["checkpoint_bytes"],
             "leases_in_use": self.ctx.n_seq_max - self.store.available,
             "sequences_admitted": self.admission.leases - self.admission.free,
             "queue_length": self.admission.waiting,

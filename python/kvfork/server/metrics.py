@@ -27,6 +27,12 @@ LIVE: dict[str, tuple[str, str]] = {
         "counter",
         "decodes that held prompt chunks and running streams' steps together",
     ),
+    "checkpoint_restores": (
+        "counter",
+        "recurrent-state checkpoints put back (forks inside a sequence, rollbacks; "
+        "recurrent and hybrid models)",
+    ),
+    "checkpoint_bytes": ("gauge", "bytes of recurrent-state checkpoints held in host memory"),
     "leases_in_use": ("gauge", "KV sequences held: by requests and by prefix-cache entries"),
     "sequences_admitted": ("gauge", "KV sequences admitted to requests in progress"),
     "queue_length": ("gauge", "requests waiting for a free sequence"),
