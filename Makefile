@@ -89,3 +89,8 @@ peer-server: peer
 
 bench-serve: setup peer-server
 	$(PY) benchmarks/bench_serve.py --rounds 2
+
+# Recurrent-state checkpoints on a random-weight model of LFM2-350M's shape (written once,
+# ~780 MB, under ~/.cache/kvfork-bench).
+bench-checkpoints: setup
+	$(PY) benchmarks/bench_checkpoints.py

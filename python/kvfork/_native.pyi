@@ -590,6 +590,7 @@ class Context:
           hold now and their bytes in host memory (recurrent and hybrid models; 0 otherwise);
         - `checkpoints_taken`, `checkpoint_bytes_taken`: checkpoints taken so far (at the end
           of each prefill decode and before a speculative guess) and their bytes;
+          `checkpoint_seconds`: time spent copying them out;
         - `checkpoint_restores`: checkpoints put back (a fork inside a sequence, a rejected
           guess, a rolled-back decode); `replayed_tokens`: tokens decoded again after them.
         """

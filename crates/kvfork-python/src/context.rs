@@ -497,6 +497,7 @@ impl PyContext {
     ///   hold now and their bytes in host memory (recurrent and hybrid models; 0 otherwise);
     /// - `checkpoints_taken`, `checkpoint_bytes_taken`: checkpoints taken so far (at the end
     ///   of each prefill decode and before a speculative guess) and their bytes;
+    ///   `checkpoint_seconds`: time spent copying them out;
     /// - `checkpoint_restores`: checkpoints put back (a fork inside a sequence, a rejected
     ///   guess, a rolled-back decode); `replayed_tokens`: tokens decoded again after them.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -524,6 +525,10 @@ impl PyContext {
         d.insert(
             "checkpoint_restores",
             s.checkpoint_restores.into_py_any(py)?,
+        );
+        d.insert(
+            "checkpoint_seconds",
+            (s.checkpoint_ns as f64 / 1e9).into_py_any(py)?,
         );
         d.insert("replayed_tokens", s.replayed_tokens.into_py_any(py)?);
         d.insert("parks", s.parks.into_py_any(py)?);

@@ -34,6 +34,8 @@ pub struct ContextStats {
     pub checkpoints_taken: u64,
     /// Bytes of the checkpoints taken.
     pub checkpoint_bytes_taken: u64,
+    /// Time spent copying them out of llama.cpp's memory, in nanoseconds.
+    pub checkpoint_ns: u64,
     /// Checkpoints put back: a fork inside a sequence, a rolled-back guess or decode.
     pub checkpoint_restores: u64,
     /// Tokens decoded again after a checkpoint was put back.
@@ -192,6 +194,7 @@ impl Context {
             commit_requests: Stats::get(&s.commit_requests),
             checkpoints_taken: Stats::get(&s.checkpoints_taken),
             checkpoint_bytes_taken: Stats::get(&s.checkpoint_bytes_taken),
+            checkpoint_ns: Stats::get(&s.checkpoint_ns),
             checkpoint_restores: Stats::get(&s.checkpoint_restores),
             replayed_tokens: Stats::get(&s.replayed_tokens),
             checkpoints: held.0,

@@ -29,8 +29,7 @@ LIVE: dict[str, tuple[str, str]] = {
     ),
     "checkpoint_restores": (
         "counter",
-        "recurrent-state checkpoints put back (forks inside a sequence, rollbacks; "
-        "recurrent and hybrid models)",
+        "recurrent-state checkpoints put back (forks inside a sequence, rollbacks)",
     ),
     "checkpoint_bytes": ("gauge", "bytes of recurrent-state checkpoints held in host memory"),
     "leases_in_use": ("gauge", "KV sequences held: by requests and by prefix-cache entries"),

@@ -41,8 +41,13 @@ impl Worker {
         {
             return Ok(()); // the state after these tokens is kept already
         }
+        let t0 = std::time::Instant::now();
         let state: Arc<[u8]> = self.ctx().recurrent_state(cell.seq())?.into();
         let bytes = state.len() as u64;
+        Stats::add(
+            &self.shared().stats.checkpoint_ns,
+            t0.elapsed().as_nanos() as u64,
+        );
         let budget = self.shared().params.checkpoint_budget();
         if cell.lock().keep_checkpoint(pos as u32, state, budget) {
             let stats = &self.shared().stats;

@@ -97,6 +97,8 @@ pub(crate) struct Stats {
     /// Recurrent-state checkpoints taken, and their bytes (`engine/checkpoints.rs`).
     pub checkpoints_taken: AtomicU64,
     pub checkpoint_bytes_taken: AtomicU64,
+    /// Time spent copying them out.
+    pub checkpoint_ns: AtomicU64,
     /// Checkpoints put back (a fork inside a sequence, a rollback).
     pub checkpoint_restores: AtomicU64,
     /// Tokens decoded again after a checkpoint was put back.

@@ -1,0 +1,664 @@
+"""Every operation across every family: the tiny random-weight models of `family_models.py`
+(recurrent, hybrid, hybrid with a sliding window, mixture-of-experts, sliding window) run each
+of the library's operations, and what they generate is checked against a fresh prefill of
+the same tokens in a fresh context (`fresh`): the first logits row close, the tokens equal up
+to the reference's first near-tie (`assert_matches`, conftest's `assert_same_greedy` with a
+tighter tie: batch shapes, thread counts and cell placement move logits a little).
+
+On recurrent and hybrid models (`RECURRENT`) a fork inside a sequence, a rejected guess and a
+rolled-back decode go through recurrent-state checkpoints: they restart from the last
+checkpoint at or before the position wanted and decode the rest again (`ctx.stats()`'s
+`checkpoint_restores`), so a prefix cache shares at most the common prefix there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import kvfork
+import numpy as np
+import numpy.typing as npt
+import pytest
+from kvfork.patterns import beam_search_sync
+
+from .conftest import PROMPT, greedy_tokens, greedy_with_margins, root
+from .family_models import FAMILIES, KIND, N_EMBD, N_EXPERT, RECURRENT, SLIDING, SLIDING_WINDOW
+
+GREEDY = kvfork.SamplingParams(temperature=0.0)
+#: ~44 tokens: a prompt longer than the sliding window (16) of the `SLIDING` families.
+DOC = " ".join(f"Line {i}: the printing press spread across Europe." for i in range(4))
+#: Tokens generated and compared by each check.
+N = 14
+#: A margin under this is a near-tie: tokens are compared up to the reference's first one.
+#: These tiny f32 models' logits move by under 0.2 between batch shapes and thread counts
+#: (0.18 at most measured here, against ~0.5 on the default model, which conftest's 1.0
+#: allows for), and most of their greedy margins are under 1: with 1.0 most comparisons
+#: would check nothing.
+NEAR_TIE = 0.5
+#: How far a branch's first logits row may be from the reference's (the same noise).
+LOGIT_ATOL = 0.5
+
+
+class Greedy(NamedTuple):
+    """Greedy tokens, the margin of each (best minus second-best logit), and the logits row
+    the first was drawn from."""
+
+    tokens: list[int]
+    margins: list[float]
+    logits: npt.NDArray[np.float32]
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    """Each family of `family_models.FAMILIES` (the test ids are their names)."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def tiny(family_models: Callable[[str], kvfork.Model], family: str) -> kvfork.Model:
+    """The family's tiny model (written and loaded once per session)."""
+    return family_models(family)
+
+
+def open_ctx(
+    model: kvfork.Model, *, n_ctx: int = 1024, n_seq_max: int = 4, **options: int | bool
+) -> kvfork.Context:
+    """A context of `model` (1,024 cells and 4 leases unless told otherwise)."""
+    return kvfork.create_context_sync(
+        model,
+        n_ctx=n_ctx,
+        n_seq_max=n_seq_max,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def greedy(b: kvfork.Branch, n: int = N) -> Greedy:
+    """Generate and commit `n` greedy tokens on `b`, with their margins and first logits."""
+    logits = b.logits()
+    tokens, margins = greedy_with_margins(b, n)
+    return Greedy(tokens, margins, logits)
+
+
+def fresh(model: kvfork.Model, tokens: Sequence[int], n: int = N) -> Greedy:
+    """The reference: `tokens` prefilled at once on a new branch of a new context, then `n`
+    greedy tokens."""
+    with open_ctx(model) as c:
+        b = kvfork.Branch.create(c, 0, GREEDY)
+        b.prefill_sync(list(tokens))
+        return greedy(b, n)
+
+
+def assert_matches(
+    tokens: list[int], reference: Greedy, logits: npt.NDArray[np.float32] | None = None
+) -> None:
+    """`tokens` (as many) equal the reference's up to its first near-tie, and `logits`, the
+    row the first was drawn from, are within LOGIT_ATOL of the reference's."""
+    assert len(tokens) == len(reference.tokens), (tokens, reference.tokens)
+    if logits is not None:
+        np.testing.assert_allclose(logits, reference.logits, rtol=0, atol=LOGIT_ATOL)
+    for i, (got, expected) in enumerate(zip(tokens, reference.tokens)):
+        if reference.margins[i] < NEAR_TIE:
+            return
+        assert got == expected, (
+            f"token {i} differs ({got} != {expected}) at a clear margin of "
+            f"{reference.margins[i]:.2f}: got {tokens}, expected {reference.tokens}"
+        )
+
+
+def assert_continues(b: kvfork.Branch, reference: Greedy) -> None:
+    """`b` generates what `reference` did (`assert_matches`), as many tokens."""
+    got = greedy(b, len(reference.tokens))
+    assert_matches(got.tokens, reference, got.logits)
+
+
+def assert_continues_as_fresh(model: kvfork.Model, b: kvfork.Branch, n: int = N) -> None:
+    """`b` generates what a fresh prefill of its history does."""
+    assert_continues(b, fresh(model, b.history, n))
+
+
+def prefilled(ctx: kvfork.Context, tokens: Sequence[int]) -> kvfork.Branch:
+    """A greedy root branch with `tokens` prefilled."""
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    b.prefill_sync(list(tokens))
+    return b
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def restores(ctx: kvfork.Context) -> int:
+    """Checkpoints put back so far in `ctx` (a fork inside a recurrent sequence, a rejected
+    guess, a rolled-back decode)."""
+    return int(ctx.stats()["checkpoint_restores"])
+
+
+# ---- 1. load, prefill, generate; what the model reports of itself
+
+
+def test_a_family_model_loads_reports_its_family_and_generates_repeatably(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """The model loads with SmolLM2's vocabulary; `family`, `is_recurrent`, `n_swa` and
+    `n_expert` say what `family_models.KIND` built; two fresh branches generate the same
+    varied greedy tokens, and the same as a fresh context; recurrent models take
+    checkpoints while prefilling, the others none."""
+    model = tiny
+    assert model.vocab_size == 49152 and model.n_embd == N_EMBD
+    kind = KIND[family]
+    name = model.family
+    assert model.is_recurrent == (family in RECURRENT)
+    assert model.n_swa == (SLIDING_WINDOW if family in SLIDING else 0)
+    assert model.n_expert == (N_EXPERT if kind == "moe" else 0)
+    assert ("+sliding-window" in name) == (family in SLIDING)
+    assert ("+moe" in name) == (kind == "moe")
+    if kind == "recurrent":
+        assert name == "recurrent"
+    elif kind.startswith("hybrid"):
+        assert name.startswith("hybrid")
+    else:
+        assert name.startswith("transformer")
+    with open_ctx(model) as ctx:
+        first = greedy(root(ctx, PROMPT), 16)
+        second = greedy(root(ctx, PROMPT), 16)
+        taken = ctx.stats()["checkpoints_taken"]
+        prompt = ctx.tokenize(PROMPT)
+    assert len(set(first.tokens)) > 2, f"{family}: degenerate greedy output {first.tokens}"
+    assert first.tokens == second.tokens
+    assert np.array_equal(first.logits, second.logits)
+    assert_matches(first.tokens, fresh(model, prompt, 16), first.logits)
+    assert (taken > 0) == (family in RECURRENT)
+
+
+# ---- 2. forks
+
+
+def test_forks_at_the_head_and_mid_generation_continue_exactly(
+    tiny: kvfork.Model,
+) -> None:
+    """A fork at the head of a prefilled branch, and one after 5 generated tokens: child and
+    parent (going on after the child) each generate what a fresh prefill of the tokens
+    behind them generates."""
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        parent = prefilled(ctx, prompt)
+        child = parent.fork_sync()
+        reference = fresh(tiny, prompt)
+        assert_continues(child, reference)
+        assert_continues(parent, reference)
+
+        mid = prefilled(ctx, prompt)
+        head = greedy_tokens(mid, 5)
+        kid = mid.fork_sync()
+        assert kid.history == prompt + head
+        reference = fresh(tiny, prompt + head)
+        assert_continues(kid, reference)
+        assert_continues(mid, reference)
+
+
+# ---- 3. BranchStore
+
+
+def test_store_steps_in_lock_step_and_prefills_packed_exactly(tiny: kvfork.Model) -> None:
+    """Three forks that took the root's 1st, 2nd and 3rd best tokens step together
+    (`store.step`, one decode each), and three prompts are prefilled packed into shared
+    decodes (`store.prefill`, n_batch 32): each branch generates what a fresh prefill of
+    its tokens does."""
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        base = prefilled(ctx, prompt)
+        firsts = [int(t) for t in np.argsort(base.logits())[::-1][:3]]
+        kids = [base.fork_sync() for _ in firsts]
+        for kid, first in zip(kids, firsts):
+            kid.commit_sync(first)
+        store = kvfork.BranchStore(ctx)
+        logits = [kid.logits() for kid in kids]
+        got: list[list[int]] = [[] for _ in kids]
+        for _ in range(N):
+            for out, tok in zip(got, store.step_sync(kids)):
+                assert not tok.is_stop
+                out.append(tok.token)
+        for out, first, row in zip(got, firsts, logits):
+            assert_matches(out, fresh(tiny, [*prompt, first]), row)
+
+    with open_ctx(tiny, n_batch=32) as ctx:
+        prompts = [
+            ctx.tokenize(DOC),
+            ctx.tokenize(PROMPT),
+            ctx.tokenize(DOC[:60] + " and then the press"),
+        ]
+        branches = [kvfork.Branch.create(ctx, 0, GREEDY) for _ in prompts]
+        before = ctx.stats()["decode_calls"]
+        kvfork.BranchStore(ctx).prefill_sync(list(zip(branches, prompts)))
+        assert ctx.stats()["decode_calls"] - before == -(-sum(map(len, prompts)) // 32)
+        for b, p in zip(branches, prompts):
+            assert b.position == len(p)
+            assert_continues(b, fresh(tiny, p))
+
+
+def test_a_store_prefill_or_commit_that_fails_rolls_back_exactly(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """In a 256-cell context: a store prefill with one member past n_ctx is refused
+    (KvCacheFullError) with nothing changed; a store prefill whose members fit n_ctx but not
+    the cache together fails after some of its decodes (families with a KV cache) and is
+    rolled back, on hybrids through a checkpoint restore (pure recurrent models have no
+    cells to run out of: there it succeeds, exactly); a store commit at a full cache fails
+    and is rolled back. After each, the branches generate what fresh prefills of their
+    tokens generate."""
+    kind = KIND[family]
+    with open_ctx(tiny, n_ctx=256, n_seq_max=2, n_batch=32) as ctx:
+        text = ctx.tokenize(DOC * 8, add_special=False)
+        a, b = prefilled(ctx, text[:128]), kvfork.Branch.create(ctx, 0, GREEDY)
+        store = kvfork.BranchStore(ctx)
+
+        # Past n_ctx for one member: refused before any decode.
+        with pytest.raises(kvfork.KvCacheFullError):
+            store.prefill_sync([(b, text[:100]), (a, text[128:300])])
+        assert (a.position, b.position) == (128, 0)
+        assert ctx.kv_seq_pos_max_sync(a.seq_id) == 127
+        assert ctx.kv_seq_pos_max_sync(b.seq_id) == -1
+
+        # Each fits n_ctx, together not the 256 cells: fails mid-way on a KV cache.
+        before = restores(ctx)
+        if kind == "recurrent":
+            store.prefill_sync([(b, text[:100]), (a, text[128:200])])
+            assert_continues(a, fresh(tiny, text[:200]))
+            assert_continues(b, fresh(tiny, text[:100]))
+            return
+        with pytest.raises(kvfork.KvCacheFullError):
+            store.prefill_sync([(b, text[:100]), (a, text[128:200])])
+        assert (a.position, b.position) == (128, 0)
+        assert a.history == text[:128] and b.history == []
+        assert ctx.kv_seq_pos_max_sync(a.seq_id) == 127
+        assert ctx.kv_seq_pos_max_sync(b.seq_id) == -1
+        if family in RECURRENT:
+            assert restores(ctx) > before, "a's decoded chunks were undone from a checkpoint"
+        assert_continues(a, fresh(tiny, text[:128]))
+
+        # A commit at a full cache: both rolled back.
+        b.prefill_sync(text[: 256 - a.position])
+        assert a.position + b.position == 256
+        state = [(x.position, x.history, x.perplexity) for x in (a, b)]
+        tokens = [a.produce_sync().token, b.produce_sync().token]
+        with pytest.raises(kvfork.KvCacheFullError):
+            store.commit_sync([(a, tokens[0]), (b, tokens[1])])
+        assert [(x.position, x.history, x.perplexity) for x in (a, b)] == state
+        b_tokens = b.history
+        b.prune_sync()
+        assert_continues_as_fresh(tiny, a)
+        c = prefilled(ctx, b_tokens[:40])
+        assert_continues(c, fresh(tiny, b_tokens[:40]))
+
+
+# ---- 4. PrefixCache
+
+
+def test_prefix_cache_forks_at_an_entrys_end_and_inside_entries_and_live_branches(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """A prefix cache's branch from a prompt extending a released entry (its end), from one
+    diverging inside a released entry, and from one diverging inside a branch still
+    generating: each generates what a fresh prefill of its prompt does. On a KV cache the
+    whole common prefix is shared; on a recurrent state at most that (from the source's
+    last checkpoint inside it, n_batch 16 putting one every 16 prompt tokens), a checkpoint
+    being put back for a fork inside a sequence."""
+    recurrent = family in RECURRENT
+    with open_ctx(tiny, n_batch=16) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+
+        # At an entry's end.
+        first = ctx.tokenize(DOC)
+        cache.release(cache.branch_sync(first, GREEDY))
+        longer = first + ctx.tokenize(" Question one: what came first?", add_special=False)
+        b = cache.branch_sync(longer, GREEDY)
+        assert cache.shared_tokens(b) == len(first)
+        assert_continues(b, fresh(tiny, longer))
+        cache.release(b)
+        cache.clear()
+
+        # Inside a released entry.
+        a_tokens = ctx.tokenize(DOC + " Question one: what came first?")
+        b_tokens = ctx.tokenize(DOC + " Answer two:")
+        common = common_prefix(a_tokens, b_tokens)
+        assert 0 < common < len(a_tokens)
+        cache.release(cache.branch_sync(a_tokens, GREEDY))
+        before = restores(ctx)
+        b = cache.branch_sync(b_tokens, GREEDY)
+        shared = cache.shared_tokens(b)
+        assert shared is not None
+        if recurrent:
+            assert 0 < shared <= common
+            assert restores(ctx) > before
+        else:
+            assert shared == common
+        assert_continues(b, fresh(tiny, b_tokens))
+        cache.release(b)
+        cache.clear()
+
+        # Inside a live branch that generated past the fork point.
+        a_tokens = ctx.tokenize(DOC)
+        a = cache.branch_sync(a_tokens, GREEDY)
+        generated = greedy_tokens(a, 8)
+        b_tokens = a_tokens + generated[:3] + ctx.tokenize(" and then", add_special=False)
+        common = len(a_tokens) + 3
+        before = restores(ctx)
+        b = cache.branch_sync(b_tokens, GREEDY)
+        shared = cache.shared_tokens(b)
+        assert shared is not None
+        if recurrent:
+            assert 0 < shared <= common
+            assert restores(ctx) > before
+        else:
+            assert shared == common
+        assert_continues(b, fresh(tiny, b_tokens))
+        assert_continues(a, fresh(tiny, a_tokens + generated))
+
+
+def test_prefix_cache_reuses_a_preamble_shared_by_three_prompts(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """Three prompts with a common preamble, each released before the next (default n_batch:
+    one prefill decode per prompt): the second shares what its source's checkpoints allow
+    (the whole preamble on a KV cache), and the third reuses the preamble on every family —
+    the second prompt's prefill started at the preamble's end, or went through it. Each
+    generates what a fresh prefill of its prompt does."""
+    with open_ctx(tiny) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        prompts = [
+            ctx.tokenize(DOC + f" Question {q}: what came {w}?")
+            for q, w in (("one", "first"), ("two", "next"), ("three", "last"))
+        ]
+        preamble = common_prefix(prompts[0], prompts[1])
+        assert preamble == common_prefix(prompts[1], prompts[2]) > 16
+        shared: list[int] = []
+        for p in prompts:
+            b = cache.branch_sync(p, GREEDY)
+            s = cache.shared_tokens(b)
+            assert s is not None and s <= preamble
+            shared.append(s)
+            assert_continues(b, fresh(tiny, p))
+            cache.release(b)
+        assert shared[0] == 0
+        if family not in RECURRENT:
+            assert shared[1:] == [preamble, preamble]
+        assert shared[2] > 0, f"{family}: the third prompt reused none of the preamble"
+
+
+# ---- 5. park/unpark, snapshot/restore, save/load
+
+
+def test_parked_branches_come_back_exactly(tiny: kvfork.Model) -> None:
+    """With one lease and `park=True`, a fork is parked at once; generating on it parks its
+    parent, and generating on the parent brings that back: both generate what a fresh
+    prefill of the prompt does."""
+    with open_ctx(tiny, n_seq_max=1, park=True) as ctx:
+        prompt = ctx.tokenize(DOC)
+        a = prefilled(ctx, prompt)
+        b = a.fork_sync()
+        assert not b.is_active
+        reference = fresh(tiny, prompt)
+        assert_continues(b, reference)
+        assert_continues(a, reference)
+        stats = ctx.stats()
+        assert stats["parks"] >= 2 and stats["unparks"] >= 2
+
+
+def test_snapshots_restore_exactly(tiny: kvfork.Model) -> None:
+    """A branch's snapshot restored (same context) continues as the branch did; a context
+    snapshot restored over its live branches brings back both of them, which continue as
+    fresh prefills of their histories do."""
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        b = prefilled(ctx, prompt)
+        greedy_tokens(b, 3)
+        data = b.snapshot_sync()
+        history = b.history
+        expected = greedy(b)
+        again = kvfork.Branch.restore_sync(ctx, data)
+        assert again.history == history
+        assert_continues(again, expected)
+
+        ctx_data = ctx.snapshot_sync()
+        histories = sorted([b.history, again.history])
+        tree = ctx.restore_sync(ctx_data)
+        assert b.disposed and again.disposed
+        assert sorted(x.history for x in tree) == histories
+        for x in tree:
+            assert_continues_as_fresh(tiny, x)
+
+
+def test_a_saved_branch_loads_exactly_here_and_in_another_context(
+    tiny: kvfork.Model, tmp_path: Path
+) -> None:
+    """A branch saved after 3 generated tokens, loaded into the same context and into
+    another one (other size and leases): both continue as the branch itself did."""
+    path = tmp_path / "branch.kvf"
+    with open_ctx(tiny) as ctx:
+        b = prefilled(ctx, ctx.tokenize(DOC))
+        greedy_tokens(b, 3)
+        b.save_sync(path)
+        expected = greedy(b)
+        same = kvfork.Branch.load_sync(ctx, path)
+        assert_continues(same, expected)
+    with open_ctx(tiny, n_ctx=512, n_seq_max=2) as other:
+        moved = kvfork.Branch.load_sync(other, path)
+        assert_continues(moved, expected)
+
+
+# ---- 6. speculative generation with rejected guesses
+
+
+class Wrong:
+    """Guesses a token greedy never picks here: every guess rejected."""
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        return [7, 7, 7]
+
+
+class MostlyRight:
+    """Right for 3 tokens (read from the reference), then wrong: partial acceptances."""
+
+    def __init__(self, prompt_len: int, expected: list[int]) -> None:
+        self.prompt_len = prompt_len
+        self.expected = expected
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        i = len(tokens) - self.prompt_len
+        return [*self.expected[i : i + 3], 7]
+
+
+def drafter_for(guesses: str, prompt: list[int], reference: Greedy) -> Wrong | MostlyRight:
+    """The drafter of a `guesses` case: every guess rejected, or 3 right then a wrong one."""
+    if guesses == "all_rejected":
+        return Wrong()
+    return MostlyRight(len(prompt), reference.tokens)
+
+
+@pytest.mark.parametrize("guesses", ["all_rejected", "partly_accepted"])
+def test_speculation_with_rejected_guesses_is_exact(
+    tiny: kvfork.Model, family: str, guesses: str
+) -> None:
+    """Speculative rounds (`speculate`, each decoding its guess) whose guesses are all
+    rejected, or accepted for 3 tokens then rejected, draw the tokens plain greedy draws
+    from a fresh prefill, and the branch goes on exactly after them; on recurrent models
+    each rejection puts a checkpoint back and decodes the tokens kept before it again, on
+    the others none. A speculative stream (`generate(draft=)`, which decides itself which
+    guesses pay to decode) with the same drafter draws the same tokens too."""
+    n = 24
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        reference = fresh(tiny, prompt, n)
+        drafter = drafter_for(guesses, prompt, reference)
+        b = prefilled(ctx, prompt)
+        logits = b.logits()
+        before = restores(ctx), ctx.stats()["replayed_tokens"]
+        got: list[int] = []
+        rounds = rejections = 0
+        pending = b.produce_sync()
+        while len(got) < n:
+            token = pending.token
+            draft = drafter.propose([*b.history, token])
+            accepted, pending = b.speculate_sync(token, draft)
+            got += [token, *(t.token for t in accepted)]  # committed, the guess's kept part
+            rounds += 1
+            rejections += len(accepted) < len(draft)
+        assert b.history == prompt + got
+        if guesses == "all_rejected":
+            assert len(got) == rounds == n
+        else:
+            assert rounds < n
+        assert rejections > 0
+        assert_matches(got[:n], reference, logits)
+        replayed = ctx.stats()["replayed_tokens"] - before[1]
+        if family in RECURRENT:
+            assert restores(ctx) - before[0] == rejections
+            assert replayed >= rejections  # at least the token before each guess
+        else:
+            assert restores(ctx) == 0 and replayed == 0
+        assert_continues_as_fresh(tiny, b)
+
+        streamed = prefilled(ctx, prompt)
+        stream = streamed.generate_sync(n, draft=drafter_for(guesses, prompt, reference))
+        assert_matches([t.token for t in stream], reference)
+        assert stream.accepted <= stream.drafted
+        if guesses == "all_rejected":
+            assert stream.accepted == 0
+        assert_continues_as_fresh(tiny, streamed)
+
+
+# ---- 7. beam search
+
+
+def test_beam_search_scores_its_best_beam_as_a_fresh_prefill_does(tiny: kvfork.Model) -> None:
+    """A 3-wide, 8-token beam search: its best beam's log-probability is within 1e-2 of
+    its tokens re-scored one by one on a fresh prefill of the prompt."""
+    with open_ctx(tiny, n_seq_max=8) as ctx:
+        prompt = ctx.tokenize(DOC)
+        beams = beam_search_sync(prefilled(ctx, prompt), 3, 8)
+    assert len(beams) == 3
+    best = beams[0]
+    assert len(best.tokens) > 0
+    with open_ctx(tiny) as ctx:
+        r = prefilled(ctx, prompt)
+        logprob = 0.0
+        for t in best.tokens:
+            logprob += r.logprob(t)
+            r.commit_sync(t)
+    assert abs(logprob - best.logprob) < 1e-2, (logprob, best.logprob)
+
+
+# ---- 8. retain_only
+
+
+def test_retain_only_keeps_one_branch_that_continues_exactly(tiny: kvfork.Model) -> None:
+    """Three forks that took different first tokens step 4 times together; `retain_only`
+    keeps the middle one (every other branch disposed, its lease alone held) and it goes
+    on as a fresh prefill of its history does."""
+    with open_ctx(tiny) as ctx:
+        base = prefilled(ctx, ctx.tokenize(DOC))
+        firsts = [int(t) for t in np.argsort(base.logits())[::-1][:3]]
+        kids = [base.fork_sync() for _ in firsts]
+        for kid, first in zip(kids, firsts):
+            kid.commit_sync(first)
+        store = kvfork.BranchStore(ctx)
+        for _ in range(4):
+            store.step_sync(kids)
+        winner = kids[1]
+        store.retain_only_sync(winner)
+        assert all(b.disposed for b in [base, kids[0], kids[2]])
+        assert winner.parent is None and store.available == ctx.n_seq_max - 1
+        assert_continues_as_fresh(tiny, winner)
+
+
+# ---- 9. reseed_context, shift_context, on_context_full="shift"
+
+
+def test_reseed_and_shifts_continue_as_a_fresh_prefill_of_the_kept_tokens(
+    tiny: kvfork.Model,
+) -> None:
+    """`reseed_context(sinks, tail)` and `shift_context(keep)` re-prefill the tokens they keep
+    (the history says which) and go on as a fresh prefill of them; a stream with
+    `on_context_full="shift"` at n_ctx 256 draws, from its shift on, what a fresh prefill of
+    the tokens kept there draws."""
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        b = prefilled(ctx, prompt)
+        out = greedy_tokens(b, 8)
+        b.reseed_context_sync(prompt[:4], 20)
+        assert b.history == prompt[:4] + (prompt + out)[-20:]
+        assert b.position == 24
+        assert_continues_as_fresh(tiny, b)
+
+        c = prefilled(ctx, prompt)
+        greedy_tokens(c, 8)
+        before = c.history
+        c.shift_context_sync(4)
+        rest = len(before) - 4
+        assert c.history == before[:4] + before[len(before) - (rest - rest // 2) :]
+        assert_continues_as_fresh(tiny, c)
+
+    with open_ctx(tiny, n_ctx=256, n_seq_max=1) as ctx:
+        n_ctx = ctx.n_ctx
+        b = prefilled(ctx, ctx.tokenize(DOC))
+        stream = b.generate_sync(2 * n_ctx, on_context_full="shift")
+        kept: list[int] | None = None
+        got: list[int] = []
+        for tok in stream:
+            if kept is None and stream.shifts == 1:
+                kept = b.history[:-1]  # the shift's tokens; `tok` was drawn after them
+            if kept is not None:
+                got.append(tok.token)
+                if len(got) == N + 1:
+                    break
+        assert kept is not None, "no shift"
+        assert len(got) == N + 1
+        assert kept[:4] == ctx.tokenize(DOC)[:4] and len(kept) < n_ctx
+        assert_matches(got, fresh(tiny, kept, N + 1))
+
+
+# ---- 10. the raw layer
+
+
+def test_raw_layer_partial_removal_is_refused_on_recurrent_states_and_exact_elsewhere(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """`ctx.kv_seq_remove(seq, k, -1)` on a sequence `ctx.decode` wrote: False on a recurrent
+    state, which keeps every cell (pos_max unchanged) and continues exactly; True on a KV
+    cache, where decoding the removed tokens again continues exactly. Removing a whole
+    sequence works on every family. `fork(seq_id=)` puts an exact child on that sequence."""
+    with open_ctx(tiny) as ctx:
+        prompt = ctx.tokenize(DOC)
+        k = len(prompt) // 2
+        ctx.decode_sync(prompt, 0, 1)
+        removed = ctx.kv_seq_remove(1, k, -1)
+        pos_max = ctx.kv_seq_pos_max_sync(1)
+        reference = fresh(tiny, prompt)
+        if family in RECURRENT:
+            assert removed is False
+            assert pos_max == len(prompt) - 1
+        else:
+            assert removed is True
+            assert pos_max == k - 1
+            ctx.decode_sync(prompt[k:], k, 1)
+        raw = kvfork.Branch.create(ctx, len(prompt), GREEDY, seq_id=1)
+        raw.capture_logits()
+        assert_continues(raw, reference)
+
+        ctx.decode_sync(prompt, 0, 2)
+        assert ctx.kv_seq_remove(2, 0, -1) is True
+        assert ctx.kv_seq_pos_max_sync(2) == -1
+
+        parent = prefilled(ctx, prompt)
+        child = parent.fork_sync(seq_id=3)
+        assert child.seq_id == 3
+        assert_continues(child, reference)
+        assert_continues(parent, reference)
