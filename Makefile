@@ -3,7 +3,7 @@ SHELL := bash
 PY := .venv/bin/python
 
 .PHONY: setup demo test test-rust test-python test-vulkan soak asan lint fmt docs bench peer peer-server bench-serve \
-	wheel test-wheel
+	bench-checkpoints wheel test-wheel
 
 setup:
 	scripts/setup.sh
