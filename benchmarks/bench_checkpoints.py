@@ -8,9 +8,10 @@ the weights' values do not matter to it. Reported:
 1. bytes and time per checkpoint, against one decode step of one branch;
 2. prompt tokens reused (and wall time) on a shared-preamble workload through `PrefixCache`,
    with checkpoints and with `checkpoints=0`;
-3. what a rejected speculative guess costs: a generation whose every round guesses two
-   tokens right and the third wrong, per token, against plain generation (a rejected round
-   puts back the checkpoint taken before the guess and decodes the kept tokens again).
+3. what a rejected speculative guess costs, against a round whose guess is all kept and a
+   one-token step: through a checkpoint (put back, the kept tokens decoded again) and with
+   `recurrent_rollback=4` (llama.cpp's per-token snapshots: the state rolled back at once;
+   its one-token step is timed too, as the snapshots cost every decode something).
 
     python benchmarks/bench_checkpoints.py [--threads N] [--repeat R]
 """
@@ -157,12 +158,15 @@ def shared_preamble(model: kvfork.Model, threads: int | None, checkpoints: int) 
         )
 
 
-def rejected_guesses(model: kvfork.Model, threads: int | None) -> None:
+def rejected_guesses(model: kvfork.Model, threads: int | None, rollback: int) -> None:
     """Speculative rounds (`Branch.speculate`) whose guess is two right tokens and a wrong
     one, against rounds whose three guessed tokens are right: the difference is what the
-    rejection costs (the checkpoint put back, the kept tokens decoded again)."""
+    rejection costs: the checkpoint put back and the kept tokens decoded again, or with
+    `recurrent_rollback` (llama.cpp's per-token snapshots) the state rolled back at once."""
     rounds = 10
-    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=4, n_threads=threads) as ctx:
+    with kvfork.create_context_sync(
+        model, n_ctx=4096, n_seq_max=4, n_threads=threads, recurrent_rollback=rollback
+    ) as ctx:
         prompt = ctx.tokenize(PREAMBLE)[:128]
         step = step_seconds(ctx, prompt, 24)
         root = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
@@ -191,7 +195,7 @@ def rejected_guesses(model: kvfork.Model, threads: int | None) -> None:
         replayed = s["replayed_tokens"] - before["replayed_tokens"]
         extra = times[True] - times[False]
         print(
-            f"speculative round of 1 + 3 tokens: {times[False] * 1e3:.1f} ms all kept, "
+            f"recurrent_rollback={rollback}: speculative round of 1 + 3 tokens: {times[False] * 1e3:.1f} ms all kept, "
             f"{times[True] * 1e3:.1f} ms with the third rejected ({restores} restores, "
             f"{replayed / max(restores, 1):.0f} tokens decoded again each); the rejection "
             f"costs {extra * 1e3:.1f} ms = {extra / step:.2f} of a one-token step "
@@ -218,7 +222,8 @@ def main() -> None:
         checkpoint_cost(model, args.threads)
         for checkpoints in (16, 0):
             shared_preamble(model, args.threads, checkpoints)
-        rejected_guesses(model, args.threads)
+        for rollback in (0, 4):
+            rejected_guesses(model, args.threads, rollback)
 
 
 if __name__ == "__main__":

@@ -483,18 +483,25 @@ def drafter_for(guesses: str, prompt: list[int], reference: Greedy) -> Wrong | M
     return MostlyRight(len(prompt), reference.tokens)
 
 
+#: Families whose architecture has llama.cpp's per-token recurrent snapshots (`n_rs_seq`):
+#: with `recurrent_rollback`, a rejected guess is undone without a checkpoint.
+ROLLBACK = {"lfm2", "lfm2_swa"}
+
+
+@pytest.mark.parametrize("rollback", [0, 8], ids=["checkpoints", "rollback"])
 @pytest.mark.parametrize("guesses", ["all_rejected", "partly_accepted"])
 def test_speculation_with_rejected_guesses_is_exact(
-    tiny: kvfork.Model, family: str, guesses: str
+    tiny: kvfork.Model, family: str, guesses: str, rollback: int
 ) -> None:
     """Speculative rounds (`speculate`, each decoding its guess) whose guesses are all
     rejected, or accepted for 3 tokens then rejected, draw the tokens plain greedy draws
     from a fresh prefill, and the branch goes on exactly after them; on recurrent models
-    each rejection puts a checkpoint back and decodes the tokens kept before it again, on
-    the others none. A speculative stream (`generate(draft=)`, which decides itself which
-    guesses pay to decode) with the same drafter draws the same tokens too."""
+    each rejection puts a checkpoint back and decodes the tokens kept before it again
+    (unless `recurrent_rollback` lets llama.cpp drop them, on the architectures that can),
+    on the others none. A speculative stream (`generate(draft=)`, which decides itself
+    which guesses pay to decode) with the same drafter draws the same tokens too."""
     n = 24
-    with open_ctx(tiny) as ctx:
+    with open_ctx(tiny, recurrent_rollback=rollback) as ctx:
         prompt = ctx.tokenize(DOC)
         reference = fresh(tiny, prompt, n)
         drafter = drafter_for(guesses, prompt, reference)
@@ -519,7 +526,7 @@ def test_speculation_with_rejected_guesses_is_exact(
         assert rejections > 0
         assert_matches(got[:n], reference, logits)
         replayed = ctx.stats()["replayed_tokens"] - before[1]
-        if family in RECURRENT:
+        if family in RECURRENT and not (rollback and family in ROLLBACK):
             assert restores(ctx) - before[0] == rejections
             assert replayed >= rejections  # at least the token before each guess
         else:
@@ -662,3 +669,32 @@ def test_raw_layer_partial_removal_is_refused_on_recurrent_states_and_exact_else
         assert child.seq_id == 3
         assert_continues(child, reference)
         assert_continues(parent, reference)
+
+
+# ---- options
+
+
+def test_checkpoint_options_are_checked_and_zero_keeps_none(
+    family_models: Callable[[str], kvfork.Model],
+) -> None:
+    """Out-of-range `checkpoints`, `checkpoint_bytes` and `recurrent_rollback` are refused
+    with ValueError naming them; `checkpoints=0` keeps none, and a fork inside a sequence
+    then shares nothing and prefills it all, still exactly."""
+    tiny = family_models("lfm2")
+    for option, value in [
+        ("checkpoints", -1),
+        ("checkpoint_bytes", -1),
+        ("recurrent_rollback", 65),
+    ]:
+        with pytest.raises(ValueError, match=option):
+            open_ctx(tiny, **{option: value})
+    with open_ctx(tiny, checkpoints=0) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        prompt = ctx.tokenize(DOC)
+        first = cache.branch_sync(prompt, GREEDY)
+        cache.release(first)
+        inside = prompt[:30] + ctx.tokenize(" A different ending.", add_special=False)
+        b = cache.branch_sync(inside, GREEDY)
+        assert cache.shared_tokens(b) == 0
+        assert ctx.stats()["checkpoints"] == ctx.stats()["checkpoints_taken"] == 0
+        assert_continues(b, fresh(tiny, inside))

@@ -628,6 +628,7 @@ class _ContextOptions(TypedDict, total=False):
     park: bool
     checkpoints: int
     checkpoint_bytes: int
+    recurrent_rollback: int
 
 def create_context(
     path_or_model: str | PathLike[str] | Model,

@@ -83,6 +83,11 @@ def create_context(
       last one at or before the fork and prefill the rest, and a rejected guess or failed
       decode roll back exactly. 0 keeps none: such forks then prefill everything, rollbacks
       decode the branch's tokens again. Ignored on other models.
+    - `recurrent_rollback=0`: on the recurrent and hybrid architectures for which llama.cpp
+      keeps per-token snapshots of the last decode (`n_rs_seq`, experimental there: LFM2,
+      Qwen3.5, Nemotron-H and a few others), how many trailing tokens it can drop at once: a
+      rejected speculative guess that long is undone without decoding the kept tokens
+      again (one decode saved a rejection). 0 to 64; ignored elsewhere.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

@@ -43,6 +43,7 @@ fn options(
     park: Arg<bool>,
     checkpoints: Int,
     checkpoint_bytes: Int,
+    recurrent_rollback: Int,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
@@ -69,6 +70,7 @@ fn options(
         park: park.0,
         checkpoints: checkpoints.u32("checkpoints", 0)?,
         checkpoint_bytes: checkpoint_bytes.within("checkpoint_bytes", 0, i64::MAX)? as u64,
+        recurrent_rollback: recurrent_rollback.u32("recurrent_rollback", 0)?,
     };
     params.validate().py()?;
     Ok(Options {
@@ -97,7 +99,7 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     kvfork::Context::new(model, o.params)
 }
 
-/// `create_context` and its blocking twin from one signature: the fourteen options read into
+/// `create_context` and its blocking twin from one signature: the fifteen options read into
 /// [`Options`] by `options`, then `$body` with them as `$o`.
 macro_rules! context_creator {
     ($(#[doc = $doc:literal])* fn $name:ident<$py:lifetime>($pyv:ident) -> $ret:ty { |$o:ident| $body:expr }) => {
@@ -107,13 +109,14 @@ macro_rules! context_creator {
                             n_seq_max=Int(Some(8)), n_threads=None, n_threads_batch=None,
                             type_k=Arg("f16"), type_v=Arg("f16"), embeddings=Arg(false),
                             pooling=None, n_gpu_layers=None, park=Arg(false),
-                            checkpoints=Int(Some(16)), checkpoint_bytes=Int(Some(268435456))),
+                            checkpoints=Int(Some(16)), checkpoint_bytes=Int(Some(268435456)),
+                            recurrent_rollback=Int(Some(0))),
                // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
                text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, \
                                  n_threads=None, n_threads_batch=None, type_k='f16', \
                                  type_v='f16', embeddings=False, pooling=None, \
                                  n_gpu_layers=None, park=False, checkpoints=16, \
-                                 checkpoint_bytes=268435456)")]
+                                 checkpoint_bytes=268435456, recurrent_rollback=0)")]
         #[allow(clippy::too_many_arguments)]
         pub fn $name<$py>(
             $pyv: Python<$py>,
@@ -131,6 +134,7 @@ macro_rules! context_creator {
             park: Arg<bool>,
             checkpoints: Int,
             checkpoint_bytes: Int,
+            recurrent_rollback: Int,
         ) -> $ret {
             let $o = options(
                 path_or_model,
@@ -147,6 +151,7 @@ macro_rules! context_creator {
                 park,
                 checkpoints,
                 checkpoint_bytes,
+                recurrent_rollback,
             )?;
             $body
         }

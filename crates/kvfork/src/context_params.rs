@@ -102,6 +102,11 @@ pub struct ContextParams {
     pub checkpoints: u32,
     /// Bytes those checkpoints may take per branch (host memory).
     pub checkpoint_bytes: u64,
+    /// Tokens a recurrent state can drop from the end of a decode without a checkpoint
+    /// (llama.cpp's per-token snapshots, `n_rs_seq`, on the architectures that have them:
+    /// LFM2, Qwen3.5, Nemotron-H, ...): a rejected speculative guess that long is undone at
+    /// once instead of decoded again. 0: none.
+    pub recurrent_rollback: u32,
 }
 
 impl Default for ContextParams {
@@ -119,6 +124,7 @@ impl Default for ContextParams {
             park: false,
             checkpoints: 16,
             checkpoint_bytes: 256 << 20,
+            recurrent_rollback: 0,
         }
     }
 }
@@ -147,6 +153,12 @@ impl ContextParams {
             return Err(Error::invalid(
                 "n_ctx",
                 format!("{} is not in [16, 16777216]", self.n_ctx),
+            ));
+        }
+        if self.recurrent_rollback > 64 {
+            return Err(Error::invalid(
+                "recurrent_rollback",
+                format!("{} is not in [0, 64]", self.recurrent_rollback),
             ));
         }
         if self.n_batch == 0 || self.n_batch > 1 << 16 {

@@ -22,6 +22,9 @@ pub(crate) struct LlamaCtx {
     pub n_batch: u32,
     pub n_seq_max: u32,
     pub n_vocab: usize,
+    /// Tokens a recurrent state can drop from its end after a decode (llama.cpp's
+    /// `n_rs_seq`: 0 unless asked for and the architecture supports it).
+    pub n_rs_seq: u32,
     /// Floats in one embedding row llama.cpp hands out: the model's output width, which a
     /// GGUF may set apart from its hidden size (`embedding_length_out`).
     n_embd_out: usize,
@@ -94,6 +97,13 @@ impl LlamaCtx {
         cp.kv_unified = true;
         // Keep every position of sliding-window layers so partial seq_rm / forks stay exact.
         cp.swa_full = true;
+        // Per-token recurrent snapshots, so a rejected guess is undone by `seq_rm`
+        // (llama.cpp clamps it to 0 on architectures without them).
+        cp.n_rs_seq = if model.is_recurrent() {
+            p.recurrent_rollback
+        } else {
+            0
+        };
         cp.no_perf = true;
         // SAFETY: `model` is loaded and alive (the `Arc` held here, then `_model`, keeps it so
         // for the context's whole life). `cp` is llama.cpp's defaults with values `validate`
@@ -109,12 +119,13 @@ impl LlamaCtx {
         // SAFETY: getters of the context just created (live, used by this thread only) and
         // of its loaded model. The memory handle is owned by the context and lives as long:
         // it is used only through `self`, which frees the context last.
-        let (mem, n_ctx, n_batch, n_seq_max, pooling, n_embd_out, n_cls_out) = unsafe {
+        let (mem, n_ctx, n_batch, n_seq_max, n_rs_seq, pooling, n_embd_out, n_cls_out) = unsafe {
             (
                 sys::llama_get_memory(ctx),
                 sys::llama_n_ctx(ctx),
                 sys::llama_n_batch(ctx),
                 sys::llama_n_seq_max(ctx),
+                sys::llama_n_rs_seq(ctx),
                 sys::llama_pooling_type(ctx),
                 sys::llama_model_n_embd_out(model.as_ptr()),
                 sys::llama_model_n_cls_out(model.as_ptr()),
@@ -127,6 +138,7 @@ impl LlamaCtx {
             n_ctx,
             n_batch,
             n_seq_max,
+            n_rs_seq,
             n_vocab: model.vocab_size(),
             n_embd_out,
             n_seq_embd: if pooling == sys::LLAMA_POOLING_TYPE_RANK {

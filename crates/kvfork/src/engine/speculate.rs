@@ -110,8 +110,16 @@ impl Worker {
         st.decoded(&kept);
         drop(st);
         self.loans().record(cell);
-        if kept.len() < 1 + draft.len() {
-            self.rewind(cell, start + kept.len() as i32)?;
+        let dropped = 1 + draft.len() - kept.len();
+        if dropped > 0 {
+            let end = start + kept.len() as i32;
+            // A KV cache drops the rejected cells; so does a recurrent state with per-token
+            // snapshots of this decode (`n_rs_seq`); otherwise it goes back to a checkpoint.
+            let undone = (!self.keeps_checkpoints() || dropped <= self.ctx().n_rs_seq as usize)
+                && self.ctx_mut().seq_rm(seq, end, -1)?;
+            if !undone {
+                self.rewind(cell, end)?;
+            }
         }
         Ok((accepted, drawn?))
     }
