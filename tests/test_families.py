@@ -698,3 +698,28 @@ def test_checkpoint_options_are_checked_and_zero_keeps_none(
         assert cache.shared_tokens(b) == 0
         assert ctx.stats()["checkpoints"] == ctx.stats()["checkpoints_taken"] == 0
         assert_continues(b, fresh(tiny, inside))
+
+
+# ---- the scratch prefill
+
+
+def test_new_prompts_beside_a_busy_cache_prefill_exactly(tiny: kvfork.Model, family: str) -> None:
+    """New prompts prefilled together while the cache holds another sequence go through the
+    scratch context on attention-only models (`scratch_tokens`; prompts shorter than a
+    sliding window, the most it takes there) and through the packed prefill on recurrent
+    ones (a recurrent state cannot move between contexts); either way each branch goes on
+    as a fresh prefill of its prompt does."""
+    with open_ctx(tiny, n_ctx=1024, n_batch=32, n_seq_max=6) as ctx:
+        text = ctx.tokenize(DOC * 4, add_special=False)
+        prefilled(ctx, text[:120])  # a busy cache: 120 cells, over 2 x n_batch
+        prompts = [ctx.tokenize(f"{i} and {i + 1} make") for i in range(1, 5)]
+        branches = [kvfork.Branch.create(ctx, 0, GREEDY) for _ in prompts]
+        kvfork.BranchStore(ctx).prefill_sync(list(zip(branches, prompts, strict=True)))
+        scratch_tokens = int(ctx.stats()["scratch_tokens"])
+        if family in RECURRENT:
+            assert scratch_tokens == 0
+        else:
+            assert scratch_tokens == sum(map(len, prompts))
+        for b, prompt in zip(branches, prompts, strict=True):
+            reference = fresh(tiny, prompt)
+            assert_matches(greedy(b, len(reference.tokens)).tokens, reference)
