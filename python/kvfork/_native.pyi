@@ -1113,6 +1113,12 @@ class Branch:
         """Replace the snapshot with a float32 array of shape (vocab_size,)."""
     def __hash__(self) -> int: ...
 
+class _SpillLevelStats(TypedDict):
+    entries: int
+    bytes: int
+    hits: int
+    restored_tokens: int
+
 class _PrefixCacheStats(TypedDict):
     branches: int
     hit_tokens: int
@@ -1121,6 +1127,8 @@ class _PrefixCacheStats(TypedDict):
     entries: int
     cached_tokens: int
     live: int
+    host: _SpillLevelStats
+    disk: _SpillLevelStats
 
 @final
 class PrefixCache:
@@ -1130,14 +1138,27 @@ class PrefixCache:
     fork at a position inside it) — and prefilling only the rest (at least the last token, so
     the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
     (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
-    are needed, or past `max_cached_tokens`. `fork` adds forks of its branches (a request's
+    are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`,
+    `disk_bytes`) an evicted entry without adapters is kept as a snapshot in host memory (then
+    on disk, least recently used first at each level) and copied back into the KV when a
+    prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
+    them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a
+    file from another model or cache layout is refused and dropped). `fork` adds forks of its branches (a request's
     other choices), making room the same way. The branches it hands out and its entries are the
     account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
 
     Nothing leaks when an await is cancelled: a `branch` or `fork` whose work completed anyway
     is handed back as an entry, and `release` never waits (call it from any clean-up).
     """
-    def __new__(cls, ctx: Context, *, max_cached_tokens: int | None = None) -> Self: ...
+    def __new__(
+        cls,
+        ctx: Context,
+        *,
+        max_cached_tokens: int | None = None,
+        host_bytes: int = 0,
+        disk_dir: str | PathLike[str] | None = None,
+        disk_bytes: int = 0,
+    ) -> Self: ...
     def branch(
         self,
         tokens: _Tokens,
@@ -1194,10 +1215,20 @@ class PrefixCache:
         """
     def clear(self) -> None:
         """Prune every entry (branches handed out stay)."""
+    def spill_all(self) -> int:
+        """Evict every entry into host memory and disk (`host_bytes`, `disk_dir`), then write
+        those in host memory to disk, so that a cache opened later on the same `disk_dir`
+        finds them (a server's shutdown); how many entries are on disk then. Without a spill
+        level it prunes every entry, as `clear` does. Blocking; branches handed out stay.
+        """
     def stats(self) -> _PrefixCacheStats:
         """`{"branches", "hit_tokens", "prefilled_tokens", "evictions", "entries",
-        "cached_tokens", "live"}`: branches handed out, prompt tokens shared from the KV and
-        prefilled, entries evicted, and the entries, their tokens and the live branches now.
+        "cached_tokens", "live", "host", "disk"}`: branches handed out, prompt tokens shared
+        from the KV and prefilled, entries evicted, and the entries, their tokens and the live
+        branches now; `host` and `disk`, for entries spilled there when evicted
+        (`host_bytes`, `disk_dir`): `{"entries", "bytes", "hits", "restored_tokens"}`, the
+        entries and bytes held now, the entries brought back and the prompt tokens they held
+        (restored instead of prefilled).
         """
 
 @final

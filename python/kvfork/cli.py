@@ -334,6 +334,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server import Generator, Prompts, Service, create_app
         from .server.backend import Backend
+        from .server.generation import Spill
         from .server.metrics import Metrics
         from .server.process import run
     except ImportError as exc:
@@ -346,6 +347,16 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--max-body-mb and --stall-seconds must be positive")
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
+    if min(args.cache_ram, args.cache_disk) < 0:
+        raise CliError("--cache-ram and --cache-disk must be at least 0")
+    if args.ray is not None and (args.cache_ram or args.cache_dir is not None):
+        raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
+    mib = 1 << 20
+    spill = Spill(
+        host_bytes=args.cache_ram * mib,
+        disk_dir=args.cache_dir,
+        disk_bytes=args.cache_disk * mib if args.cache_dir is not None else 0,
+    )
     path = resolve_model(args.model)
     # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
     options: dict[str, int] = (
@@ -369,7 +380,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     metrics = Metrics()
     backend: Backend
     if args.ray is None:
-        generator = Generator(ctx, max_queue=args.max_queue)
+        generator = Generator(ctx, max_queue=args.max_queue, spill=spill)
         backend = Service(prompts, generator, model_id=path.stem, metrics=metrics)
         where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
     else:
@@ -406,6 +417,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         )
         if generator is not None and (held := generator.live_stats()["sequences_requests"]):
             log.warning("%d sequences still held by requests at shutdown", held)
+        if generator is not None and spill.disk_dir is not None:
+            kept = await asyncio.to_thread(generator.persist)
+            print(f"kvfork serve: {kept} cache entries in {spill.disk_dir}", file=sys.stderr)
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -559,6 +573,28 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens one decode holds (default 512): prompt chunks and the running streams' "
         "steps share it, so a stream waits at most one such decode while prompts arrive",
+    )
+    serve.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="host memory for prefix-cache entries evicted from the KV (default 0: dropped); "
+        "a prompt matching one is copied back instead of prefilled",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="a directory for entries host memory cannot hold, written there at shutdown too: "
+        "a restarted server finds them",
+    )
+    serve.add_argument(
+        "--cache-disk",
+        type=int,
+        default=4096,
+        metavar="MIB",
+        help="disk the --cache-dir entries may take (default 4096)",
     )
     serve.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a sequence before 503"

@@ -24,6 +24,7 @@ use crate::context::Context;
 use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::prefix_spill::{LevelStats, Spill, SpillConfig};
 use crate::sampling::SamplingParams;
 
 /// What the cache has done so far.
@@ -43,6 +44,10 @@ pub struct PrefixCacheStats {
     pub cached_tokens: usize,
     /// Branches the cache made that are still handed out.
     pub live: usize,
+    /// Evicted entries kept in host memory (`PrefixCache::with_spill`).
+    pub host: LevelStats,
+    /// Evicted entries kept on disk.
+    pub disk: LevelStats,
 }
 
 /// One branch the cache made: handed out (`live`) or handed back (an entry).
@@ -94,6 +99,8 @@ struct State {
     prefilling: Vec<Prefilling>,
     trie: PrefixTrie<Handle>,
     stats: PrefixCacheStats,
+    /// Entries evicted from the KV cache, kept as snapshots (None: evictions drop them).
+    spill: Option<Spill>,
 }
 
 /// Hands out branches that share the longest prefix already in the KV cache.
@@ -121,8 +128,25 @@ impl PrefixCache {
                 trie: PrefixTrie::new(),
                 adapter_sets: Vec::new(),
                 stats: PrefixCacheStats::default(),
+                spill: None,
             })),
         }
+    }
+
+    /// [`PrefixCache::new`] whose evicted entries (those without adapters) are kept as
+    /// snapshots in host memory and on disk (`prefix_spill.rs`) and restored when a prompt
+    /// matches one, instead of prefilled. With a directory, the entries a previous run left
+    /// there are found again.
+    pub fn with_spill(
+        ctx: &Context,
+        max_cached_tokens: Option<usize>,
+        spill: SpillConfig,
+    ) -> Result<Self> {
+        let cache = PrefixCache::new(ctx, max_cached_tokens);
+        if spill.spills() {
+            cache.lock().spill = Some(Spill::open(spill)?);
+        }
+        Ok(cache)
     }
 
     /// The context it hands out branches of.
@@ -184,6 +208,9 @@ impl PrefixCache {
         let sentinel = self.lock().sentinel(adapters.key());
         loop {
             let (source, shared) = self.lookup(sentinel, tokens)?;
+            if sentinel.is_none() && self.restore_spilled(tokens, shared, source.as_ref())? {
+                continue; // back in the cache as an entry: look again
+            }
             if self.ctx.available() == 0 {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
                 continue;
@@ -446,11 +473,98 @@ impl PrefixCache {
 
     fn evict(&self, victim: Option<Holder>) -> Result<()> {
         match victim {
-            Some(holder) => holder.branch.prune_keep_children().wait(),
+            Some(holder) => {
+                // The snapshot is queued before the prune: the engine takes it first.
+                let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
+                let pruned = holder.branch.prune_keep_children();
+                if let Some(snapshot) = snapshot {
+                    self.keep_spilled(holder.tokens, snapshot.wait());
+                }
+                pruned.wait()
+            }
             None => Err(Error::LeaseExhausted {
                 n_seq_max: self.ctx.n_seq_max(),
             }),
         }
+    }
+
+    /// Whether an evicted entry is kept as a snapshot: the cache spills, and the entry has
+    /// no adapters (a snapshot does not carry them).
+    fn spills(&self, holder: &Holder) -> bool {
+        holder.sentinel.is_none() && !holder.live && self.lock().spill.is_some()
+    }
+
+    /// Keep an evicted entry's snapshot (nothing when taking it failed: it is only lost).
+    fn keep_spilled(&self, tokens: Vec<Token>, snapshot: Result<Vec<u8>>) {
+        if let (Ok(snapshot), Some(spill)) = (snapshot, self.lock().spill.as_mut()) {
+            spill.keep(tokens, snapshot);
+        }
+    }
+
+    /// When a spilled entry shares more of `tokens` than the KV cache does (`shared`, from
+    /// `source`) by a prefix worth sharing, restore it as an entry (on a lease freed by
+    /// evicting another when none is free). True when one was restored. An entry that cannot
+    /// be restored (from another model or cache layout, corrupt) is dropped.
+    fn restore_spilled(
+        &self,
+        tokens: &[Token],
+        shared: usize,
+        source: Option<&Branch>,
+    ) -> Result<bool> {
+        let found = {
+            let st = self.lock();
+            let Some(spill) = st.spill.as_ref() else {
+                return Ok(false);
+            };
+            spill.best(&tokens[..tokens.len() - 1])
+        };
+        let Some((id, len)) = found else {
+            return Ok(false);
+        };
+        if len < shared + WORTH_SHARING {
+            return Ok(false);
+        }
+        if self.ctx.available() == 0 {
+            self.evict_one(source.map(Branch::handle))?;
+        }
+        let taken = match self.lock().spill.as_mut().map(|s| s.take(id)) {
+            Some(Ok(taken)) => taken,
+            _ => return Ok(true), // gone meanwhile, or unreadable: look again without it
+        };
+        // Refused (another model or cache layout, corrupt; or no room, rare with a lease
+        // free): the snapshot is dropped, the prompt prefilled.
+        let Ok(restored) = Branch::restore(&self.ctx, taken.snapshot).wait() else {
+            return Ok(true);
+        };
+        let Ok(history) = restored.history() else {
+            queue_eviction(&restored);
+            return Ok(true);
+        };
+        let over = {
+            let mut st = self.lock();
+            if let Some(spill) = st.spill.as_mut() {
+                spill.restored(taken.from_disk, history.len());
+            }
+            let handle = restored.handle();
+            st.trie.insert(handle, &history);
+            st.trie.set_evictable(handle, true);
+            st.trie.touch(handle);
+            st.holders.insert(
+                handle,
+                Holder {
+                    branch: restored,
+                    sentinel: None,
+                    tokens: history,
+                    live: false,
+                    shared: 0,
+                },
+            );
+            st.cached_tokens() > self.max_cached_tokens.unwrap_or(usize::MAX)
+        };
+        if over {
+            self.trim();
+        }
+        Ok(true)
     }
 
     /// Take the least recently used entry out of the cache (not `keep` while another can
@@ -519,7 +633,20 @@ impl PrefixCache {
         let limit = self.max_cached_tokens.unwrap_or(usize::MAX);
         while self.lock().cached_tokens() > limit {
             match self.take_victim(None, false) {
-                Some(holder) => queue_eviction(&holder.branch),
+                Some(holder) => {
+                    // Never waits: the snapshot is queued before the prune, and a thread
+                    // of its own keeps it once taken.
+                    let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
+                    queue_eviction(&holder.branch);
+                    if let Some(snapshot) = snapshot {
+                        let cache = self.clone();
+                        let tokens = holder.tokens;
+                        drop(Pending::spawn("kvfork-spill", move || {
+                            cache.keep_spilled(tokens, snapshot.wait());
+                            Ok(())
+                        }));
+                    }
+                }
                 None => break,
             }
         }
@@ -539,6 +666,18 @@ impl PrefixCache {
         Ok(())
     }
 
+    /// Evict every entry into the spill levels, then write those in host memory to disk, so
+    /// that a cache opened later on the same directory finds them (a server's shutdown). How
+    /// many entries are on disk then. Without spilling, the same as [`PrefixCache::clear`].
+    pub fn spill_all(&self) -> Result<usize> {
+        self.clear()?;
+        let mut st = self.lock();
+        Ok(st.spill.as_mut().map_or(0, |s| {
+            s.flush_to_disk();
+            s.stats().1.entries
+        }))
+    }
+
     /// Counts so far, and the entries now.
     pub fn stats(&self) -> PrefixCacheStats {
         let mut st = self.lock();
@@ -547,6 +686,9 @@ impl PrefixCache {
         stats.entries = st.holders.values().filter(|h| !h.live).count();
         stats.cached_tokens = st.cached_tokens();
         stats.live = st.holders.values().filter(|h| h.live).count();
+        if let Some(spill) = st.spill.as_ref() {
+            (stats.host, stats.disk) = spill.stats();
+        }
         stats
     }
 }

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -154,18 +155,40 @@ class Outcome:
         }
 
 
+@dataclass(frozen=True)
+class Spill:
+    """Where the prefix cache keeps entries evicted from the KV (`kvfork serve --cache-ram`,
+    `--cache-dir`, `--cache-disk`): bytes of host memory, a directory and its bytes."""
+
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+
+
 class Generator:
     """The generation side of a server: one context, its `PrefixCache` and its admission, and
     the generations under way. `finished` hears of every completed generation's Outcome (the
     server's counters)."""
 
     def __init__(
-        self, ctx: Context, *, max_queue: int, finished: Callable[[Outcome], None] = lambda o: None
+        self,
+        ctx: Context,
+        *,
+        max_queue: int,
+        finished: Callable[[Outcome], None] = lambda o: None,
+        spill: Spill | None = None,
     ) -> None:
         self.ctx = ctx
         # Leases: one per live choice; the cache keeps what is left as entries and evicts them
-        # when a live request needs the lease.
-        self.cache = PrefixCache(ctx)
+        # when a live request needs the lease (to host memory and disk with `spill`).
+        spill = spill or Spill()
+        self.cache = PrefixCache(
+            ctx,
+            host_bytes=spill.host_bytes,
+            disk_dir=spill.disk_dir,
+            disk_bytes=spill.disk_bytes,
+        )
+        self.spill = spill
         self.store = BranchStore(ctx)  # holds no lease: the free count
         self.admission = Admission(ctx.n_seq_max, max_queue)
         self.finished = finished
@@ -233,6 +256,13 @@ class Generator:
         (a stream with an error event), and gives its sequences back."""
         for generation in list(self.generations):
             generation.end(shutting_down())
+
+    def persist(self) -> int:
+        """At shutdown, with a cache directory: every prefix-cache entry written there, for
+        the next start (`PrefixCache.spill_all`); how many entries it holds. Blocking."""
+        if self.spill.disk_dir is None:
+            return 0
+        return self.cache.spill_all()
 
 
 def health_body(degraded: bool, free: int, queue: int) -> dict[str, Any]:

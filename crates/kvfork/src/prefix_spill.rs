@@ -1,0 +1,443 @@
+//! The prefix cache's lower levels: entries evicted from the KV cache kept as branch
+//! snapshots (`Branch::snapshot`: KV cells, tokens, sampler state, sealed with the model's
+//! identity and a checksum) in host memory, and from there on disk, least recently used
+//! first at each level. A prompt that matches a spilled entry gets it back by
+//! `Branch::restore` (a copy into the cache: ~170× faster than prefilling the same tokens
+//! on a CPU, BENCHMARKS §18) instead of prefilling it.
+//!
+//! On disk each entry is one file, `<id>.kvfe`: a header (magic, version, the tokens, so
+//! a restart rebuilds the index without reading the KV) and the snapshot. Files are written
+//! under a temporary name and renamed, so a crash leaves either a whole file or a `.tmp`
+//! that the next start removes; a file that does not parse is skipped (and removed), one
+//! from another model or cache layout is refused by the snapshot's own checks when it is
+//! restored (and removed then).
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvfork_core::prefix_trie::PrefixTrie;
+
+use crate::error::{Error, Result};
+use crate::model::Token;
+
+const MAGIC: &[u8; 4] = b"KVFE";
+const VERSION: u32 = 1;
+const EXTENSION: &str = "kvfe";
+
+/// Where spilled entries go and how much each level holds.
+#[derive(Debug, Clone, Default)]
+pub struct SpillConfig {
+    /// Bytes of snapshots kept in host memory (0: none).
+    pub host_bytes: usize,
+    /// A directory for snapshots host memory cannot hold (kept across restarts).
+    pub disk_dir: Option<PathBuf>,
+    /// Bytes of snapshots kept on disk.
+    pub disk_bytes: usize,
+}
+
+impl SpillConfig {
+    /// Whether evicted entries are kept anywhere.
+    pub fn spills(&self) -> bool {
+        self.host_bytes > 0 || (self.disk_dir.is_some() && self.disk_bytes > 0)
+    }
+}
+
+/// Counts of one level.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LevelStats {
+    /// Entries held now.
+    pub entries: usize,
+    /// Their bytes.
+    pub bytes: usize,
+    /// Entries brought back into the KV cache from this level.
+    pub hits: u64,
+    /// Prompt tokens those entries held (restored instead of prefilled).
+    pub restored_tokens: u64,
+}
+
+enum Place {
+    Host(Arc<Vec<u8>>),
+    Disk(PathBuf),
+}
+
+struct Entry {
+    tokens: Vec<Token>,
+    bytes: usize,
+    place: Place,
+}
+
+/// The spilled entries of one prefix cache.
+pub(crate) struct Spill {
+    config: SpillConfig,
+    trie: PrefixTrie<u64>,
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+    host: LevelStats,
+    disk: LevelStats,
+}
+
+/// A spilled entry taken out to be restored.
+pub(crate) struct Taken {
+    pub snapshot: Vec<u8>,
+    pub from_disk: bool,
+}
+
+impl Spill {
+    /// The levels of `config`; with a directory, the entries a previous run left there.
+    pub fn open(config: SpillConfig) -> Result<Self> {
+        let mut spill = Spill {
+            config,
+            trie: PrefixTrie::new(),
+            entries: HashMap::new(),
+            next_id: 0,
+            host: LevelStats::default(),
+            disk: LevelStats::default(),
+        };
+        if let Some(dir) = spill.config.disk_dir.clone() {
+            fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            spill.scan(&dir)?;
+        }
+        Ok(spill)
+    }
+
+    /// Index the files of `dir`, oldest first (so the newest are the last evicted).
+    fn scan(&mut self, dir: &Path) -> Result<()> {
+        let mut found = Vec::new();
+        for entry in fs::read_dir(dir).map_err(|e| Error::io(dir, e))?.flatten() {
+            let path = entry.path();
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if ext == "tmp" {
+                let _ = fs::remove_file(&path); // a write a crash cut short
+                continue;
+            }
+            if ext != EXTENSION {
+                continue;
+            }
+            let modified = entry.metadata().and_then(|m| m.modified()).ok();
+            match read_header(&path) {
+                Ok((tokens, bytes)) => found.push((modified, path, tokens, bytes)),
+                Err(_) => {
+                    let _ = fs::remove_file(&path);
+                }
+            }
+        }
+        found.sort_by_key(|f| f.0);
+        for (_, path, tokens, bytes) in found {
+            let Some(id) = id_of(&path) else {
+                let _ = fs::remove_file(&path);
+                continue;
+            };
+            self.next_id = self.next_id.max(id + 1);
+            self.insert(id, tokens, bytes, Place::Disk(path));
+        }
+        self.fit_disk();
+        Ok(())
+    }
+
+    fn new_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    fn insert(&mut self, id: u64, tokens: Vec<Token>, bytes: usize, place: Place) {
+        self.trie.insert(id, &tokens);
+        self.trie.set_evictable(id, true);
+        let level = match place {
+            Place::Host(_) => &mut self.host,
+            Place::Disk(_) => &mut self.disk,
+        };
+        level.entries += 1;
+        level.bytes += bytes;
+        self.entries.insert(
+            id,
+            Entry {
+                tokens,
+                bytes,
+                place,
+            },
+        );
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let entry = self.entries.remove(&id)?;
+        self.trie.remove(id);
+        let level = match entry.place {
+            Place::Host(_) => &mut self.host,
+            Place::Disk(_) => &mut self.disk,
+        };
+        level.entries -= 1;
+        level.bytes -= entry.bytes;
+        Some(entry)
+    }
+
+    /// Keep the snapshot of an entry evicted from the KV cache, holding `tokens`: in host
+    /// memory, moving the least recently used ones to disk (or dropping them) to stay in
+    /// budget.
+    pub fn keep(&mut self, tokens: Vec<Token>, snapshot: Vec<u8>) {
+        if tokens.is_empty() {
+            return;
+        }
+        // The same tokens spilled before are stale now.
+        if let Some(m) = self.trie.longest_prefix(&tokens) {
+            if m.exact && m.len == tokens.len() {
+                self.drop_entry(m.key);
+            }
+        }
+        let id = self.new_id();
+        let bytes = snapshot.len();
+        if bytes <= self.config.host_bytes {
+            self.insert(id, tokens, bytes, Place::Host(Arc::new(snapshot)));
+            self.fit_host();
+        } else {
+            self.write_to_disk(id, tokens, &snapshot);
+        }
+    }
+
+    /// Move host entries to disk, least recently used first, until host memory fits.
+    fn fit_host(&mut self) {
+        while self.host.bytes > self.config.host_bytes {
+            let Some(id) = self.lru_at(false) else { break };
+            let entry = self.remove(id).expect("listed");
+            if let Place::Host(snapshot) = entry.place {
+                self.write_to_disk(id, entry.tokens, &snapshot);
+            }
+        }
+    }
+
+    /// Drop disk entries, least recently used first, until the directory fits.
+    fn fit_disk(&mut self) {
+        while self.disk.bytes > self.config.disk_bytes {
+            let Some(id) = self.lru_at(true) else { break };
+            self.drop_entry(id);
+        }
+    }
+
+    /// The least recently used entry on disk (`true`) or in host memory.
+    fn lru_at(&self, disk: bool) -> Option<u64> {
+        self.trie.evict_order().into_iter().find(|id| {
+            self.entries
+                .get(id)
+                .is_some_and(|e| matches!(e.place, Place::Disk(_)) == disk)
+        })
+    }
+
+    fn write_to_disk(&mut self, id: u64, tokens: Vec<Token>, snapshot: &[u8]) {
+        let Some(dir) = self.config.disk_dir.clone() else {
+            return;
+        };
+        let bytes = header_len(&tokens) + snapshot.len();
+        if bytes > self.config.disk_bytes {
+            return;
+        }
+        let path = dir.join(format!("{id:016x}.{EXTENSION}"));
+        if write_file(&path, &tokens, snapshot).is_ok() {
+            self.insert(id, tokens, bytes, Place::Disk(path));
+            self.fit_disk();
+        }
+    }
+
+    fn drop_entry(&mut self, id: u64) {
+        if let Some(Entry {
+            place: Place::Disk(path),
+            ..
+        }) = self.remove(id)
+        {
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    /// Write every entry held in host memory to disk (as far as the disk budget goes): what
+    /// a restart finds. How many were written.
+    pub fn flush_to_disk(&mut self) -> usize {
+        let host: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e.place, Place::Host(_)))
+            .map(|(&id, _)| id)
+            .collect();
+        let before = self.disk.entries;
+        for id in host {
+            if let Some(Entry {
+                tokens,
+                place: Place::Host(snapshot),
+                ..
+            }) = self.remove(id)
+            {
+                self.write_to_disk(id, tokens, &snapshot);
+            }
+        }
+        self.disk.entries.saturating_sub(before)
+    }
+
+    /// The spilled entry sharing the longest prefix with `tokens`: its id and that length.
+    pub fn best(&self, tokens: &[Token]) -> Option<(u64, usize)> {
+        self.trie.longest_prefix(tokens).map(|m| (m.key, m.len))
+    }
+
+    /// Take entry `id` out to restore it (its file is read and removed).
+    pub fn take(&mut self, id: u64) -> Result<Taken> {
+        let entry = self
+            .remove(id)
+            .ok_or_else(|| Error::Internal(format!("spilled entry {id} is gone")))?;
+        match entry.place {
+            Place::Host(snapshot) => Ok(Taken {
+                snapshot: Arc::try_unwrap(snapshot).unwrap_or_else(|a| (*a).clone()),
+                from_disk: false,
+            }),
+            Place::Disk(path) => {
+                let read = fs::read(&path).map_err(|e| Error::io(&path, e));
+                let _ = fs::remove_file(&path);
+                let file = read?;
+                let at = header_len(&entry.tokens);
+                if file.len() < at {
+                    return Err(Error::State(format!("{} is truncated", path.display())));
+                }
+                Ok(Taken {
+                    snapshot: file[at..].to_vec(),
+                    from_disk: true,
+                })
+            }
+        }
+    }
+
+    /// An entry restored from a level: counted as a hit there.
+    pub fn restored(&mut self, from_disk: bool, tokens: usize) {
+        let level = if from_disk {
+            &mut self.disk
+        } else {
+            &mut self.host
+        };
+        level.hits += 1;
+        level.restored_tokens += tokens as u64;
+    }
+
+    /// (host memory, disk) counts.
+    pub fn stats(&self) -> (LevelStats, LevelStats) {
+        (self.host, self.disk)
+    }
+}
+
+fn header_len(tokens: &[Token]) -> usize {
+    4 + 4 + 4 + 4 * tokens.len()
+}
+
+fn write_file(path: &Path, tokens: &[Token], snapshot: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut out = Vec::with_capacity(header_len(tokens) + snapshot.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out.extend_from_slice(snapshot);
+    let mut file = fs::File::create(&tmp)?;
+    file.write_all(&out)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path)
+}
+
+/// The tokens of a file and its size; an error for one that is not an entry file.
+fn read_header(path: &Path) -> std::io::Result<(Vec<Token>, usize)> {
+    use std::io::Read;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kvfork cache entry");
+    let mut file = fs::File::open(path)?;
+    let size = file.metadata()?.len() as usize;
+    let mut head = [0u8; 12];
+    file.read_exact(&mut head)?;
+    let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
+    if &head[..4] != MAGIC || word(4) != VERSION {
+        return Err(bad());
+    }
+    let n = word(8) as usize;
+    if 12 + 4 * n > size {
+        return Err(bad());
+    }
+    let mut raw = vec![0u8; 4 * n];
+    file.read_exact(&mut raw)?;
+    let tokens = raw
+        .chunks_exact(4)
+        .map(|c| Token::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    Ok((tokens, size))
+}
+
+fn id_of(path: &Path) -> Option<u64> {
+    let stem = path.file_stem()?.to_str()?;
+    u64::from_str_radix(stem, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvfork-spill-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn config(host: usize, dir: &Path, disk: usize) -> SpillConfig {
+        SpillConfig {
+            host_bytes: host,
+            disk_dir: Some(dir.to_path_buf()),
+            disk_bytes: disk,
+        }
+    }
+
+    #[test]
+    fn host_overflows_to_disk_least_recently_used_first_and_comes_back() {
+        let d = dir("levels");
+        let mut s = Spill::open(config(250, &d, 10_000)).unwrap();
+        for i in 0..4 {
+            s.keep(vec![1, 2, i], vec![i as u8; 100]);
+        }
+        let (host, disk) = s.stats();
+        assert_eq!((host.entries, host.bytes), (2, 200));
+        assert_eq!(disk.entries, 2);
+        // The oldest went to disk: [1, 2, 0] is read back from its file, which goes.
+        let (id, len) = s.best(&[1, 2, 0, 9]).unwrap();
+        assert_eq!(len, 3);
+        let taken = s.take(id).unwrap();
+        assert!(taken.from_disk);
+        assert_eq!(taken.snapshot, vec![0u8; 100]);
+        assert_eq!(s.stats().1.entries, 1);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_reopened_directory_is_indexed_and_trimmed_to_its_budget() {
+        let d = dir("reopen");
+        {
+            let mut s = Spill::open(config(0, &d, 10_000)).unwrap();
+            for i in 0..3 {
+                s.keep(vec![5, i], vec![7; 50]);
+            }
+            assert_eq!(s.stats().1.entries, 3);
+        }
+        fs::write(d.join("0000000000000009.tmp"), b"cut short").unwrap();
+        fs::write(d.join("000000000000000a.kvfe"), b"KVFE garbage").unwrap();
+        // Room for two of the three: one is dropped, the junk removed.
+        let s = Spill::open(config(0, &d, 2 * (header_len(&[5, 0]) + 50))).unwrap();
+        assert_eq!(s.stats().1.entries, 2);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 2);
+        assert!(s.best(&[5, 1]).is_some() || s.best(&[5, 2]).is_some());
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_same_tokens_spilled_again_replace_the_older_entry() {
+        let d = dir("same");
+        let mut s = Spill::open(config(1000, &d, 0)).unwrap();
+        s.keep(vec![1, 2, 3], vec![1; 10]);
+        s.keep(vec![1, 2, 3], vec![2; 10]);
+        assert_eq!(s.stats().0.entries, 1);
+        let (id, _) = s.best(&[1, 2, 3]).unwrap();
+        assert_eq!(s.take(id).unwrap().snapshot, vec![2; 10]);
+        let _ = fs::remove_dir_all(&d);
+    }
+}

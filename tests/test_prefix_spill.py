@@ -1,0 +1,201 @@
+"""A prefix cache larger than the KV: entries evicted from the KV kept as snapshots in host
+memory and on disk, copied back when a prompt matches one (exactly: the tokens of a fresh
+prefill), found again by a cache opened later on the same directory; files a crash or
+another model left there are skipped. The library on the default model, then `kvfork serve`
+restarted on its `--cache-dir`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import kvfork
+import pytest
+
+from .conftest import GREEDY, greedy_with_margins
+from .serving import Server, servers
+
+DOC = "The history of the printing press begins with movable type in Mainz. "
+
+
+def docs(ctx: kvfork.Context, n: int) -> list[list[int]]:
+    """`n` long prompts (~450 tokens) that share only their first few tokens."""
+    return [
+        ctx.tokenize(f"Document {i} of the archive. " + DOC * 30 + f"Summary of document {i}:")
+        for i in range(n)
+    ]
+
+
+def alone(model: kvfork.Model, tokens: list[int], n: int = 8) -> tuple[list[int], list[float]]:
+    """Greedy tokens (and margins) of `tokens` prefilled in a context of its own."""
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=1) as ctx:
+        b = kvfork.Branch.create(ctx, 0, GREEDY)
+        b.prefill_sync(tokens)
+        return greedy_with_margins(b, n)
+
+
+def serve_each(cache: kvfork.PrefixCache, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
+    """Each prompt through the cache, `n` greedy tokens, handed back."""
+    out = []
+    for prompt in prompts:
+        b = cache.branch_sync(prompt, GREEDY)
+        out.append([t.token for t in b.generate_sync(n)])
+        cache.release(b)
+    return out
+
+
+def test_evicted_entries_spill_to_host_then_disk_and_come_back_exactly(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """Two sequences and five long prompts: three entries are evicted, two kept in host
+    memory (its budget), one on disk. Asking for the oldest again copies it back from disk
+    (all but the last token shared, none prefilled) and continues as a fresh prefill does;
+    every level stays within its budget."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        prompts = docs(ctx, 5)
+        cache = kvfork.PrefixCache(
+            ctx, host_bytes=20_000_000, disk_dir=tmp_path, disk_bytes=100_000_000
+        )
+        first = serve_each(cache, prompts)
+        s = cache.stats()
+        assert s["evictions"] == 3 and s["entries"] == 2
+        assert s["host"]["entries"] == 2 and s["host"]["bytes"] <= 20_000_000
+        assert s["disk"]["entries"] == 1 and len(list(tmp_path.glob("*.kvfe"))) == 1
+        b = cache.branch_sync(prompts[0], GREEDY)
+        assert cache.shared_tokens(b) == len(prompts[0]) - 1
+        again = [t.token for t in b.generate_sync(8)]
+        assert again == first[0]
+        s = cache.stats()
+        assert s["disk"]["hits"] == 1 and s["disk"]["restored_tokens"] >= len(prompts[0]) - 1
+        assert s["disk"]["bytes"] <= 100_000_000 and s["host"]["bytes"] <= 20_000_000
+        cache.release(b)
+    expected, margins = alone(model, prompts[0])
+    for i, (got, want) in enumerate(zip(again, expected, strict=True)):
+        if margins[i] < 1.0:
+            break
+        assert got == want
+
+
+def test_without_room_on_any_level_an_evicted_entry_is_dropped(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """A host budget smaller than one snapshot and a disk budget of zero keep nothing: the
+    evicted entry is prefilled again when asked for."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=1) as ctx:
+        prompts = docs(ctx, 2)
+        cache = kvfork.PrefixCache(ctx, host_bytes=1000, disk_dir=tmp_path, disk_bytes=0)
+        serve_each(cache, prompts)
+        s = cache.stats()
+        assert s["evictions"] == 1 and s["host"]["entries"] == s["disk"]["entries"] == 0
+        b = cache.branch_sync(prompts[0], GREEDY)
+        assert cache.shared_tokens(b) == 0
+        cache.release(b)
+
+
+def test_a_cache_opened_later_finds_the_entries_and_skips_what_a_crash_left(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """`spill_all` writes every entry to disk; a cache opened later on the directory serves
+    each prompt from it exactly. A half-written file (`.tmp`), a truncated entry, a file
+    that is not one are skipped or refused, never loaded: their prompts are prefilled."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        prompts = docs(ctx, 3)
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+        first = serve_each(cache, prompts)
+        assert cache.spill_all() == 3
+        assert cache.stats()["entries"] == 0
+    files = sorted(tmp_path.glob("*.kvfe"))
+    assert len(files) == 3
+    # What a crash could leave: a write cut short, a truncated entry, garbage.
+    (tmp_path / "00000000000000ff.tmp").write_bytes(files[0].read_bytes()[:1000])
+    truncated = files[2].read_bytes()
+    files[2].write_bytes(truncated[: len(truncated) // 2])
+    (tmp_path / "0000000000000100.kvfe").write_bytes(b"not an entry")
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+        assert not (tmp_path / "00000000000000ff.tmp").exists()
+        assert not (tmp_path / "0000000000000100.kvfe").exists()
+        again = []
+        for prompt in prompts:
+            b = cache.branch_sync(prompt, GREEDY)
+            again.append((cache.shared_tokens(b) or 0, [t.token for t in b.generate_sync(8)]))
+            cache.release(b)
+        assert [tokens for _, tokens in again] == first
+        # The two whole files are restored; the truncated one is refused and prefilled.
+        assert [shared > 0 for shared, _ in again] == [True, True, False]
+        assert cache.stats()["disk"]["hits"] == 2
+
+
+def test_entries_of_another_model_are_refused_and_dropped(
+    chat_model: kvfork.Model, family_models: Callable[[str], kvfork.Model], tmp_path: Path
+) -> None:
+    """Entries written by one model and found by a cache of another with the same
+    tokenizer (the tiny MoE copies SmolLM2's): the prompt matches, the snapshot's model
+    identity does not, so it is refused, dropped, and the prompt prefilled."""
+    with kvfork.create_context_sync(chat_model, n_ctx=2048, n_seq_max=1) as ctx:
+        prompt = docs(ctx, 1)[0]
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=100_000_000)
+        serve_each(cache, [prompt])
+        assert cache.spill_all() == 1
+    with kvfork.create_context_sync(family_models("qwen3moe"), n_ctx=1024, n_seq_max=1) as ctx:
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=100_000_000)
+        assert cache.stats()["disk"]["entries"] == 1
+        b = cache.branch_sync(prompt, GREEDY)
+        assert cache.shared_tokens(b) == 0
+        s = cache.stats()
+        assert s["disk"]["hits"] == 0 and s["disk"]["entries"] == 0
+        assert not list(tmp_path.glob("*.kvfe"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-cache")
+
+
+def start(cache_dir: Path) -> Iterator[Server]:
+    for begin in servers():
+        yield begin(
+            "default",
+            "--n-ctx",
+            "4096",
+            "--n-seq-max",
+            "2",
+            "--cache-ram",
+            "64",
+            "--cache-dir",
+            str(cache_dir),
+        )
+
+
+def test_a_restarted_server_serves_a_repeated_long_prompt_from_its_cache_dir(
+    cache_dir: Path,
+) -> None:
+    """`kvfork serve --cache-dir`: a long prompt served, the server stopped (SIGTERM writes
+    its entries to the directory), a new server on the same directory serves the same
+    prompt with all but its last token cached, and the same text."""
+    prompt = "Document 7 of the archive. " + DOC * 30 + "Summary of document 7:"
+
+    def ask(server: Server) -> tuple[str, int]:
+        reply = server.client().completions.create(
+            model="x", prompt=prompt, max_tokens=8, temperature=0
+        )
+        usage = reply.usage
+        assert usage is not None
+        details = usage.prompt_tokens_details
+        return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+    first_server = start(cache_dir)
+    server = next(first_server)
+    text, cached = ask(server)
+    assert cached == 0
+    log = server.stop()
+    assert "1 cache entries in" in log, log[-2000:]
+    second_server = start(cache_dir)
+    server = next(second_server)
+    again, cached = ask(server)
+    assert again == text
+    assert cached > 400
+    server.assert_at_rest()
+    for gen in (first_server, second_server):
+        with pytest.raises(StopIteration):
+            next(gen)
