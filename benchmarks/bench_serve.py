@@ -19,6 +19,11 @@ to the warm server (the "warm" column). Wall time of all requests, median time t
         [--example-server .peer-server/src/examples/server/server.py]  # from the same sdist
         [--adaptive]            # kvfork with its default adaptive thread count, not 2
         [--only shared|disjoint|steady] [--rate 2] [--requests 64]
+        [--only conversations] [--conversations 32] [--turns 2]
+- conversations (`--only conversations`): many ~1,500-token conversations taking turns in a
+  random order against 8 sequences and a KV for ~12 of them: kvfork with `--cache-ram` (its
+  evicted prefix-cache entries kept in host memory), kvfork without, llama-server with its
+  own `--cache-ram`; wall time, median TTFT, prompt tokens prefilled.
 """
 
 from __future__ import annotations
@@ -187,6 +192,149 @@ async def burst(url: str, prompts: list[str]) -> tuple[float, float]:
     return wall, statistics.median(ttfts)
 
 
+CONVERSATION_TOKENS = 24
+
+
+@dataclass
+class TurnResult:
+    ttft: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+async def conversations(
+    url: str, n: int, turns: int, workers: int, seed: int = 7
+) -> dict[str, float]:
+    """`n` conversations, each over its own ~1,500-token document, taking `turns` turns in a
+    random order (a conversation's next turn once its last is answered), `workers` at a time.
+    Each turn's prompt is the last one, its answer and a new question: a server that kept the
+    conversation prefills only the new part. Wall time, median TTFT, prompt tokens
+    prefilled (prompt minus cached, as the servers report them)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
+    rng = random.Random(seed)
+    history = [preamble(1050, 100 + c) for c in range(n)]
+    done_turns = [0] * n
+    order = [c for c in range(n) for _ in range(turns)]
+    rng.shuffle(order)
+    pending: list[int] = order
+    results: list[TurnResult] = []
+    busy: set[int] = set()
+    lock = asyncio.Lock()
+
+    async def take() -> int | None:
+        async with lock:
+            for i, c in enumerate(pending):
+                if c not in busy:
+                    busy.add(c)
+                    return pending.pop(i)
+            return None
+
+    async def worker() -> None:
+        while True:
+            c = await take()
+            if c is None:
+                if not pending:
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            k = done_turns[c]
+            prompt = f"{history[c]}\nQuestion {k}: what does note {c}.{k} say? Answer:"
+            t0 = time.perf_counter()
+            ttft, text, usage = float("nan"), [], None
+            stream = await client.completions.create(
+                model="m",
+                prompt=prompt,
+                max_tokens=CONVERSATION_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    if ttft != ttft:
+                        ttft = time.perf_counter() - t0
+                    text.append(chunk.choices[0].text)
+                usage = chunk.usage or usage
+            prompt_tokens = usage.prompt_tokens if usage else 0
+            details = usage.prompt_tokens_details if usage else None
+            cached = (details.cached_tokens or 0) if details else 0
+            results.append(TurnResult(ttft, prompt_tokens, cached))
+            history[c] = prompt + "".join(text)
+            done_turns[c] += 1
+            async with lock:
+                busy.discard(c)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {
+        "wall": wall,
+        "ttft": statistics.median(r.ttft for r in results),
+        "prefilled": sum(r.prompt_tokens - r.cached_tokens for r in results),
+        "prompt": sum(r.prompt_tokens for r in results),
+    }
+
+
+def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSpec]:
+    """8 sequences and a KV for about 12 of the ~1,600-token conversations: kvfork with
+    `--cache-ram` (every conversation fits in host memory), kvfork without, and llama-server
+    with its own `--cache-ram`."""
+    n_ctx, seqs, ram = 12 * 1600, 8, "4096"
+
+    def kvfork_cmd(extra: list[str]) -> Callable[[int], list[str]]:
+        return lambda p: [
+            sys.executable,
+            "-m",
+            "kvfork",
+            "serve",
+            str(model),
+            "--port",
+            str(p),
+            "--n-ctx",
+            str(n_ctx),
+            "--n-seq-max",
+            str(seqs),
+            *([] if args.adaptive else ["--threads", "2"]),
+            *extra,
+        ]
+
+    specs = [
+        ServerSpec("kvfork+ram", kvfork_cmd(["--cache-ram", ram])),
+        ServerSpec("kvfork", kvfork_cmd([])),
+    ]
+    server = Path(args.llama_server)
+    if server.exists():
+        specs.append(
+            ServerSpec(
+                "llama-server",
+                lambda p: [
+                    str(server),
+                    "-m",
+                    str(model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(p),
+                    "--parallel",
+                    str(seqs),
+                    "-c",
+                    str(n_ctx),
+                    "-t",
+                    "2",
+                    "-tb",
+                    "2",
+                    "--cache-ram",
+                    ram,
+                    "--no-webui",
+                    "-lv",
+                    "0",
+                ],
+            )
+        )
+    return specs
+
+
 def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerSpec]:
     n_ctx = clients * 1400
     specs = [
@@ -275,12 +423,19 @@ def main() -> None:
     ap.add_argument(
         "--example-server", default=str(ROOT / ".peer-server/src/examples/server/server.py")
     )
-    ap.add_argument("--only", choices=["shared", "disjoint", "steady"], default=None)
+    ap.add_argument(
+        "--only", choices=["shared", "disjoint", "steady", "conversations"], default=None
+    )
+    ap.add_argument("--conversations", type=int, default=32, help="conversations: how many")
+    ap.add_argument("--turns", type=int, default=2, help="conversations: turns of each")
     ap.add_argument("--rate", type=float, default=2.0, help="steady: arrivals per second")
     ap.add_argument("--requests", type=int, default=64, help="steady: how many")
     ap.add_argument("--adaptive", action="store_true", help="kvfork with its adaptive thread count")
     args = ap.parse_args()
     model = kvfork.default_model_path()
+    if args.only == "conversations":
+        run_conversations(args, model)
+        return
     loads = workloads(args.clients)
     if args.only in ("shared", "disjoint"):
         loads = {args.only: loads[args.only]}
@@ -350,6 +505,40 @@ def main() -> None:
                 f"| {name} | {m['ttft_p50']:.2f} | {m['ttft_p95']:.2f} | {m['tbt_p50'] * 1e3:.0f} "
                 f"| {m['tbt_p95'] * 1e3:.0f} | {m['tokens_per_s']:.1f} |"
             )
+
+
+def run_conversations(args: argparse.Namespace, model: Path) -> None:
+    """The conversations workload alone, servers interleaved round by round."""
+    rows: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for spec in conversation_servers(args, model):
+            proc, url, log = start(spec)
+            try:
+                row = asyncio.run(conversations(url, args.conversations, args.turns, 8))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+                log.close()
+            rows.setdefault(spec.name, []).append(row)
+            print(
+                f"  conversations {spec.name:13} wall {row['wall']:7.1f} s  TTFT "
+                f"{row['ttft']:6.2f} s  prefilled {row['prefilled']:7.0f} of "
+                f"{row['prompt']:7.0f} prompt tokens",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"\nconversations: {args.conversations} of ~1,500 tokens, {args.turns} turns each in "
+        f"random order, 8 at a time, {CONVERSATION_TOKENS} tokens a turn; 8 sequences, a KV "
+        f"for ~12; median of {args.rounds} runs\n"
+    )
+    print("| server | wall (s) | median TTFT (s) | prompt tokens prefilled |")
+    print("|---|---|---|---|")
+    for name, runs in rows.items():
+        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(
+            f"| {name} | {m['wall']:.1f} | {m['ttft']:.2f} | {m['prefilled']:.0f} of {m['prompt']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -76,6 +76,26 @@ def test_evicted_entries_spill_to_host_then_disk_and_come_back_exactly(
         assert got == want
 
 
+def test_with_one_sequence_a_spilled_entry_comes_back_into_the_new_branch(
+    model: kvfork.Model,
+) -> None:
+    """A context of one sequence (every lease taken by the request being made, as on a busy
+    server): the spilled entry is copied into the new branch's own sequence, no second lease
+    needed, and a prompt that extends it prefills only the extension."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=1) as ctx:
+        prompts = docs(ctx, 2)
+        cache = kvfork.PrefixCache(ctx, host_bytes=50_000_000)
+        first = serve_each(cache, prompts)
+        longer = prompts[0] + ctx.tokenize(" More of it, please.", add_special=False)
+        b = cache.branch_sync(longer, GREEDY)
+        # The entry held the prompt and its 8 tokens; the new prompt shares only the prompt.
+        assert cache.shared_tokens(b) == len(prompts[0])
+        assert cache.stats()["host"]["hits"] == 1
+        cache.release(b)
+        again = serve_each(cache, [prompts[1]])
+        assert again[0] == first[1]
+
+
 def test_without_room_on_any_level_an_evicted_entry_is_dropped(
     model: kvfork.Model, tmp_path: Path
 ) -> None:

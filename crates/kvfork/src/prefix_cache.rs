@@ -24,7 +24,7 @@ use crate::context::Context;
 use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
-use crate::prefix_spill::{LevelStats, Spill, SpillConfig};
+use crate::prefix_spill::{LevelStats, Spill, SpillConfig, Taken};
 use crate::sampling::SamplingParams;
 
 /// What the cache has done so far.
@@ -208,9 +208,6 @@ impl PrefixCache {
         let sentinel = self.lock().sentinel(adapters.key());
         loop {
             let (source, shared) = self.lookup(sentinel, tokens)?;
-            if sentinel.is_none() && self.restore_spilled(tokens, shared, source.as_ref())? {
-                continue; // back in the cache as an entry: look again
-            }
             if self.ctx.available() == 0 {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
                 continue;
@@ -222,7 +219,12 @@ impl PrefixCache {
                     continue;
                 }
             };
-            let made = self.make(source.as_ref(), shared, tokens, params, adapters);
+            // A spilled entry sharing more: copied into the new branch's own sequence.
+            let spilled = match sentinel {
+                None => self.take_spilled(tokens, shared),
+                Some(_) => None,
+            };
+            let made = self.make(source.as_ref(), shared, spilled, tokens, params, adapters);
             // Out of cells, or another request took the lease seen free above (requests
             // woken together by one prefill race for it): evict an entry and look again.
             let retry = match &made {
@@ -404,6 +406,7 @@ impl PrefixCache {
         &self,
         source: Option<&Branch>,
         shared: usize,
+        spilled: Option<(Taken, usize)>,
         tokens: &[Token],
         params: &SamplingParams,
         adapters: &Adapters,
@@ -414,7 +417,12 @@ impl PrefixCache {
             return Err(e);
         }
         let asked = shared;
+        let restored = match spilled {
+            Some((taken, len)) => self.restore_into(&branch, taken, len),
+            None => 0,
+        };
         let shared = match source {
+            _ if restored > 0 => restored,
             Some(source) if shared > 0 => {
                 // Fewer than asked on a recurrent state (from its last checkpoint), none when
                 // the source was pruned or rewritten meanwhile: the rest is prefilled.
@@ -432,7 +440,7 @@ impl PrefixCache {
         // at its end): the prefix's rest is prefilled apart, so that a checkpoint marks where
         // this prompt and the source part (a shared preamble's end), here and in the source.
         let split = match source {
-            Some(source) if shared < asked && self.ctx.model().is_recurrent() => {
+            Some(source) if restored == 0 && shared < asked && self.ctx.model().is_recurrent() => {
                 Some((source, asked))
             }
             _ => None,
@@ -494,77 +502,36 @@ impl PrefixCache {
         holder.sentinel.is_none() && !holder.live && self.lock().spill.is_some()
     }
 
+    /// The spilled entry to restore for `tokens`, taken out of its level: one sharing a
+    /// prefix worth sharing beyond the `shared` tokens the KV cache holds, and how many of
+    /// its tokens the prompt shares (all but the prompt's last at most).
+    fn take_spilled(&self, tokens: &[Token], shared: usize) -> Option<(Taken, usize)> {
+        let mut st = self.lock();
+        let spill = st.spill.as_mut()?;
+        let (id, len) = spill.best(&tokens[..tokens.len() - 1])?;
+        if len < shared + WORTH_SHARING {
+            return None;
+        }
+        spill.take(id).ok().map(|taken| (taken, len))
+    }
+
+    /// Copy a spilled entry's first `len` tokens into `branch`'s empty sequence; how many it
+    /// holds then (0: refused, another model or cache layout, or corrupt: it is dropped).
+    fn restore_into(&self, branch: &Branch, taken: Taken, len: usize) -> usize {
+        let Ok(n) = branch.restore_prefix(taken.snapshot, len).wait() else {
+            return 0;
+        };
+        if let Some(spill) = self.lock().spill.as_mut() {
+            spill.restored(taken.from_disk, n);
+        }
+        n
+    }
+
     /// Keep an evicted entry's snapshot (nothing when taking it failed: it is only lost).
     fn keep_spilled(&self, tokens: Vec<Token>, snapshot: Result<Vec<u8>>) {
         if let (Ok(snapshot), Some(spill)) = (snapshot, self.lock().spill.as_mut()) {
             spill.keep(tokens, snapshot);
         }
-    }
-
-    /// When a spilled entry shares more of `tokens` than the KV cache does (`shared`, from
-    /// `source`) by a prefix worth sharing, restore it as an entry (on a lease freed by
-    /// evicting another when none is free). True when one was restored. An entry that cannot
-    /// be restored (from another model or cache layout, corrupt) is dropped.
-    fn restore_spilled(
-        &self,
-        tokens: &[Token],
-        shared: usize,
-        source: Option<&Branch>,
-    ) -> Result<bool> {
-        let found = {
-            let st = self.lock();
-            let Some(spill) = st.spill.as_ref() else {
-                return Ok(false);
-            };
-            spill.best(&tokens[..tokens.len() - 1])
-        };
-        let Some((id, len)) = found else {
-            return Ok(false);
-        };
-        if len < shared + WORTH_SHARING {
-            return Ok(false);
-        }
-        if self.ctx.available() == 0 {
-            self.evict_one(source.map(Branch::handle))?;
-        }
-        let taken = match self.lock().spill.as_mut().map(|s| s.take(id)) {
-            Some(Ok(taken)) => taken,
-            _ => return Ok(true), // gone meanwhile, or unreadable: look again without it
-        };
-        // Refused (another model or cache layout, corrupt; or no room, rare with a lease
-        // free): the snapshot is dropped, the prompt prefilled.
-        let Ok(restored) = Branch::restore(&self.ctx, taken.snapshot).wait() else {
-            return Ok(true);
-        };
-        let Ok(history) = restored.history() else {
-            queue_eviction(&restored);
-            return Ok(true);
-        };
-        let over = {
-            let mut st = self.lock();
-            if let Some(spill) = st.spill.as_mut() {
-                spill.restored(taken.from_disk, history.len());
-            }
-            let handle = restored.handle();
-            st.trie.insert(handle, &history);
-            st.trie.set_evictable(handle, true);
-            st.trie.touch(handle);
-            st.holders.insert(
-                handle,
-                Holder {
-                    branch: restored,
-                    sentinel: None,
-                    tokens: history,
-                    live: false,
-                    shared: 0,
-                },
-            );
-            st.cached_tokens() > self.max_cached_tokens.unwrap_or(usize::MAX)
-        };
-        if over {
-            self.trim();
-        }
-        Ok(true)
     }
 
     /// Take the least recently used entry out of the cache (not `keep` while another can
@@ -734,6 +701,20 @@ fn wait_done(done: &(Mutex<bool>, Condvar)) {
 }
 
 impl Branch {
+    /// Fill this branch's empty sequence with the first `len` tokens of a branch snapshot
+    /// (`Branch::snapshot`: its KV cells and tokens, checked against this model); how many
+    /// it holds then: `len`, or 0 when the snapshot holds fewer, this branch is not empty,
+    /// or the model keeps a recurrent state and `len` is not the snapshot's end (its state
+    /// is only known there). An error for a snapshot of another model or cache layout.
+    pub fn restore_prefix(&self, snapshot: Vec<u8>, len: usize) -> Pending<usize> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell().clone();
+        self.context()
+            .run(move |w| w.restore_prefix(&cell, &snapshot, len))
+    }
+
     /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence
     /// (created at position 0, nothing decoded yet): a fork at a position inside `source`,
     /// which may be generating meanwhile. How many tokens of `prefix` it took: all of them,

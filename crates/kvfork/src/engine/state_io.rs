@@ -126,6 +126,41 @@ impl Worker {
         Ok((handle, cell))
     }
 
+    /// `Branch::restore_prefix`: the first `len` tokens of a branch snapshot's KV into
+    /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk).
+    pub(crate) fn restore_prefix(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        file: &[u8],
+        len: usize,
+    ) -> Result<usize> {
+        let model = self.shared().model.clone();
+        let payload =
+            state_file::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
+        let mut r = Reader::new(payload);
+        let state = BranchState::read(&mut r, &model)?;
+        let kv = r.bytes().map_err(state_error)?;
+        r.finish().map_err(state_error)?;
+        let history = state.history();
+        let whole = history.len() == state.position() as usize;
+        if !whole || len == 0 || len > history.len() || cell.lock().position() != 0 {
+            return Ok(0);
+        }
+        if len < history.len() && model.is_recurrent() {
+            return Ok(0); // a recurrent state is known at the snapshot's end only
+        }
+        self.give_leases(&[cell])?;
+        let seq = cell.seq();
+        self.empty_seq(seq)?;
+        self.ctx_mut().set_kv_state(Some(seq), kv)?;
+        if len < history.len() && !self.ctx_mut().seq_rm(seq, len as i32, -1)? {
+            self.empty_seq(seq)?;
+            return Ok(0);
+        }
+        cell.lock().decoded(&history[..len]);
+        Ok(len)
+    }
+
     /// Whole-context files record each branch's sequence: a `park` context's branches have
     /// none while parked.
     fn refuse_parking(&self, call: &str) -> Result<()> {
