@@ -515,6 +515,10 @@ def run_conversations(args: argparse.Namespace, model: Path) -> None:
             proc, url, log = start(spec)
             try:
                 row = asyncio.run(conversations(url, args.conversations, args.turns, 8))
+            except openai.APIError as exc:
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                print(f"  conversations {spec.name}: failed ({exc})\n{tail}", file=sys.stderr)
+                continue
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

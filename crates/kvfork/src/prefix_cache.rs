@@ -101,6 +101,9 @@ struct State {
     stats: PrefixCacheStats,
     /// Entries evicted from the KV cache, kept as snapshots (None: evictions drop them).
     spill: Option<Spill>,
+    /// Evicted entries whose snapshot is being taken (in neither trie meanwhile): a request
+    /// that would share theirs waits for them.
+    spilling: Vec<Prefilling>,
 }
 
 /// Hands out branches that share the longest prefix already in the KV cache.
@@ -129,6 +132,7 @@ impl PrefixCache {
                 adapter_sets: Vec::new(),
                 stats: PrefixCacheStats::default(),
                 spill: None,
+                spilling: Vec::new(),
             })),
         }
     }
@@ -144,7 +148,9 @@ impl PrefixCache {
     ) -> Result<Self> {
         let cache = PrefixCache::new(ctx, max_cached_tokens);
         if spill.spills() {
-            cache.lock().spill = Some(Spill::open(spill)?);
+            let p = &ctx.shared().params;
+            let layout = (p.type_k.ggml() as u64) << 32 | p.type_v.ggml() as u64;
+            cache.lock().spill = Some(Spill::open(spill, layout)?);
         }
         Ok(cache)
     }
@@ -206,6 +212,8 @@ impl PrefixCache {
         adapters: &Adapters,
     ) -> Result<Branch> {
         let sentinel = self.lock().sentinel(adapters.key());
+        // A spilled entry being brought back: kept across a retry for room.
+        let mut restoring: Option<(Taken, usize)> = None;
         loop {
             let (source, shared) = self.lookup(sentinel, tokens)?;
             if self.ctx.available() == 0 {
@@ -220,15 +228,25 @@ impl PrefixCache {
                 }
             };
             // A spilled entry sharing more: copied into the new branch's own sequence.
-            let spilled = match sentinel {
-                None => self.take_spilled(tokens, shared),
-                Some(_) => None,
-            };
-            let made = self.make(source.as_ref(), shared, spilled, tokens, params, adapters);
+            if restoring.is_none() && sentinel.is_none() {
+                self.wait_for_spilling(tokens);
+                restoring = self.take_spilled(tokens, shared);
+            }
+            let made = self.make(
+                source.as_ref(),
+                shared,
+                restoring.as_ref(),
+                tokens,
+                params,
+                adapters,
+            );
             // Out of cells, or another request took the lease seen free above (requests
-            // woken together by one prefill race for it): evict an entry and look again.
+            // woken together by one prefill race for it): evict an entry and look again. A
+            // restore with no entry left to evict gives up (the prompt is prefilled).
             let retry = match &made {
-                Err(Error::KvCacheFull(_)) => self.evict_one(None).is_ok(),
+                Err(Error::KvCacheFull(_)) => {
+                    self.evict_one(None).is_ok() || restoring.take().is_some()
+                }
                 Err(Error::LeaseExhausted { .. }) => {
                     self.evict_one(source.as_ref().map(Branch::handle)).is_ok()
                 }
@@ -236,6 +254,9 @@ impl PrefixCache {
             };
             if let Ok((branch, shared)) = &made {
                 self.hold(branch, sentinel, tokens, *shared);
+            }
+            if !retry {
+                restoring = None;
             }
             // Who waits for this prefill looks again, and finds the new holder.
             self.finished(&done);
@@ -406,7 +427,7 @@ impl PrefixCache {
         &self,
         source: Option<&Branch>,
         shared: usize,
-        spilled: Option<(Taken, usize)>,
+        spilled: Option<&(Taken, usize)>,
         tokens: &[Token],
         params: &SamplingParams,
         adapters: &Adapters,
@@ -418,7 +439,13 @@ impl PrefixCache {
         }
         let asked = shared;
         let restored = match spilled {
-            Some((taken, len)) => self.restore_into(&branch, taken, len),
+            Some((taken, len)) => match self.restore_into(&branch, taken, *len) {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = branch.prune().wait();
+                    return Err(e); // no room for its cells: the caller makes some
+                }
+            },
             None => 0,
         };
         let shared = match source {
@@ -427,6 +454,9 @@ impl PrefixCache {
                 // Fewer than asked on a recurrent state (from its last checkpoint), none when
                 // the source was pruned or rewritten meanwhile: the rest is prefilled.
                 match branch.share_prefix(source, &tokens[..shared]).wait() {
+                    // Evicted meanwhile (by another request making room): it may have been
+                    // spilled, and come back from there.
+                    Ok(0) if adapters.key().is_empty() => self.restore_evicted(&branch, tokens),
                     Ok(n) => n,
                     Err(e) => {
                         let _ = branch.prune().wait();
@@ -486,7 +516,9 @@ impl PrefixCache {
                 let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
                 let pruned = holder.branch.prune_keep_children();
                 if let Some(snapshot) = snapshot {
+                    let done = self.announce_spilling(&holder.tokens);
                     self.keep_spilled(holder.tokens, snapshot.wait());
+                    self.spilled(&done);
                 }
                 pruned.wait()
             }
@@ -516,15 +548,59 @@ impl PrefixCache {
     }
 
     /// Copy a spilled entry's first `len` tokens into `branch`'s empty sequence; how many it
-    /// holds then (0: refused, another model or cache layout, or corrupt: it is dropped).
-    fn restore_into(&self, branch: &Branch, taken: Taken, len: usize) -> usize {
-        let Ok(n) = branch.restore_prefix(taken.snapshot, len).wait() else {
-            return 0;
+    /// holds then (0: refused, another model or corrupt: it is dropped). KvCacheFullError
+    /// when its cells find no room (the caller evicts and tries again).
+    fn restore_into(&self, branch: &Branch, taken: &Taken, len: usize) -> Result<usize> {
+        let n = match branch.restore_prefix(taken.snapshot.clone(), len).wait() {
+            Ok(n) => n,
+            Err(e @ Error::KvCacheFull(_)) => return Err(e),
+            Err(_) => 0,
         };
         if let Some(spill) = self.lock().spill.as_mut() {
-            spill.restored(taken.from_disk, n);
+            if n > 0 {
+                spill.restored(taken.from_disk, n);
+            }
         }
-        n
+        Ok(n)
+    }
+
+    /// An entry's snapshot is being taken: requests sharing its tokens wait for it.
+    fn announce_spilling(&self, tokens: &[Token]) -> Done {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        self.lock().spilling.push(Prefilling {
+            tokens: tokens.to_vec(),
+            done: done.clone(),
+        });
+        done
+    }
+
+    fn spilled(&self, done: &Done) {
+        self.lock().spilling.retain(|p| !Arc::ptr_eq(&p.done, done));
+        *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        done.1.notify_all();
+    }
+
+    /// Wait for the snapshots being taken of evicted entries that share a prefix worth
+    /// sharing with `tokens` (they are in the spill levels then).
+    fn wait_for_spilling(&self, tokens: &[Token]) {
+        let waits: Vec<Done> = self
+            .lock()
+            .spilling
+            .iter()
+            .filter(|p| common_prefix(&p.tokens, tokens) >= WORTH_SHARING)
+            .map(|p| p.done.clone())
+            .collect();
+        waits.iter().for_each(|done| wait_done(done));
+    }
+
+    /// [`PrefixCache::restore_into`] of the spilled entry sharing the most with `tokens`, if
+    /// one is worth it; 0 when none is, or it could not be restored here.
+    fn restore_evicted(&self, branch: &Branch, tokens: &[Token]) -> usize {
+        self.wait_for_spilling(tokens);
+        match self.take_spilled(tokens, 0) {
+            Some((taken, len)) => self.restore_into(branch, &taken, len).unwrap_or(0),
+            None => 0,
+        }
     }
 
     /// Keep an evicted entry's snapshot (nothing when taking it failed: it is only lost).
@@ -706,7 +782,7 @@ impl Branch {
     /// it holds then: `len`, or 0 when the snapshot holds fewer, this branch is not empty,
     /// or the model keeps a recurrent state and `len` is not the snapshot's end (its state
     /// is only known there). An error for a snapshot of another model or cache layout.
-    pub fn restore_prefix(&self, snapshot: Vec<u8>, len: usize) -> Pending<usize> {
+    pub fn restore_prefix(&self, snapshot: Arc<Vec<u8>>, len: usize) -> Pending<usize> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }

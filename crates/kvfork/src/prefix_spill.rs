@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 
 const MAGIC: &[u8; 4] = b"KVFE";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const EXTENSION: &str = "kvfe";
 
 /// Where spilled entries go and how much each level holds.
@@ -72,6 +72,9 @@ struct Entry {
 /// The spilled entries of one prefix cache.
 pub(crate) struct Spill {
     config: SpillConfig,
+    /// The context's cache layout (element types): a file written under another is not
+    /// this cache's (its cells would not load).
+    layout: u64,
     trie: PrefixTrie<u64>,
     entries: HashMap<u64, Entry>,
     next_id: u64,
@@ -81,15 +84,19 @@ pub(crate) struct Spill {
 
 /// A spilled entry taken out to be restored.
 pub(crate) struct Taken {
-    pub snapshot: Vec<u8>,
+    /// A `Branch::snapshot`.
+    pub snapshot: Arc<Vec<u8>>,
+    /// Whether it was on disk (else in host memory).
     pub from_disk: bool,
 }
 
 impl Spill {
-    /// The levels of `config`; with a directory, the entries a previous run left there.
-    pub fn open(config: SpillConfig) -> Result<Self> {
+    /// The levels of `config` for a context of cache `layout`; with a directory, the entries
+    /// a previous run left there (those of another layout are left alone).
+    pub fn open(config: SpillConfig, layout: u64) -> Result<Self> {
         let mut spill = Spill {
             config,
+            layout,
             trie: PrefixTrie::new(),
             entries: HashMap::new(),
             next_id: 0,
@@ -118,7 +125,10 @@ impl Spill {
             }
             let modified = entry.metadata().and_then(|m| m.modified()).ok();
             match read_header(&path) {
-                Ok((tokens, bytes)) => found.push((modified, path, tokens, bytes)),
+                Ok((layout, tokens, bytes)) if layout == self.layout => {
+                    found.push((modified, path, tokens, bytes))
+                }
+                Ok(_) => {} // another cache layout's: not ours to load or remove
                 Err(_) => {
                     let _ = fs::remove_file(&path);
                 }
@@ -233,7 +243,7 @@ impl Spill {
             return;
         }
         let path = dir.join(format!("{id:016x}.{EXTENSION}"));
-        if write_file(&path, &tokens, snapshot).is_ok() {
+        if write_file(&path, self.layout, &tokens, snapshot).is_ok() {
             self.insert(id, tokens, bytes, Place::Disk(path));
             self.fit_disk();
         }
@@ -284,7 +294,7 @@ impl Spill {
             .ok_or_else(|| Error::Internal(format!("spilled entry {id} is gone")))?;
         match entry.place {
             Place::Host(snapshot) => Ok(Taken {
-                snapshot: Arc::try_unwrap(snapshot).unwrap_or_else(|a| (*a).clone()),
+                snapshot,
                 from_disk: false,
             }),
             Place::Disk(path) => {
@@ -296,7 +306,7 @@ impl Spill {
                     return Err(Error::State(format!("{} is truncated", path.display())));
                 }
                 Ok(Taken {
-                    snapshot: file[at..].to_vec(),
+                    snapshot: Arc::new(file[at..].to_vec()),
                     from_disk: true,
                 })
             }
@@ -320,15 +330,17 @@ impl Spill {
     }
 }
 
+/// Magic, version, layout, token count, tokens.
 fn header_len(tokens: &[Token]) -> usize {
-    4 + 4 + 4 + 4 * tokens.len()
+    4 + 4 + 8 + 4 + 4 * tokens.len()
 }
 
-fn write_file(path: &Path, tokens: &[Token], snapshot: &[u8]) -> std::io::Result<()> {
+fn write_file(path: &Path, layout: u64, tokens: &[Token], snapshot: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     let mut out = Vec::with_capacity(header_len(tokens) + snapshot.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&layout.to_le_bytes());
     out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
@@ -340,20 +352,21 @@ fn write_file(path: &Path, tokens: &[Token], snapshot: &[u8]) -> std::io::Result
     fs::rename(&tmp, path)
 }
 
-/// The tokens of a file and its size; an error for one that is not an entry file.
-fn read_header(path: &Path) -> std::io::Result<(Vec<Token>, usize)> {
+/// The cache layout, tokens and size of a file; an error for one that is not an entry file.
+fn read_header(path: &Path) -> std::io::Result<(u64, Vec<Token>, usize)> {
     use std::io::Read;
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kvfork cache entry");
     let mut file = fs::File::open(path)?;
     let size = file.metadata()?.len() as usize;
-    let mut head = [0u8; 12];
+    let mut head = [0u8; 20];
     file.read_exact(&mut head)?;
     let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
+    let layout = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
     if &head[..4] != MAGIC || word(4) != VERSION {
         return Err(bad());
     }
-    let n = word(8) as usize;
-    if 12 + 4 * n > size {
+    let n = word(16) as usize;
+    if 20 + 4 * n > size {
         return Err(bad());
     }
     let mut raw = vec![0u8; 4 * n];
@@ -362,7 +375,7 @@ fn read_header(path: &Path) -> std::io::Result<(Vec<Token>, usize)> {
         .chunks_exact(4)
         .map(|c| Token::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect();
-    Ok((tokens, size))
+    Ok((layout, tokens, size))
 }
 
 fn id_of(path: &Path) -> Option<u64> {
@@ -391,7 +404,7 @@ mod tests {
     #[test]
     fn host_overflows_to_disk_least_recently_used_first_and_comes_back() {
         let d = dir("levels");
-        let mut s = Spill::open(config(250, &d, 10_000)).unwrap();
+        let mut s = Spill::open(config(250, &d, 10_000), 1).unwrap();
         for i in 0..4 {
             s.keep(vec![1, 2, i], vec![i as u8; 100]);
         }
@@ -403,7 +416,7 @@ mod tests {
         assert_eq!(len, 3);
         let taken = s.take(id).unwrap();
         assert!(taken.from_disk);
-        assert_eq!(taken.snapshot, vec![0u8; 100]);
+        assert_eq!(*taken.snapshot, vec![0u8; 100]);
         assert_eq!(s.stats().1.entries, 1);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
         let _ = fs::remove_dir_all(&d);
@@ -413,7 +426,7 @@ mod tests {
     fn a_reopened_directory_is_indexed_and_trimmed_to_its_budget() {
         let d = dir("reopen");
         {
-            let mut s = Spill::open(config(0, &d, 10_000)).unwrap();
+            let mut s = Spill::open(config(0, &d, 10_000), 1).unwrap();
             for i in 0..3 {
                 s.keep(vec![5, i], vec![7; 50]);
             }
@@ -422,7 +435,16 @@ mod tests {
         fs::write(d.join("0000000000000009.tmp"), b"cut short").unwrap();
         fs::write(d.join("000000000000000a.kvfe"), b"KVFE garbage").unwrap();
         // Room for two of the three: one is dropped, the junk removed.
-        let s = Spill::open(config(0, &d, 2 * (header_len(&[5, 0]) + 50))).unwrap();
+        let s = Spill::open(config(0, &d, 2 * (header_len(&[5, 0]) + 50)), 1).unwrap();
+        // Another cache layout finds none of them (and removes none).
+        assert_eq!(
+            Spill::open(config(0, &d, 10_000), 2)
+                .unwrap()
+                .stats()
+                .1
+                .entries,
+            0
+        );
         assert_eq!(s.stats().1.entries, 2);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 2);
         assert!(s.best(&[5, 1]).is_some() || s.best(&[5, 2]).is_some());
@@ -432,12 +454,12 @@ mod tests {
     #[test]
     fn the_same_tokens_spilled_again_replace_the_older_entry() {
         let d = dir("same");
-        let mut s = Spill::open(config(1000, &d, 0)).unwrap();
+        let mut s = Spill::open(config(1000, &d, 0), 1).unwrap();
         s.keep(vec![1, 2, 3], vec![1; 10]);
         s.keep(vec![1, 2, 3], vec![2; 10]);
         assert_eq!(s.stats().0.entries, 1);
         let (id, _) = s.best(&[1, 2, 3]).unwrap();
-        assert_eq!(s.take(id).unwrap().snapshot, vec![2; 10]);
+        assert_eq!(*s.take(id).unwrap().snapshot, vec![2; 10]);
         let _ = fs::remove_dir_all(&d);
     }
 }

@@ -239,6 +239,9 @@ class Generator:
             "parked_branches": stats["parked_branches"],
             "prefix_cache_entries": cache["entries"],
             "prefix_cache_evictions": cache["evictions"],
+            "prefix_cache_spilled": cache["host"]["entries"] + cache["disk"]["entries"],
+            "prefix_cache_spilled_bytes": cache["host"]["bytes"] + cache["disk"]["bytes"],
+            "prefix_cache_restored": cache["host"]["hits"] + cache["disk"]["hits"],
         }
 
     def health(self, stall_seconds: float) -> dict[str, Any]:

@@ -42,6 +42,15 @@ LIVE: dict[str, tuple[str, str]] = {
     "parked_branches": ("gauge", "branches parked in host memory"),
     "prefix_cache_entries": ("gauge", "finished requests kept as prefix-cache entries"),
     "prefix_cache_evictions": ("counter", "prefix-cache entries evicted"),
+    "prefix_cache_spilled": (
+        "gauge",
+        "evicted prefix-cache entries kept in host memory and on disk (--cache-ram, --cache-dir)",
+    ),
+    "prefix_cache_spilled_bytes": ("gauge", "bytes of those entries"),
+    "prefix_cache_restored": (
+        "counter",
+        "evicted entries copied back into the KV instead of prefilled",
+    ),
 }
 
 Stats = Callable[[], Mapping[str, float]]

@@ -152,7 +152,13 @@ impl Worker {
         self.give_leases(&[cell])?;
         let seq = cell.seq();
         self.empty_seq(seq)?;
-        self.ctx_mut().set_kv_state(Some(seq), kv)?;
+        // The bytes passed the model and checksum checks: what fails now is room.
+        if self.ctx_mut().set_kv_state(Some(seq), kv).is_err() {
+            return Err(Error::KvCacheFull(format!(
+                "no room for the {} cells of a restored prefix-cache entry",
+                history.len()
+            )));
+        }
         if len < history.len() && !self.ctx_mut().seq_rm(seq, len as i32, -1)? {
             self.empty_seq(seq)?;
             return Ok(0);
