@@ -6,6 +6,7 @@ restarted on its `--cache-dir`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,6 +95,24 @@ def test_with_one_sequence_a_spilled_entry_comes_back_into_the_new_branch(
         cache.release(b)
         again = serve_each(cache, [prompts[1]])
         assert again[0] == first[1]
+
+
+def test_entries_over_max_cached_tokens_spill_too(model: kvfork.Model) -> None:
+    """`max_cached_tokens` evicts when an entry is released (never waiting: its snapshot is
+    kept by a thread of its own), and the spilled entry comes back like any other."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=4) as ctx:
+        prompts = docs(ctx, 2)
+        cache = kvfork.PrefixCache(ctx, max_cached_tokens=600, host_bytes=50_000_000)
+        first = serve_each(cache, prompts)
+        deadline = time.monotonic() + 30
+        while cache.stats()["host"]["entries"] < 1:
+            assert time.monotonic() < deadline, cache.stats()
+            time.sleep(0.05)
+        assert cache.stats()["entries"] == 1
+        b = cache.branch_sync(prompts[0], GREEDY)
+        assert cache.shared_tokens(b) == len(prompts[0]) - 1
+        assert [t.token for t in b.generate_sync(8)] == first[0]
+        cache.release(b)
 
 
 def test_without_room_on_any_level_an_evicted_entry_is_dropped(
