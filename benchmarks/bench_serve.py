@@ -276,60 +276,46 @@ async def conversations(
     }
 
 
+def kvfork_serve(
+    model: Path, n_ctx: int, seqs: int, adaptive: bool, extra: list[str]
+) -> Callable[[int], list[str]]:
+    """`kvfork serve` on a port, pinned to 2 threads like the peers (-t 2 -tb 2, "threads":
+    2) unless `adaptive`: the adaptive default re-probes one thread now and then
+    (BENCHMARKS §6), which an idle 2-core machine pays for."""
+    threads = [] if adaptive else ["--threads", "2"]
+    return lambda p: [
+        sys.executable, "-m", "kvfork", "serve", str(model), "--port", str(p),
+        "--n-ctx", str(n_ctx), "--n-seq-max", str(seqs), *threads, *extra,
+    ]  # fmt: skip
+
+
+def llama_server(
+    server: Path, model: Path, n_ctx: int, parallel: int, extra: list[str]
+) -> Callable[[int], list[str]]:
+    """llama.cpp's `llama-server` on a port of loopback, 2 threads."""
+    return lambda p: [
+        str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(p),
+        "--parallel", str(parallel), "-c", str(n_ctx), "-t", "2", "-tb", "2",
+        "--no-webui", "-lv", "0", *extra,
+    ]  # fmt: skip
+
+
 def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSpec]:
     """8 sequences and a KV for about 12 of the ~1,600-token conversations: kvfork with
     `--cache-ram` (every conversation fits in host memory), kvfork without, and llama-server
     with its own `--cache-ram`."""
     n_ctx, seqs, ram = 12 * 1600, 8, "4096"
-
-    def kvfork_cmd(extra: list[str]) -> Callable[[int], list[str]]:
-        return lambda p: [
-            sys.executable,
-            "-m",
-            "kvfork",
-            "serve",
-            str(model),
-            "--port",
-            str(p),
-            "--n-ctx",
-            str(n_ctx),
-            "--n-seq-max",
-            str(seqs),
-            *([] if args.adaptive else ["--threads", "2"]),
-            *extra,
-        ]
-
     specs = [
-        ServerSpec("kvfork+ram", kvfork_cmd(["--cache-ram", ram])),
-        ServerSpec("kvfork", kvfork_cmd([])),
+        ServerSpec(
+            "kvfork+ram", kvfork_serve(model, n_ctx, seqs, args.adaptive, ["--cache-ram", ram])
+        ),
+        ServerSpec("kvfork", kvfork_serve(model, n_ctx, seqs, args.adaptive, [])),
     ]
     server = Path(args.llama_server)
     if server.exists():
         specs.append(
             ServerSpec(
-                "llama-server",
-                lambda p: [
-                    str(server),
-                    "-m",
-                    str(model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(p),
-                    "--parallel",
-                    str(seqs),
-                    "-c",
-                    str(n_ctx),
-                    "-t",
-                    "2",
-                    "-tb",
-                    "2",
-                    "--cache-ram",
-                    ram,
-                    "--no-webui",
-                    "-lv",
-                    "0",
-                ],
+                "llama-server", llama_server(server, model, n_ctx, seqs, ["--cache-ram", ram])
             )
         )
     return specs
@@ -337,55 +323,10 @@ def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSp
 
 def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerSpec]:
     n_ctx = clients * 1400
-    specs = [
-        ServerSpec(
-            "kvfork",
-            lambda p: [
-                sys.executable,
-                "-m",
-                "kvfork",
-                "serve",
-                str(model),
-                "--port",
-                str(p),
-                "--n-ctx",
-                str(n_ctx),
-                "--n-seq-max",
-                str(2 * clients),
-                # Pinned like the peers' (-t 2 -tb 2, "threads": 2): the adaptive default
-                # re-probes one thread now and then (BENCHMARKS §6), which an idle 2-core
-                # machine pays for; `--adaptive` measures the default instead.
-                *([] if args.adaptive else ["--threads", "2"]),
-            ],
-        )
-    ]
+    specs = [ServerSpec("kvfork", kvfork_serve(model, n_ctx, 2 * clients, args.adaptive, []))]
     server = Path(args.llama_server)
     if server.exists():
-        specs.append(
-            ServerSpec(
-                "llama-server",
-                lambda p: [
-                    str(server),
-                    "-m",
-                    str(model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(p),
-                    "--parallel",
-                    str(clients),
-                    "-c",
-                    str(n_ctx),
-                    "-t",
-                    "2",
-                    "-tb",
-                    "2",
-                    "--no-webui",
-                    "-lv",
-                    "0",
-                ],
-            )
-        )
+        specs.append(ServerSpec("llama-server", llama_server(server, model, n_ctx, clients, [])))
     example = Path(args.example_server) if args.example_server else None
     if example and example.exists() and Path(args.peer_python).exists():
         config = Path(tempfile.mkdtemp()) / "config.json"

@@ -104,13 +104,7 @@ impl Worker {
     /// `Branch::restore`: the branch of sealed bytes (a snapshot or a file's contents) as a
     /// new root on a fresh lease.
     pub(crate) fn restore_branch(&mut self, file: &[u8]) -> Result<(Handle, Arc<BranchCell>)> {
-        let model = self.shared().model.clone();
-        let payload =
-            state_file::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
-        let mut r = Reader::new(payload);
-        let state = BranchState::read(&mut r, &model)?;
-        let kv = r.bytes().map_err(state_error)?;
-        r.finish().map_err(state_error)?;
+        let (state, kv) = self.open_branch_file(file)?;
         check_position(state.position(), self.ctx().n_ctx)?;
         let (handle, cell) = self.shared().create_root(state)?;
         let restored = self.give_leases(&[&cell]).and_then(|_| {
@@ -126,6 +120,18 @@ impl Worker {
         Ok((handle, cell))
     }
 
+    /// A sealed branch file's state and KV bytes, checked (framing, checksum, this model).
+    fn open_branch_file<'f>(&self, file: &'f [u8]) -> Result<(BranchState, &'f [u8])> {
+        let model = &self.shared().model;
+        let payload =
+            state_file::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
+        let mut r = Reader::new(payload);
+        let state = BranchState::read(&mut r, model)?;
+        let kv = r.bytes().map_err(state_error)?;
+        r.finish().map_err(state_error)?;
+        Ok((state, kv))
+    }
+
     /// `Branch::restore_prefix`: the first `len` tokens of a branch snapshot's KV into
     /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk).
     pub(crate) fn restore_prefix(
@@ -134,19 +140,13 @@ impl Worker {
         file: &[u8],
         len: usize,
     ) -> Result<usize> {
-        let model = self.shared().model.clone();
-        let payload =
-            state_file::open(file, Kind::Branch, model.identity()).map_err(state_error)?;
-        let mut r = Reader::new(payload);
-        let state = BranchState::read(&mut r, &model)?;
-        let kv = r.bytes().map_err(state_error)?;
-        r.finish().map_err(state_error)?;
+        let (state, kv) = self.open_branch_file(file)?;
         let history = state.history();
         let whole = history.len() == state.position() as usize;
         if !whole || len == 0 || len > history.len() || cell.lock().position() != 0 {
             return Ok(0);
         }
-        if len < history.len() && model.is_recurrent() {
+        if len < history.len() && self.shared().model.is_recurrent() {
             return Ok(0); // a recurrent state is known at the snapshot's end only
         }
         self.give_leases(&[cell])?;
