@@ -721,3 +721,44 @@ def test_sigterm_with_a_stream_in_flight_ends_it_and_exits_cleanly(serve: Any) -
     assert server.process.wait(timeout=30) == 0
     assert time.monotonic() - start < 15  # the grace period (1 s) and the close, not 3,000 tokens
     assert "shutting down" in server.stop()
+
+
+def test_tokenize_detokenize_and_apply_template_answer_as_llama_server_does(
+    chat_server: Server,
+) -> None:
+    """llama-server's utility endpoints on the model's own tokenizer and template: tokens
+    (with their pieces, a piece that is not whole UTF-8 as a list of bytes) equal the
+    library's, detokenize inverts them, `/apply-template` returns the text a chat request
+    prefills; bad input is a 400 naming the field."""
+    text = "Héllo <|im_start|> wörld"
+    with kvfork.create_context_sync(kvfork.default_chat_model_path(), n_ctx=512) as ctx:
+        plain = ctx.tokenize(text, add_special=False, parse_special=True)
+        literal = ctx.tokenize(text, add_special=False, parse_special=False)
+        chat = ctx.format_chat(_messages())
+    status, body = chat_server.post("/tokenize", json.dumps({"content": text}).encode())
+    assert status == 200 and body["tokens"] == plain
+    status, body = chat_server.post(
+        "/tokenize",
+        json.dumps({"content": text, "parse_special": False, "with_pieces": True}).encode(),
+    )
+    assert status == 200 and [t["id"] for t in body["tokens"]] == literal
+    pieces = [
+        bytes(p) if isinstance(p, list) else p.encode()
+        for p in (t["piece"] for t in body["tokens"])
+    ]
+    assert b"".join(pieces).decode() == text
+    status, body = chat_server.post("/detokenize", json.dumps({"tokens": plain}).encode())
+    assert status == 200 and body["content"] == text
+    status, body = chat_server.post(
+        "/apply-template", json.dumps({"messages": _messages()}).encode()
+    )
+    assert status == 200 and body["prompt"] == chat.prompt
+    for path, bad, field in [
+        ("/tokenize", {"content": 5}, "content"),
+        ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+        ("/detokenize", {"tokens": [1, -3]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/apply-template", {"messages": "hi"}, "messages"),
+    ]:
+        status, body = chat_server.post(path, json.dumps(bad).encode())
+        assert status == 400 and body["error"]["param"] == field, (path, body)

@@ -444,6 +444,11 @@ class Context:
         model adds; `unparse_special` renders special tokens as their text. Raises
         KvforkError when the context is closed, ValueError for a token id out of range.
         """
+    def token_to_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token's piece (special tokens rendered): a piece may be part of a
+        UTF-8 character, which `token_to_text` replaces. Raises KvforkError when the context is
+        closed, ValueError for a token id out of range.
+        """
     def token_to_text(self, token: int) -> str:
         """The text piece of one token (special tokens rendered, invalid UTF-8 replaced). Raises
         KvforkError when the context is closed, ValueError for a token id out of range.

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
@@ -291,6 +292,22 @@ impl PyContext {
     /// KvforkError when the context is closed, ValueError for a token id out of range.
     fn token_to_text(&self, token: Arg<i64>) -> PyResult<String> {
         self.open()?.token_to_text(token_id(token.0)?).py()
+    }
+
+    /// The raw bytes of one token's piece (special tokens rendered): a piece may be part of a
+    /// UTF-8 character, which `token_to_text` replaces. Raises KvforkError when the context is
+    /// closed, ValueError for a token id out of range.
+    fn token_to_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        token: Arg<i64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .open()?
+            .model()
+            .token_to_bytes(token_id(token.0)?, true)
+            .py()?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     /// True when `token` ends generation in this vocabulary (EOS, end-of-turn and the other

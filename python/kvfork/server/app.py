@@ -32,7 +32,15 @@ from .backend import Backend, Events
 from .errors import APIError
 from .generation import Event, Outcome
 from .metrics import CONTENT_TYPE, Metrics
-from .requests import parse_chat, parse_completion, parse_embeddings, parse_json
+from .requests import (
+    parse_apply_template,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_embeddings,
+    parse_json,
+    parse_tokenize,
+)
 
 log = logging.getLogger("kvfork.server")
 
@@ -238,6 +246,26 @@ class Endpoints:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
+
+    # llama-server's utility endpoints: the model's tokenizer and template, no generation.
+
+    async def tokenize(self, request: Request) -> Response:
+        """`{"content", "add_special"?, "parse_special"?, "with_pieces"?}` -> `{"tokens"}`."""
+        req = parse_tokenize(await self.read_json(request))
+        tokens = await asyncio.to_thread(self.service.prompts.tokenize, req)
+        return JSONResponse({"tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """`{"tokens"}` -> `{"content"}`."""
+        prompts = self.service.prompts
+        tokens = parse_detokenize(await self.read_json(request), prompts.ctx.vocab_size)
+        return JSONResponse({"content": await asyncio.to_thread(prompts.detokenize, tokens)})
+
+    async def apply_template(self, request: Request) -> Response:
+        """`{"messages", "tools"?}` -> `{"prompt"}`: the text a chat request would prefill."""
+        req = parse_apply_template(await self.read_json(request))
+        text, _ = await asyncio.to_thread(self.service.prompts.chat_text, req)
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         s = self.service
@@ -479,6 +507,9 @@ def create_app(
         Route("/v1/completions", e.guarded("completions", e.completions), methods=["POST"]),
         Route("/v1/embeddings", e.guarded("embeddings", e.embeddings), methods=["POST"]),
         Route("/v1/models", e.guarded("models", e.models), methods=["GET"]),
+        Route("/tokenize", e.guarded("tokenize", e.tokenize), methods=["POST"]),
+        Route("/detokenize", e.guarded("detokenize", e.detokenize), methods=["POST"]),
+        Route("/apply-template", e.guarded("apply_template", e.apply_template), methods=["POST"]),
         Route("/health", e.health, methods=["GET"]),
         Route("/metrics", e.metrics_endpoint, methods=["GET"]),
     ]

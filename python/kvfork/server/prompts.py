@@ -14,7 +14,7 @@ import numpy as np
 from .._native import Context, KvforkError
 from .._tools import call_schema, parse_tool_calls, template_renders_tools, with_tool_prompt
 from .errors import APIError, bad_request
-from .requests import ChatRequest, CompletionRequest, EmbeddingRequest
+from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest
 
 
 class Prompts:
@@ -34,6 +34,12 @@ class Prompts:
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
         """The prompt tokens of a chat request and the template's stop strings."""
+        text, stop = self.chat_text(req)
+        return self.ctx.tokenize(text, add_special=True, parse_special=True), stop
+
+    def chat_text(self, req: ChatRequest) -> tuple[str, list[str]]:
+        """A chat request's messages (and tools) through the template: the prompt as text, and
+        the template's stop strings (`/apply-template` returns the text)."""
         messages, tools = req.messages, req.tools if req.tool_choice != "none" else None
         kwargs: dict[str, Any] = {}
         if self.chat_template is not None:
@@ -44,8 +50,29 @@ class Prompts:
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
         except KvforkError as exc:
             raise bad_request(str(exc), "messages", "chat_template") from None
-        tokens = self.ctx.tokenize(chat.prompt, add_special=True, parse_special=True)
-        return tokens, list(chat.stop)
+        return chat.prompt, list(chat.stop)
+
+    def tokenize(self, req: TokenizeRequest) -> list[Any]:
+        """`/tokenize`: token ids, or `{"id", "piece"}` objects (the piece as text, or as a
+        list of bytes when it is not whole UTF-8 by itself)."""
+        tokens = self.ctx.tokenize(
+            req.content, add_special=req.add_special, parse_special=req.parse_special
+        )
+        if not req.with_pieces:
+            return tokens
+        out: list[Any] = []
+        for t in tokens:
+            raw = self.ctx.token_to_bytes(t)
+            try:
+                piece: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            out.append({"id": t, "piece": piece})
+        return out
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """`/detokenize`: the text of `tokens`, special tokens written out."""
+        return self.ctx.detokenize(tokens, unparse_special=True)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):

@@ -141,10 +141,10 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int)
     return value
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
+def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean", name)
     return value
@@ -372,3 +372,48 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
     if fmt not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
     return EmbeddingRequest(inputs=items, encoding_format=fmt)
+
+
+@dataclass
+class TokenizeRequest:
+    """`/tokenize` (llama-server's shape)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    """`/tokenize`: `content`, with `add_special` (BOS; default false), `parse_special`
+    (special tokens written as text are recognised; default true) and `with_pieces`."""
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad_request("content must be a string", "content")
+    return TokenizeRequest(
+        content=content,
+        add_special=_bool(body, "add_special"),
+        parse_special=_bool(body, "parse_special", default=True),
+        with_pieces=_bool(body, "with_pieces"),
+    )
+
+
+def parse_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:
+    """`/detokenize`: `tokens`, ids of the vocabulary."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise bad_request("tokens must be a list of token ids", "tokens")
+    if not all(0 <= t < vocab_size for t in tokens):
+        raise bad_request("tokens holds an id outside the vocabulary", "tokens")
+    return list(tokens)
+
+
+def parse_apply_template(body: dict[str, Any]) -> ChatRequest:
+    """`/apply-template`: `messages` (and `tools`, `tool_choice`) as `/v1/chat/completions`
+    takes them; nothing is generated."""
+    tools, choice = _tools(body)
+    return ChatRequest(
+        messages=_messages(body), sampling=Sampling(), tools=tools, tool_choice=choice
+    )
