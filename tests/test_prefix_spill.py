@@ -6,6 +6,8 @@ restarted on its `--cache-dir`."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -238,3 +240,43 @@ def test_a_restarted_server_serves_a_repeated_long_prompt_from_its_cache_dir(
     for gen in (first_server, second_server):
         with pytest.raises(StopIteration):
             next(gen)
+
+
+def test_a_server_killed_while_it_spills_restarts_on_what_it_left(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`kvfork serve --cache-dir` with no host memory writes each evicted entry to disk at
+    once. Killed (SIGKILL) right after a request that evicts one, perhaps mid-write, it leaves
+    a directory the next server starts on: entries written whole are served from there, with
+    the same text; whatever the kill cut short is skipped."""
+    directory = tmp_path_factory.mktemp("killed-cache")
+    prompts = [f"Document {i} of the archive. " + DOC * 30 + f"Summary of {i}:" for i in range(3)]
+
+    def ask(server: Server, prompt: str) -> tuple[str, int]:
+        reply = server.client().completions.create(
+            model="x", prompt=prompt, max_tokens=6, temperature=0
+        )
+        usage = reply.usage
+        assert usage is not None
+        details = usage.prompt_tokens_details
+        return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+    args = ("default", "--n-ctx", "4096", "--n-seq-max", "1", "--cache-dir", str(directory))
+    for begin in servers():
+        first = begin(*args)
+        text0, _ = ask(first, prompts[0])
+        ask(first, prompts[1])  # evicts prompt 0's entry: written to the directory
+
+        def ask_quietly(server: Server, prompt: str) -> None:
+            with contextlib.suppress(Exception):  # the server is killed under it
+                ask(server, prompt)
+
+        threading.Thread(target=ask_quietly, args=(first, prompts[2]), daemon=True).start()
+        time.sleep(0.3)  # the third request evicts prompt 1's entry meanwhile
+        first.process.kill()
+        first.process.wait(timeout=30)
+        first.stopped = "killed"  # not a clean stop: nothing to check in its log
+        second = begin(*args)
+        again, cached = ask(second, prompts[0])
+        assert again == text0 and cached > 400
+        second.assert_at_rest()
