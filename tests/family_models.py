@@ -180,16 +180,21 @@ class _Builder:
         w.close()
 
 
-def _mamba(path: Path, family: str, seed: int) -> None:
-    b = _Builder(path, "mamba", family, n_layer=2, seed=seed)
-    w = b.writer
+def _pure_ssm_keys(w: gguf.GGUFWriter, state_size: int, time_step_rank: int) -> None:
+    """The keys of a model of state-space layers only (mamba, mamba2): no attention heads,
+    no feed-forward, one inner size."""
     w.add_head_count(0)
     w.add_feed_forward_length(0)
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_ssm_conv_kernel(SSM_CONV_KERNEL)
     w.add_ssm_inner_size(SSM_D_INNER)
-    w.add_ssm_state_size(SSM_D_STATE)
-    w.add_ssm_time_step_rank(SSM_DT_RANK)
+    w.add_ssm_state_size(state_size)
+    w.add_ssm_time_step_rank(time_step_rank)
+
+
+def _mamba(path: Path, family: str, seed: int) -> None:
+    b = _Builder(path, "mamba", family, n_layer=2, seed=seed)
+    _pure_ssm_keys(b.writer, SSM_D_STATE, SSM_DT_RANK)
     b.embeddings()
     d, s, r = SSM_D_INNER, SSM_D_STATE, SSM_DT_RANK
     for il in range(b.n_layer):
@@ -209,15 +214,8 @@ def _mamba(path: Path, family: str, seed: int) -> None:
 
 def _mamba2(path: Path, family: str, seed: int) -> None:
     b = _Builder(path, "mamba2", family, n_layer=2, seed=seed)
-    w = b.writer
-    w.add_head_count(0)
-    w.add_feed_forward_length(0)
-    w.add_layer_norm_rms_eps(RMS_EPS)
-    w.add_ssm_conv_kernel(SSM_CONV_KERNEL)
-    w.add_ssm_inner_size(SSM_D_INNER)
-    w.add_ssm_state_size(MAMBA2_D_STATE)
-    w.add_ssm_time_step_rank(MAMBA2_N_HEAD)
-    w.add_ssm_group_count(1)
+    _pure_ssm_keys(b.writer, MAMBA2_D_STATE, MAMBA2_N_HEAD)
+    b.writer.add_ssm_group_count(1)
     b.embeddings()
     for il in range(b.n_layer):
         b.ones(f"blk.{il}.attn_norm.weight", (N_EMBD,))

@@ -107,6 +107,21 @@ def assert_matches(
         )
 
 
+def assert_shared(
+    cache: kvfork.PrefixCache, b: kvfork.Branch, common: int, recurrent: bool, restored: int
+) -> None:
+    """`b`, made by `cache` for a prompt sharing `common` tokens with a branch inside whose
+    sequence it forks, shares all of them, or on a recurrent state some, from a checkpoint
+    put back (`restored` of them since the fork)."""
+    shared = cache.shared_tokens(b)
+    assert shared is not None
+    if recurrent:
+        assert 0 < shared <= common
+        assert restored > 0
+    else:
+        assert shared == common
+
+
 def assert_continues(b: kvfork.Branch, reference: Greedy) -> None:
     """`b` generates what `reference` did (`assert_matches`), as many tokens."""
     got = greedy(b, len(reference.tokens))
@@ -333,13 +348,7 @@ def test_prefix_cache_forks_at_an_entrys_end_and_inside_entries_and_live_branche
         cache.release(cache.branch_sync(a_tokens, GREEDY))
         before = restores(ctx)
         b = cache.branch_sync(b_tokens, GREEDY)
-        shared = cache.shared_tokens(b)
-        assert shared is not None
-        if recurrent:
-            assert 0 < shared <= common
-            assert restores(ctx) > before
-        else:
-            assert shared == common
+        assert_shared(cache, b, common, recurrent, restores(ctx) - before)
         assert_continues(b, fresh(tiny, b_tokens))
         cache.release(b)
         cache.clear()
@@ -352,13 +361,7 @@ def test_prefix_cache_forks_at_an_entrys_end_and_inside_entries_and_live_branche
         common = len(a_tokens) + 3
         before = restores(ctx)
         b = cache.branch_sync(b_tokens, GREEDY)
-        shared = cache.shared_tokens(b)
-        assert shared is not None
-        if recurrent:
-            assert 0 < shared <= common
-            assert restores(ctx) > before
-        else:
-            assert shared == common
+        assert_shared(cache, b, common, recurrent, restores(ctx) - before)
         assert_continues(b, fresh(tiny, b_tokens))
         assert_continues(a, fresh(tiny, a_tokens + generated))
 

@@ -188,6 +188,18 @@ def test_entries_of_another_model_are_refused_and_dropped(
         assert not list(tmp_path.glob("*.kvfe"))
 
 
+def complete(server: Server, prompt: str) -> tuple[str, int]:
+    """A greedy 8-token completion of `prompt` from `server`: its text and how many prompt
+    tokens came from the cache."""
+    reply = server.client().completions.create(
+        model="x", prompt=prompt, max_tokens=8, temperature=0
+    )
+    usage = reply.usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-cache")
@@ -216,24 +228,15 @@ def test_a_restarted_server_serves_a_repeated_long_prompt_from_its_cache_dir(
     prompt with all but its last token cached, and the same text."""
     prompt = "Document 7 of the archive. " + DOC * 30 + "Summary of document 7:"
 
-    def ask(server: Server) -> tuple[str, int]:
-        reply = server.client().completions.create(
-            model="x", prompt=prompt, max_tokens=8, temperature=0
-        )
-        usage = reply.usage
-        assert usage is not None
-        details = usage.prompt_tokens_details
-        return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
-
     first_server = start(cache_dir)
     server = next(first_server)
-    text, cached = ask(server)
+    text, cached = complete(server, prompt)
     assert cached == 0
     log = server.stop()
     assert "1 cache entries in" in log, log[-2000:]
     second_server = start(cache_dir)
     server = next(second_server)
-    again, cached = ask(server)
+    again, cached = complete(server, prompt)
     assert again == text
     assert cached > 400
     server.assert_at_rest()
@@ -252,24 +255,15 @@ def test_a_server_killed_while_it_spills_restarts_on_what_it_left(
     directory = tmp_path_factory.mktemp("killed-cache")
     prompts = [f"Document {i} of the archive. " + DOC * 30 + f"Summary of {i}:" for i in range(3)]
 
-    def ask(server: Server, prompt: str) -> tuple[str, int]:
-        reply = server.client().completions.create(
-            model="x", prompt=prompt, max_tokens=6, temperature=0
-        )
-        usage = reply.usage
-        assert usage is not None
-        details = usage.prompt_tokens_details
-        return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
-
     args = ("default", "--n-ctx", "4096", "--n-seq-max", "1", "--cache-dir", str(directory))
     for begin in servers():
         first = begin(*args)
-        text0, _ = ask(first, prompts[0])
-        ask(first, prompts[1])  # evicts prompt 0's entry: written to the directory
+        text0, _ = complete(first, prompts[0])
+        complete(first, prompts[1])  # evicts prompt 0's entry: written to the directory
 
         def ask_quietly(server: Server, prompt: str) -> None:
             with contextlib.suppress(Exception):  # the server is killed under it
-                ask(server, prompt)
+                complete(server, prompt)
 
         threading.Thread(target=ask_quietly, args=(first, prompts[2]), daemon=True).start()
         time.sleep(0.3)  # the third request evicts prompt 1's entry meanwhile
@@ -277,6 +271,6 @@ def test_a_server_killed_while_it_spills_restarts_on_what_it_left(
         first.process.wait(timeout=30)
         first.stopped = "killed"  # not a clean stop: nothing to check in its log
         second = begin(*args)
-        again, cached = ask(second, prompts[0])
+        again, cached = complete(second, prompts[0])
         assert again == text0 and cached > 400
         second.assert_at_rest()

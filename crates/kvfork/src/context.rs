@@ -156,6 +156,9 @@ impl Context {
     /// Checkpoints the live branches hold and their bytes, each state once (forks share
     /// their parent's).
     fn checkpoints_held(&self) -> (u64, u64) {
+        if !self.model().is_recurrent() {
+            return (0, 0); // none kept: no branch to lock
+        }
         let cells: Vec<_> = self
             .shared()
             .registry()

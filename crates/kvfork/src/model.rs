@@ -380,13 +380,10 @@ impl Model {
         family
     }
 
-    /// Whether the model keeps a recurrent state (Mamba, RWKV, hybrids) instead of a KV cache.
+    /// Whether the model keeps a recurrent state (Mamba, RWKV), alone or beside a KV cache
+    /// (a hybrid).
     pub fn is_recurrent(&self) -> bool {
-        // SAFETY: getters of the loaded model, which lives as long as `self`.
-        unsafe {
-            sys::llama_model_is_recurrent(self.as_ptr())
-                || sys::llama_model_is_hybrid(self.as_ptr())
-        }
+        self.memory() != Memory::Attention
     }
 
     /// `Ok` when `token` is a valid id of this vocabulary.

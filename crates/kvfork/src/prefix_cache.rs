@@ -512,13 +512,9 @@ impl PrefixCache {
     fn evict(&self, victim: Option<Holder>) -> Result<()> {
         match victim {
             Some(holder) => {
-                // The snapshot is queued before the prune: the engine takes it first.
-                let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
-                let pruned = holder.branch.prune_keep_children();
-                if let Some(snapshot) = snapshot {
-                    let done = self.announce_spilling(&holder.tokens);
-                    self.keep_spilled(holder.tokens, snapshot.wait());
-                    self.spilled(&done);
+                let (pruned, keep) = self.start_eviction(holder);
+                if let Some(keep) = keep {
+                    keep();
                 }
                 pruned.wait()
             }
@@ -526,6 +522,24 @@ impl PrefixCache {
                 n_seq_max: self.ctx.n_seq_max(),
             }),
         }
+    }
+
+    /// Queue `holder`'s prune (it always completes once queued). With spilling, its snapshot
+    /// is queued first (the engine takes it before the prune) and announced to the requests
+    /// that share its tokens (`wait_for_spilling`); the second half keeps it in the spill
+    /// levels once taken, for the caller to run now or on a thread of its own.
+    fn start_eviction(&self, holder: Holder) -> (Pending<()>, Option<impl FnOnce() + Send>) {
+        let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
+        let pruned = holder.branch.prune_keep_children();
+        let keep = snapshot.map(|snapshot| {
+            let done = self.announce_spilling(&holder.tokens);
+            let cache = self.clone();
+            move || {
+                cache.keep_spilled(holder.tokens, snapshot.wait());
+                cache.spilled(&done);
+            }
+        });
+        (pruned, keep)
     }
 
     /// Whether an evicted entry is kept as a snapshot: the cache spills, and the entry has
@@ -677,15 +691,10 @@ impl PrefixCache {
         while self.lock().cached_tokens() > limit {
             match self.take_victim(None, false) {
                 Some(holder) => {
-                    // Never waits: the snapshot is queued before the prune, and a thread
-                    // of its own keeps it once taken.
-                    let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
-                    queue_eviction(&holder.branch);
-                    if let Some(snapshot) = snapshot {
-                        let cache = self.clone();
-                        let tokens = holder.tokens;
+                    // Never waits: a thread of its own keeps a snapshot once taken.
+                    if let (_, Some(keep)) = self.start_eviction(holder) {
                         drop(Pending::spawn("kvfork-spill", move || {
-                            cache.keep_spilled(tokens, snapshot.wait());
+                            keep();
                             Ok(())
                         }));
                     }

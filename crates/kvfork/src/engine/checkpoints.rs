@@ -67,7 +67,6 @@ impl Worker {
             self.ctx_mut().seq_rm(seq, pos, -1)?;
             return Ok(());
         }
-        let family = self.shared().model.family();
         let (from, replay) = {
             let mut st = cell.lock();
             st.forget_checkpoints_after(pos.max(0) as u32);
@@ -78,6 +77,7 @@ impl Worker {
             let history = st.history();
             let offset = (st.position() as usize).saturating_sub(history.len());
             if at < offset || pos as usize > offset + history.len() {
+                let family = self.shared().model.family();
                 return Err(Error::Other(format!(
                     "cannot bring this branch's recurrent state back to position {pos} on a \
                      {family} model: its tokens before position {offset} are unknown (a branch \
@@ -152,26 +152,23 @@ impl Worker {
                 src.checkpoint_at_or_before(prefix.len() as u32),
             )
         };
-        if prefix.len() == end {
-            // The whole sequence: its final state is the one wanted.
-            self.ctx_mut().seq_cp(src_seq, dst_seq, 0, end as i32)?;
-        } else {
-            let Some((at, state)) = checkpoint else {
-                return Ok(0);
-            };
-            // The cells up to the checkpoint (and the source's final state, replaced next).
-            self.ctx_mut().seq_cp(src_seq, dst_seq, 0, at as i32)?;
+        // The whole sequence: its final state is the one wanted. Inside it: the cells up to
+        // the last checkpoint (and the source's final state, which the checkpoint replaces).
+        let (at, state) = match checkpoint {
+            _ if prefix.len() == end => (end as u32, None),
+            Some((at, state)) => (at, Some(state)),
+            None => return Ok(0),
+        };
+        self.ctx_mut().seq_cp(src_seq, dst_seq, 0, at as i32)?;
+        if let Some(state) = state {
             if let Err(e) = self.ctx_mut().set_recurrent_state(dst_seq, &state) {
                 let _ = self.ctx_mut().seq_rm(dst_seq, -1, -1);
                 return Err(e);
             }
             Stats::add(&self.shared().stats.checkpoint_restores, 1);
-            let inherited = source.lock().checkpoints_upto(at);
-            target.lock().set_checkpoints(inherited);
-            return Ok(at as usize);
         }
-        let inherited = source.lock().checkpoints_upto(end as u32);
+        let inherited = source.lock().checkpoints_upto(at);
         target.lock().set_checkpoints(inherited);
-        Ok(end)
+        Ok(at as usize)
     }
 }

@@ -113,7 +113,6 @@ impl Worker {
         if self.keeps_checkpoints() && !self.parks() {
             // A recurrent state rolls back to a checkpoint: one where each prefill starts.
             for (&(cell, _), &start) in items.iter().zip(&starts) {
-                self.give_leases(&[cell])?;
                 self.take_checkpoint(cell, start)?;
             }
         }

@@ -46,9 +46,13 @@ impl Worker {
             }
             (cell.seq(), st.position(), snap)
         };
-        // A recurrent state cannot drop the rejected guesses afterwards: it goes back to a
-        // checkpoint of the state before them (`checkpoints.rs`).
-        self.take_checkpoint(cell, start)?;
+        // A recurrent state cannot drop rejected guesses afterwards, unless llama.cpp keeps
+        // per-token snapshots long enough (`n_rs_seq`): it goes back to a checkpoint of the
+        // state before them (`checkpoints.rs`).
+        let rolls_back = draft.len() <= self.ctx().n_rs_seq as usize;
+        if !rolls_back {
+            self.take_checkpoint(cell, start)?;
+        }
         let adapters = cell.lock().adapters().clone();
         // A decode of at most n_seq_max outputs neither moves llama.cpp's output buffer nor
         // writes it unless it succeeds (`loans.rs`): the branch keeps its lent row through it
@@ -110,14 +114,12 @@ impl Worker {
         st.decoded(&kept);
         drop(st);
         self.loans().record(cell);
-        let dropped = 1 + draft.len() - kept.len();
-        if dropped > 0 {
+        if kept.len() < 1 + draft.len() {
             let end = start + kept.len() as i32;
-            // A KV cache drops the rejected cells; so does a recurrent state with per-token
-            // snapshots of this decode (`n_rs_seq`); otherwise it goes back to a checkpoint.
-            let undone = (!self.keeps_checkpoints() || dropped <= self.ctx().n_rs_seq as usize)
-                && self.ctx_mut().seq_rm(seq, end, -1)?;
-            if !undone {
+            // The per-token snapshots of this decode drop the rejected tokens at once;
+            // otherwise `rewind` cuts the KV cells or goes back to the checkpoint.
+            let rolled_back = rolls_back && self.ctx_mut().seq_rm(seq, end, -1)?;
+            if !rolled_back {
                 self.rewind(cell, end)?;
             }
         }
