@@ -153,7 +153,7 @@ def test_a_cache_opened_later_finds_the_entries_and_skips_what_a_crash_left(
     files[2].write_bytes(truncated[: len(truncated) // 2])
     (tmp_path / "0000000000000100.kvfe").write_bytes(b"not an entry")
     with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
-        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path)  # disk_bytes None: no bound
         assert not (tmp_path / "00000000000000ff.tmp").exists()
         assert not (tmp_path / "0000000000000100.kvfe").exists()
         again = []

@@ -1143,8 +1143,8 @@ class PrefixCache:
     fork at a position inside it) — and prefilling only the rest (at least the last token, so
     the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
     (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
-    are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`,
-    `disk_bytes`) an evicted entry without adapters is kept as a snapshot in host memory (then
+    are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`, whose
+    `disk_bytes` None leaves unbounded) an evicted entry without adapters is kept as a snapshot in host memory (then
     on disk, least recently used first at each level) and copied back into the KV when a
     prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
     them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a
@@ -1160,9 +1160,9 @@ class PrefixCache:
         ctx: Context,
         *,
         max_cached_tokens: int | None = None,
-        host_bytes: int = 0,
+        host_bytes: int | None = None,
         disk_dir: str | PathLike[str] | None = None,
-        disk_bytes: int = 0,
+        disk_bytes: int | None = None,
     ) -> Self: ...
     def branch(
         self,

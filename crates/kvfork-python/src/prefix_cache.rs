@@ -16,8 +16,8 @@ use crate::params;
 /// fork at a position inside it) — and prefilling only the rest (at least the last token, so
 /// the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
 /// (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
-/// are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`,
-/// `disk_bytes`) an evicted entry without adapters is kept as a snapshot in host memory (then
+/// are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`, whose
+/// `disk_bytes` None leaves unbounded) an evicted entry without adapters is kept as a snapshot in host memory (then
 /// on disk, least recently used first at each level) and copied back into the KV when a
 /// prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
 /// them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a
@@ -35,16 +35,14 @@ pub struct PyPrefixCache {
 #[pymethods]
 impl PyPrefixCache {
     #[new]
-    #[pyo3(signature = (ctx, *, max_cached_tokens=None, host_bytes=Int(Some(0)), disk_dir=None,
-                        disk_bytes=Int(Some(0))),
-           text_signature = "(ctx, *, max_cached_tokens=None, host_bytes=0, disk_dir=None, \
-                             disk_bytes=0)")]
+    #[pyo3(signature = (ctx, *, max_cached_tokens=None, host_bytes=None, disk_dir=None,
+                        disk_bytes=None))]
     fn new(
         ctx: Arg<Bound<'_, PyContext>>,
         max_cached_tokens: Option<Int>,
-        host_bytes: Int,
+        host_bytes: Option<Int>,
         disk_dir: Option<std::path::PathBuf>,
-        disk_bytes: Int,
+        disk_bytes: Option<Int>,
     ) -> PyResult<Self> {
         let max = max_cached_tokens
             .map(|m| {
@@ -53,9 +51,9 @@ impl PyPrefixCache {
             })
             .transpose()?;
         let spill = kvfork::SpillConfig {
-            host_bytes: host_bytes.within("host_bytes", 0, i64::MAX)? as usize,
+            host_bytes: bytes(host_bytes, "host_bytes", 0)?,
             disk_dir,
-            disk_bytes: disk_bytes.within("disk_bytes", 0, i64::MAX)? as usize,
+            disk_bytes: bytes(disk_bytes, "disk_bytes", usize::MAX)?,
         };
         Ok(PyPrefixCache {
             inner: kvfork::PrefixCache::with_spill(&ctx.0.get().inner, max, spill).py()?,
@@ -193,6 +191,11 @@ impl PyPrefixCache {
         }
         Ok(d)
     }
+}
+
+/// A byte budget: `none` when not given, else at least 0.
+fn bytes(value: Option<Int>, name: &str, none: usize) -> PyResult<usize> {
+    value.map_or(Ok(none), |v| Ok(v.within(name, 0, i64::MAX)? as usize))
 }
 
 impl PyPrefixCache {
