@@ -40,19 +40,22 @@ def big(model: kvfork.Model) -> Iterator[kvfork.Context]:
 
 async def test_cancelled_queued_commit_never_lands(big: kvfork.Context) -> None:
     b = root(big)
-    before = (b.position, b.perplexity)
-    token = b.produce_sync()  # before the busy work: produce is ordered behind it too
-    other = kvfork.Branch.create(big, 0, GREEDY)
-    busy = other.prefill(big.tokenize(LONG * 2))  # queued first: the commit waits behind it
+    token = b.produce_sync()
+    start = b.position
+    # Queued behind the branch's own prefill: a commit may ride another prompt's decodes
+    # (continuous prefill), never its own branch's, so it waits the whole prefill.
+    toks = big.tokenize(LONG * 2)
+    busy = b.prefill(toks)
     t = asyncio.ensure_future(b.commit(token))
     await asyncio.sleep(0)
     t.cancel()
     with pytest.raises(asyncio.CancelledError):
         await t
-    assert (b.position, b.perplexity) == before
     await busy
+    assert b.position == start + len(toks)
+    perplexity = b.perplexity
     await asyncio.sleep(0.3)
-    assert (b.position, b.perplexity) == before  # nothing lands later
+    assert (b.position, b.perplexity) == (start + len(toks), perplexity)  # nothing lands later
 
 
 async def test_cancel_at_any_moment_is_all_or_nothing(big: kvfork.Context) -> None:

@@ -376,7 +376,7 @@ class BranchTree(RuleBasedStateMachine):
             # Batched decodes differ from one long prefill by small amounts (DESIGN.md): the
             # same argmax where the replay's margin is clear, and the same distribution.
             top2 = np.partition(want, -2)[-2:]
-            if top2[1] - top2[0] > 0.5:
+            if top2[1] - top2[0] > 1.0:  # the suite's margin rule (conftest.assert_same_greedy)
                 assert int(np.argmax(got)) == int(np.argmax(want))
             assert float(np.corrcoef(got, want)[0, 1]) > 0.99
 
