@@ -61,7 +61,7 @@ class Server:
         except urllib.error.HTTPError as exc:
             return exc.code, _lower(exc.headers), exc.read()
 
-    def get(self, path: str) -> tuple[int, dict[str, Any]]:
+    def get(self, path: str) -> tuple[int, Any]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=10) as resp:
                 return resp.status, json.loads(resp.read())

@@ -34,6 +34,8 @@ class Backend(Protocol):
     model_id: str
     created: int
     metrics: Metrics
+    #: `GET /lora-adapters`: the adapters requests may choose (`Adapters.listing`).
+    lora_adapters: list[dict[str, Any]]
 
     @property
     def max_choices(self) -> int:

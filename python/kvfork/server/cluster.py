@@ -49,6 +49,7 @@ class ClusterService:
         self.actors = actors
         self.router = router
         self.model_id = model_id
+        self.lora_adapters: list[dict[str, Any]] = []  # --lora is a local server's
         self.created = int(time.time())
         self.n_seq_max = n_seq_max
         self.metrics = metrics

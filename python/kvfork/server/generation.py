@@ -27,9 +27,11 @@ from .._native import (
     Context,
     KvforkError,
     LeaseExhaustedError,
+    LoraAdapter,
     PrefixCache,
 )
 from .._stops import StopStrings
+from .adapters import Adapters
 from .errors import APIError, bad_request, shutting_down
 from .requests import Sampling
 
@@ -177,8 +179,11 @@ class Generator:
         max_queue: int,
         finished: Callable[[Outcome], None] = lambda o: None,
         spill: Spill | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.ctx = ctx
+        #: The LoRA adapters requests may choose by name (`kvfork serve --lora`).
+        self.adapters = adapters or Adapters([])
         # Leases: one per live choice; the cache keeps what is left as entries and evicts them
         # when a live request needs the lease (to host memory and disk with `spill`).
         spill = spill or Spill()
@@ -217,7 +222,8 @@ class Generator:
         then the Outcome; `close()` it when done or gone (see `Generation`). `prompt_param`
         names the request's prompt field in errors."""
         self.check_room(tokens, prompt_param)
-        return Generation(self, tokens, sampling, [*stop, *sampling.stop])
+        adapters = self.adapters.resolve(sampling.lora, sampling.model)
+        return Generation(self, tokens, sampling, [*stop, *sampling.stop], adapters)
 
     def live_stats(self) -> dict[str, float]:
         """What `/metrics` reads at each scrape (`metrics.LIVE` names the keys): one account
@@ -289,12 +295,19 @@ class Generation:
     """
 
     def __init__(
-        self, generator: Generator, tokens: list[int], sampling: Sampling, stop: list[str]
+        self,
+        generator: Generator,
+        tokens: list[int],
+        sampling: Sampling,
+        stop: list[str],
+        adapters: dict[LoraAdapter, float] | None = None,
     ) -> None:
         self.generator = generator
         self.tokens = tokens
         self.sampling = sampling
         self.stop = stop
+        #: The LoRA set its branches decode under (forks inherit it).
+        self.adapters = adapters or {}
         self.branches: list[Branch] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._admitted = 0
@@ -372,7 +385,9 @@ class Generation:
         The prompt tokens that came from the cache."""
         g, sampling = self.generator, self.sampling
         try:
-            first = await g.cache.branch(self.tokens, sampling.params(0))
+            first = await g.cache.branch(
+                self.tokens, sampling.params(0), adapters=self.adapters or None
+            )
         except LeaseExhaustedError:
             raise _no_free_sequence() from None
         except ValueError as exc:  # raced

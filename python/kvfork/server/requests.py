@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapters import Choice, parse_lora
 from .errors import bad_request
 
 #: Default completion length when a request names none (llama.cpp's server uses the context).
@@ -35,6 +36,10 @@ class Sampling:
     include_usage: bool = False
     #: A JSON schema the output follows (response_format or a required tool call).
     json_schema: dict[str, Any] | None = None
+    #: The LoRA adapters asked for by name or index (`adapters.parse_lora`).
+    lora: Choice = field(default_factory=list)
+    #: The request's `model`: an adapter's name selects it (`Adapters.resolve`).
+    model: str | None = None
 
     def params(self, choice: int = 0) -> dict[str, Any]:
         """kvfork SamplingParams fields for choice `choice` (seeded choices differ)."""
@@ -244,6 +249,8 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         stream=_bool(body, "stream"),
         include_usage=bool(options and options.get("include_usage") is True),
         json_schema=_response_format(body),
+        lora=parse_lora(body),
+        model=model if isinstance(model := body.get("model"), str) else None,
     )
 
 

@@ -25,6 +25,7 @@ class Service:
         self.model_id = model_id
         self.metrics = metrics
         self.created = int(time.time())
+        self.lora_adapters = generator.adapters.listing()
         generator.finished = metrics.finished
         metrics.watch(generator.live_stats)
 

@@ -1,0 +1,227 @@
+"""Many LoRA adapters in one `kvfork serve` (`--lora NAME=PATH[:SCALE]`): each request chooses
+its set by name (`lora`, or `model`), its tokens are those of a branch decoding under that set
+in the library, requests on different sets share no prefix, and concurrent requests over
+several sets each get what they get alone. A real server on loopback, the real `openai`
+client, adapters written by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kvfork
+import openai
+import pytest
+
+from .adapter_files import write_lora
+from .serving import Server, servers
+
+PROMPT = "The three most useful things to pack for a long hike are"
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("serve-lora")
+    # The library tests' adapters: they move the logits by 2-3, while decoding a prompt in
+    # other batch shapes under them moves them by at most 0.45 (measured), under the margin
+    # rule's 1.0. (Random adapters 4x larger drive the model into noise: 1.3 apart.)
+    write_lora(d / "a.gguf", seed=1)
+    write_lora(d / "b.gguf", seed=2, layers=(3, 4))
+    return d
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Callable[..., Server]]:
+    yield from servers()
+
+
+@pytest.fixture(scope="module")
+def lora_server(serve: Any, lora_dir: Path) -> Server:
+    server: Server = serve(
+        "default",
+        "--n-ctx",
+        "2048",
+        "--n-seq-max",
+        "8",
+        "--lora",
+        f"a={lora_dir / 'a.gguf'}",
+        "--lora",
+        f"b={lora_dir / 'b.gguf'}:0.5",
+    )
+    return server
+
+
+@pytest.fixture(autouse=True)
+def _at_rest(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "lora_server" in request.fixturenames:
+        request.getfixturevalue("lora_server").assert_at_rest()
+
+
+def complete(server: Server, prompt: str = PROMPT, **extra: Any) -> Any:
+    return server.client().completions.create(
+        model=extra.pop("model", "default"),
+        prompt=prompt,
+        max_tokens=TOKENS,
+        temperature=0,
+        logprobs=2,
+        extra_body=extra or None,
+    )
+
+
+def first_logprob(reply: Any) -> float:
+    return float(reply.choices[0].logprobs.token_logprobs[0])
+
+
+def assert_same_greedy_text(got: Any, reference: Any) -> None:
+    """The suite's margin rule (`conftest.assert_same_greedy`) on two replies: their tokens
+    are equal up to the reference's first near-tie (a prefix shared from the cache, or decoded
+    beside other requests, is computed in other batch shapes)."""
+    ref, out = reference.choices[0].logprobs, got.choices[0].logprobs
+    for i, (g, e) in enumerate(zip(out.tokens, ref.tokens)):
+        best = sorted(ref.top_logprobs[i].values(), reverse=True)
+        if len(best) < 2 or best[0] - best[1] < 1.0:
+            return
+        assert g == e, f"token {i} differs ({g!r} != {e!r}) at a clear margin"
+    assert len(out.tokens) == len(ref.tokens)
+
+
+def test_the_adapters_are_listed(lora_server: Server, lora_dir: Path) -> None:
+    status, listed = lora_server.get("/lora-adapters")
+    assert status == 200
+    assert listed == [
+        {"id": 0, "name": "a", "path": str(lora_dir / "a.gguf"), "scale": 1.0},
+        {"id": 1, "name": "b", "path": str(lora_dir / "b.gguf"), "scale": 0.5},
+    ]
+    models = lora_server.client().models.list().data
+    assert [m.id for m in models][1:] == ["a", "b"]
+    assert all(getattr(m, "parent", None) == models[0].id for m in models[1:])
+
+
+def test_a_request_decodes_under_the_set_it_names(lora_server: Server, lora_dir: Path) -> None:
+    base = complete(lora_server)
+    a = complete(lora_server, lora=[{"name": "a"}])
+    # The same adapter chosen by `model`, by id, and at its default scale given explicitly.
+    assert_same_greedy_text(complete(lora_server, model="a"), a)
+    assert_same_greedy_text(complete(lora_server, lora=[{"id": 0, "scale": 1.0}]), a)
+    # Both whole prefills of the same prompt (nothing cached): any difference is the adapter's.
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert abs(first_logprob(a) - first_logprob(base)) > 0.05
+    # Scale 0 is the base model; b's default scale is its --lora one (its first token is a
+    # near-tie: compare the logprob, which the batch shape moves by far less than 0.05).
+    assert_same_greedy_text(complete(lora_server, lora=[{"name": "a", "scale": 0}]), base)
+    b_default = complete(lora_server, lora=["b"])
+    b_half = complete(lora_server, lora=[{"name": "b", "scale": 0.5}])
+    b_full = complete(lora_server, lora=[{"name": "b", "scale": 1.0}])
+    assert first_logprob(b_default) == pytest.approx(first_logprob(b_half), abs=0.05)
+    assert abs(first_logprob(b_full) - first_logprob(b_half)) > 0.05
+    # The library's own branch under adapter a gives the server's first token and logprob.
+    model = kvfork.Model.load(kvfork.default_model_path())
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=1) as ctx:
+        branch = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+        branch.set_adapters({model.load_lora(lora_dir / "a.gguf"): 1.0})
+        branch.prefill_sync(ctx.tokenize(PROMPT))
+        token = branch.produce_sync()
+        assert token.text == a.choices[0].logprobs.tokens[0]
+        assert branch.logprob(token.token) == pytest.approx(first_logprob(a), abs=1e-3)
+        branch.prune_sync()
+
+
+def test_requests_on_different_sets_share_no_prefix(lora_server: Server) -> None:
+    prompt = "A prompt of its own. " + PROMPT  # no earlier request began so
+    complete(lora_server, prompt, lora=["a"])
+    again = complete(lora_server, prompt, lora=["a"])
+    other = complete(lora_server, prompt, lora=["b"])
+    base = complete(lora_server, prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert base.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_concurrent_requests_over_four_sets_each_get_what_they_get_alone(
+    lora_server: Server,
+) -> None:
+    sets: list[list[Any]] = [[], ["a"], ["b"], ["a", {"name": "b", "scale": 0.5}]]
+    prompts = [f"{PROMPT} (trip {i})" for i in range(8)]
+    alone = [complete(lora_server, p, lora=sets[i % 4]) for i, p in enumerate(prompts)]
+
+    async def together() -> list[Any]:
+        client = lora_server.async_client()
+        replies = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model="default",
+                    prompt=p,
+                    max_tokens=TOKENS,
+                    temperature=0,
+                    logprobs=2,
+                    extra_body={"lora": sets[i % 4]},
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
+        await client.close()
+        return list(replies)
+
+    for got, reference in zip(asyncio.run(together()), alone, strict=True):
+        assert_same_greedy_text(got, reference)
+
+
+@pytest.mark.parametrize(
+    ("lora", "words"),
+    [
+        ([{"name": "nope"}], "no LoRA adapter 'nope'"),
+        ([{"id": 7}], "no LoRA adapter 7"),
+        ("a", "lora must be a list"),
+        ([{"scale": 1}], "a name"),
+        ([{"name": "a", "scale": "big"}], "scale"),
+        ([{"name": "a", "scale": 1e9}], "scale"),
+        ([3.5], "objects"),
+    ],
+)
+def test_bad_lora_fields_get_a_400_naming_the_field(
+    lora_server: Server, lora: Any, words: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        lora_server.client().completions.create(
+            model="default", prompt="hi", max_tokens=2, extra_body={"lora": lora}
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "lora" and words in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("arg", "words"),
+    [
+        ("nameonly", "NAME=PATH"),
+        ("x=/no/such/file.gguf", "--lora"),
+        ("x=f.gguf:inf", "finite"),
+    ],
+)
+def test_bad_lora_arguments_stop_the_start_with_a_message(arg: str, words: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfork", "serve", "default", "--port", "1", "--lora", arg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_adapter_of_another_model_is_refused(tmp_path: Path) -> None:
+    wrong = write_lora(tmp_path / "wrong.gguf", shapes={"attn_q": (64, 64)})
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfork", "serve", "default", "--lora", f"w={wrong}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "--lora" in done.stderr
+    assert "Traceback" not in done.stderr
