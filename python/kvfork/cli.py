@@ -333,6 +333,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     ``--ray``, each request runs on one of ``--actors`` Ray actors, routed by prefix."""
     try:
         from .server import Generator, Prompts, Service, create_app
+        from .server.adapters import Adapters, AdapterSpec
         from .server.backend import Backend
         from .server.generation import Spill
         from .server.metrics import Metrics
@@ -345,12 +346,20 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--actors and --threads must be at least 1")
     if not (args.max_body_mb > 0 and args.stall_seconds > 0 and args.shutdown_seconds >= 0):
         raise CliError("--max-body-mb and --stall-seconds must be positive")
+    if args.max_stored_responses < 0 or args.stored_responses_mb < 0:
+        raise CliError("--max-stored-responses and --stored-responses-mb must be at least 0")
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     if min(args.cache_ram, args.cache_disk) < 0:
         raise CliError("--cache-ram and --cache-disk must be at least 0")
     if args.ray is not None and (args.cache_ram or args.cache_dir is not None):
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
+    if args.ray is not None and args.lora:
+        raise CliError("--lora applies to a local server, not --ray")
+    try:
+        lora_specs = [AdapterSpec.parse(text) for text in args.lora]
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     mib = 1 << 20
     spill = Spill(
         host_bytes=args.cache_ram * mib,
@@ -367,8 +376,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     if args.n_batch is not None:
         options["n_batch"] = args.n_batch
     cluster = None
+    adapters = None
     if args.ray is None:
         ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **options)
+        try:
+            adapters = await asyncio.to_thread(Adapters.load, ctx.model, lora_specs)
+        except (ValueError, KvforkError) as exc:
+            ctx.close()
+            raise CliError(f"--lora: {exc}") from None
     else:
         ctx = await open_context(path, n_ctx=512, n_seq_max=1)  # the front's tokenizer
     embed_ctx = None
@@ -380,9 +395,11 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     metrics = Metrics()
     backend: Backend
     if args.ray is None:
-        generator = Generator(ctx, max_queue=args.max_queue, spill=spill)
+        generator = Generator(ctx, max_queue=args.max_queue, spill=spill, adapters=adapters)
         backend = Service(prompts, generator, model_id=path.stem, metrics=metrics)
         where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
+        if adapters:
+            where += ", LoRA " + ", ".join(spec.name for spec in adapters)
     else:
         generator = None
         cluster = await _open_cluster(args, path, prompts, metrics)
@@ -396,6 +413,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_mb=args.max_body_mb,
         stall_seconds=args.stall_seconds,
+        max_stored_responses=args.max_stored_responses,
+        stored_responses_mb=args.stored_responses_mb,
     )
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
@@ -652,6 +671,29 @@ def _parser() -> argparse.ArgumentParser:
         default=10,
         help="on SIGTERM or Ctrl-C, how long requests in flight may run before they are "
         "cancelled (default 10)",
+    )
+    serve.add_argument(
+        "--lora",
+        metavar="NAME=PATH[:SCALE]",
+        action="append",
+        default=[],
+        help="a LoRA adapter requests may choose by name (their `lora` field, or `model`: "
+        "NAME); repeatable; SCALE defaults to 1",
+    )
+    serve.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="/v1/responses kept for GET and previous_response_id, least recently used "
+        "dropped first (default 1000; 0 keeps none)",
+    )
+    serve.add_argument(
+        "--stored-responses-mb",
+        type=float,
+        default=64,
+        metavar="MIB",
+        help="memory those stored responses and their conversations may take (default 64)",
     )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(run=cmd_serve)

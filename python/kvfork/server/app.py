@@ -1,10 +1,11 @@
-"""The HTTP layer: OpenAI's endpoints on Starlette, each a thin adapter over a `Backend`.
+"""The HTTP layer: OpenAI's endpoints (and Anthropic's Messages API) on Starlette, each a thin
+adapter over a `Backend`.
 
-Errors always come back in OpenAI's shape (`errors.APIError`); a streamed request that fails
-after its first chunk ends with an SSE event holding the error. A client that goes away (the
-ASGI server's ``http.disconnect``, awaited, not polled) ends its generation, and every
-sequence it held comes back at once: `Generation.close` never suspends, so no cancellation
-can cut the clean-up short.
+Errors come back in OpenAI's shape (`errors.APIError`), or Anthropic's on its Messages
+routes (a `Dialect` each); a streamed request that fails after its first chunk ends with an
+SSE event holding the error. A client that goes away (the ASGI server's ``http.disconnect``,
+awaited, not polled) ends its generation, and every sequence it held comes back at once:
+`Generation.close` never suspends, so no cancellation can cut the clean-up short.
 
 Nothing a client sends may stall the others: bodies are read up to a limit (413 past it,
 before more is read), large ones are parsed off the event loop, nesting is bounded, and the
@@ -18,7 +19,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -31,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from .backend import Backend, Events
 from .errors import APIError
 from .generation import Event, Outcome
+from .messages import Reply, authorized, error_body, error_event, parse_messages
 from .metrics import CONTENT_TYPE, Metrics
 from .requests import (
     parse_apply_template,
@@ -40,6 +43,14 @@ from .requests import (
     parse_embeddings,
     parse_json,
     parse_tokenize,
+)
+from .responses import (
+    DEFAULT_MAX_STORED,
+    DEFAULT_STORED_MB,
+    ResponseEvents,
+    Responses,
+    ResponseStore,
+    responses_params,
 )
 
 log = logging.getLogger("kvfork.server")
@@ -54,12 +65,35 @@ PARSE_IN_THREAD = 1 << 20
 CLIENT_GONE = 499
 
 
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the API families served here: how an error's body is written
+    (in a response, and as the event that ends a failing stream), what ends a stream, and
+    which headers carry the API key."""
+
+    error_body: Callable[[APIError], dict[str, Any]]
+    error_event: Callable[[APIError], bytes]
+    stream_end: bytes
+    authorized: Callable[[Mapping[str, str], str], bool]
+
+
+#: OpenAI's: `{"error": {...}}`, streams ending with `data: [DONE]`, `Authorization: Bearer`.
+OPENAI = Dialect(
+    error_body=APIError.body,
+    error_event=lambda exc: _sse(exc.body()),
+    stream_end=b"data: [DONE]\n\n",
+    authorized=lambda headers, key: headers.get("authorization") == f"Bearer {key}",
+)
+#: Anthropic's (`messages`): typed errors, streams ending with `message_stop`, `x-api-key`.
+ANTHROPIC = Dialect(error_body, error_event, b"", authorized)
+
+
+def _error_response(exc: APIError, dialect: Dialect = OPENAI) -> JSONResponse:
+    return JSONResponse(dialect.error_body(exc), status_code=exc.status, headers=exc.headers)
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -115,7 +149,13 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], generation: Events) -> None:
+    def __init__(
+        self,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        generation: Events,
+        dialect: Dialect = OPENAI,
+    ) -> None:
         # Not Response.__init__: it would declare an empty body's Content-Length.
         self.status_code = 200
         self.background = None
@@ -123,6 +163,7 @@ class EventStream(Response):
         self.first = first
         self.chunks = chunks
         self.generation = generation
+        self.dialect = dialect
         #: Told the final status when the stream ends (`Endpoints.guarded` sets it).
         self.count: Callable[[int], None] = lambda status: None
         self.final_status = 200
@@ -147,13 +188,13 @@ class EventStream(Response):
         try:
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            tail = b"data: [DONE]\n\n"
+            tail = self.dialect.stream_end
         except APIError as exc:
-            tail, self.final_status = _sse(exc.body()), exc.status
+            tail, self.final_status = self.dialect.error_event(exc), exc.status
         except Exception:
             log.exception("stream failed")
             error = APIError(500, "internal error", type="server_error")
-            tail, self.final_status = _sse(error.body()), 500
+            tail, self.final_status = self.dialect.error_event(error), 500
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
@@ -161,29 +202,37 @@ class Endpoints:
     """The routes over one backend (a `Service`, or a `ClusterService` of Ray actors)."""
 
     def __init__(
-        self, service: Backend, api_key: str | None, max_body: int, stall_seconds: float
+        self,
+        service: Backend,
+        api_key: str | None,
+        max_body: int,
+        stall_seconds: float,
+        store: ResponseStore | None = None,
     ) -> None:
         self.service = service
         self.api_key = api_key
         self.max_body = max_body
         self.stall_seconds = stall_seconds
+        #: `/v1/responses` and its store of finished responses.
+        self.responses_api = Responses(service, ResponseStore() if store is None else store)
 
     @property
     def metrics(self) -> Metrics:
         return self.service.metrics
 
-    def guarded(self, name: str, handler: Handler) -> Handler:
-        """`handler` behind the API key, with every failure in OpenAI's shape and counted."""
+    def guarded(self, name: str, handler: Handler, dialect: Dialect = OPENAI) -> Handler:
+        """`handler` behind the API key, with every failure in `dialect`'s shape and counted."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                self.authorize(request)
+                self.authorize(request, dialect)
                 response = await handler(request)
             except APIError as exc:
-                response = _error_response(exc)
+                response = _error_response(exc, dialect)
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
-                response = _error_response(APIError(500, "internal error", type="server_error"))
+                error = APIError(500, "internal error", type="server_error")
+                response = _error_response(error, dialect)
             if isinstance(response, EventStream):
                 response.count = lambda status: self.answered(name, status)
             else:
@@ -197,11 +246,10 @@ class Endpoints:
         if status == CLIENT_GONE:
             self.metrics.disconnected(name)
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request, dialect: Dialect = OPENAI) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        if not dialect.authorized(request.headers, self.api_key):
             raise APIError(
                 401,
                 "invalid or missing API key",
@@ -219,9 +267,19 @@ class Endpoints:
     # ---- endpoints ----
 
     async def models(self, request: Request) -> Response:
+        """The model, and each LoRA adapter as a model of its own (a request naming it as its
+        `model` decodes under it, as vLLM serves LoRA modules)."""
         s = self.service
         model = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "kvfork"}
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = [
+            {**model, "id": a["name"], "parent": s.model_id, "root": a["path"]}
+            for a in s.lora_adapters
+        ]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
+
+    async def lora_adapters(self, request: Request) -> Response:
+        """llama-server's `GET /lora-adapters`: `[{"id", "name", "path", "scale"}]`."""
+        return JSONResponse(self.service.lora_adapters)
 
     async def health(self, request: Request) -> Response:
         """`{"status": "ok" | "busy" | "degraded", "free_sequences", "queue"}`: busy when
@@ -412,6 +470,61 @@ class Endpoints:
         finally:
             generation.close()
 
+    # OpenAI's Responses API: the chat machinery, its shapes and store (see `responses`).
+
+    async def responses(self, request: Request) -> Response:
+        api = self.responses_api
+        req = api.parse(await self.read_json(request))
+        tokens, stop = await asyncio.to_thread(api.prompt, req)
+        reply = api.reply(req)
+        generation = self.service.generate(tokens, req.chat.sampling, stop, "input")
+        if req.stream:
+            events = ResponseEvents(reply)
+            dialect = replace(OPENAI, error_event=events.error_event, stream_end=b"")
+            return await _stream(request, events.chunks(generation), generation, dialect)
+
+        async def whole() -> Response:
+            with responses_params():
+                return JSONResponse(reply.finish(await _outcome(generation)))
+
+        try:
+            return await _unless_disconnected(request, whole())
+        finally:
+            generation.close()
+
+    async def get_response(self, request: Request) -> Response:
+        return JSONResponse(self.responses_api.retrieve(request.path_params["response_id"]))
+
+    async def delete_response(self, request: Request) -> Response:
+        return JSONResponse(self.responses_api.delete(request.path_params["response_id"]))
+
+    # Anthropic's Messages API: the chat machinery, Anthropic's shapes (see `messages`).
+
+    async def messages(self, request: Request) -> Response:
+        """`/v1/messages`: as `chat` (the same prompt, tools and cache), Anthropic's shapes."""
+        s = self.service
+        req = parse_messages(await self.read_json(request))
+        s.prompts.constrain_tools(req)
+        tokens, stop = await asyncio.to_thread(s.prompts.chat_prompt, req)
+        reply = Reply(req, s.prompts, s.model_id, len(tokens))
+        generation = s.generate(tokens, req.sampling, stop, "messages")
+        if req.sampling.stream:
+            return await _stream(request, reply.events(generation), generation, ANTHROPIC)
+
+        async def whole() -> Response:
+            return JSONResponse(reply.message(await _outcome(generation)))
+
+        try:
+            return await _unless_disconnected(request, whole())
+        finally:
+            generation.close()
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The tokens a `/v1/messages` body would prefill (its tools' prompt included)."""
+        req = parse_messages(await self.read_json(request), counting=True)
+        tokens, _ = await asyncio.to_thread(self.service.prompts.chat_prompt, req)
+        return JSONResponse({"input_tokens": len(tokens)})
+
 
 #: Characters of a tool call's arguments per streamed fragment.
 ARGUMENT_FRAGMENT = 24
@@ -454,7 +567,10 @@ async def _outcome(generation: Events) -> Outcome:
 
 
 async def _stream(
-    request: Request, chunks: AsyncGenerator[bytes, None], generation: Events
+    request: Request,
+    chunks: AsyncGenerator[bytes, None],
+    generation: Events,
+    dialect: Dialect = OPENAI,
 ) -> Response:
     """An SSE response. The first chunk is produced before the headers go out (a client that
     goes away meanwhile cancels it), so a request that fails at once (a bad schema, a full
@@ -465,7 +581,7 @@ async def _stream(
             head = await chunks.__anext__()
         except StopAsyncIteration:
             head = b""
-        return EventStream(head, chunks, generation)
+        return EventStream(head, chunks, generation, dialect)
 
     try:
         response = await _unless_disconnected(request, first())
@@ -497,19 +613,34 @@ def create_app(
     api_key: str | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     stall_seconds: float = 30.0,
+    max_stored_responses: int = DEFAULT_MAX_STORED,
+    stored_responses_mb: float = DEFAULT_STORED_MB,
 ) -> Starlette:
     """The ASGI app serving `service` (a `Service`, or a `ClusterService`). Bodies over
     `max_body_mb` MiB get 413; `/health` reports `degraded` (503) once requests have waited
-    `stall_seconds` with none admitted."""
-    e = Endpoints(service, api_key, int(max_body_mb * (1 << 20)), stall_seconds)
+    `stall_seconds` with none admitted; `/v1/responses` keeps at most `max_stored_responses`
+    responses in `stored_responses_mb` MiB."""
+    store = ResponseStore(max_stored_responses, int(stored_responses_mb * (1 << 20)))
+    e = Endpoints(service, api_key, int(max_body_mb * (1 << 20)), stall_seconds, store)
+    response_path = "/v1/responses/{response_id}"
     routes = [
         Route("/v1/chat/completions", e.guarded("chat", e.chat), methods=["POST"]),
         Route("/v1/completions", e.guarded("completions", e.completions), methods=["POST"]),
         Route("/v1/embeddings", e.guarded("embeddings", e.embeddings), methods=["POST"]),
+        Route("/v1/responses", e.guarded("responses", e.responses), methods=["POST"]),
+        Route(response_path, e.guarded("responses", e.get_response), methods=["GET"]),
+        Route(response_path, e.guarded("responses", e.delete_response), methods=["DELETE"]),
+        Route("/v1/messages", e.guarded("messages", e.messages, ANTHROPIC), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            e.guarded("count_tokens", e.count_tokens, ANTHROPIC),
+            methods=["POST"],
+        ),
         Route("/v1/models", e.guarded("models", e.models), methods=["GET"]),
         Route("/tokenize", e.guarded("tokenize", e.tokenize), methods=["POST"]),
         Route("/detokenize", e.guarded("detokenize", e.detokenize), methods=["POST"]),
         Route("/apply-template", e.guarded("apply_template", e.apply_template), methods=["POST"]),
+        Route("/lora-adapters", e.guarded("lora_adapters", e.lora_adapters), methods=["GET"]),
         Route("/health", e.health, methods=["GET"]),
         Route("/metrics", e.metrics_endpoint, methods=["GET"]),
     ]

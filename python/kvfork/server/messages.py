@@ -1,0 +1,474 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the
+chat machinery.
+
+A request becomes the `ChatRequest` that `/v1/chat/completions` would build — the system
+prompt a system message, `tool_use` blocks the assistant's `tool_calls`, `tool_result`
+blocks `tool` messages, tools function tools — so the model's template, the built-in tool
+prompt, constrained calls and the prefix cache all serve both APIs alike. Only the shapes
+differ: the reply is a Message, or its stream of named server-sent events; an error is
+`{"type": "error", "error": {"type", "message"}}`. The HTTP side (reading the body, the
+stream's life, disconnects) stays in `app`, which registers the routes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+from .backend import Events
+from .errors import APIError, bad_request
+from .generation import Choice, Event, Outcome
+from .prompts import Prompts
+from .requests import DEFAULT_MAX_TOKENS, ChatRequest, Sampling, _bool, _int, _number
+
+#: The most stop sequences a request may give (each is searched for after every token).
+MAX_STOP_SEQUENCES = 64
+#: Characters of a tool call's input JSON per streamed `input_json_delta`.
+INPUT_FRAGMENT = 24
+#: What a failed tool's result is prefixed with: the chat template has no `is_error`, and the
+#: model must not read an error message as the tool's answer.
+TOOL_ERROR_PREFIX = "Error: "
+
+# ---- the request ----
+
+
+def parse_messages(body: dict[str, Any], *, counting: bool = False) -> ChatRequest:
+    """A `/v1/messages` body as the chat request it amounts to; `counting` (for
+    `/v1/messages/count_tokens`) does not require `max_tokens`. Every bad field is a 400 that
+    names it."""
+    tools, choice = _tools(body)
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    return ChatRequest(
+        messages=[*_system(body), *_turns(body)],
+        sampling=_sampling(body, counting),
+        tools=tools,
+        tool_choice=choice,
+    )
+
+
+def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
+    """Anthropic's sampling fields (temperature in [0, 1], as its API bounds it)."""
+    if body.get("max_tokens") is None and not counting:
+        raise bad_request("max_tokens is required", "max_tokens")
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+    assert max_tokens is not None
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        stop=_stop_sequences(body),
+        stream=_bool(body, "stream"),
+        # As for chat: a LoRA adapter's name as the model selects it, any other the base.
+        model=model if isinstance(model := body.get("model"), str) else None,
+    )
+
+
+def _stop_sequences(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop_sequences")
+    if value is None:
+        return []
+    if (
+        not isinstance(value, list)
+        or not all(isinstance(s, str) for s in value)
+        or len(value) > MAX_STOP_SEQUENCES
+    ):
+        raise bad_request(
+            f"stop_sequences must be a list of at most {MAX_STOP_SEQUENCES} strings",
+            "stop_sequences",
+        )
+    return [s for s in value if s]
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """The text of a string or of a list of text blocks (paragraphs apart)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad_request(f"{where} must be a string or a list of text blocks", where)
+    return "\n\n".join(_text_block(block, f"{where}[{i}]") for i, block in enumerate(blocks))
+
+
+def _text_block(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        raise bad_request(f"{where} must be a text block {{'type': 'text', 'text': ...}}", where)
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.text must be a string", f"{where}.text")
+    return text
+
+
+def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The system prompt (a string or text blocks) as the chat's system message."""
+    value = body.get("system")
+    if value is None:
+        return []
+    text = _text_of(value, "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _turns(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation as chat messages: a user turn can become several (its tool results,
+    then its text), an assistant turn is one (its text and its calls)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object with a role and content", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be 'user' or 'assistant'", f"{where}.role")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not content:
+            raise bad_request(
+                f"{where}.content must be a string or a non-empty list of blocks",
+                f"{where}.content",
+            )
+        if role == "user":
+            out.extend(_user_turn(content, f"{where}.content", names))
+        else:
+            out.append(_assistant_turn(content, f"{where}.content", names))
+    return out
+
+
+def _block_kind(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise bad_request(f"{where} must be a content block with a type", where)
+    kind: str = block["type"]
+    return kind
+
+
+def _unsupported(kind: str, role: str, where: str) -> APIError:
+    return bad_request(f"{where}: {kind!r} blocks are not supported in {role} messages", where)
+
+
+def _user_turn(blocks: list[Any], where: str, names: dict[str, str]) -> list[dict[str, Any]]:
+    """A user turn's tool results as `tool` messages, then its text as a user message."""
+    results: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = _block_kind(block, at)
+        if kind == "text":
+            texts.append(_text_block(block, at))
+        elif kind == "tool_result":
+            results.append(_tool_result(block, at, names))
+        else:
+            raise _unsupported(kind, "user", at)
+    if texts:
+        results.append({"role": "user", "content": "\n\n".join(texts)})
+    return results
+
+
+def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
+    content = block.get("content", "")
+    text = _text_of(content, f"{where}.content")
+    if _bool(block, "is_error"):
+        text = TOOL_ERROR_PREFIX + text
+    message = {"role": "tool", "tool_call_id": call_id, "content": text}
+    if call_id in names:  # some templates show the function a result comes from
+        message["name"] = names[call_id]
+    return message
+
+
+def _assistant_turn(blocks: list[Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    """An assistant turn: its text blocks as content, its tool_use blocks as `tool_calls`
+    (arguments as an object, as Hugging Face templates expect them)."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = _block_kind(block, at)
+        if kind == "text":
+            texts.append(_text_block(block, at))
+        elif kind == "tool_use":
+            calls.append(_tool_call(block, at, names))
+        else:
+            raise _unsupported(kind, "assistant", at)
+    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_call(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    """A tool_use block as a chat tool call (its name noted for the result that answers it)."""
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    if not (isinstance(call_id, str) and isinstance(name, str) and name):
+        raise bad_request(f"{where} must have a string id and name", where)
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.input must be an object", f"{where}.input")
+    names[call_id] = name
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
+    """Custom tools as chat's function tools, and the tool choice as chat names it."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        choice = body.get("tool_choice")
+        if choice is not None and _choice_kind(choice) not in ("auto", "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, "none"
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list", "tools")
+    functions = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    names = [f["function"]["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct names", "tools")
+    return functions, _tool_choice(body.get("tool_choice"), names)
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise bad_request(f"{where} must be an object", where)
+    if tool.get("type", "custom") not in ("custom", None):
+        raise bad_request(
+            f"{where}: {tool['type']!r} tools are not supported (only custom tools)", where
+        )
+    name, schema = tool.get("name"), tool.get("input_schema")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.input_schema must be a JSON schema", f"{where}.input_schema")
+    function: dict[str, Any] = {"name": name, "parameters": schema}
+    description = tool.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad_request(f"{where}.description must be a string", f"{where}.description")
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def _choice_kind(choice: Any) -> str:
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise bad_request(
+            "tool_choice must be {'type': 'auto' | 'any' | 'tool' | 'none'}", "tool_choice"
+        )
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise bad_request(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            "tool_choice.disable_parallel_tool_use",
+        )
+    kind: str = choice["type"]
+    return kind
+
+
+def _tool_choice(choice: Any, names: list[str]) -> str:
+    """Chat's tool choice: "auto", "required" (Anthropic's any), "none", or a tool's name."""
+    if choice is None:
+        return "auto"
+    kind = _choice_kind(choice)
+    if kind != "tool":
+        return {"any": "required"}.get(kind, kind)
+    name = choice.get("name")
+    if name not in names:
+        raise bad_request(
+            f"tool_choice.name must name one of the tools ({', '.join(names)})", "tool_choice.name"
+        )
+    assert isinstance(name, str)
+    return name
+
+
+# ---- the reply ----
+
+
+class Reply:
+    """One request's answer in Anthropic's shapes: the whole Message, or its stream. A reply
+    with tools is a call or text, known only at its end (as for chat): it is streamed then."""
+
+    def __init__(self, req: ChatRequest, prompts: Prompts, model: str, prompt_tokens: int) -> None:
+        self.req = req
+        self.prompts = prompts
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.tools = bool(req.tools) and req.tool_choice != "none"
+
+    def message(self, outcome: Outcome) -> dict[str, Any]:
+        """The finished Message."""
+        content, reason, sequence = self._ending(outcome.choices[0])
+        return self._head(content, reason, sequence, _usage(outcome))
+
+    async def events(self, generation: Events) -> AsyncGenerator[bytes, None]:
+        """The Message's stream: `message_start` once the generation has begun (so a request
+        refused at once gets its status), text deltas as they come (without tools), the
+        blocks' ends and `message_delta` with the stop reason at the Outcome."""
+        started = False
+        async for item in generation:
+            if not started:
+                started = True
+                yield self._start()
+            if isinstance(item, Event):
+                if not self.tools and item.text:
+                    delta = {"type": "text_delta", "text": item.text}
+                    yield _event("content_block_delta", {"index": 0, "delta": delta})
+                continue
+            for chunk in self._end(item):
+                yield chunk
+
+    def _head(
+        self, content: list[Any], reason: str | None, sequence: str | None, usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        }
+
+    def _start(self) -> bytes:
+        """`message_start` (the prompt's tokens: which came from the cache is known at the
+        end, in `message_delta`), and the text block's start when no call can come."""
+        usage = {
+            "input_tokens": self.prompt_tokens,
+            "output_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+        start = _event("message_start", {"message": self._head([], None, None, usage)})
+        if self.tools:
+            return start
+        return start + _event(
+            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+        )
+
+    def _end(self, outcome: Outcome) -> list[bytes]:
+        content, reason, sequence = self._ending(outcome.choices[0])
+        if self.tools:
+            chunks = [c for i, block in enumerate(content) for c in _block_events(i, block)]
+        else:
+            chunks = [_event("content_block_stop", {"index": 0})]
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        chunks.append(_event("message_delta", {"delta": delta, "usage": _usage(outcome)}))
+        chunks.append(_event("message_stop", {}))
+        return chunks
+
+    def _ending(self, choice: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
+        """A finished choice's content blocks, stop reason and the stop sequence it met."""
+        text = choice.text.content
+        calls = self.prompts.tool_calls(self.req, text) if self.tools else []
+        if calls:
+            return [_tool_use(call) for call in calls], "tool_use", None
+        sequence = matched_stop_sequence(choice, self.req.sampling.stop)
+        if sequence is not None:
+            reason = "stop_sequence"
+        elif choice.finish_reason == "length":
+            # Cut by the context before max_tokens: Anthropic has a reason of its own.
+            full = choice.tokens < self.req.sampling.max_tokens
+            reason = "model_context_window_exceeded" if full else "max_tokens"
+        else:
+            reason = "end_turn"
+        return [{"type": "text", "text": text}], reason, sequence
+
+
+def matched_stop_sequence(choice: Choice, sequences: list[str]) -> str | None:
+    """Which of the request's stop sequences ended `choice`, if one did. The generation
+    stops at the first stop string, and `StopStrings` keeps the text past the content it cut:
+    that tail begins with the stop string met (a template's own stop, such as an end-of-turn
+    marker, is no stop sequence: the turn simply ended)."""
+    stops = choice.text
+    if choice.finish_reason != "stop" or not stops.stopped:
+        return None
+    tail = stops.text[len(stops.content) :]
+    return next((s for s in sequences if tail.startswith(s)), None)
+
+
+def _usage(outcome: Outcome) -> dict[str, Any]:
+    """Anthropic's usage: its input_tokens leave out the tokens read from the cache (the
+    prompt is the sum of the input and cache fields)."""
+    return {
+        "input_tokens": outcome.prompt_tokens - outcome.cached_tokens,
+        "output_tokens": outcome.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": outcome.cached_tokens,
+    }
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """A parsed chat tool call as a `tool_use` block."""
+    fn = call["function"]
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"]),
+    }
+
+
+def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
+    """A finished block as Anthropic streams one: its start (empty), its content as deltas
+    (a call's input JSON in fragments), its stop."""
+    if block["type"] == "tool_use":
+        opened = {**block, "input": {}}
+        raw = json.dumps(block["input"], ensure_ascii=False)
+        deltas = [
+            {"type": "input_json_delta", "partial_json": raw[at : at + INPUT_FRAGMENT]}
+            for at in range(0, len(raw), INPUT_FRAGMENT)
+        ]
+    else:
+        opened = {"type": "text", "text": ""}
+        deltas = [{"type": "text_delta", "text": block["text"]}] if block["text"] else []
+    return [
+        _event("content_block_start", {"index": index, "content_block": opened}),
+        *(_event("content_block_delta", {"index": index, "delta": d}) for d in deltas),
+        _event("content_block_stop", {"index": index}),
+    ]
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    """A named server-sent event; its data repeats the name as `type`, as Anthropic's do."""
+    body = json.dumps({"type": name, **data}, ensure_ascii=False)
+    return f"event: {name}\ndata: {body}\n\n".encode()
+
+
+# ---- errors and keys ----
+
+#: Anthropic's error type for each status (others: by class, 4xx or 5xx).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    """Anthropic's error body. It has no `param`: the message names the field at fault."""
+    kind = ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    message = exc.message
+    if exc.param and exc.param not in message:
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_event(exc: APIError) -> bytes:
+    """The `error` event that ends a stream failing after its start."""
+    return _event("error", {"error": error_body(exc)["error"]})
+
+
+def authorized(headers: Mapping[str, str], key: str) -> bool:
+    """Anthropic's clients send the key as `x-api-key` (older) or as a bearer token."""
+    return headers.get("x-api-key") == key or headers.get("authorization") == f"Bearer {key}"
