@@ -1,15 +1,17 @@
-"""Chaos against a real `kvfork serve`: a seeded random mix of chat and completions, `n` 1–4,
-streams dropped at random chunks, JSON schemas, required tools, malformed bodies and oversized
-prompts, up to the server's sequences in flight at once (more requests than sequences: some
-wait, some are refused). Every answer is a 200, a 4xx in OpenAI's shape, or a 503 with
-Retry-After — never a 500 — and afterwards the server is at rest (every sequence back) and
-answers a plain request at once.
+"""Chaos against a real `kvfork serve`: a seeded random mix of chat, completions, Responses
+(some continuing an earlier response) and Anthropic Messages, `n` 1–4, streams dropped at
+random chunks, JSON schemas, required tools, token counting, malformed bodies sent to every
+endpoint and oversized prompts, up to the server's sequences in flight at once (more requests
+than sequences: some wait, some are refused). Every answer is a 200, a 4xx in its API's shape,
+or a 503 with Retry-After — never a 500 — and afterwards the server is at rest (every sequence
+back) and answers a plain request at once.
 
 `make test` runs a short round (`KVFORK_CHAOS_REQUESTS`, default 150, about 20 s);
 `make soak` runs 5,000 requests and checks that the server's resident memory stays flat."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -39,7 +41,7 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -94,15 +96,71 @@ def _chat_body(rng: random.Random) -> dict[str, Any]:
     return body
 
 
+#: Where garbage goes: every endpoint that reads a body.
+BODY_PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/apply-template",
+]
+#: A stand-in in a planned Responses body for the id of a response stored earlier in the run.
+EARLIER = "<an earlier response>"
+
+
+def _responses_body(rng: random.Random) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input": f"Name a colour and the number {rng.randrange(50)}.",
+        "max_output_tokens": rng.randint(1, 12),
+        "temperature": rng.choice([0.0, 0.7]),
+        "stream": rng.random() < 0.5,
+    }
+    if rng.random() < 0.3:
+        body["previous_response_id"] = EARLIER
+    if rng.random() < 0.15:
+        body["instructions"] = "Answer in one word."
+    return body
+
+
+def _messages_body(rng: random.Random) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "max_tokens": rng.randint(1, 12),
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": f"Count to {rng.randrange(9)}."}],
+        "stream": rng.random() < 0.5,
+        "stop_sequences": rng.choice([[], ["3"]]),
+    }
+    if rng.random() < 0.2:
+        body["tools"] = [
+            {"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}
+        ]  # fmt: skip
+        body.update(tool_choice={"type": "any"}, max_tokens=32)
+    return body
+
+
 def _request(rng: random.Random) -> tuple[str, str, bytes, int | None]:
     """(label, path, body, chunks to read before dropping the stream: None reads it all)."""
     roll = rng.random()
     if roll < 0.1:
-        return "garbage", "/v1/chat/completions", rng.choice(GARBAGE), None
+        return "garbage", rng.choice(BODY_PATHS), rng.choice(GARBAGE), None
     if roll < 0.15:
         long = {"messages": [{"role": "user", "content": "word " * 6000}]}
         return "oversized", "/v1/chat/completions", json.dumps(long).encode(), None
+    if roll < 0.25:
+        body = _responses_body(rng)
+        drop = rng.choice([None, 0, 2, 4]) if body["stream"] else None
+        return "responses", "/v1/responses", json.dumps(body).encode(), drop
     if roll < 0.35:
+        body = _messages_body(rng)
+        drop = rng.choice([None, 0, 2, 4]) if body["stream"] else None
+        path = "/v1/messages/count_tokens" if rng.random() < 0.1 else "/v1/messages"
+        if path.endswith("count_tokens"):
+            body.pop("stream")
+            drop = None
+        return "messages", path, json.dumps(body).encode(), drop
+    if roll < 0.5:
         body = {
             "prompt": f"{rng.randrange(100)}, {rng.randrange(100)},",
             "max_tokens": rng.randint(1, 12),
@@ -117,9 +175,12 @@ def _request(rng: random.Random) -> tuple[str, str, bytes, int | None]:
     return "chat", "/v1/chat/completions", json.dumps(chat).encode(), drop
 
 
-def _send(server: Server, path: str, body: bytes, drop: int | None) -> tuple[int, str]:
+def _send(
+    server: Server, path: str, body: bytes, drop: int | None, stored: list[str] | None = None
+) -> tuple[int, str]:
     """The status (and Retry-After) of one request over a raw socket; a stream is dropped after
-    `drop` SSE events, half the time with a reset instead of a close."""
+    `drop` SSE events, half the time with a reset instead of a close. The id of a whole
+    Responses reply goes to `stored`."""
     with socket.create_connection(server.address, timeout=120) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -150,6 +211,9 @@ def _send(server: Server, path: str, body: bytes, drop: int | None) -> tuple[int
             return status, retry
         while chunk := sock.recv(65536):  # read to the end (Connection: close)
             received += chunk
+        if stored is not None and status == 200 and path == "/v1/responses" and drop is None:
+            with contextlib.suppress(ValueError, KeyError):  # a stream: no single object
+                stored.append(json.loads(received.split(b"\r\n\r\n", 1)[1])["id"])
         return status, retry
 
 
@@ -161,6 +225,8 @@ def test_a_random_rude_crowd_never_gets_a_500_and_leaks_nothing(server: Server) 
     lock = threading.Lock()
     rss: list[float] = []
     cursor = iter(range(REQUESTS))
+    stored: list[str] = []  # the ids of whole Responses replies, for later ones to continue
+    rng_ids = random.Random(SEED + 1)
 
     def worker() -> None:
         while True:
@@ -169,8 +235,14 @@ def test_a_random_rude_crowd_never_gets_a_500_and_leaks_nothing(server: Server) 
             if i is None:
                 return
             label, path, body, drop = plan[i]
+            if EARLIER.encode() in body:
+                with lock:
+                    earlier = rng_ids.choice(stored) if stored else None
+                body = body.replace(
+                    json.dumps(EARLIER).encode(), json.dumps(earlier).encode()
+                )  # fmt: skip
             try:
-                status, retry = _send(server, path, body, drop)
+                status, retry = _send(server, path, body, drop, stored)
             except (OSError, AssertionError) as exc:
                 with lock:
                     failures.append(f"{label} #{i}: {exc!r}")
@@ -195,6 +267,7 @@ def test_a_random_rude_crowd_never_gets_a_500_and_leaks_nothing(server: Server) 
     assert not failures, failures[:10]
     assert {status for _, status in statuses} <= {200, 400, 413, 503}
     assert statuses[("chat", 200)] > 0 and statuses[("garbage", 400)] > 0
+    assert statuses[("responses", 200)] > 0 and statuses[("messages", 200)] > 0
     server.assert_at_rest()
     _plain_at_once(server)
     if len(rss) >= 30:  # the soak: memory flat (a leak of a few KiB per request shows)
