@@ -762,3 +762,34 @@ def test_tokenize_detokenize_and_apply_template_answer_as_llama_server_does(
     ]:
         status, body = chat_server.post(path, json.dumps(bad).encode())
         assert status == 400 and body["error"]["param"] == field, (path, body)
+
+
+def test_earlier_tool_calls_and_results_reach_a_template_that_ignores_them(
+    chat_server: Server,
+) -> None:
+    """SmolLM2's ChatML drops `tool_calls`: the server writes an agent's earlier calls into the
+    assistant turn as the `<tool_call>` blocks its tool prompt asks for, and the results as
+    `<tool_response>` blocks, so the model sees what it called and what came back."""
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    status, body = chat_server.post("/apply-template", json.dumps({"messages": messages}).encode())
+    assert status == 200
+    prompt = body["prompt"]
+    shown = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert f"<|im_start|>assistant\n{shown}<|im_end|>" in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    # A plain conversation is rendered exactly as the template renders it.
+    with kvfork.create_context_sync(kvfork.default_chat_model_path(), n_ctx=512) as ctx:
+        plain = ctx.format_chat(_messages()).prompt
+    status, body = chat_server.post(
+        "/apply-template", json.dumps({"messages": _messages()}).encode()
+    )
+    assert body["prompt"] == plain

@@ -9,6 +9,7 @@ call is constrained to the functions' JSON schema (llguidance), so it always par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -54,6 +55,43 @@ def with_tool_prompt(
     else:
         out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def template_renders_calls(ctx: Context, **kw: Any) -> bool:
+    """Whether the context's chat template shows an assistant message's `tool_calls`."""
+    call = {"type": "function", "function": {"name": "kvfork_probe_fn", "arguments": {}}}
+    probe: list[dict[str, Any]] = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", **call}]},
+    ]
+    return "kvfork_probe_fn" in ctx.format_chat(probe, add_generation_prompt=False, **kw).prompt
+
+
+def calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` for a template that does not show tool calls: each assistant message's
+    `tool_calls` written into its content as the `<tool_call>` blocks the tool prompt asks for,
+    and each tool result as a `<tool_response>` block, so that the model sees its own calls
+    and their results in the next turns (Hermes' convention)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            blocks = [_call_text(c) for c in m.pop("tool_calls")]
+            m["content"] = "\n".join([*filter(None, [m.get("content")]), *blocks])
+        elif m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        out.append(m)
+    return out
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):  # else kept as the text it was
+            args = json.loads(args)
+    body = json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+    return f"<tool_call>{body}</tool_call>"
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from .._native import Context, KvforkError
-from .._tools import call_schema, parse_tool_calls, template_renders_tools, with_tool_prompt
+from .._tools import (
+    call_schema,
+    calls_as_text,
+    parse_tool_calls,
+    template_renders_calls,
+    template_renders_tools,
+    with_tool_prompt,
+)
 from .errors import APIError, bad_request
 from .requests import ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest
 
@@ -31,6 +38,8 @@ class Prompts:
         self.ctx = ctx
         self.chat_template = chat_template
         self.embed_ctx = embed_ctx
+        #: Whether the template shows assistant messages' `tool_calls` (None: not probed yet).
+        self._calls_shown: bool | None = None
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
         """The prompt tokens of a chat request and the template's stop strings."""
@@ -47,10 +56,18 @@ class Prompts:
         try:
             if tools and not template_renders_tools(self.ctx, messages, **kwargs):
                 messages, tools = with_tool_prompt(messages, tools), None
+            if any(m.get("tool_calls") for m in messages) and not self._renders_calls(kwargs):
+                messages = calls_as_text(messages)
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
         except KvforkError as exc:
             raise bad_request(str(exc), "messages", "chat_template") from None
         return chat.prompt, list(chat.stop)
+
+    def _renders_calls(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the template shows earlier tool calls (`template_renders_calls`), probed once."""
+        if self._calls_shown is None:
+            self._calls_shown = template_renders_calls(self.ctx, **kwargs)
+        return self._calls_shown
 
     def tokenize(self, req: TokenizeRequest) -> list[Any]:
         """`/tokenize`: token ids, or `{"id", "piece"}` objects (the piece as text, or as a
