@@ -99,6 +99,36 @@ def test_with_one_sequence_a_spilled_entry_comes_back_into_the_new_branch(
         assert again[0] == first[1]
 
 
+@pytest.mark.parametrize("family", ["mamba", "lfm2", "granitehybrid"])
+def test_a_recurrent_entry_comes_back_up_to_its_checkpoint_where_a_prompt_parts_from_it(
+    family_models: Callable[[str], kvfork.Model], family: str
+) -> None:
+    """On recurrent and hybrid models a spilled entry carries its recurrent-state
+    checkpoints: a prompt that parts from it inside (where the snapshot's final state is of
+    no use) gets it back up to the last checkpoint before that point, prefills the rest, and
+    continues as a fresh prefill does. Prefill decodes of 64 tokens leave a checkpoint every
+    64 tokens."""
+    model = family_models(family)
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=1, n_batch=64) as ctx:
+        cache = kvfork.PrefixCache(ctx, host_bytes=64 << 20)
+        first = ctx.tokenize(DOC * 12)
+        assert len(first) > 130
+        serve_each(cache, [first], 4)
+        parting = first[:100] + ctx.tokenize(" A different ending.", add_special=False)
+        b = cache.branch_sync(parting, GREEDY)  # the one sequence: the entry spills first
+        assert cache.shared_tokens(b) == 64  # its last checkpoint before token 100
+        got = [t.token for t in b.generate_sync(8)]
+        cache.release(b)
+        s = cache.stats()
+        assert s["host"]["hits"] == 1 and s["host"]["restored_tokens"] == 64
+        assert ctx.stats()["checkpoint_restores"] >= 1
+    expected, margins = alone(model, parting)
+    for i, (g, want) in enumerate(zip(got, expected, strict=True)):
+        if margins[i] < 1.0:
+            break
+        assert g == want, (family, i)
+
+
 def test_entries_over_max_cached_tokens_spill_too(model: kvfork.Model) -> None:
     """`max_cached_tokens` evicts when an entry is released (never waiting: its snapshot is
     kept by a thread of its own), and the spilled entry comes back like any other."""

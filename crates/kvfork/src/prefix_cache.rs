@@ -24,7 +24,9 @@ use crate::context::Context;
 use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
-use crate::prefix_spill::{LevelStats, Spill, SpillConfig, Taken};
+use crate::prefix_spill::{
+    pack, unpack, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken,
+};
 use crate::sampling::SamplingParams;
 
 /// What the cache has done so far.
@@ -529,13 +531,24 @@ impl PrefixCache {
     /// that share its tokens (`wait_for_spilling`); the second half keeps it in the spill
     /// levels once taken, for the caller to run now or on a thread of its own.
     fn start_eviction(&self, holder: Holder) -> (Pending<()>, Option<impl FnOnce() + Send>) {
-        let snapshot = self.spills(&holder).then(|| holder.branch.snapshot());
+        let snapshot = self.spills(&holder).then(|| {
+            let checkpoints: SpilledCheckpoints = holder
+                .branch
+                .cell()
+                .lock()
+                .checkpoints_upto(u32::MAX)
+                .iter()
+                .map(|c| (c.pos, c.state.clone()))
+                .collect();
+            (holder.branch.snapshot(), checkpoints)
+        });
         let pruned = holder.branch.prune_keep_children();
-        let keep = snapshot.map(|snapshot| {
+        let keep = snapshot.map(|(snapshot, checkpoints)| {
             let done = self.announce_spilling(&holder.tokens);
             let cache = self.clone();
             move || {
-                cache.keep_spilled(holder.tokens, snapshot.wait());
+                let entry = snapshot.wait().map(|s| pack(s, &checkpoints));
+                cache.keep_spilled(holder.tokens, entry);
                 cache.spilled(&done);
             }
         });
@@ -565,7 +578,7 @@ impl PrefixCache {
     /// holds then (0: refused, another model or corrupt: it is dropped). KvCacheFullError
     /// when its cells find no room (the caller evicts and tries again).
     fn restore_into(&self, branch: &Branch, taken: &Taken, len: usize) -> Result<usize> {
-        let n = match branch.restore_prefix(taken.snapshot.clone(), len).wait() {
+        let n = match branch.restore_prefix(taken.entry.clone(), len).wait() {
             Ok(n) => n,
             Err(e @ Error::KvCacheFull(_)) => return Err(e),
             Err(_) => 0,
@@ -786,18 +799,24 @@ fn wait_done(done: &(Mutex<bool>, Condvar)) {
 }
 
 impl Branch {
-    /// Fill this branch's empty sequence with the first `len` tokens of a branch snapshot
-    /// (`Branch::snapshot`: its KV cells and tokens, checked against this model); how many
-    /// it holds then: `len`, or 0 when the snapshot holds fewer, this branch is not empty,
-    /// or the model keeps a recurrent state and `len` is not the snapshot's end (its state
-    /// is only known there). An error for a snapshot of another model or cache layout.
-    pub fn restore_prefix(&self, snapshot: Arc<Vec<u8>>, len: usize) -> Pending<usize> {
+    /// Fill this branch's empty sequence with the first `len` tokens of a spilled entry
+    /// (`prefix_spill::pack`: a `Branch::snapshot`, its KV cells and tokens checked against
+    /// this model, then its recurrent-state checkpoints). How many it holds then: `len`; on a
+    /// recurrent or hybrid model with `len` inside the snapshot, its last checkpoint at or
+    /// before `len`, where the state is known (the caller prefills the rest); 0 when the
+    /// snapshot holds fewer, no checkpoint helps, or this branch is not empty. An error for a
+    /// snapshot of another model or cache layout, or a malformed entry.
+    pub(crate) fn restore_prefix(&self, entry: Arc<Vec<u8>>, len: usize) -> Pending<usize> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
+        let (snapshot_len, checkpoints) = match unpack(&entry) {
+            Ok(parts) => parts,
+            Err(e) => return Pending::ready(Err(e)),
+        };
         let cell = self.cell().clone();
         self.context()
-            .run(move |w| w.restore_prefix(&cell, &snapshot, len))
+            .run(move |w| w.restore_prefix(&cell, &entry[..snapshot_len], len, checkpoints))
     }
 
     /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence

@@ -5,8 +5,13 @@
 //! `Branch::restore` (a copy into the cache: ~170× faster than prefilling the same tokens
 //! on a CPU, BENCHMARKS §18) instead of prefilling it.
 //!
+//! An entry is the snapshot followed by the branch's recurrent-state checkpoints (`pack`; none
+//! on attention-only models): on a recurrent or hybrid model a prompt that parts from the
+//! entry inside it restores up to the last checkpoint before that point, where the state is
+//! known, instead of prefilling everything.
+//!
 //! On disk each entry is one file, `<id>.kvfe`: a header (magic, version, the tokens, so
-//! a restart rebuilds the index without reading the KV) and the snapshot. Files are written
+//! a restart rebuilds the index without reading the KV) and the entry. Files are written
 //! under a temporary name and renamed, so a crash leaves either a whole file or a `.tmp`
 //! that the next start removes; a file that does not parse is skipped (and removed), one
 //! from another model or cache layout is refused by the snapshot's own checks when it is
@@ -24,7 +29,8 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 
 const MAGIC: &[u8; 4] = b"KVFE";
-const VERSION: u32 = 2;
+/// 3: the checkpoints follow the snapshot.
+const VERSION: u32 = 3;
 const EXTENSION: &str = "kvfe";
 
 /// Where spilled entries go and how much each level holds.
@@ -84,10 +90,49 @@ pub(crate) struct Spill {
 
 /// A spilled entry taken out to be restored.
 pub(crate) struct Taken {
-    /// A `Branch::snapshot`.
-    pub snapshot: Arc<Vec<u8>>,
+    /// A `Branch::snapshot` and its checkpoints (`pack`).
+    pub entry: Arc<Vec<u8>>,
     /// Whether it was on disk (else in host memory).
     pub from_disk: bool,
+}
+
+/// Recurrent-state checkpoints as a spilled entry carries them: (position, state).
+pub(crate) type SpilledCheckpoints = Vec<(u32, Arc<[u8]>)>;
+
+/// A spilled entry's bytes: `snapshot`, then each checkpoint (position, length, state), then
+/// their count and the snapshot's length, so that `unpack` finds the snapshot in place.
+pub(crate) fn pack(mut snapshot: Vec<u8>, checkpoints: &SpilledCheckpoints) -> Vec<u8> {
+    let len = snapshot.len() as u64;
+    for (pos, state) in checkpoints {
+        snapshot.extend_from_slice(&pos.to_le_bytes());
+        snapshot.extend_from_slice(&(state.len() as u64).to_le_bytes());
+        snapshot.extend_from_slice(state);
+    }
+    snapshot.extend_from_slice(&(checkpoints.len() as u32).to_le_bytes());
+    snapshot.extend_from_slice(&len.to_le_bytes());
+    snapshot
+}
+
+/// The length of the snapshot at the start of a `pack`ed entry, and its checkpoints.
+pub(crate) fn unpack(entry: &[u8]) -> Result<(usize, SpilledCheckpoints)> {
+    let bad = || Error::State("a spilled prefix-cache entry is malformed".into());
+    let tail = entry.len().checked_sub(12).ok_or_else(bad)?;
+    let count = u32::from_le_bytes(entry[tail..tail + 4].try_into().expect("4 bytes"));
+    let len = u64::from_le_bytes(entry[tail + 4..].try_into().expect("8 bytes")) as usize;
+    let mut at = len;
+    let mut checkpoints = Vec::with_capacity((count as usize).min(1024));
+    for _ in 0..count {
+        let head = entry.get(at..at + 12).ok_or_else(bad)?;
+        let pos = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+        let n = u64::from_le_bytes(head[4..].try_into().expect("8 bytes")) as usize;
+        let state = entry.get(at + 12..at + 12 + n).ok_or_else(bad)?;
+        checkpoints.push((pos, Arc::from(state)));
+        at += 12 + n;
+    }
+    if at != tail {
+        return Err(bad());
+    }
+    Ok((len, checkpoints))
 }
 
 impl Spill {
@@ -183,9 +228,8 @@ impl Spill {
         Some(entry)
     }
 
-    /// Keep the snapshot of an entry evicted from the KV cache, holding `tokens`: in host
-    /// memory, moving the least recently used ones to disk (or dropping them) to stay in
-    /// budget.
+    /// Keep an entry evicted from the KV cache (`pack`ed), holding `tokens`: in host memory,
+    /// moving the least recently used ones to disk (or dropping them) to stay in budget.
     pub fn keep(&mut self, tokens: Vec<Token>, snapshot: Vec<u8>) {
         if tokens.is_empty() {
             return;
@@ -293,8 +337,8 @@ impl Spill {
             .remove(id)
             .ok_or_else(|| Error::Internal(format!("spilled entry {id} is gone")))?;
         match entry.place {
-            Place::Host(snapshot) => Ok(Taken {
-                snapshot,
+            Place::Host(entry) => Ok(Taken {
+                entry,
                 from_disk: false,
             }),
             Place::Disk(path) => {
@@ -306,7 +350,7 @@ impl Spill {
                     return Err(Error::State(format!("{} is truncated", path.display())));
                 }
                 Ok(Taken {
-                    snapshot: Arc::new(file[at..].to_vec()),
+                    entry: Arc::new(file[at..].to_vec()),
                     from_disk: true,
                 })
             }
@@ -416,7 +460,7 @@ mod tests {
         assert_eq!(len, 3);
         let taken = s.take(id).unwrap();
         assert!(taken.from_disk);
-        assert_eq!(*taken.snapshot, vec![0u8; 100]);
+        assert_eq!(*taken.entry, vec![0u8; 100]);
         assert_eq!(s.stats().1.entries, 1);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
         let _ = fs::remove_dir_all(&d);
@@ -452,6 +496,27 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_carries_its_checkpoints_after_the_snapshot() {
+        let snapshot = vec![9u8; 33];
+        let checkpoints: SpilledCheckpoints =
+            vec![(4, Arc::from(&[1u8, 2, 3][..])), (16, Arc::from(&[][..]))];
+        let entry = pack(snapshot.clone(), &checkpoints);
+        let (len, back) = unpack(&entry).unwrap();
+        assert_eq!(&entry[..len], &snapshot[..]);
+        assert_eq!(back, checkpoints);
+        let (len, none) = unpack(&pack(snapshot, &Vec::new())).unwrap();
+        assert_eq!((len, none.len()), (33, 0));
+        // Cut anywhere, or with a count that overruns, it is refused, never misread.
+        for cut in 0..entry.len() {
+            assert!(unpack(&entry[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut overrun = entry.clone();
+        let tail = overrun.len() - 12;
+        overrun[tail..tail + 4].copy_from_slice(&3u32.to_le_bytes());
+        assert!(unpack(&overrun).is_err());
+    }
+
+    #[test]
     fn the_same_tokens_spilled_again_replace_the_older_entry() {
         let d = dir("same");
         let mut s = Spill::open(config(1000, &d, 0), 1).unwrap();
@@ -459,7 +524,7 @@ mod tests {
         s.keep(vec![1, 2, 3], vec![2; 10]);
         assert_eq!(s.stats().0.entries, 1);
         let (id, _) = s.best(&[1, 2, 3]).unwrap();
-        assert_eq!(*s.take(id).unwrap().snapshot, vec![2; 10]);
+        assert_eq!(*s.take(id).unwrap().entry, vec![2; 10]);
         let _ = fs::remove_dir_all(&d);
     }
 }

@@ -12,13 +12,15 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kvfork_core::checkpoints::Checkpoints;
 use kvfork_core::state_file::{self, Kind, Reader, Writer};
 use kvfork_core::Handle;
 
-use super::shared::BranchCell;
+use super::shared::{BranchCell, Stats};
 use super::Worker;
 use crate::branch_state::{state_error, BranchState};
 use crate::error::{Error, Result};
+use crate::prefix_spill::SpilledCheckpoints;
 use crate::seq::Seq;
 
 /// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
@@ -133,12 +135,15 @@ impl Worker {
     }
 
     /// `Branch::restore_prefix`: the first `len` tokens of a branch snapshot's KV into
-    /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk).
+    /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk),
+    /// with the `checkpoints` it was spilled with. On a recurrent state inside the snapshot,
+    /// up to the last checkpoint at or before `len` (the state is known there only).
     pub(crate) fn restore_prefix(
         &mut self,
         cell: &Arc<BranchCell>,
         file: &[u8],
         len: usize,
+        checkpoints: SpilledCheckpoints,
     ) -> Result<usize> {
         let (state, kv) = self.open_branch_file(file)?;
         let history = state.history();
@@ -146,9 +151,18 @@ impl Worker {
         if !whole || len == 0 || len > history.len() || cell.lock().position() != 0 {
             return Ok(0);
         }
-        if len < history.len() && self.shared().model.is_recurrent() {
-            return Ok(0); // a recurrent state is known at the snapshot's end only
-        }
+        let recurrent = self.keeps_checkpoints();
+        let (at, state_at) = match () {
+            _ if !recurrent || len == history.len() => (len, None),
+            _ => match checkpoints
+                .iter()
+                .filter(|(p, _)| *p > 0 && *p as usize <= len)
+                .max_by_key(|(p, _)| *p)
+            {
+                Some((p, st)) => (*p as usize, Some(st.clone())),
+                None => return Ok(0),
+            },
+        };
         self.give_leases(&[cell])?;
         let seq = cell.seq();
         self.empty_seq(seq)?;
@@ -159,12 +173,29 @@ impl Worker {
                 history.len()
             )));
         }
-        if len < history.len() && !self.ctx_mut().seq_rm(seq, len as i32, -1)? {
+        if let Some(st) = state_at {
+            // The checkpoint's state replaces the snapshot's final one.
+            if let Err(e) = self.ctx_mut().set_recurrent_state(seq, &st) {
+                self.empty_seq(seq)?;
+                return Err(e);
+            }
+            Stats::add(&self.shared().stats.checkpoint_restores, 1);
+        }
+        if at < history.len() && !self.ctx_mut().seq_rm(seq, at as i32, -1)? {
             self.empty_seq(seq)?;
             return Ok(0);
         }
-        cell.lock().decoded(&history[..len]);
-        Ok(len)
+        let mut st = cell.lock();
+        st.decoded(&history[..at]);
+        if recurrent {
+            let budget = self.shared().params.checkpoint_budget();
+            let mut kept = Checkpoints::default();
+            for (pos, state) in checkpoints.into_iter().filter(|(p, _)| *p as usize <= at) {
+                kept.insert(pos, state.len(), state, budget);
+            }
+            st.set_checkpoints(kept);
+        }
+        Ok(at)
     }
 
     /// Whole-context files record each branch's sequence: a `park` context's branches have
