@@ -99,6 +99,52 @@ def test_with_one_sequence_a_spilled_entry_comes_back_into_the_new_branch(
         assert again[0] == first[1]
 
 
+def assert_as_fresh(model: kvfork.Model, tokens: list[int], got: list[int]) -> None:
+    """`got` are the greedy tokens of `tokens` prefilled alone, up to its first near-tie."""
+    expected, margins = alone(model, tokens, len(got))
+    for i, (g, want) in enumerate(zip(got, expected, strict=True)):
+        if margins[i] < 1.0:
+            break
+        assert g == want, i
+
+
+@pytest.mark.parametrize("anchor_stays", [True, False])
+def test_an_entry_that_shared_a_preamble_spills_only_its_own_cells(
+    model: kvfork.Model, anchor_stays: bool
+) -> None:
+    """Two prompts on one long preamble: the second shares it from the first. Evicted while
+    the first still holds the preamble, the second is spilled with its own cells only (under
+    half a whole snapshot's bytes); asked for again, it comes back with the preamble's cells
+    taken from the branch that holds them. When nobody holds them any more, the spilled entry
+    that does (the first, spilled too) comes back instead and the rest is prefilled. Either
+    way the continuation is a fresh prefill's."""
+    question = " Question {}: what came next in the story, and who wrote it down, and why?"
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        preamble = ctx.tokenize("Shared instructions for every question. " + DOC * 24)
+        qa, qb = (preamble + ctx.tokenize(question.format(x), add_special=False) for x in "AB")
+        common = next(i for i, (x, y) in enumerate(zip(qa, qb)) if x != y)
+        assert len(qb) - common > 16  # its own part is worth restoring
+        whole = kvfork.Branch.create(ctx, 0, GREEDY)
+        whole.prefill_sync(qb)
+        whole_bytes = len(whole.snapshot_sync())
+        whole.prune_sync()
+        cache = kvfork.PrefixCache(ctx, host_bytes=400_000_000)
+        serve_each(cache, [qa, qb])
+        # A's prompt again: its new branch needs a lease, and B (least recently used) goes.
+        serve_each(cache, [qa])
+        s = cache.stats()
+        assert s["host"]["entries"] == 1
+        assert s["host"]["bytes"] < 0.5 * whole_bytes, (s["host"]["bytes"], whole_bytes)
+        if not anchor_stays:  # two other long prompts push A's entries out of the KV too
+            serve_each(cache, docs(ctx, 2), 2)
+        b = cache.branch_sync(qb, GREEDY)
+        assert cache.shared_tokens(b) == (len(qb) - 1 if anchor_stays else common)
+        got = [t.token for t in b.generate_sync(8)]
+        cache.release(b)
+        assert cache.stats()["host"]["hits"] == 1
+    assert_as_fresh(model, qb, got)
+
+
 @pytest.mark.parametrize("family", ["mamba", "lfm2", "granitehybrid"])
 def test_a_recurrent_entry_comes_back_up_to_its_checkpoint_where_a_prompt_parts_from_it(
     family_models: Callable[[str], kvfork.Model], family: str

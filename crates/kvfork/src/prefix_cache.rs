@@ -25,7 +25,7 @@ use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::prefix_spill::{
-    pack, unpack, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken,
+    pack, unpack, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken, Unpacked,
 };
 use crate::sampling::SamplingParams;
 
@@ -540,19 +540,38 @@ impl PrefixCache {
                 .iter()
                 .map(|c| (c.pos, c.state.clone()))
                 .collect();
-            (holder.branch.snapshot(), checkpoints)
+            let anchor = self.anchor_of(&holder);
+            (holder.branch.spill_snapshot(anchor), checkpoints)
         });
         let pruned = holder.branch.prune_keep_children();
         let keep = snapshot.map(|(snapshot, checkpoints)| {
             let done = self.announce_spilling(&holder.tokens);
             let cache = self.clone();
             move || {
-                let entry = snapshot.wait().map(|s| pack(s, &checkpoints));
+                let entry = snapshot
+                    .wait()
+                    .map(|(s, anchor)| (pack(s, anchor, &checkpoints), anchor));
                 cache.keep_spilled(holder.tokens, entry);
                 cache.spilled(&done);
             }
         });
         (pruned, keep)
+    }
+
+    /// The prefix an evicted entry got from the KV when it was made, with a branch of the
+    /// cache that holds it now: its spilled snapshot leaves those cells out. None on a
+    /// recurrent state (its snapshot is whole) or a prefix not worth it.
+    fn anchor_of(&self, holder: &Holder) -> Option<(usize, Branch)> {
+        let from = holder.shared;
+        if from < WORTH_SHARING || holder.sentinel.is_some() || self.ctx.model().is_recurrent() {
+            return None;
+        }
+        self.holder_of(&holder.tokens[..from]).map(|b| (from, b))
+    }
+
+    /// A branch of the cache (no adapters) whose KV holds `prefix`.
+    fn holder_of(&self, prefix: &[Token]) -> Option<Branch> {
+        holder_in(&self.lock(), prefix)
     }
 
     /// Whether an evicted entry is kept as a snapshot: the cache spills, and the entry has
@@ -564,21 +583,40 @@ impl PrefixCache {
     /// The spilled entry to restore for `tokens`, taken out of its level: one sharing a
     /// prefix worth sharing beyond the `shared` tokens the KV cache holds, and how many of
     /// its tokens the prompt shares (all but the prompt's last at most).
+    ///
+    /// An entry spilled without its anchor's cells comes back only while a branch of the cache
+    /// holds them; else the entry that holds them, if one was spilled, comes back instead.
     fn take_spilled(&self, tokens: &[Token], shared: usize) -> Option<(Taken, usize)> {
         let mut st = self.lock();
-        let spill = st.spill.as_mut()?;
-        let (id, len) = spill.best(&tokens[..tokens.len() - 1])?;
+        let prompt = &tokens[..tokens.len() - 1];
+        let (mut id, mut len, anchor) = st.spill.as_ref()?.best(prompt)?;
+        if anchor > 0 && (len <= anchor || !holds(&st, &prompt[..anchor])) {
+            let spill = st.spill.as_ref()?;
+            (id, len) = match spill.best(&prompt[..anchor.min(len)])? {
+                (id, len, 0) => (id, len),
+                _ => return None,
+            };
+        }
         if len < shared + WORTH_SHARING {
             return None;
         }
-        spill.take(id).ok().map(|taken| (taken, len))
+        st.spill.as_mut()?.take(id).ok().map(|taken| (taken, len))
     }
 
     /// Copy a spilled entry's first `len` tokens into `branch`'s empty sequence; how many it
     /// holds then (0: refused, another model or corrupt: it is dropped). KvCacheFullError
     /// when its cells find no room (the caller evicts and tries again).
     fn restore_into(&self, branch: &Branch, taken: &Taken, len: usize) -> Result<usize> {
-        let n = match branch.restore_prefix(taken.entry.clone(), len).wait() {
+        let restored = unpack(&taken.entry).and_then(|parts| {
+            let anchor = match parts.anchor {
+                0 => None,
+                n => self.holder_of(&taken.tokens[..n.min(taken.tokens.len())]),
+            };
+            branch
+                .restore_prefix(taken.entry.clone(), parts, len, anchor)
+                .wait()
+        });
+        let n = match restored {
             Ok(n) => n,
             Err(e @ Error::KvCacheFull(_)) => return Err(e),
             Err(_) => 0,
@@ -630,10 +668,11 @@ impl PrefixCache {
         }
     }
 
-    /// Keep an evicted entry's snapshot (nothing when taking it failed: it is only lost).
-    fn keep_spilled(&self, tokens: Vec<Token>, snapshot: Result<Vec<u8>>) {
-        if let (Ok(snapshot), Some(spill)) = (snapshot, self.lock().spill.as_mut()) {
-            spill.keep(tokens, snapshot);
+    /// Keep an evicted entry (`pack`ed, without its first `anchor` tokens' cells; nothing
+    /// when taking its snapshot failed: it is only lost).
+    fn keep_spilled(&self, tokens: Vec<Token>, entry: Result<(Vec<u8>, usize)>) {
+        if let (Ok((entry, anchor)), Some(spill)) = (entry, self.lock().spill.as_mut()) {
+            spill.keep(tokens, entry, anchor);
         }
     }
 
@@ -765,6 +804,17 @@ fn queue_eviction(branch: &Branch) {
 }
 
 /// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
+/// A branch of the cache (no adapters) whose KV holds `prefix`.
+fn holder_in(st: &State, prefix: &[Token]) -> Option<Branch> {
+    let found = st.trie.longest_prefix(prefix)?;
+    let holder = st.holders.get(&found.key)?;
+    (found.len >= prefix.len() && holder.sentinel.is_none()).then(|| holder.branch.clone())
+}
+
+fn holds(st: &State, prefix: &[Token]) -> bool {
+    holder_in(st, prefix).is_some()
+}
+
 fn keyed(sentinel: Option<Token>, tokens: &[Token]) -> Vec<Token> {
     sentinel.into_iter().chain(tokens.iter().copied()).collect()
 }
@@ -805,18 +855,45 @@ impl Branch {
     /// recurrent or hybrid model with `len` inside the snapshot, its last checkpoint at or
     /// before `len`, where the state is known (the caller prefills the rest); 0 when the
     /// snapshot holds fewer, no checkpoint helps, or this branch is not empty. An error for a
-    /// snapshot of another model or cache layout, or a malformed entry.
-    pub(crate) fn restore_prefix(&self, entry: Arc<Vec<u8>>, len: usize) -> Pending<usize> {
+    /// snapshot of another model or cache layout, or a malformed entry. `parts` is what
+    /// `unpack` found in `entry`; a snapshot spilled without its first cells (see
+    /// `spill_snapshot`) gets them from `anchor`, and is refused (0) when it no longer holds
+    /// them.
+    pub(crate) fn restore_prefix(
+        &self,
+        entry: Arc<Vec<u8>>,
+        parts: Unpacked,
+        len: usize,
+        anchor: Option<Branch>,
+    ) -> Pending<usize> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
         }
-        let (snapshot_len, checkpoints) = match unpack(&entry) {
-            Ok(parts) => parts,
-            Err(e) => return Pending::ready(Err(e)),
-        };
         let cell = self.cell().clone();
+        let anchor = (parts.anchor, anchor.map(|b| b.cell().clone()));
+        self.context().run(move |w| {
+            let snapshot = &entry[..parts.snapshot_len];
+            w.restore_prefix(&cell, snapshot, len, parts.checkpoints, anchor)
+        })
+    }
+
+    /// The snapshot a spilled entry keeps (`prefix_spill`): with `anchor` (its first tokens,
+    /// and a branch of the cache holding them), of its cells after those only, when the
+    /// branch still holds them as the engine takes it. The bytes, and the tokens left out.
+    pub(crate) fn spill_snapshot(
+        &self,
+        anchor: Option<(usize, Branch)>,
+    ) -> Pending<(Vec<u8>, usize)> {
+        if let Err(e) = self.check_live() {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell().clone();
+        let (from, anchor) = match anchor {
+            Some((from, b)) => (from, Some(b.cell().clone())),
+            None => (0, None),
+        };
         self.context()
-            .run(move |w| w.restore_prefix(&cell, &entry[..snapshot_len], len, checkpoints))
+            .run(move |w| w.spill_bytes(&cell, from, anchor.as_ref()))
     }
 
     /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence

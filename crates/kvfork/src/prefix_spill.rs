@@ -10,6 +10,12 @@
 //! entry inside it restores up to the last checkpoint before that point, where the state is
 //! known, instead of prefilling everything.
 //!
+//! An entry that shared its first tokens with another branch of the cache (a common preamble)
+//! and is evicted while that prefix is still in the KV is spilled with its own cells only, the
+//! ones after that *anchor*: restoring it takes the anchor's cells from whoever holds them then
+//! (`seq_cp`, no copy). While nobody does, the spilled entry that holds them (if any) comes
+//! back instead, and the rest is prefilled.
+//!
 //! On disk each entry is one file, `<id>.kvfe`: a header (magic, version, the tokens, so
 //! a restart rebuilds the index without reading the KV) and the entry. Files are written
 //! under a temporary name and renamed, so a crash leaves either a whole file or a `.tmp`
@@ -29,8 +35,8 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 
 const MAGIC: &[u8; 4] = b"KVFE";
-/// 3: the checkpoints follow the snapshot.
-const VERSION: u32 = 3;
+/// 4: the checkpoints follow the snapshot, the anchor precedes its length.
+const VERSION: u32 = 4;
 const EXTENSION: &str = "kvfe";
 
 /// Where spilled entries go and how much each level holds.
@@ -71,6 +77,8 @@ enum Place {
 
 struct Entry {
     tokens: Vec<Token>,
+    /// Its first cells are not in its snapshot: another branch's (0: none).
+    anchor: usize,
     bytes: usize,
     place: Place,
 }
@@ -92,6 +100,8 @@ pub(crate) struct Spill {
 pub(crate) struct Taken {
     /// A `Branch::snapshot` and its checkpoints (`pack`).
     pub entry: Arc<Vec<u8>>,
+    /// The tokens it holds.
+    pub tokens: Vec<Token>,
     /// Whether it was on disk (else in host memory).
     pub from_disk: bool,
 }
@@ -99,9 +109,23 @@ pub(crate) struct Taken {
 /// Recurrent-state checkpoints as a spilled entry carries them: (position, state).
 pub(crate) type SpilledCheckpoints = Vec<(u32, Arc<[u8]>)>;
 
-/// A spilled entry's bytes: `snapshot`, then each checkpoint (position, length, state), then
-/// their count and the snapshot's length, so that `unpack` finds the snapshot in place.
-pub(crate) fn pack(mut snapshot: Vec<u8>, checkpoints: &SpilledCheckpoints) -> Vec<u8> {
+/// What `unpack` finds in a spilled entry.
+pub(crate) struct Unpacked {
+    /// The length of the snapshot at its start.
+    pub snapshot_len: usize,
+    /// Its first cells are not in the snapshot: the tokens before this position (0: none).
+    pub anchor: usize,
+    pub checkpoints: SpilledCheckpoints,
+}
+
+/// A spilled entry's bytes: `snapshot` (of the cells after `anchor`), then each checkpoint
+/// (position, length, state), then their count, the anchor and the snapshot's length, so that
+/// `unpack` finds the snapshot in place.
+pub(crate) fn pack(
+    mut snapshot: Vec<u8>,
+    anchor: usize,
+    checkpoints: &SpilledCheckpoints,
+) -> Vec<u8> {
     let len = snapshot.len() as u64;
     for (pos, state) in checkpoints {
         snapshot.extend_from_slice(&pos.to_le_bytes());
@@ -109,16 +133,18 @@ pub(crate) fn pack(mut snapshot: Vec<u8>, checkpoints: &SpilledCheckpoints) -> V
         snapshot.extend_from_slice(state);
     }
     snapshot.extend_from_slice(&(checkpoints.len() as u32).to_le_bytes());
+    snapshot.extend_from_slice(&(anchor as u32).to_le_bytes());
     snapshot.extend_from_slice(&len.to_le_bytes());
     snapshot
 }
 
-/// The length of the snapshot at the start of a `pack`ed entry, and its checkpoints.
-pub(crate) fn unpack(entry: &[u8]) -> Result<(usize, SpilledCheckpoints)> {
+/// A `pack`ed entry's parts (the snapshot stays in place: `entry[..snapshot_len]`).
+pub(crate) fn unpack(entry: &[u8]) -> Result<Unpacked> {
     let bad = || Error::State("a spilled prefix-cache entry is malformed".into());
-    let tail = entry.len().checked_sub(12).ok_or_else(bad)?;
-    let count = u32::from_le_bytes(entry[tail..tail + 4].try_into().expect("4 bytes"));
-    let len = u64::from_le_bytes(entry[tail + 4..].try_into().expect("8 bytes")) as usize;
+    let tail = entry.len().checked_sub(16).ok_or_else(bad)?;
+    let word = |at: usize| u32::from_le_bytes(entry[at..at + 4].try_into().expect("4 bytes"));
+    let (count, anchor) = (word(tail), word(tail + 4) as usize);
+    let len = u64::from_le_bytes(entry[tail + 8..].try_into().expect("8 bytes")) as usize;
     let mut at = len;
     let mut checkpoints = Vec::with_capacity((count as usize).min(1024));
     for _ in 0..count {
@@ -132,7 +158,11 @@ pub(crate) fn unpack(entry: &[u8]) -> Result<(usize, SpilledCheckpoints)> {
     if at != tail {
         return Err(bad());
     }
-    Ok((len, checkpoints))
+    Ok(Unpacked {
+        snapshot_len: len,
+        anchor,
+        checkpoints,
+    })
 }
 
 impl Spill {
@@ -170,8 +200,8 @@ impl Spill {
             }
             let modified = entry.metadata().and_then(|m| m.modified()).ok();
             match read_header(&path) {
-                Ok((layout, tokens, bytes)) if layout == self.layout => {
-                    found.push((modified, path, tokens, bytes))
+                Ok((layout, anchor, tokens, bytes)) if layout == self.layout => {
+                    found.push((modified, path, tokens, anchor, bytes))
                 }
                 Ok(_) => {} // another cache layout's: not ours to load or remove
                 Err(_) => {
@@ -180,13 +210,13 @@ impl Spill {
             }
         }
         found.sort_by_key(|f| f.0);
-        for (_, path, tokens, bytes) in found {
+        for (_, path, tokens, anchor, bytes) in found {
             let Some(id) = id_of(&path) else {
                 let _ = fs::remove_file(&path);
                 continue;
             };
             self.next_id = self.next_id.max(id + 1);
-            self.insert(id, tokens, bytes, Place::Disk(path));
+            self.insert(id, tokens, anchor, bytes, Place::Disk(path));
         }
         self.fit_disk();
         Ok(())
@@ -197,7 +227,7 @@ impl Spill {
         self.next_id - 1
     }
 
-    fn insert(&mut self, id: u64, tokens: Vec<Token>, bytes: usize, place: Place) {
+    fn insert(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, bytes: usize, place: Place) {
         self.trie.insert(id, &tokens);
         self.trie.set_evictable(id, true);
         let level = match place {
@@ -210,6 +240,7 @@ impl Spill {
             id,
             Entry {
                 tokens,
+                anchor,
                 bytes,
                 place,
             },
@@ -228,9 +259,10 @@ impl Spill {
         Some(entry)
     }
 
-    /// Keep an entry evicted from the KV cache (`pack`ed), holding `tokens`: in host memory,
-    /// moving the least recently used ones to disk (or dropping them) to stay in budget.
-    pub fn keep(&mut self, tokens: Vec<Token>, snapshot: Vec<u8>) {
+    /// Keep an entry evicted from the KV cache (`pack`ed, its snapshot without the cells of
+    /// its first `anchor` tokens), holding `tokens`: in host memory, moving the least recently
+    /// used ones to disk (or dropping them) to stay in budget.
+    pub fn keep(&mut self, tokens: Vec<Token>, snapshot: Vec<u8>, anchor: usize) {
         if tokens.is_empty() {
             return;
         }
@@ -243,10 +275,10 @@ impl Spill {
         let id = self.new_id();
         let bytes = snapshot.len();
         if bytes <= self.config.host_bytes {
-            self.insert(id, tokens, bytes, Place::Host(Arc::new(snapshot)));
+            self.insert(id, tokens, anchor, bytes, Place::Host(Arc::new(snapshot)));
             self.fit_host();
         } else {
-            self.write_to_disk(id, tokens, &snapshot);
+            self.write_to_disk(id, tokens, anchor, &snapshot);
         }
     }
 
@@ -256,7 +288,7 @@ impl Spill {
             let Some(id) = self.lru_at(false) else { break };
             let entry = self.remove(id).expect("listed");
             if let Place::Host(snapshot) = entry.place {
-                self.write_to_disk(id, entry.tokens, &snapshot);
+                self.write_to_disk(id, entry.tokens, entry.anchor, &snapshot);
             }
         }
     }
@@ -278,7 +310,7 @@ impl Spill {
         })
     }
 
-    fn write_to_disk(&mut self, id: u64, tokens: Vec<Token>, snapshot: &[u8]) {
+    fn write_to_disk(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, snapshot: &[u8]) {
         let Some(dir) = self.config.disk_dir.clone() else {
             return;
         };
@@ -287,8 +319,8 @@ impl Spill {
             return;
         }
         let path = dir.join(format!("{id:016x}.{EXTENSION}"));
-        if write_file(&path, self.layout, &tokens, snapshot).is_ok() {
-            self.insert(id, tokens, bytes, Place::Disk(path));
+        if write_file(&path, self.layout, anchor, &tokens, snapshot).is_ok() {
+            self.insert(id, tokens, anchor, bytes, Place::Disk(path));
             self.fit_disk();
         }
     }
@@ -316,19 +348,22 @@ impl Spill {
         for id in host {
             if let Some(Entry {
                 tokens,
+                anchor,
                 place: Place::Host(snapshot),
                 ..
             }) = self.remove(id)
             {
-                self.write_to_disk(id, tokens, &snapshot);
+                self.write_to_disk(id, tokens, anchor, &snapshot);
             }
         }
         self.disk.entries.saturating_sub(before)
     }
 
-    /// The spilled entry sharing the longest prefix with `tokens`: its id and that length.
-    pub fn best(&self, tokens: &[Token]) -> Option<(u64, usize)> {
-        self.trie.longest_prefix(tokens).map(|m| (m.key, m.len))
+    /// The spilled entry sharing the longest prefix with `tokens`: its id, that length, and
+    /// its anchor (the first tokens whose cells its snapshot leaves out).
+    pub fn best(&self, tokens: &[Token]) -> Option<(u64, usize, usize)> {
+        let m = self.trie.longest_prefix(tokens)?;
+        Some((m.key, m.len, self.entries.get(&m.key)?.anchor))
     }
 
     /// Take entry `id` out to restore it (its file is read and removed).
@@ -337,8 +372,9 @@ impl Spill {
             .remove(id)
             .ok_or_else(|| Error::Internal(format!("spilled entry {id} is gone")))?;
         match entry.place {
-            Place::Host(entry) => Ok(Taken {
-                entry,
+            Place::Host(snapshot) => Ok(Taken {
+                entry: snapshot,
+                tokens: entry.tokens,
                 from_disk: false,
             }),
             Place::Disk(path) => {
@@ -351,6 +387,7 @@ impl Spill {
                 }
                 Ok(Taken {
                     entry: Arc::new(file[at..].to_vec()),
+                    tokens: entry.tokens,
                     from_disk: true,
                 })
             }
@@ -374,17 +411,24 @@ impl Spill {
     }
 }
 
-/// Magic, version, layout, token count, tokens.
+/// Magic, version, layout, anchor, token count, tokens.
 fn header_len(tokens: &[Token]) -> usize {
-    4 + 4 + 8 + 4 + 4 * tokens.len()
+    4 + 4 + 8 + 4 + 4 + 4 * tokens.len()
 }
 
-fn write_file(path: &Path, layout: u64, tokens: &[Token], snapshot: &[u8]) -> std::io::Result<()> {
+fn write_file(
+    path: &Path,
+    layout: u64,
+    anchor: usize,
+    tokens: &[Token],
+    snapshot: &[u8],
+) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     let mut out = Vec::with_capacity(header_len(tokens) + snapshot.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&layout.to_le_bytes());
+    out.extend_from_slice(&(anchor as u32).to_le_bytes());
     out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
@@ -396,21 +440,22 @@ fn write_file(path: &Path, layout: u64, tokens: &[Token], snapshot: &[u8]) -> st
     fs::rename(&tmp, path)
 }
 
-/// The cache layout, tokens and size of a file; an error for one that is not an entry file.
-fn read_header(path: &Path) -> std::io::Result<(u64, Vec<Token>, usize)> {
+/// The cache layout, anchor, tokens and size of a file; an error for one that is not an
+/// entry file.
+fn read_header(path: &Path) -> std::io::Result<(u64, usize, Vec<Token>, usize)> {
     use std::io::Read;
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kvfork cache entry");
     let mut file = fs::File::open(path)?;
     let size = file.metadata()?.len() as usize;
-    let mut head = [0u8; 20];
+    let mut head = [0u8; 24];
     file.read_exact(&mut head)?;
     let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
     let layout = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
     if &head[..4] != MAGIC || word(4) != VERSION {
         return Err(bad());
     }
-    let n = word(16) as usize;
-    if 20 + 4 * n > size {
+    let (anchor, n) = (word(16) as usize, word(20) as usize);
+    if 24 + 4 * n > size || anchor > n {
         return Err(bad());
     }
     let mut raw = vec![0u8; 4 * n];
@@ -419,7 +464,7 @@ fn read_header(path: &Path) -> std::io::Result<(u64, Vec<Token>, usize)> {
         .chunks_exact(4)
         .map(|c| Token::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect();
-    Ok((layout, tokens, size))
+    Ok((layout, anchor, tokens, size))
 }
 
 fn id_of(path: &Path) -> Option<u64> {
@@ -450,13 +495,13 @@ mod tests {
         let d = dir("levels");
         let mut s = Spill::open(config(250, &d, 10_000), 1).unwrap();
         for i in 0..4 {
-            s.keep(vec![1, 2, i], vec![i as u8; 100]);
+            s.keep(vec![1, 2, i], vec![i as u8; 100], 0);
         }
         let (host, disk) = s.stats();
         assert_eq!((host.entries, host.bytes), (2, 200));
         assert_eq!(disk.entries, 2);
         // The oldest went to disk: [1, 2, 0] is read back from its file, which goes.
-        let (id, len) = s.best(&[1, 2, 0, 9]).unwrap();
+        let (id, len, _) = s.best(&[1, 2, 0, 9]).unwrap();
         assert_eq!(len, 3);
         let taken = s.take(id).unwrap();
         assert!(taken.from_disk);
@@ -472,7 +517,7 @@ mod tests {
         {
             let mut s = Spill::open(config(0, &d, 10_000), 1).unwrap();
             for i in 0..3 {
-                s.keep(vec![5, i], vec![7; 50]);
+                s.keep(vec![5, i], vec![7; 50], i as usize);
             }
             assert_eq!(s.stats().1.entries, 3);
         }
@@ -500,18 +545,21 @@ mod tests {
         let snapshot = vec![9u8; 33];
         let checkpoints: SpilledCheckpoints =
             vec![(4, Arc::from(&[1u8, 2, 3][..])), (16, Arc::from(&[][..]))];
-        let entry = pack(snapshot.clone(), &checkpoints);
-        let (len, back) = unpack(&entry).unwrap();
-        assert_eq!(&entry[..len], &snapshot[..]);
-        assert_eq!(back, checkpoints);
-        let (len, none) = unpack(&pack(snapshot, &Vec::new())).unwrap();
-        assert_eq!((len, none.len()), (33, 0));
+        let entry = pack(snapshot.clone(), 7, &checkpoints);
+        let back = unpack(&entry).unwrap();
+        assert_eq!(&entry[..back.snapshot_len], &snapshot[..]);
+        assert_eq!((back.anchor, back.checkpoints), (7, checkpoints));
+        let none = unpack(&pack(snapshot, 0, &Vec::new())).unwrap();
+        assert_eq!(
+            (none.snapshot_len, none.anchor, none.checkpoints.len()),
+            (33, 0, 0)
+        );
         // Cut anywhere, or with a count that overruns, it is refused, never misread.
         for cut in 0..entry.len() {
             assert!(unpack(&entry[..cut]).is_err(), "cut at {cut}");
         }
         let mut overrun = entry.clone();
-        let tail = overrun.len() - 12;
+        let tail = overrun.len() - 16;
         overrun[tail..tail + 4].copy_from_slice(&3u32.to_le_bytes());
         assert!(unpack(&overrun).is_err());
     }
@@ -520,10 +568,10 @@ mod tests {
     fn the_same_tokens_spilled_again_replace_the_older_entry() {
         let d = dir("same");
         let mut s = Spill::open(config(1000, &d, 0), 1).unwrap();
-        s.keep(vec![1, 2, 3], vec![1; 10]);
-        s.keep(vec![1, 2, 3], vec![2; 10]);
+        s.keep(vec![1, 2, 3], vec![1; 10], 0);
+        s.keep(vec![1, 2, 3], vec![2; 10], 0);
         assert_eq!(s.stats().0.entries, 1);
-        let (id, _) = s.best(&[1, 2, 3]).unwrap();
+        let (id, _, _) = s.best(&[1, 2, 3]).unwrap();
         assert_eq!(*s.take(id).unwrap().entry, vec![2; 10]);
         let _ = fs::remove_dir_all(&d);
     }

@@ -20,6 +20,7 @@ use super::shared::{BranchCell, Stats};
 use super::Worker;
 use crate::branch_state::{state_error, BranchState};
 use crate::error::{Error, Result};
+use crate::model::Token;
 use crate::prefix_spill::SpilledCheckpoints;
 use crate::seq::Seq;
 
@@ -98,6 +99,30 @@ impl Worker {
         Ok(state_file::seal(Kind::Branch, model_id, &out.into_bytes()))
     }
 
+    /// A spilling prefix-cache entry's snapshot: of its cells after its first `from` tokens
+    /// when `anchor` still holds those (their cells leave the snapshot, then come back from
+    /// `anchor`: nobody sees the entry without them), else of all its cells. The bytes, and
+    /// the tokens left out (`from` or 0).
+    pub(crate) fn spill_bytes(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        from: usize,
+        anchor: Option<&Arc<BranchCell>>,
+    ) -> Result<(Vec<u8>, usize)> {
+        let anchor = anchor.filter(|a| from > 0 && holds_prefix(a, &cell.lock().history()[..from]));
+        let Some(anchor) = anchor else {
+            return Ok((self.branch_bytes(cell)?, 0));
+        };
+        self.give_leases(&[cell, anchor])?;
+        let (seq, from_seq) = (cell.seq(), anchor.seq());
+        if !self.ctx_mut().seq_rm(seq, 0, from as i32)? {
+            return Ok((self.branch_bytes(cell)?, 0)); // a cache that cannot cut (recurrent)
+        }
+        let bytes = self.branch_bytes(cell);
+        self.ctx_mut().seq_cp(from_seq, seq, 0, from as i32)?;
+        Ok((bytes?, from))
+    }
+
     /// `Branch::load`: a saved branch as a new root on a fresh lease.
     pub(crate) fn load_branch(&mut self, path: &Path) -> Result<(Handle, Arc<BranchCell>)> {
         self.restore_branch(&read_file(path)?)
@@ -137,13 +162,17 @@ impl Worker {
     /// `Branch::restore_prefix`: the first `len` tokens of a branch snapshot's KV into
     /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk),
     /// with the `checkpoints` it was spilled with. On a recurrent state inside the snapshot,
-    /// up to the last checkpoint at or before `len` (the state is known there only).
+    /// up to the last checkpoint at or before `len` (the state is known there only). A
+    /// snapshot of the cells after an `anchor` (`spill_bytes`) gets the first ones from
+    /// `anchor_cell` (`seq_cp`, after its own cells: attention goes by position); without a
+    /// branch that holds them it is refused (0).
     pub(crate) fn restore_prefix(
         &mut self,
         cell: &Arc<BranchCell>,
         file: &[u8],
         len: usize,
         checkpoints: SpilledCheckpoints,
+        (anchor, anchor_cell): (usize, Option<Arc<BranchCell>>),
     ) -> Result<usize> {
         let (state, kv) = self.open_branch_file(file)?;
         let history = state.history();
@@ -151,6 +180,12 @@ impl Worker {
         if !whole || len == 0 || len > history.len() || cell.lock().position() != 0 {
             return Ok(0);
         }
+        // A snapshot without its first cells: they come from a branch that holds them.
+        let anchor_cell = match anchor_cell {
+            _ if anchor == 0 => None,
+            Some(a) if len > anchor && holds_prefix(&a, &history[..anchor]) => Some(a),
+            _ => return Ok(0),
+        };
         let recurrent = self.keeps_checkpoints();
         let (at, state_at) = match () {
             _ if !recurrent || len == history.len() => (len, None),
@@ -163,7 +198,10 @@ impl Worker {
                 None => return Ok(0),
             },
         };
-        self.give_leases(&[cell])?;
+        match &anchor_cell {
+            Some(a) => self.give_leases(&[cell, a])?,
+            None => self.give_leases(&[cell])?,
+        }
         let seq = cell.seq();
         self.empty_seq(seq)?;
         // The bytes passed the model and checksum checks: what fails now is room.
@@ -172,6 +210,12 @@ impl Worker {
                 "no room for the {} cells of a restored prefix-cache entry",
                 history.len()
             )));
+        }
+        if let Some(a) = &anchor_cell {
+            if let Err(e) = self.ctx_mut().seq_cp(a.seq(), seq, 0, anchor as i32) {
+                self.empty_seq(seq)?;
+                return Err(e);
+            }
         }
         if let Some(st) = state_at {
             // The checkpoint's state replaces the snapshot's final one.
@@ -309,4 +353,13 @@ impl Worker {
             }
         }
     }
+}
+
+/// Whether `cell` (not pruned) holds the cells of `prefix`, its first tokens.
+fn holds_prefix(cell: &Arc<BranchCell>, prefix: &[Token]) -> bool {
+    if cell.is_disposed() {
+        return false;
+    }
+    let st = cell.lock();
+    st.history().starts_with(prefix) && st.position() as usize >= prefix.len()
 }
