@@ -185,6 +185,27 @@ def test_n_schema_and_tools_work_the_same(cluster: Server) -> None:
         jsonschema.validate(json.loads(got[0].function.arguments or ""), params)
 
 
+def test_reasoning_plans_run_on_actors_and_control_is_refused(cluster: Server) -> None:
+    """A chat request's reasoning plan crosses to its actor (here no block opens: shared
+    choices fork after the first token); the control endpoint needs one process: a 400."""
+    reply = cluster.client().chat.completions.create(
+        model="x",
+        messages=messages("Name a fruit."),
+        max_tokens=8,
+        n=2,
+        seed=5,
+        extra_body={"reasoning_shared": True, "reasoning_budget": 2},
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+    body = {"messages": messages("Hi"), "max_tokens": 2, "reasoning_control": True}
+    status, error = cluster.post("/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and error["error"]["param"] == "reasoning_control"
+    control = {"id": "chatcmpl-x", "action": "reasoning_end"}
+    status, error = cluster.post("/v1/chat/completions/control", json.dumps(control).encode())
+    assert status == 400 and error["error"]["param"] == "id"
+
+
 def test_a_shared_prefix_follows_its_actor_and_a_burst_spills(cluster: Server) -> None:
     client = cluster.client()
 

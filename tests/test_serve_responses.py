@@ -378,7 +378,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": ""}, "input"),
     ({"input": 5}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # reasoning alone asks nothing
     ({"input": [_user("x"), {"role": "user", "content": 3}]}, "input[1].content"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -338,6 +338,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         from .server.generation import Spill
         from .server.metrics import Metrics
         from .server.process import run
+        from .server.reasoning import Defaults
     except ImportError as exc:
         raise CliError(
             f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
@@ -348,6 +349,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--max-body-mb and --stall-seconds must be positive")
     if args.max_stored_responses < 0 or args.stored_responses_mb < 0:
         raise CliError("--max-stored-responses and --stored-responses-mb must be at least 0")
+    if args.reasoning_budget < -1:
+        raise CliError("--reasoning-budget must be -1 (unlimited) or at least 0")
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     if min(args.cache_ram, args.cache_disk) < 0:
@@ -415,6 +418,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         stall_seconds=args.stall_seconds,
         max_stored_responses=args.max_stored_responses,
         stored_responses_mb=args.stored_responses_mb,
+        reasoning=Defaults(
+            args.reasoning_format, args.reasoning_budget, args.reasoning_budget_message
+        ),
     )
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
@@ -694,6 +700,27 @@ def _parser() -> argparse.ArgumentParser:
         default=64,
         metavar="MIB",
         help="memory those stored responses and their conversations may take (default 64)",
+    )
+    serve.add_argument(
+        "--reasoning-format",
+        choices=["auto", "deepseek", "deepseek-legacy", "none"],
+        default="auto",
+        help="chat replies: a think block's text in message.reasoning_content (auto, deepseek), "
+        "there and in content with its markup (deepseek-legacy), or left in content (none)",
+    )
+    serve.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="tokens a chat reply may think before the end of its think block is forced and "
+        "it answers: -1 unlimited (default), 0 at once; a request's reasoning_budget overrides",
+    )
+    serve.add_argument(
+        "--reasoning-budget-message",
+        default="",
+        metavar="TEXT",
+        help="text forced before the end marker when the reasoning budget is spent",
     )
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(run=cmd_serve)

@@ -35,10 +35,12 @@ from .errors import APIError
 from .generation import Event, Outcome
 from .messages import Reply, authorized, error_body, error_event, parse_messages
 from .metrics import CONTENT_TYPE, Metrics
+from .reasoning import Defaults, plan
 from .requests import (
     parse_apply_template,
     parse_chat,
     parse_completion,
+    parse_control,
     parse_detokenize,
     parse_embeddings,
     parse_json,
@@ -208,8 +210,11 @@ class Endpoints:
         max_body: int,
         stall_seconds: float,
         store: ResponseStore | None = None,
+        reasoning: Defaults | None = None,
     ) -> None:
         self.service = service
+        #: The server's reasoning settings (`--reasoning-budget` …): chat, Responses, Messages.
+        self.reasoning = reasoning or Defaults()
         self.api_key = api_key
         self.max_body = max_body
         self.stall_seconds = stall_seconds
@@ -378,7 +383,7 @@ class Endpoints:
                 {
                     **head,
                     "choices": [
-                        choice(c.index, echo + c.text.content, c.logprobs, c.finish_reason)
+                        choice(c.index, echo + c.content, c.logprobs, c.finish_reason)
                         for c in outcome.choices
                     ],
                     "usage": outcome.usage(),
@@ -394,13 +399,15 @@ class Endpoints:
         s = self.service
         req = parse_chat(await self.read_json(request), s.prompts.ctx.vocab_size, s.max_choices)
         s.prompts.constrain_tools(req)
-        tokens, stop = await asyncio.to_thread(s.prompts.chat_prompt, req)
+        tokens, stop, text = await asyncio.to_thread(s.prompts.rendered_chat, req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": s.model_id,
         }
+        req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, request_id)
         generation = s.generate(tokens, req.sampling, stop, "messages")
         tools = bool(req.tools) and req.tool_choice != "none"
 
@@ -439,12 +446,16 @@ class Endpoints:
                     texts[item.index] += item.text
                     lp = {"content": item.logprobs} if req.sampling.logprobs else None
                     if not tools:
-                        delta = {"content": item.text} if item.text else {}
+                        delta = _reasoning_delta(item)
+                        if item.text:
+                            delta["content"] = item.text
                         if delta or item.finish_reason or lp:
                             yield chunk(item.index, delta, item.finish_reason, lp)
                         continue
+                    if item.reasoning:  # the reasoning streams; a call is only known whole
+                        yield chunk(item.index, _reasoning_delta(item), None, None)
                     if item.finish_reason is None:
-                        continue  # a call is only known whole: its text comes at the end
+                        continue
                     message, finish = finished(texts[item.index], item.finish_reason)
                     for delta in _message_deltas(message):
                         yield chunk(item.index, delta, None, None)
@@ -456,7 +467,9 @@ class Endpoints:
             outcome = await _outcome(generation)
             choices = []
             for c in outcome.choices:
-                message, finish = finished(c.text.content, c.finish_reason or "stop")
+                message, finish = finished(c.content, c.finish_reason or "stop")
+                if c.reasoning:
+                    message["reasoning_content"] = c.reasoning
                 lp = {"content": c.logprobs} if req.sampling.logprobs else None
                 choices.append(
                     {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
@@ -470,12 +483,23 @@ class Endpoints:
         finally:
             generation.close()
 
+    async def chat_control(self, request: Request) -> Response:
+        """llama-server's `POST /v1/chat/completions/control`: `{"id", "action":
+        "reasoning_end"}` ends the reasoning of a running chat request that was armed with
+        `reasoning_control: true` (its next token is the forced end of its block); `{"success":
+        false, "message"}` when its reasoning is over already."""
+        request_id = parse_control(await self.read_json(request))
+        if self.service.end_reasoning(request_id):
+            return JSONResponse({"success": True})
+        return JSONResponse({"success": False, "message": "its reasoning is over already"})
+
     # OpenAI's Responses API: the chat machinery, its shapes and store (see `responses`).
 
     async def responses(self, request: Request) -> Response:
         api = self.responses_api
         req = api.parse(await self.read_json(request))
-        tokens, stop = await asyncio.to_thread(api.prompt, req)
+        tokens, stop, text = await asyncio.to_thread(api.prompt, req)
+        req.chat.sampling.reasoning = plan(req.chat.reasoning, self.reasoning, text, None)
         reply = api.reply(req)
         generation = self.service.generate(tokens, req.chat.sampling, stop, "input")
         if req.stream:
@@ -501,11 +525,13 @@ class Endpoints:
     # Anthropic's Messages API: the chat machinery, Anthropic's shapes (see `messages`).
 
     async def messages(self, request: Request) -> Response:
-        """`/v1/messages`: as `chat` (the same prompt, tools and cache), Anthropic's shapes."""
+        """`/v1/messages`: as `chat` (the same prompt, tools, cache and reasoning: its thinking
+        blocks), Anthropic's shapes."""
         s = self.service
         req = parse_messages(await self.read_json(request))
         s.prompts.constrain_tools(req)
-        tokens, stop = await asyncio.to_thread(s.prompts.chat_prompt, req)
+        tokens, stop, text = await asyncio.to_thread(s.prompts.rendered_chat, req)
+        req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, None)
         reply = Reply(req, s.prompts, s.model_id, len(tokens))
         generation = s.generate(tokens, req.sampling, stop, "messages")
         if req.sampling.stream:
@@ -528,6 +554,11 @@ class Endpoints:
 
 #: Characters of a tool call's arguments per streamed fragment.
 ARGUMENT_FRAGMENT = 24
+
+
+def _reasoning_delta(event: Event) -> dict[str, Any]:
+    """A streamed delta's reasoning (llama-server's and DeepSeek's `reasoning_content`)."""
+    return {"reasoning_content": event.reasoning} if event.reasoning else {}
 
 
 def _message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -615,16 +646,24 @@ def create_app(
     stall_seconds: float = 30.0,
     max_stored_responses: int = DEFAULT_MAX_STORED,
     stored_responses_mb: float = DEFAULT_STORED_MB,
+    reasoning: Defaults | None = None,
 ) -> Starlette:
     """The ASGI app serving `service` (a `Service`, or a `ClusterService`). Bodies over
     `max_body_mb` MiB get 413; `/health` reports `degraded` (503) once requests have waited
     `stall_seconds` with none admitted; `/v1/responses` keeps at most `max_stored_responses`
-    responses in `stored_responses_mb` MiB."""
+    responses in `stored_responses_mb` MiB; `reasoning` holds the server's reasoning settings
+    (`--reasoning-format`, `--reasoning-budget`, `--reasoning-budget-message`)."""
     store = ResponseStore(max_stored_responses, int(stored_responses_mb * (1 << 20)))
-    e = Endpoints(service, api_key, int(max_body_mb * (1 << 20)), stall_seconds, store)
+    max_body = int(max_body_mb * (1 << 20))
+    e = Endpoints(service, api_key, max_body, stall_seconds, store, reasoning)
     response_path = "/v1/responses/{response_id}"
     routes = [
         Route("/v1/chat/completions", e.guarded("chat", e.chat), methods=["POST"]),
+        Route(
+            "/v1/chat/completions/control",
+            e.guarded("chat_control", e.chat_control),
+            methods=["POST"],
+        ),
         Route("/v1/completions", e.guarded("completions", e.completions), methods=["POST"]),
         Route("/v1/embeddings", e.guarded("embeddings", e.embeddings), methods=["POST"]),
         Route("/v1/responses", e.guarded("responses", e.responses), methods=["POST"]),

@@ -46,6 +46,11 @@ class Backend(Protocol):
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> Events: ...
 
+    def end_reasoning(self, request_id: str) -> bool:
+        """End the reasoning of the running chat request `request_id` (armed with
+        `reasoning_control`); False when it is over. 404 unknown, 409 not armed."""
+        ...
+
     async def health(self, stall_seconds: float) -> dict[str, Any]:
         """`GET /health`'s body (see `Endpoints.health`)."""
         ...

@@ -74,7 +74,13 @@ class ClusterService:
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> RemoteGeneration:
         """The routed actor's events, then the Outcome (see `RemoteGeneration`)."""
+        if sampling.reasoning is not None and sampling.reasoning.control:
+            raise _no_control("reasoning_control")
         return RemoteGeneration(self, tokens, sampling, stop, prompt_param)
+
+    def end_reasoning(self, request_id: str) -> bool:
+        """The control endpoint: not with `--ray` (the request runs on an actor)."""
+        raise _no_control("id")
 
     async def health(self, stall_seconds: float) -> dict[str, Any]:
         """`GET /health` over the actors, asked now: "degraded" when none answers or one has
@@ -99,6 +105,17 @@ class ClusterService:
     def shutdown(self) -> None:
         """Kill the actors."""
         self.actors.shutdown()
+
+
+def _no_control(param: str) -> APIError:
+    """Reasoning control needs the request's generation in this process (a 400 naming
+    `param`)."""
+    return APIError(
+        400,
+        "reasoning control is not available with kvfork serve --ray",
+        param=param,
+        code="unsupported",
+    )
 
 
 class RemoteGeneration:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,10 +30,12 @@ from .._native import (
     LeaseExhaustedError,
     LoraAdapter,
     PrefixCache,
+    Token,
 )
 from .._stops import StopStrings
 from .adapters import Adapters
 from .errors import APIError, bad_request, shutting_down
+from .reasoning import Plan, Splitter, Thought
 from .requests import Sampling
 
 
@@ -117,23 +120,94 @@ class Admission:
 
 @dataclass
 class Choice:
-    """One generated choice as it grows."""
+    """One generated choice as it grows: its text (cut at stop strings), split into reasoning
+    and content as it is handed out, and its thinking followed token by token."""
 
     index: int
     text: StopStrings
     tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    #: The tokens it may still generate, forced ones included (`max_tokens`, the context).
+    limit: int = 0
+    #: Its thinking, for a chat request (None: no reasoning is followed).
+    thought: Thought | None = None
+    #: What takes the reasoning out of its text (None: the text is all content).
+    split: Splitter | None = None
+    #: "deepseek-legacy": the content keeps the whole text, the reasoning is split out too.
+    keeps_markup: bool = False
+    #: The text handed out: its reasoning, and the rest (the reply's content).
+    reasoning: str = ""
+    content: str = ""
+    #: Completion tokens that were reasoning (counted once, for the choice that thought).
+    reasoning_tokens: int = 0
+
+    @classmethod
+    def start(cls, index: int, stop: list[str], plan: Plan | None, limit: int) -> Choice:
+        """A choice about to be generated under a request's reasoning `plan`."""
+        choice = cls(index, StopStrings(stop), limit=limit)
+        if plan is not None:
+            choice.thought = Thought(plan)
+            choice.split = Splitter(plan.opened) if plan.splits else None
+            choice.keeps_markup = plan.keeps_markup
+        return choice
+
+    def add(self, text: str, tokens: int = 1) -> bool:
+        """A sampled token's text: True once a stop string has appeared."""
+        self.tokens += tokens
+        if self.thought is not None:
+            self.reasoning_tokens += self.thought.saw(text, tokens)
+        return self.text.add(text)
+
+    def add_forced(self, text: str, tokens: int) -> bool:
+        """The forced end of a block, committed as `tokens` tokens: True at a stop string."""
+        assert self.thought is not None
+        self.tokens += tokens
+        self.reasoning_tokens += tokens
+        self.thought.forced(text, tokens)
+        return self.text.add(text)
+
+    def event(
+        self, logprobs: list[dict[str, Any]] | None = None, finish: str | None = None
+    ) -> Event | None:
+        """The text not handed out yet as an event (its reasoning and content apart), with
+        `logprobs`; with `finish`, the choice's end. None when there is nothing to tell."""
+        piece = self.text.take(final=finish is not None)
+        reasoning, content = "", piece
+        if self.split is not None:
+            reasoning, content = self.split.feed(piece)
+            if finish is not None:
+                rest = self.split.finish()
+                reasoning, content = reasoning + rest[0], content + rest[1]
+            if self.keeps_markup:
+                content = piece
+        self.reasoning += reasoning
+        self.content += content
+        if finish is not None:
+            self.finish_reason = finish
+        if not (reasoning or content or logprobs or finish):
+            return None
+        return Event(self.index, content, logprobs or [], finish, reasoning)
+
+    def fork(self, index: int) -> Choice:
+        """A copy for a choice forked from this one's branch now (shared reasoning): the same
+        text so far, none of its tokens (they are billed once, to this one), the same room."""
+        other = copy.deepcopy(self)
+        other.index, other.tokens, other.reasoning_tokens = index, 0, 0
+        other.limit = self.limit - self.tokens
+        return other
 
 
 @dataclass
 class Event:
-    """A piece of a choice for a stream: new text (and its logprobs), or its end."""
+    """A piece of a choice for a stream: new content and reasoning (and their logprobs), or
+    its end."""
 
     index: int
     text: str
     logprobs: list[dict[str, Any]]
     finish_reason: str | None = None
+    reasoning: str = ""
 
 
 @dataclass
@@ -148,12 +222,17 @@ class Outcome:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(c.reasoning_tokens for c in self.choices)
+
     def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
 
@@ -199,6 +278,8 @@ class Generator:
         self.finished = finished
         #: Generations under way (a shutdown ends those still running when its grace ends).
         self.generations: set[Generation] = set()
+        #: Those with an id (chat requests), by it: the control endpoint finds them here.
+        self.running: dict[str, Generation] = {}
 
     @property
     def max_choices(self) -> int:
@@ -224,6 +305,25 @@ class Generator:
         self.check_room(tokens, prompt_param)
         adapters = self.adapters.resolve(sampling.lora, sampling.model)
         return Generation(self, tokens, sampling, [*stop, *sampling.stop], adapters)
+
+    def end_reasoning(self, request_id: str) -> bool:
+        """`POST /v1/chat/completions/control`'s `reasoning_end`: the running request
+        `request_id` ends its reasoning at its next token; False when it is over already. A 404
+        for an id not running here, a 409 for a request not armed with `reasoning_control`."""
+        generation = self.running.get(request_id)
+        if generation is None:
+            raise APIError(
+                404, f"no request {request_id!r} is running", param="id", code="not_found"
+            )
+        plan = generation.sampling.reasoning
+        if plan is None or not plan.control:
+            raise APIError(
+                409,
+                f"request {request_id!r} was not started with reasoning_control: true",
+                param="id",
+                code="reasoning_control_not_armed",
+            )
+        return generation.end_reasoning()
 
     def live_stats(self) -> dict[str, float]:
         """What `/metrics` reads at each scrape (`metrics.LIVE` names the keys): one account
@@ -292,6 +392,10 @@ class Generation:
 
     `end(error)` ends it from outside (a shutdown): the iteration raises `error` at its next
     step, so a stream ends with an error event instead of being cut.
+
+    A request that reasons (`sampling.reasoning`) is followed through its thinking: a budget
+    or `end_reasoning` forces the end of a block; with shared reasoning its first choice
+    thinks alone and the others are forked from it at the end of its thinking.
     """
 
     def __init__(
@@ -309,12 +413,18 @@ class Generation:
         #: The LoRA set its branches decode under (forks inherit it).
         self.adapters = adapters or {}
         self.branches: list[Branch] = []
+        self.choices: list[Choice] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._admitted = 0
         self._closed = False
         self._ended: APIError | None = None
+        self._end_reasoning = False  # asked before its choices began
         self._out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         generator.generations.add(self)
+        plan = sampling.reasoning
+        self.request_id = plan.request_id if plan is not None else None
+        if self.request_id is not None:
+            generator.running[self.request_id] = self
 
     def __aiter__(self) -> AsyncIterator[Event | Outcome]:
         return self._events()
@@ -323,6 +433,15 @@ class Generation:
         """Make the iteration raise `error` at its next step (after a prefill in progress)."""
         self._ended = error
         self._out.put_nowait(error)
+
+    def end_reasoning(self) -> bool:
+        """End the reasoning of every choice still thinking, at its next token (or at once
+        when a block opens, for one not yet in it); False when every choice is answering."""
+        if not self.choices:
+            self._end_reasoning = True  # its choices start with it asked
+            return not self._closed
+        asked = [c.thought.ask_end() for c in self.choices if c.thought is not None]
+        return any(asked)
 
     def _check_ended(self) -> None:
         if self._ended is not None:
@@ -334,6 +453,8 @@ class Generation:
             return
         self._closed = True
         self.generator.generations.discard(self)
+        if self.request_id is not None and self.generator.running.get(self.request_id) is self:
+            del self.generator.running[self.request_id]
         for task in self._tasks:
             task.cancel()  # a step in flight completes or rolls back on the engine thread
         cache = self.generator.cache
@@ -353,22 +474,11 @@ class Generation:
             self._admitted = sampling.n
             cached = await self._choices()
             self._check_ended()
-            choices = [Choice(i, StopStrings(self.stop)) for i in range(len(self.branches))]
-            out = self._out
-            if len(self.branches) > 1 and not sampling.logprobs:
-                # n choices of one request: one decode per step for all of them.
-                together = _run_together(g.ctx, self.branches, choices, sampling, out)
-                self._tasks = [asyncio.create_task(_reporting(together, out))]
-            else:
-                self._tasks = [
-                    asyncio.create_task(
-                        _reporting(_generate_choice(g.ctx, b, c, sampling, out), out)
-                    )
-                    for b, c in zip(self.branches, choices)
-                ]
+            self.choices = choices = self._start_choices()
+            self._tasks = [asyncio.create_task(_reporting(w, self._out)) for w in self._work()]
             done = 0
             while done < len(choices):
-                event = await out.get()
+                event = await self._out.get()
                 if isinstance(event, BaseException):
                     raise event
                 done += event.finish_reason is not None
@@ -379,10 +489,64 @@ class Generation:
         finally:
             self.close()
 
+    def _start_choices(self) -> list[Choice]:
+        """Every choice, about to start (a control request that came first applies)."""
+        plan, first = self.sampling.reasoning, self.branches[0]
+        limit = min(self.sampling.max_tokens, self.generator.ctx.n_ctx - first.position)
+        choices = [Choice.start(i, self.stop, plan, limit) for i in range(self.sampling.n)]
+        for choice in choices:
+            if self._end_reasoning and choice.thought is not None:
+                choice.thought.ask_end()
+        return choices
+
+    def _work(self) -> list[Awaitable[None]]:
+        """What generates the choices: n choices of one request advance together, one decode
+        per step; a choice with logprobs, or whose thinking may be ended, a token at a time;
+        one with nothing to look at between its tokens, in the engine's own loop."""
+        ctx, sampling, out = self.generator.ctx, self.sampling, self._out
+        plan, choices, branches = sampling.reasoning, self.choices, self.branches
+        if plan is not None and plan.shared and len(choices) > 1:
+            return [self._share_reasoning()]
+        if len(branches) > 1 and not sampling.logprobs:
+            return [_run_together(ctx, branches, choices, out)]
+        if sampling.logprobs or (plan is not None and plan.steered):
+            return [_steered(ctx, b, c, sampling, out) for b, c in zip(branches, choices)]
+        return [_generate_choice(b, c, out) for b, c in zip(branches, choices)]
+
+    async def _share_reasoning(self) -> None:
+        """`reasoning_shared`: the first choice thinks alone, its events going to every
+        choice; at the end of its thinking the others are forked from its branch (seeded
+        apart) and all of them answer. Its reasoning tokens are billed once."""
+        g, sampling, out = self.generator, self.sampling, self._out
+        first, branch = self.choices[0], self.branches[0]
+        fanout = _Fanout(out, len(self.choices))
+        await _steered(g.ctx, branch, first, sampling, fanout, until_answer=True)
+        if first.finish_reason is not None:  # it ended thinking: so did every choice
+            self.choices[1:] = [_ended_copy(first, i) for i in range(1, len(self.choices))]
+            return
+        self.choices[1:] = [first.fork(i) for i in range(1, len(self.choices))]
+        await self._fork(branch, len(self.choices))
+        if sampling.logprobs:
+            together = zip(self.branches, self.choices)
+            await asyncio.gather(*(_steered(g.ctx, b, c, sampling, out) for b, c in together))
+        else:
+            await _run_together(g.ctx, self.branches, self.choices, out)
+
+    async def _fork(self, first: Branch, n: int) -> None:
+        """Forks of `first` until there are `n` branches, each seeded as its choice asks."""
+        for i in range(len(self.branches), n):
+            params = self.sampling.params(i)
+            seed = params.get("seed", int.from_bytes(np.random.bytes(4), "little"))
+            try:
+                self.branches.append(await self.generator.cache.fork(first, seed=seed))
+            except LeaseExhaustedError:
+                raise _no_free_sequence() from None
+
     async def _choices(self) -> int:
         """One branch per choice (`self.branches`): the first from the prefix cache, the
-        others forked from it (one prefill for all; entries evicted for their sequences).
-        The prompt tokens that came from the cache."""
+        others forked from it (one prefill for all; entries evicted for their sequences) —
+        unless they share its reasoning, when they are forked at its end. The prompt tokens
+        that came from the cache."""
         g, sampling = self.generator, self.sampling
         try:
             first = await g.cache.branch(
@@ -404,13 +568,36 @@ class Generation:
                 raise bad_request(
                     f"the JSON schema is not usable: {exc}", "response_format"
                 ) from None
-        for i in range(1, sampling.n):
-            seed = sampling.params(i).get("seed", int.from_bytes(np.random.bytes(4), "little"))
-            try:
-                self.branches.append(await g.cache.fork(first, seed=seed))
-            except LeaseExhaustedError:
-                raise _no_free_sequence() from None
+        plan = sampling.reasoning
+        if plan is None or not plan.shared:
+            await self._fork(first, sampling.n)
         return cached
+
+
+def _ended_copy(first: Choice, index: int) -> Choice:
+    """Choice `index` of a shared reasoning that ended before its answer: the first one's."""
+    other = first.fork(index)
+    other.limit = 0
+    return other
+
+
+class _Fanout:
+    """A queue's front that repeats each event for every choice (shared reasoning: until the
+    fork, every choice's text is the first one's)."""
+
+    def __init__(self, out: asyncio.Queue[Event | BaseException], n: int) -> None:
+        self.out = out
+        self.n = n
+
+    def put_nowait(self, event: Event) -> None:
+        for index in range(self.n):
+            self.out.put_nowait(replace(event, index=index))
+
+
+class Sink(Protocol):
+    """Where a choice's events go: the request's queue, or a `_Fanout` over it."""
+
+    def put_nowait(self, event: Event, /) -> None: ...
 
 
 def _no_free_sequence() -> APIError:
@@ -427,79 +614,163 @@ async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseExcep
         out.put_nowait(exc)
 
 
+def _tell(out: Sink, event: Event | None) -> None:
+    if event is not None:
+        out.put_nowait(event)
+
+
+def _finish(out: Sink, choice: Choice, reason: str) -> None:
+    """End `choice` with `reason`: the rest of its text and its finish."""
+    _tell(out, choice.event(finish=reason))
+
+
+async def _end_thinking(
+    ctx: Context, active: list[tuple[Branch, Choice]], out: Sink
+) -> list[tuple[Branch, Choice]]:
+    """Force the end of the block of every choice whose budget is spent or whose end was asked:
+    the budget message, the end marker and the answer's lead, committed as tokens of its
+    branch (one prefill for all) instead of sampled. A choice they would take past its
+    limit ends there ("length"); one whose forced text holds a stop string ends ("stop").
+    The choices still going."""
+    due = [(b, c) for b, c in active if c.thought is not None and c.thought.due()]
+    if not due:
+        return active
+    ended: set[int] = set()
+    runs: list[tuple[Branch, Choice, str, list[int]]] = []
+    for branch, choice in due:
+        assert choice.thought is not None
+        text = choice.thought.closing()
+        tokens = ctx.tokenize(text, add_special=False, parse_special=True)
+        if choice.tokens + len(tokens) > choice.limit:
+            _finish(out, choice, "length")
+            ended.add(choice.index)
+        else:
+            runs.append((branch, choice, text, tokens))
+    if runs:
+        await BranchStore(ctx).prefill([(b, tokens) for b, _, _, tokens in runs])
+    for _, choice, text, tokens in runs:
+        if choice.add_forced(text, len(tokens)):
+            _finish(out, choice, "stop")
+            ended.add(choice.index)
+        else:
+            _tell(out, choice.event())
+    return [(b, c) for b, c in active if c.index not in ended]
+
+
+def _within_limit(active: list[tuple[Branch, Choice]], out: Sink) -> list[tuple[Branch, Choice]]:
+    """The choices with room for another token; the others end ("length")."""
+    still = []
+    for branch, choice in active:
+        if choice.tokens < choice.limit:
+            still.append((branch, choice))
+        else:
+            _finish(out, choice, "length")
+    return still
+
+
 async def _run_together(
-    ctx: Context,
-    branches: list[Branch],
-    choices: list[Choice],
-    sampling: Sampling,
-    out: asyncio.Queue[Event | BaseException],
+    ctx: Context, branches: list[Branch], choices: list[Choice], out: Sink
 ) -> None:
-    """Every choice advanced by `BranchStore.step`: one decode per step for all."""
+    """Every choice advanced by `BranchStore.step`: one decode per step for all (a forced end
+    of thinking in between)."""
     store = BranchStore(ctx)
-    limit = min(sampling.max_tokens, ctx.n_ctx - branches[0].position)
     active = list(zip(branches, choices))
-    for _ in range(limit):
+    while active:
+        active = _within_limit(await _end_thinking(ctx, active, out), out)
         if not active:
             break
         tokens = await store.step([b for b, _ in active])
         still = []
         for (branch, choice), tok in zip(active, tokens):
-            finish = None
-            if tok.is_stop:
-                finish = "stop"
+            if tok.is_stop or choice.add(tok.text):
+                _finish(out, choice, "stop")
             else:
-                choice.tokens += 1
-                if choice.text.add(tok.text):
-                    finish = "stop"
-                elif piece := choice.text.take():
-                    out.put_nowait(Event(choice.index, piece, []))
-            if finish is None:
+                _tell(out, choice.event())
                 still.append((branch, choice))
-            else:
-                choice.finish_reason = finish
-                out.put_nowait(Event(choice.index, choice.text.take(final=True), [], finish))
         active = still
-    for _, choice in active:
-        choice.finish_reason = "length"
-        out.put_nowait(Event(choice.index, choice.text.take(final=True), [], "length"))
 
 
-async def _generate_choice(
+async def _steered(
     ctx: Context,
     branch: Branch,
     choice: Choice,
     sampling: Sampling,
-    out: asyncio.Queue[Event | BaseException],
+    out: Sink,
+    *,
+    until_answer: bool = False,
 ) -> None:
-    """One choice on its own branch (its tokens' decodes gather with the other requests')."""
-    limit = min(sampling.max_tokens, ctx.n_ctx - branch.position)
-    stream: AsyncGenerator[tuple[str, dict[str, Any] | None], None] = (
-        _with_logprobs(branch, limit, sampling.top_logprobs)
-        if sampling.logprobs
-        else _plain(branch, limit)
-    )
+    """One choice a token at a time (its decodes gather with the other requests'), with its
+    logprobs when asked, its thinking looked at between tokens (its end forced when due); with
+    `until_answer`, only until its thinking is over (its last token decoded: the branch can be
+    forked). Once it answers, with nothing more to look at, the engine's own loop takes over.
+    Each token goes out before its own decode: the time to first token is the prefill's
+    alone."""
+    while await _end_thinking(ctx, [(branch, choice)], out):
+        if choice.thought is not None and choice.thought.answering:
+            if until_answer:
+                return
+            if not sampling.logprobs:  # nothing more to look at: the engine's own loop
+                await _generate_choice(branch, choice, out)
+                return
+        if not await _next_token(branch, choice, sampling, out):
+            return
+
+
+async def _next_token(branch: Branch, choice: Choice, sampling: Sampling, out: Sink) -> bool:
+    """Draw `choice`'s next token (with its logprobs when asked), hand it out, decode it;
+    False when the choice has ended (a stop token or string, its limit)."""
+    if choice.tokens >= choice.limit:
+        _finish(out, choice, "length")
+        return False
+    tok = await branch.produce()
+    if tok.is_stop:
+        _finish(out, choice, "stop")
+        return False
+    entry = _logprobs(branch, tok, sampling.top_logprobs) if sampling.logprobs else None
+    # Queued before the event goes out: see `_plain`.
+    committed = branch.commit(tok)
+    if entry is not None:
+        choice.logprobs.append(entry)
+    if choice.add(tok.text):
+        _finish(out, choice, "stop")
+        committed.close()  # the generation is over, the commit not awaited
+        return False
+    _tell(out, choice.event([entry] if entry else None))
+    await committed
+    return True
+
+
+def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
+    """A drawn token's logprob and the `top` best alternatives (before sampling)."""
+    ctx = branch.context
+    return {
+        "token": tok.text,
+        "logprob": branch.logprob(tok.token),
+        "bytes": list(tok.text.encode()),
+        "top_logprobs": [
+            {"token": (t := ctx.token_to_text(i)), "logprob": lp, "bytes": list(t.encode())}
+            for i, lp in (branch.top_logprobs(top) if top else [])
+        ],
+    }
+
+
+async def _generate_choice(branch: Branch, choice: Choice, out: Sink) -> None:
+    """One choice on its own branch (the rest of it, up to its limit), in the engine's
+    generation loop (its tokens' decodes gather with the other requests')."""
     finish = "length"
-    async with contextlib.aclosing(stream):
-        async for text, lp in stream:
-            choice.tokens += 1
-            stopped = choice.text.add(text)
-            if lp is not None:
-                choice.logprobs.append(lp)
-            piece = choice.text.take()
-            if piece or lp is not None:
-                out.put_nowait(Event(choice.index, piece, [lp] if lp else []))
-            if stopped:
+    async with contextlib.aclosing(_plain(branch, choice.limit - choice.tokens)) as stream:
+        async for text in stream:
+            if choice.add(text):
                 finish = "stop"
                 break
+            _tell(out, choice.event())
         else:
-            if choice.tokens < limit:
+            if choice.tokens < choice.limit:
                 finish = "stop"  # a stop token
-    rest = choice.text.take(final=True)
-    choice.finish_reason = finish
-    out.put_nowait(Event(choice.index, rest, [], finish))
+    _finish(out, choice, finish)
 
 
-async def _plain(branch: Branch, limit: int) -> AsyncGenerator[tuple[str, None], None]:
+async def _plain(branch: Branch, limit: int) -> AsyncGenerator[str, None]:
     """The branch's tokens. The first goes out as soon as it is drawn from the prompt's
     logits, before its own decode: the time to first token is the prefill's alone."""
     if limit < 1:
@@ -511,39 +782,11 @@ async def _plain(branch: Branch, limit: int) -> AsyncGenerator[tuple[str, None],
     # window in which the engine gathers the other choices' first commits into one decode.
     committed = branch.commit(first)
     try:
-        yield first.text, None
+        yield first.text
     except BaseException:
         committed.close()  # closed early: the generation is over, the commit not awaited
         raise
     await committed
     if limit > 1:
         async for tok in branch.generate(max_tokens=limit - 1):
-            yield tok.text, None
-
-
-async def _with_logprobs(
-    branch: Branch, limit: int, top: int
-) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-    """Tokens with the logprob of each and the `top` best alternatives (before sampling);
-    each goes out before its own decode, as in `_plain`."""
-    ctx = branch.context
-    for _ in range(limit):
-        tok = await branch.produce()
-        if tok.is_stop:
-            return
-        entry = {
-            "token": tok.text,
-            "logprob": branch.logprob(tok.token),
-            "bytes": list(tok.text.encode()),
-            "top_logprobs": [
-                {"token": (t := ctx.token_to_text(i)), "logprob": lp, "bytes": list(t.encode())}
-                for i, lp in (branch.top_logprobs(top) if top else [])
-            ],
-        }
-        committed = branch.commit(tok)  # queued first: see `_plain`
-        try:
-            yield tok.text, entry
-        except BaseException:
-            committed.close()  # as in `_plain`
-            raise
-        await committed
+            yield tok.text

@@ -21,7 +21,16 @@ from .backend import Events
 from .errors import APIError, bad_request
 from .generation import Choice, Event, Outcome
 from .prompts import Prompts
-from .requests import DEFAULT_MAX_TOKENS, ChatRequest, Sampling, _bool, _int, _number
+from .reasoning import Asked
+from .requests import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    Sampling,
+    _bool,
+    _int,
+    _number,
+    parse_template_kwargs,
+)
 
 #: The most stop sequences a request may give (each is searched for after every token).
 MAX_STOP_SEQUENCES = 64
@@ -42,12 +51,40 @@ def parse_messages(body: dict[str, Any], *, counting: bool = False) -> ChatReque
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
+    thinking = _thinking(body)
     return ChatRequest(
         messages=[*_system(body), *_turns(body)],
         sampling=_sampling(body, counting),
         tools=tools,
         tool_choice=choice,
+        reasoning=thinking,
+        template_kwargs=parse_template_kwargs({}, thinking.effort),
     )
+
+
+def _thinking(body: dict[str, Any]) -> Asked:
+    """Anthropic's extended thinking: `{"type": "enabled", "budget_tokens": N}` is a reasoning
+    budget of N tokens, `{"type": "disabled"}` thinking turned off (the template's
+    `enable_thinking`, and a budget of 0); without it, the server's settings."""
+    value = body.get("thinking")
+    if value is None:
+        return Asked()
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return Asked(effort="none")
+    if kind != "enabled":
+        raise bad_request(
+            "thinking must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}",
+            "thinking",
+        )
+    budget = value.get("budget_tokens")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+    ):
+        raise bad_request(
+            "thinking.budget_tokens must be an integer at least 0", "thinking.budget_tokens"
+        )
+    return Asked(budget=budget)
 
 
 def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
@@ -297,28 +334,70 @@ class Reply:
         self.prompt_tokens = prompt_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
         self.tools = bool(req.tools) and req.tool_choice != "none"
+        self._block: str | None = None  # the type of the block being streamed
+        self._blocks = 0  # blocks started
 
     def message(self, outcome: Outcome) -> dict[str, Any]:
-        """The finished Message."""
-        content, reason, sequence = self._ending(outcome.choices[0])
-        return self._head(content, reason, sequence, _usage(outcome))
+        """The finished Message: its thinking block (when it reasoned), then its text or
+        calls."""
+        choice = outcome.choices[0]
+        content, reason, sequence = self._ending(choice)
+        return self._head(_thinking_block(choice) + content, reason, sequence, _usage(outcome))
 
     async def events(self, generation: Events) -> AsyncGenerator[bytes, None]:
         """The Message's stream: `message_start` once the generation has begun (so a request
-        refused at once gets its status), text deltas as they come (without tools), the
-        blocks' ends and `message_delta` with the stop reason at the Outcome."""
+        refused at once gets its status), thinking and text deltas as they come (no text with
+        tools), each in its block, the blocks' ends and `message_delta` with the stop reason
+        at the Outcome."""
         started = False
         async for item in generation:
             if not started:
                 started = True
                 yield self._start()
             if isinstance(item, Event):
-                if not self.tools and item.text:
-                    delta = {"type": "text_delta", "text": item.text}
-                    yield _event("content_block_delta", {"index": 0, "delta": delta})
+                for chunk in self._deltas(item):
+                    yield chunk
                 continue
             for chunk in self._end(item):
                 yield chunk
+
+    def _deltas(self, event: Event) -> list[bytes]:
+        """An event's reasoning as a thinking block's delta, its text as a text block's."""
+        chunks = []
+        if event.reasoning:
+            chunks += self._switch("thinking")
+            delta = {"type": "thinking_delta", "thinking": event.reasoning}
+            chunks.append(
+                _event("content_block_delta", {"index": self._blocks - 1, "delta": delta})
+            )
+        if event.text and not self.tools:
+            chunks += self._switch("text")
+            delta = {"type": "text_delta", "text": event.text}
+            chunks.append(
+                _event("content_block_delta", {"index": self._blocks - 1, "delta": delta})
+            )
+        return chunks
+
+    def _switch(self, kind: str) -> list[bytes]:
+        """Unless a `kind` block is being streamed: the one that is stops, and one starts."""
+        if self._block == kind:
+            return []
+        chunks = self._stop_block()
+        block = {"type": "text", "text": ""}
+        if kind == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        chunks.append(
+            _event("content_block_start", {"index": self._blocks, "content_block": block})
+        )
+        self._block, self._blocks = kind, self._blocks + 1
+        return chunks
+
+    def _stop_block(self) -> list[bytes]:
+        """The end of the block being streamed, if one is."""
+        if self._block is None:
+            return []
+        self._block = None
+        return [_event("content_block_stop", {"index": self._blocks - 1})]
 
     def _head(
         self, content: list[Any], reason: str | None, sequence: str | None, usage: dict[str, Any]
@@ -336,26 +415,24 @@ class Reply:
 
     def _start(self) -> bytes:
         """`message_start` (the prompt's tokens: which came from the cache is known at the
-        end, in `message_delta`), and the text block's start when no call can come."""
+        end, in `message_delta`); the blocks start with their first delta."""
         usage = {
             "input_tokens": self.prompt_tokens,
             "output_tokens": 0,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
         }
-        start = _event("message_start", {"message": self._head([], None, None, usage)})
-        if self.tools:
-            return start
-        return start + _event(
-            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-        )
+        return _event("message_start", {"message": self._head([], None, None, usage)})
 
     def _end(self, outcome: Outcome) -> list[bytes]:
+        """The last blocks (a reply with tools: its calls or text, whole), the stop reason."""
         content, reason, sequence = self._ending(outcome.choices[0])
         if self.tools:
-            chunks = [c for i, block in enumerate(content) for c in _block_events(i, block)]
+            chunks = self._stop_block()
+            first = self._blocks
+            chunks += [c for i, b in enumerate(content) for c in _block_events(first + i, b)]
         else:
-            chunks = [_event("content_block_stop", {"index": 0})]
+            chunks = self._switch("text") + self._stop_block()  # a text block, even empty
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         chunks.append(_event("message_delta", {"delta": delta, "usage": _usage(outcome)}))
         chunks.append(_event("message_stop", {}))
@@ -363,7 +440,7 @@ class Reply:
 
     def _ending(self, choice: Choice) -> tuple[list[dict[str, Any]], str, str | None]:
         """A finished choice's content blocks, stop reason and the stop sequence it met."""
-        text = choice.text.content
+        text = choice.content
         calls = self.prompts.tool_calls(self.req, text) if self.tools else []
         if calls:
             return [_tool_use(call) for call in calls], "tool_use", None
@@ -411,6 +488,14 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
         "name": fn["name"],
         "input": json.loads(fn["arguments"]),
     }
+
+
+def _thinking_block(choice: Choice) -> list[dict[str, Any]]:
+    """A reply's reasoning as Anthropic's thinking block (unsigned: there is nothing to
+    verify), or none."""
+    if not choice.reasoning:
+        return []
+    return [{"type": "thinking", "thinking": choice.reasoning, "signature": ""}]
 
 
 def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:

@@ -43,14 +43,19 @@ class Prompts:
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list[str]]:
         """The prompt tokens of a chat request and the template's stop strings."""
+        tokens, stop, _ = self.rendered_chat(req)
+        return tokens, stop
+
+    def rendered_chat(self, req: ChatRequest) -> tuple[list[int], list[str], str]:
+        """`chat_prompt`, and the prompt as text (whose end may open a think block)."""
         text, stop = self.chat_text(req)
-        return self.ctx.tokenize(text, add_special=True, parse_special=True), stop
+        return self.ctx.tokenize(text, add_special=True, parse_special=True), stop, text
 
     def chat_text(self, req: ChatRequest) -> tuple[str, list[str]]:
         """A chat request's messages (and tools) through the template: the prompt as text, and
         the template's stop strings (`/apply-template` returns the text)."""
         messages, tools = req.messages, req.tools if req.tool_choice != "none" else None
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(req.template_kwargs)
         if self.chat_template is not None:
             kwargs["template"] = self.chat_template
         try:

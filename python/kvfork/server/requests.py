@@ -10,6 +10,7 @@ from typing import Any
 
 from .adapters import Choice, parse_lora
 from .errors import bad_request
+from .reasoning import EFFORTS, FORMATS, Asked, Plan
 
 #: Default completion length when a request names none (llama.cpp's server uses the context).
 DEFAULT_MAX_TOKENS = 256
@@ -40,6 +41,8 @@ class Sampling:
     lora: Choice = field(default_factory=list)
     #: The request's `model`: an adapter's name selects it (`Adapters.resolve`).
     model: str | None = None
+    #: How its choices reason (chat requests: `reasoning.plan`); None: no reasoning followed.
+    reasoning: Plan | None = None
 
     def params(self, choice: int = 0) -> dict[str, Any]:
         """kvfork SamplingParams fields for choice `choice` (seeded choices differ)."""
@@ -76,6 +79,10 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     #: "none", "auto", "required", or the name of the function that must be called.
     tool_choice: str = "auto"
+    #: What the request asked of its reasoning (`reasoning_*` fields).
+    reasoning: Asked = field(default_factory=Asked)
+    #: Variables for the chat template (`chat_template_kwargs`, `reasoning_effort`).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -339,16 +346,88 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
     return tools, choice
 
 
+def _choice_of(body: dict[str, Any], name: str, options: tuple[str, ...]) -> str | None:
+    value = body.get(name)
+    if value is not None and value not in options:
+        raise bad_request(f"{name} must be one of {', '.join(options)}", name)
+    return value
+
+
+#: The longest budget message: it is tokenized on the event loop when a budget is spent.
+MAX_MESSAGE = 4096
+
+
+def parse_reasoning(body: dict[str, Any]) -> Asked:
+    """The `reasoning_*` fields of a chat request: `reasoning_format`, `reasoning_budget`
+    (tokens; -1 unlimited, 0 ends the block at once), `reasoning_budget_message`,
+    `reasoning_effort`, `reasoning_control` and `reasoning_shared`."""
+    message = body.get("reasoning_budget_message")
+    if message is not None and (not isinstance(message, str) or len(message) > MAX_MESSAGE):
+        raise bad_request(
+            f"reasoning_budget_message must be a string of at most {MAX_MESSAGE} characters",
+            "reasoning_budget_message",
+        )
+    return Asked(
+        format=_choice_of(body, "reasoning_format", FORMATS),
+        budget=_int(body, "reasoning_budget", None, -1, 1 << 20),
+        message=message,
+        effort=_choice_of(body, "reasoning_effort", EFFORTS),
+        control=_bool(body, "reasoning_control"),
+        shared=_bool(body, "reasoning_shared"),
+    )
+
+
+#: Template variables a request may not set: the renderer's own arguments.
+_RESERVED_KWARGS = {"messages", "tools", "template", "add_generation_prompt"}
+
+
+def parse_template_kwargs(body: dict[str, Any], effort: str | None) -> dict[str, Any]:
+    """`chat_template_kwargs` (llama-server's: variables for the chat template), with
+    `reasoning_effort`: a level is the template's `reasoning_effort`, "none" its
+    `enable_thinking: false` (unless the kwargs set either)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(_RESERVED_KWARGS.intersection(value))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+        )
+    kwargs = dict(value)
+    if effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    elif effort not in (None, "default"):
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
 def parse_chat(body: dict[str, Any], vocab_size: int, max_n: int) -> ChatRequest:
     """`/v1/chat/completions`."""
     messages = _messages(body)
     tools, choice = _tools(body)
+    reasoning = parse_reasoning(body)
     return ChatRequest(
         messages=messages,
         sampling=parse_sampling(body, vocab_size, max_n),
         tools=tools,
         tool_choice=choice,
+        reasoning=reasoning,
+        template_kwargs=parse_template_kwargs(body, reasoning.effort),
     )
+
+
+def parse_control(body: dict[str, Any]) -> str:
+    """`POST /v1/chat/completions/control` (llama-server's): the running request's `id`; its
+    `action` must be the one there is, `reasoning_end`. `model` is accepted (a router's)."""
+    request_id = body.get("id")
+    if not isinstance(request_id, str) or not request_id:
+        raise bad_request("id must be the id of a running chat completion", "id")
+    action = body.get("action")
+    if action != "reasoning_end":
+        raise bad_request("action must be 'reasoning_end'", "action")
+    return request_id
 
 
 def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
@@ -418,9 +497,14 @@ def parse_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:
 
 
 def parse_apply_template(body: dict[str, Any]) -> ChatRequest:
-    """`/apply-template`: `messages` (and `tools`, `tool_choice`) as `/v1/chat/completions`
-    takes them; nothing is generated."""
+    """`/apply-template`: `messages` (and `tools`, `tool_choice`, `chat_template_kwargs`,
+    `reasoning_effort`) as `/v1/chat/completions` takes them; nothing is generated."""
     tools, choice = _tools(body)
+    effort = _choice_of(body, "reasoning_effort", EFFORTS)
     return ChatRequest(
-        messages=_messages(body), sampling=Sampling(), tools=tools, tool_choice=choice
+        messages=_messages(body),
+        sampling=Sampling(),
+        tools=tools,
+        tool_choice=choice,
+        template_kwargs=parse_template_kwargs(body, effort),
     )

@@ -29,15 +29,24 @@ from typing import Any
 from .adapters import parse_lora
 from .backend import Backend
 from .errors import APIError, bad_request
-from .generation import Event, Outcome
-from .requests import DEFAULT_MAX_TOKENS, ChatRequest, Sampling, _bool, _int, _number
+from .generation import Choice, Event, Outcome
+from .reasoning import EFFORTS, Asked
+from .requests import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    Sampling,
+    _bool,
+    _int,
+    _number,
+    parse_template_kwargs,
+)
 
 #: `kvfork serve --max-stored-responses` and `--stored-responses-mb` defaults.
 DEFAULT_MAX_STORED = 1000
 DEFAULT_STORED_MB = 64
 
 #: Fields the request may carry that change nothing here (hints for OpenAI's own service:
-#: caching keys, tiers, reasoning of reasoning models, extra output to include).
+#: caching keys, tiers, extra output to include).
 IGNORED = frozenset(
     {
         "user",
@@ -47,7 +56,6 @@ IGNORED = frozenset(
         "service_tier",
         "truncation",
         "include",
-        "reasoning",
         "stream_options",
     }
 )
@@ -71,6 +79,7 @@ KNOWN = frozenset(
         "parallel_tool_calls",
         "background",
         "lora",
+        "reasoning",
     }
 )
 _ROLES = {"user", "assistant", "system", "developer"}
@@ -291,10 +300,10 @@ def _messages(items: list[Any], param: str) -> list[dict[str, Any]]:
             call_id = _required_str(item, "call_id", where)
             output = _text(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        else:
+        elif kind != "reasoning":  # a reply's reasoning, passed back: not prompted again
             raise bad_request(
                 f"{where}.type {kind!r} is not supported (message, function_call, "
-                "function_call_output)",
+                "function_call_output, reasoning)",
                 f"{where}.type",
             )
     return messages
@@ -306,7 +315,10 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise bad_request("input must be a non-empty string or list of items", "input")
-    return _messages(value, "input")
+    messages = _messages(value, "input")
+    if not messages:  # only reasoning items
+        raise bad_request("input must hold a message or a function call's output", "input")
+    return messages
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -412,6 +424,22 @@ def _sampling(body: dict[str, Any], schema: dict[str, Any] | None) -> Sampling:
     )
 
 
+def _reasoning(body: dict[str, Any]) -> Asked:
+    """`reasoning: {"effort"}`: the effort for the template (see `reasoning.EFFORTS`; "none"
+    turns thinking off); its summary settings are accepted and change nothing."""
+    value = body.get("reasoning")
+    if value is None:
+        return Asked()
+    if not isinstance(value, dict):
+        raise bad_request("reasoning must be an object", "reasoning")
+    effort = value.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad_request(
+            f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort"
+        )
+    return Asked(effort=effort)
+
+
 def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequest:
     """A `/v1/responses` body: every bad field is a 400 naming it; a `previous_response_id`
     the store does not hold is a 404 naming it."""
@@ -430,11 +458,14 @@ def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequ
             raise _not_found(previous_id, "previous_response_id")
     system = [{"role": "system", "content": instructions}] if instructions else []
     earlier = list(previous.conversation) if previous else []
+    reasoning = _reasoning(body)
     chat = ChatRequest(
         messages=[*system, *earlier, *new],
         sampling=sampling,
         tools=chat_tools,
         tool_choice=chat_choice,
+        reasoning=reasoning,
+        template_kwargs=parse_template_kwargs({}, reasoning.effort),
     )
     echo = {
         "instructions": instructions,
@@ -442,6 +473,7 @@ def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequ
         "metadata": _metadata(body),
         "parallel_tool_calls": _bool(body, "parallel_tool_calls", default=True),
         "previous_response_id": previous_id,
+        "reasoning": {"effort": reasoning.effort, "summary": None},
         "temperature": sampling.temperature,
         "text": {"format": fmt},
         "tool_choice": choice,
@@ -487,11 +519,12 @@ class Responses:
         self.service.prompts.constrain_tools(req.chat)
         return req
 
-    def prompt(self, req: ResponsesRequest) -> tuple[list[int], list[str]]:
-        """The prompt's tokens and stop strings, and the new input's size for the store.
-        Blocking (template, tokenizer, a large input's JSON): off the event loop."""
+    def prompt(self, req: ResponsesRequest) -> tuple[list[int], list[str], str]:
+        """The prompt's tokens, stop strings and text (whose end may open a think block), and
+        the new input's size for the store. Blocking (template, tokenizer, a large input's
+        JSON): off the event loop."""
         with responses_params():
-            prompt = self.service.prompts.chat_prompt(req.chat)
+            prompt = self.service.prompts.rendered_chat(req.chat)
         req.new_size = _size(req.new)
         return prompt
 
@@ -521,6 +554,7 @@ class Reply:
         self.req = req
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
 
     def body(
@@ -549,9 +583,28 @@ class Reply:
         return self.body("in_progress", [], None)
 
     def output(self, outcome: Outcome) -> tuple[str, list[dict[str, Any]]]:
-        """The response's status and output items: its function calls, or one message."""
+        """The response's status and output items: its reasoning (when it reasoned), then its
+        function calls, or one message."""
         choice = outcome.choices[0]
-        text = choice.text.content
+        status, items = self._answer(choice)
+        if choice.reasoning:
+            items.insert(0, self.reasoning_item(choice.reasoning, "completed"))
+        return status, items
+
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        """The reply's reasoning as a `reasoning` output item (its text as the content)."""
+        content = [{"type": "reasoning_text", "text": text}] if text else []
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
+    def _answer(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
+        """The status and the items of the reply's answer: its calls, or one message."""
+        text = choice.content
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         req, prompts = self.req, self.api.service.prompts
         calls = prompts.tool_calls(req.chat, text) if req.uses_tools else []
@@ -591,7 +644,7 @@ class Reply:
                 "cache_write_tokens": outcome.prompt_tokens - cached,
             },
             "output_tokens": outcome.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
         }
         response = self.body(status, output, usage)
@@ -630,6 +683,10 @@ class ResponseEvents:
         self.sequence = 0
         #: The message's text streams as it comes (else it is only known at the end).
         self.streams_text = not reply.req.uses_tools
+        self._items = 0  # output items opened
+        self._thinking: str | None = None  # the reasoning so far, once its item is open
+        self._thought = False  # its item is done
+        self._message_at: int | None = None  # the message's output index, once open
 
     def event(self, kind: str, **fields: Any) -> bytes:
         """One SSE event, named as OpenAI names it (`event:` line and `type`)."""
@@ -648,8 +705,8 @@ class ResponseEvents:
                 opened = True
                 if isinstance(item, Outcome):
                     out += self._close(item)
-                elif self.streams_text and item.text:
-                    out.append(self._delta(item.text))
+                else:
+                    out += self._deltas(item)
                 if out:
                     yield b"".join(out)
 
@@ -662,14 +719,60 @@ class ResponseEvents:
         )
 
     def _open(self) -> list[bytes]:
+        """The response's start (its items open with their first delta)."""
         snapshot = self.reply.in_progress()
-        out = [
+        return [
             self.event("response.created", response=snapshot),
             self.event("response.in_progress", response=snapshot),
         ]
-        if self.streams_text:
-            out += self._open_message(0)
+
+    def _deltas(self, event: Event) -> list[bytes]:
+        """An event's reasoning in the reasoning item, its text in the message (each opened
+        with its first delta; the reasoning is over when the text begins)."""
+        out: list[bytes] = []
+        if event.reasoning:
+            if self._thinking is None:
+                self._thinking = ""
+                out += self._open_reasoning(self._next_item())
+            self._thinking += event.reasoning
+            ref = self._reasoning_ref()
+            out.append(self.event("response.reasoning_text.delta", **ref, delta=event.reasoning))
+        if self.streams_text and event.text:
+            out += self._end_reasoning()
+            if self._message_at is None:
+                self._message_at = self._next_item()
+                out += self._open_message(self._message_at)
+            out.append(self._delta(event.text, self._message_at))
         return out
+
+    def _next_item(self) -> int:
+        self._items += 1
+        return self._items - 1
+
+    def _reasoning_ref(self) -> dict[str, Any]:
+        return {"item_id": self.reply.reasoning_id, "output_index": 0, "content_index": 0}
+
+    def _open_reasoning(self, index: int) -> list[bytes]:
+        item = self.reply.reasoning_item("", "in_progress")
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self.event("response.output_item.added", output_index=index, item=item),
+            self.event("response.content_part.added", **self._reasoning_ref(), part=part),
+        ]
+
+    def _end_reasoning(self) -> list[bytes]:
+        """The reasoning item's end, once (nothing when there was none)."""
+        if self._thinking is None or self._thought:
+            return []
+        self._thought = True
+        text, ref = self._thinking, self._reasoning_ref()
+        part = {"type": "reasoning_text", "text": text}
+        item = self.reply.reasoning_item(text, "completed")
+        return [
+            self.event("response.reasoning_text.done", **ref, text=text),
+            self.event("response.content_part.done", **ref, part=part),
+            self.event("response.output_item.done", output_index=0, item=item),
+        ]
 
     def _message_ref(self, index: int) -> dict[str, Any]:
         return {"item_id": self.reply.message_id, "output_index": index, "content_index": 0}
@@ -694,12 +797,14 @@ class ResponseEvents:
 
     def _close(self, outcome: Outcome) -> list[bytes]:
         response = self.reply.finish(outcome)
-        out: list[bytes] = []
+        out: list[bytes] = self._end_reasoning()
         for index, item in enumerate(response["output"]):
+            if item["type"] == "reasoning":
+                continue  # streamed, and ended above
             if item["type"] == "function_call":
                 out += self._function_call(index, item)
                 continue
-            if not self.streams_text:  # the whole message now: opened, then its one delta
+            if self._message_at is None:  # the whole message now: opened, then its one delta
                 out += self._open_message(index)
                 if item["content"][0]["text"]:
                     out.append(self._delta(item["content"][0]["text"], index))

@@ -44,6 +44,10 @@ class Service:
         """See `Generator.generate`."""
         return self.generator.generate(tokens, sampling, stop, prompt_param)
 
+    def end_reasoning(self, request_id: str) -> bool:
+        """See `Generator.end_reasoning`."""
+        return self.generator.end_reasoning(request_id)
+
     async def health(self, stall_seconds: float) -> dict[str, Any]:
         """See `Generator.health`."""
         return self.generator.health(stall_seconds)
