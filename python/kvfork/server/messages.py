@@ -26,9 +26,9 @@ from .requests import (
     DEFAULT_MAX_TOKENS,
     ChatRequest,
     Sampling,
-    _bool,
-    _int,
-    _number,
+    bool_field,
+    int_field,
+    number_field,
     parse_template_kwargs,
 )
 
@@ -91,15 +91,15 @@ def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
     """Anthropic's sampling fields (temperature in [0, 1], as its API bounds it)."""
     if body.get("max_tokens") is None and not counting:
         raise bad_request("max_tokens is required", "max_tokens")
-    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+    max_tokens = int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
     assert max_tokens is not None
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        temperature=number_field(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=int_field(body, "top_k", 0, 0, 1 << 20) or 0,
         stop=_stop_sequences(body),
-        stream=_bool(body, "stream"),
+        stream=bool_field(body, "stream"),
         # As for chat: a LoRA adapter's name as the model selects it, any other the base.
         model=model if isinstance(model := body.get("model"), str) else None,
     )
@@ -213,7 +213,7 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> di
         raise bad_request(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
     content = block.get("content", "")
     text = _text_of(content, f"{where}.content")
-    if _bool(block, "is_error"):
+    if bool_field(block, "is_error"):
         text = TOOL_ERROR_PREFIX + text
     message = {"role": "tool", "tool_call_id": call_id, "content": text}
     if call_id in names:  # some templates show the function a result comes from

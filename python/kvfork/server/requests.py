@@ -131,7 +131,8 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    """`body[name]`, a number in [lo, hi] (`default` when absent); else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return default
@@ -142,7 +143,8 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(value)
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+def int_field(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    """`body[name]`, an integer in [lo, hi] (`default` when absent); else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return default
@@ -153,7 +155,8 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int)
     return value
 
 
-def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def bool_field(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """`body[name]`, a boolean (`default` when absent); else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return default
@@ -218,10 +221,10 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Sampling:
     """The sampling fields every generation endpoint shares."""
-    max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 20)
+    max_tokens = int_field(body, "max_completion_tokens", None, 1, 1 << 20)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
-    n = _int(body, "n", 1, 1, 1 << 20)
+        max_tokens = int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+    n = int_field(body, "n", 1, 1, 1 << 20)
     assert n is not None and max_tokens is not None
     if n > max_n:
         raise bad_request(f"n = {n} is more than this server's {max_n} sequences", "n")
@@ -234,26 +237,26 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         top, logprobs = logprobs, True
     elif logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs must be a boolean", "logprobs")
-    top = _int(body, "top_logprobs", top, 0, 20) or 0
+    top = int_field(body, "top_logprobs", top, 0, 20) or 0
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
-    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    seed = int_field(body, "seed", None, -(2**63), 2**63 - 1)
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        temperature=number_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=int_field(body, "top_k", 0, 0, 1 << 20) or 0,
+        min_p=number_field(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body, vocab_size),
         stop=_stop(body),
         n=n,
         logprobs=bool(logprobs),
         top_logprobs=top,
-        stream=_bool(body, "stream"),
+        stream=bool_field(body, "stream"),
         include_usage=bool(options and options.get("include_usage") is True),
         json_schema=_response_format(body),
         lora=parse_lora(body),
@@ -274,7 +277,9 @@ def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> Compl
     elif not isinstance(prompt, str) or not prompt:
         raise bad_request("prompt must be a non-empty string (one prompt per request)", "prompt")
     return CompletionRequest(
-        prompt=prompt, sampling=parse_sampling(body, vocab_size, max_n), echo=_bool(body, "echo")
+        prompt=prompt,
+        sampling=parse_sampling(body, vocab_size, max_n),
+        echo=bool_field(body, "echo"),
     )
 
 
@@ -369,11 +374,11 @@ def parse_reasoning(body: dict[str, Any]) -> Asked:
         )
     return Asked(
         format=_choice_of(body, "reasoning_format", FORMATS),
-        budget=_int(body, "reasoning_budget", None, -1, 1 << 20),
+        budget=int_field(body, "reasoning_budget", None, -1, 1 << 20),
         message=message,
         effort=_choice_of(body, "reasoning_effort", EFFORTS),
-        control=_bool(body, "reasoning_control"),
-        shared=_bool(body, "reasoning_shared"),
+        control=bool_field(body, "reasoning_control"),
+        shared=bool_field(body, "reasoning_shared"),
     )
 
 
@@ -478,9 +483,9 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
         raise bad_request("content must be a string", "content")
     return TokenizeRequest(
         content=content,
-        add_special=_bool(body, "add_special"),
-        parse_special=_bool(body, "parse_special", default=True),
-        with_pieces=_bool(body, "with_pieces"),
+        add_special=bool_field(body, "add_special"),
+        parse_special=bool_field(body, "parse_special", default=True),
+        with_pieces=bool_field(body, "with_pieces"),
     )
 
 

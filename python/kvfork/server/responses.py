@@ -35,9 +35,9 @@ from .requests import (
     DEFAULT_MAX_TOKENS,
     ChatRequest,
     Sampling,
-    _bool,
-    _int,
-    _number,
+    bool_field,
+    int_field,
+    number_field,
     parse_template_kwargs,
 )
 
@@ -194,7 +194,7 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported by this server", name)
         if name not in KNOWN | IGNORED | {"conversation", "prompt"}:
             raise bad_request(f"unknown parameter: {name!r}", name, "unknown_parameter")
-    if _bool(body, "background"):
+    if bool_field(body, "background"):
         raise bad_request("background responses are not supported by this server", "background")
 
 
@@ -411,13 +411,13 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
 
 def _sampling(body: dict[str, Any], schema: dict[str, Any] | None) -> Sampling:
     """The sampling fields this API has (one choice, no stop strings or penalties)."""
-    max_tokens = _int(body, "max_output_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+    max_tokens = int_field(body, "max_output_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
     assert max_tokens is not None
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        stream=_bool(body, "stream"),
+        temperature=number_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),
+        stream=bool_field(body, "stream"),
         json_schema=schema,
         lora=parse_lora(body),
         model=model if isinstance(model := body.get("model"), str) else None,
@@ -471,7 +471,7 @@ def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequ
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": _metadata(body),
-        "parallel_tool_calls": _bool(body, "parallel_tool_calls", default=True),
+        "parallel_tool_calls": bool_field(body, "parallel_tool_calls", default=True),
         "previous_response_id": previous_id,
         "reasoning": {"effort": reasoning.effort, "summary": None},
         "temperature": sampling.temperature,
@@ -480,7 +480,7 @@ def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequ
         "tools": tools,
         "top_p": sampling.top_p,
     }
-    store_it = _bool(body, "store", default=True)
+    store_it = bool_field(body, "store", default=True)
     return ResponsesRequest(chat=chat, new=new, previous=previous, store=store_it, echo=echo)
 
 
