@@ -1,0 +1,217 @@
+"""kvfork on the GPU, one model: checks, then `store.step` throughput in the loop of
+benchmarks/bare_bench.cpp (llama.cpp driven by hand, the anchor); and the bench stage's report.
+
+Checks (a line `CHECK name OK|DIFFERS|FAIL detail` each; only `backend` stops the stage):
+1. backend: `system_info()` names cuda;
+2. gpu_equals_cpu: greedy tokens with every layer on the GPU against none; a small model has
+   near-ties, so the first parting is reported with its position rather than failed;
+3. forks_equal_root: 8 forks of a greedy branch stepped together against the root's own
+   greedy continuation (cell placement changes the attention's summation order: they may
+   part late, which is recorded, not failed).
+PERF: `store.step` greedy tokens/s for each N (a prompt, N - 1 forks, STEPS steps, best of
+3), `Branch.generate` at N = 1.
+
+usage (PYTHONPATH=site:scripts):
+  python -m gpu_check.gpu_bench run --model PATH --label NAME --json OUT [--ns 1,8,64,128]
+  python -m gpu_check.gpu_bench report --dir DIR    (the stage's tables, from its outputs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PROMPT = "The history of the printing press begins with"
+ALL_LAYERS = 99
+
+
+def _checks(model_path: str, result: dict[str, Any]) -> None:
+    import kvfork
+
+    greedy = kvfork.SamplingParams(temperature=0.0)
+    checks: dict[str, str] = result["checks"]
+
+    def check(name: str, fn: Callable[[], str]) -> None:
+        try:
+            checks[name] = fn()
+        except Exception:  # noqa: BLE001 - a check reports its error and the next one runs
+            checks[name] = "FAIL " + traceback.format_exc()[-1200:]
+        print(f"CHECK {name} {checks[name]}", flush=True)
+
+    def backend() -> str:
+        info = kvfork.system_info()
+        result["info"] = {
+            k: info.get(k) for k in ("backend", "backends", "cpu_variant", "llama_cpp")
+        }
+        return ("OK " if info.get("backend") == "cuda" else "FAIL ") + str(info.get("backend"))
+
+    def gpu_equals_cpu() -> str:
+        texts = []
+        for layers in (ALL_LAYERS, 0):
+            model = kvfork.Model.load(model_path, n_gpu_layers=layers)
+            with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=2) as ctx:
+                b = kvfork.Branch.create(ctx, 0, greedy)
+                b.prefill_sync(ctx.tokenize(PROMPT))
+                texts.append([t.token for t in b.generate_sync(48)])
+        gpu, cpu = texts
+        same = next((i for i, (a, c) in enumerate(zip(gpu, cpu)) if a != c), len(gpu))
+        verdict = "OK" if same == len(gpu) else "DIFFERS"
+        return f"{verdict} {same}/{len(gpu)} leading greedy tokens equal"
+
+    def forks_equal_root() -> str:
+        model = kvfork.Model.load(model_path, n_gpu_layers=ALL_LAYERS)
+        with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=9) as ctx:
+            root = kvfork.Branch.create(ctx, 0, greedy)
+            root.prefill_sync(ctx.tokenize(PROMPT))
+            kids = [root.fork_sync() for _ in range(8)]
+            store = kvfork.BranchStore(ctx)
+            texts: list[list[int]] = [[] for _ in kids]
+            for _ in range(24):
+                for i, t in enumerate(store.step_sync(kids)):
+                    texts[i].append(t.token)
+            alone = [t.token for t in root.generate_sync(24)]
+        equal = sum(t == alone for t in texts)
+        parts = [next((i for i, (a, b) in enumerate(zip(t, alone)) if a != b), 24) for t in texts]
+        verdict = "OK" if equal == len(kids) else "DIFFERS"
+        return (
+            f"{verdict} {equal}/8 forks equal the root over 24 steps (first parting: {min(parts)})"
+        )
+
+    check("backend", backend)
+    check("gpu_equals_cpu", gpu_equals_cpu)
+    check("forks_equal_root", forks_equal_root)
+
+
+def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str, Any]) -> None:
+    import kvfork
+
+    greedy = kvfork.SamplingParams(temperature=0.0)
+    model = kvfork.Model.load(model_path, n_gpu_layers=ALL_LAYERS)
+    rates: dict[str, float] = result["store_step"]
+    for n in ns:
+        with kvfork.create_context_sync(model, n_ctx=8192, n_batch=512, n_seq_max=n) as ctx:
+            root = kvfork.Branch.create(ctx, 0, greedy)
+            root.prefill_sync(ctx.tokenize(PROMPT))
+            branches = [root] + [root.fork_sync() for _ in range(n - 1)]
+            store = kvfork.BranchStore(ctx)
+            for _ in range(2):
+                store.step_sync(branches)
+            best, decode = float("inf"), 0.0
+            for _ in range(3):
+                s0 = ctx.stats()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    store.step_sync(branches)
+                dt = time.perf_counter() - t0
+                if dt < best:
+                    best = dt
+                    decode = float(ctx.stats()["decode_seconds"]) - float(s0["decode_seconds"])
+        rates[str(n)] = n * steps / best
+        print(
+            f"PERF kvfork store.step N={n} tok/s={rates[str(n)]:.1f} "
+            f"step_ms={1000 * best / steps:.3f} decode_share={decode / best:.3f}",
+            flush=True,
+        )
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        b = kvfork.Branch.create(ctx, 0, greedy)
+        b.prefill_sync(ctx.tokenize(PROMPT))
+        list(b.generate_sync(8))
+        t0 = time.perf_counter()
+        count = len(list(b.generate_sync(steps * 2)))
+        result["generate"] = count / (time.perf_counter() - t0)
+    print(f"PERF kvfork generate N=1 tok/s={result['generate']:.1f}", flush=True)
+
+
+def run(model: str, label: str, ns: Sequence[int], steps: int, out: Path) -> int:
+    """Checks and throughput for one model into `out` (JSON); 1 when the backend is not CUDA."""
+    result: dict[str, Any] = {
+        "label": label,
+        "model": Path(model).name,
+        "steps": steps,
+        "checks": {},
+        "store_step": {},
+    }
+    _checks(model, result)
+    if result["checks"].get("backend", "").startswith("OK"):
+        _throughput(model, ns, steps, result)
+    out.write_text(json.dumps(result, indent=1))
+    return 0 if result["checks"].get("backend", "").startswith("OK") else 1
+
+
+_BARE = re.compile(r"^bare(-gpusample)? N=(\d+) tok/s=([\d.]+)", re.MULTILINE)
+
+
+def parse_bare(text: str) -> dict[tuple[str, int], float]:
+    """bare_bench's lines -> {("host" | "gpu", N): tok/s}."""
+    return {
+        ("gpu" if m.group(1) else "host", int(m.group(2))): float(m.group(3))
+        for m in _BARE.finditer(text)
+    }
+
+
+def report(folder: Path) -> str:
+    """Markdown: per model, the checks and one table of kvfork against bare llama.cpp, then
+    bench_store.py's throughput table as it printed it."""
+    lines: list[str] = []
+    for path in sorted(folder.glob("kvfork-*.json")):
+        result = json.loads(path.read_text())
+        label = result["label"]
+        bare: dict[tuple[str, int], float] = {}
+        for mode in ("host", "gpu"):
+            txt = folder / f"bare-{label}-{mode}.txt"
+            if txt.is_file():
+                bare.update(parse_bare(txt.read_text()))
+        lines.append(f"### {result['model']} ({label}), greedy, {result['steps']} steps, tok/s")
+        for name, verdict in result["checks"].items():
+            lines.append(f"- CHECK {name}: {verdict.splitlines()[0] if verdict else ''}")
+        if "generate" in result:
+            lines.append(f"- Branch.generate N=1: {result['generate']:.0f} tok/s")
+        lines += [
+            "",
+            "| N | kvfork store.step | bare, host argmax | bare, backend sampling | kvfork / bare host |",
+            "|---|---|---|---|---|",
+        ]
+        for n_text, rate in result["store_step"].items():
+            n = int(n_text)
+            host, gpu = bare.get(("host", n)), bare.get(("gpu", n))
+            ratio = f"{rate / host:.2f}" if host else "-"
+            lines.append(
+                f"| {n} | {rate:,.0f} | {f'{host:,.0f}' if host else '-'} | "
+                f"{f'{gpu:,.0f}' if gpu else '-'} | {ratio} |"
+            )
+        lines.append("")
+    for path in sorted(folder.glob("bench_store-*.txt")):
+        lines.append(f"### benchmarks/bench_store.py --only throughput ({path.stem[12:]})")
+        lines.append(path.read_text().strip())
+        lines.append("")
+    return "\n".join(lines) + "\n" if lines else "no benchmark output yet\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("--model", required=True)
+    p.add_argument("--label", required=True)
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--ns", default="1,8,64,128")
+    p.add_argument("--steps", type=int, default=64)
+    p = sub.add_parser("report")
+    p.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.cmd == "report":
+        print(report(args.dir), end="")
+        return 0
+    ns = [int(x) for x in args.ns.split(",")]
+    return run(args.model, args.label, ns, args.steps, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
