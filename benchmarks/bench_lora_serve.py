@@ -8,9 +8,10 @@ of 16. This measures what that costs in tokens per second.
     .venv/bin/python benchmarks/bench_lora_serve.py [--clients 16] [--rounds 3] [--tokens 64]
 
 Default model (Gemma 3 270M), 2 threads, greedy `/v1/completions`, each request its own
-~60-token prompt; the adapters are rank-16 LoRAs on every layer's attn_q and ffn_up, written
-here with the `gguf` package (random weights: only their cost matters). Configurations are
-interleaved round by round; medians over ROUNDS. The server binds 127.0.0.1.
+~60-token prompt and exactly `--tokens` out (end-of-generation tokens banned); the adapters
+are rank-16 LoRAs on every layer's attn_q and ffn_up, written here with the `gguf` package
+(random weights: only their cost matters). Configurations are interleaved round by round;
+medians over ROUNDS. The server binds 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import kvfork
 import openai
 from bench_serve import ServerSpec, start
 
@@ -44,7 +46,16 @@ def prompts(n: int) -> list[str]:
     ]
 
 
-async def burst(url: str, texts: list[str], sets: list[str | None], tokens: int) -> float:
+def stop_bias() -> dict[str, int]:
+    """A logit bias that bans the model's end-of-generation tokens: every request generates
+    all its tokens, so each configuration does the same work."""
+    with kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=64) as ctx:
+        return {str(t): -100 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+
+
+async def burst(
+    url: str, texts: list[str], sets: list[str | None], tokens: int, bias: dict[str, int]
+) -> float:
     """All requests at once; generated tokens per second of wall time."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
 
@@ -54,9 +65,10 @@ async def burst(url: str, texts: list[str], sets: list[str | None], tokens: int)
             prompt=prompt,
             max_tokens=tokens,
             temperature=0,
+            logit_bias=bias,
             extra_body={"lora": [adapter] if adapter else []},
         )
-        assert reply.usage is not None
+        assert reply.usage is not None and reply.usage.completion_tokens == tokens
         return reply.usage.completion_tokens
 
     t0 = time.perf_counter()
@@ -107,12 +119,13 @@ def main() -> None:
         }
         results: dict[str, list[float]] = {name: [] for name in configs}
         try:
-            asyncio.run(burst(url, prompts(n), configs["no adapter"], 4))  # warm up
+            bias = stop_bias()
+            asyncio.run(burst(url, prompts(n), configs["no adapter"], 4, bias))  # warm up
             for r in range(args.rounds):
                 for name, sets in configs.items():
                     # Fresh prompts each round and configuration: nothing comes from the cache.
                     texts = [f"[{r}:{name}] {p}" for p in prompts(n)]
-                    results[name].append(asyncio.run(burst(url, texts, sets, args.tokens)))
+                    results[name].append(asyncio.run(burst(url, texts, sets, args.tokens, bias)))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
