@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from .adapter_files import write_control_vector, write_lora
-from .conftest import GREEDY, assert_same_greedy, greedy_with_margins
+from .conftest import (
+    GREEDY,
+    assert_close_logits,
+    assert_follows,
+    assert_same_greedy,
+    greedy_with_margins,
+    record,
+)
 
 PROMPT = "The capital of France is"
 STEPS = 8
@@ -32,10 +39,17 @@ def prefilled(ctx: kvfork.Context, setup: object = None) -> kvfork.Branch:
 
 
 def logits_with(ctx: kvfork.Context, setup: object = None) -> np.ndarray:
+    """The prompt's row under `setup`. The branch is pruned after: the next one prefills in
+    its cells, so two calls run the same decode over the same cells (bit for bit, but for
+    what the setup changes)."""
     b = prefilled(ctx, setup)
     row = np.array(b.logits())
     b.prune_sync()
     return row
+
+
+def corr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.corrcoef(a, b)[0, 1])
 
 
 def test_an_adapter_changes_the_logits_more_with_a_larger_scale(
@@ -95,10 +109,12 @@ async def test_concurrent_prefills_with_different_adapters_equal_alone(
     store = kvfork.BranchStore(ctx)
     tokens = ctx.tokenize(PROMPT)
     await store.prefill([(plain, tokens), (adapted, tokens)])
-    for b, ref in zip((plain, adapted), alone, strict=True):
-        # Packed with another branch's tokens: equal up to batching noise, far below what
-        # the adapter changes.
-        assert float(np.abs(np.array(b.logits()) - ref).max()) < 0.5
+    for b, ref, other in ((plain, alone[0], alone[1]), (adapted, alone[1], alone[0])):
+        # Packed with another branch's tokens: equal up to batching noise (conftest's
+        # LOGIT_NOISE), and nearer its own set's row than the other set's (the adapter moves
+        # logits by up to ~5, to a correlation of 0.985; noise keeps it above 0.994).
+        assert_close_logits(b.logits(), ref)
+        assert corr(b.logits(), ref) > corr(b.logits(), other)
 
 
 def test_a_fork_inherits_the_adapters_and_their_kv(
@@ -108,9 +124,7 @@ def test_a_fork_inherits_the_adapters_and_their_kv(
     parent = prefilled(ctx, lambda b: b.set_adapters({a: 1.0}))
     child = parent.fork_sync()
     assert child.adapters == {a: 1.0}
-    expected, margins = greedy_with_margins(parent, STEPS)
-    got, _ = greedy_with_margins(child, STEPS)
-    assert_same_greedy(got, expected, margins)
+    assert_follows(child, record(parent, STEPS))  # in its own cells: rows up to noise
 
 
 def test_a_control_vector_steers_and_zero_does_nothing(
@@ -249,14 +263,14 @@ async def test_the_prefix_cache_shares_only_under_the_same_adapters(
     again = await cache.branch(doc + q1, GREEDY, adapters={a: 1.0})
     assert cache.shared_tokens(again) == len(doc)
     # Its logits are those of a branch prefilled from scratch under the adapter (up to
-    # batching noise, far below the adapter's own effect, which the plain branch shows).
+    # batching noise, conftest.LOGIT_NOISE), nearer them than the plain branch's (the
+    # adapter's own effect).
     fresh = kvfork.Branch.create(ctx, 0, GREEDY)
     fresh.set_adapters({a: 1.0})
     await fresh.prefill(doc + q1)
     ref = np.array(fresh.logits())
-    noise = float(np.abs(np.array(again.logits()) - ref).max())
-    effect = float(np.abs(np.array(plain.logits()) - ref).max())
-    assert noise < 0.2 * effect, (noise, effect)
+    assert_close_logits(again.logits(), ref)
+    assert corr(again.logits(), ref) > corr(plain.logits(), ref)
     plain_again = await cache.branch(doc + q2, GREEDY)
     assert cache.shared_tokens(plain_again) == len(doc)
     # A branch whose adapters changed after it was made is not kept as an entry.
@@ -288,14 +302,13 @@ def test_a_saved_branch_keeps_its_adapters(
     b = prefilled(ctx, setup)
     b.save_sync(tmp_path / "b.kvfork")
     data = b.snapshot_sync()
-    expected, margins = greedy_with_margins(b, STEPS)
+    expected = record(b, STEPS)
     for restored in (
         kvfork.Branch.load_sync(ctx, tmp_path / "b.kvfork"),
         kvfork.Branch.restore_sync(ctx, data),
     ):
         assert restored.adapters == {a: 0.75}
-        got, _ = greedy_with_margins(restored, STEPS)
-        assert_same_greedy(got, expected, margins)
+        assert_follows(restored, expected)  # in other cells: rows up to noise
         restored.prune_sync()
     # The adapter file changed since: the load says so.
     write_lora(tmp_path / "changed.gguf", seed=9)

@@ -4,13 +4,14 @@ positions, and use after prune."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import kvfork
 import numpy as np
 import pytest
 
-from .conftest import GREEDY, PROMPT, root
+from .conftest import GREEDY, PROMPT, assert_close_logits, root
 
 
 def test_a_branch_created_past_zero_warns_what_to_do(ctx: kvfork.Context) -> None:
@@ -38,9 +39,12 @@ def test_numpy_tokens(ctx: kvfork.Context) -> None:
     toks = ctx.tokenize(PROMPT)
     a = kvfork.Branch.create(ctx, 0, GREEDY)
     a.prefill_sync(np.array(toks, dtype=np.int64))
+    expected = a.logits()
+    a.prune_sync()  # b's prefill lands in a's cells: the same decode, bit for bit
     b = kvfork.Branch.create(ctx, 0, GREEDY)
     b.prefill_sync(np.array(toks, dtype=np.int32))
-    assert a.produce_sync().token == b.produce_sync().token
+    assert b.history == toks
+    assert np.array_equal(b.logits(), expected)
 
 
 def test_sample_accept_low_level(ctx: kvfork.Context) -> None:
@@ -51,34 +55,49 @@ def test_sample_accept_low_level(ctx: kvfork.Context) -> None:
 
 
 def test_accept_then_commit_counts_the_token_once(ctx: kvfork.Context) -> None:
-    plain, split = root(ctx), root(ctx)
+    plain = root(ctx)
+    split = plain.fork_sync()  # the same logits row
     t = plain.produce_sync().token
+    first = plain.surprisal(t)
     plain.commit_sync(t)
     split.accept(t)
     split.commit_sync(t)  # absorbed: decoded, not accepted a second time
-    assert split.perplexity == plain.perplexity and split.position == plain.position
+    assert split.perplexity == plain.perplexity == pytest.approx(math.exp(first), rel=1e-6)
+    assert split.position == plain.position
     assert split.sampling_perplexity == plain.sampling_perplexity
+    # Each decoded t in its own cells: their rows now differ by noise (conftest.LOGIT_NOISE),
+    # so each counts u under its own row.
     u = split.produce_sync().token
+    second = split.surprisal(u)
     split.accept(u)
     with pytest.raises(kvfork.KvforkError, match=f"{u} was accept"):
         split.commit_sync(u + 1)
     assert split.position == plain.position  # refused: nothing changed
     split.commit_sync(u)
+    assert split.perplexity == pytest.approx(math.exp((first + second) / 2), rel=1e-6)
+    plain_second = plain.surprisal(u)
     plain.commit_sync(u)
-    assert split.perplexity == plain.perplexity
+    assert plain.perplexity == pytest.approx(math.exp((first + plain_second) / 2), rel=1e-6)
 
 
 def test_accept_then_prefill_is_a_manual_commit(ctx: kvfork.Context) -> None:
-    manual, plain = root(ctx), root(ctx)
+    manual = root(ctx)
+    plain = manual.fork_sync()  # the same logits row
     t = manual.produce_sync().token
+    first = manual.surprisal(t)
     manual.accept(t)
     manual.prefill_sync([t])  # decodes the accepted token itself
     plain.commit_sync(t)
+    assert manual.history == plain.history
+    # Both decoded t, each in its own cells: rows equal up to noise (conftest.LOGIT_NOISE).
+    assert_close_logits(manual.logits(), plain.logits())
     u = manual.produce_sync().token
+    second = manual.surprisal(u)
     manual.commit_sync(u)  # not refused: nothing is waiting any more
     plain.commit_sync(u)
     assert manual.position == plain.position
-    assert manual.perplexity == pytest.approx(plain.perplexity, rel=1e-6)
+    # t and u counted once each, as two commits count them, each under its own row.
+    assert manual.perplexity == pytest.approx(math.exp((first + second) / 2), rel=1e-6)
 
 
 def test_bad_tokens_and_positions(ctx: kvfork.Context) -> None:

@@ -7,14 +7,15 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.sandbox
 import kvfork
-import numpy as np
 import pytest
 from kvfork._chat import HELPFUL_ASSISTANT
+
+from .conftest import assert_same_text, margin
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 
@@ -170,9 +171,10 @@ def test_unconvertible_message_values_are_type_errors(ctx: kvfork.Context) -> No
 # ---- warm multi-turn
 
 
-# Replies the model gives with clear margins (>= 0.6 logits at every token): greedy decoding
-# is then the same whether history tokens were decoded one by one or prefilled in a batch
-# (those differ by up to ~0.5, DESIGN.md).
+# Replies the model gives with clear margins at most tokens (the second and third at 1.4 and
+# over): greedy decoding is then the same whether history tokens were decoded one by one or
+# prefilled in a batch (those rows differ by noise, conftest.LOGIT_NOISE), up to a near-tie
+# (conftest's margin rule).
 QUESTIONS = [
     "Repeat exactly: red green blue",
     "Repeat exactly: one two three",
@@ -180,7 +182,16 @@ QUESTIONS = [
 ]
 
 
-def cold_replies(ctx: kvfork.Context) -> tuple[list[str], int]:
+class Reply(NamedTuple):
+    """A reference reply: its text (cut at a stop string), and the text and margin of each
+    token drawn (a stop token last, with no text)."""
+
+    text: str
+    pieces: list[str]
+    margins: list[float]
+
+
+def cold_replies(ctx: kvfork.Context) -> tuple[list[Reply], int]:
     """Each turn re-rendered and re-prefilled from nothing."""
     messages: list[dict[str, Any]] = []
     replies, prefilled = [], 0
@@ -191,11 +202,11 @@ def cold_replies(ctx: kvfork.Context) -> tuple[list[str], int]:
         toks = ctx.tokenize(chat.prompt, parse_special=True)
         prefilled += len(toks)
         b.prefill_sync(toks)
-        text = ""
+        text, pieces, margins = "", [], []
         for _ in range(24):
-            top2 = np.partition(b.logits(), -2)[-2:]
-            assert top2[1] - top2[0] > 0.5, "the test's premise: clear greedy margins"
+            margins.append(margin(b.logits()))
             tok = b.produce_sync()
+            pieces.append("" if tok.is_stop else tok.text)
             if tok.is_stop:
                 break
             b.commit_sync(tok)
@@ -203,7 +214,7 @@ def cold_replies(ctx: kvfork.Context) -> tuple[list[str], int]:
             if any(s in text for s in chat.stop):
                 break
         cut = min([text.find(s) for s in chat.stop if s in text] or [len(text)])
-        replies.append(text[:cut])
+        replies.append(Reply(text[:cut], pieces, margins))
         messages.append({"role": "assistant", "content": text[:cut]})
         b.prune_sync()
     return replies, prefilled
@@ -213,17 +224,23 @@ def test_warm_turns_equal_cold_turns_and_prefill_less(chat_ctx: kvfork.Context) 
     cold, cold_prefilled = cold_replies(chat_ctx)
     chat = kvfork.Chat(chat_ctx, params=GREEDY)
     warm = [chat.send_sync(q, max_tokens=24) for q in QUESTIONS]
-    assert warm == cold
+    for got, reference in zip(warm, cold, strict=True):
+        if not assert_same_text(got, reference.text, reference.pieces, reference.margins):
+            break  # the histories part: later turns are not comparable
     assert chat.cold_restarts == 0
     assert chat.prefilled_tokens < cold_prefilled / 2
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
 
 
 async def test_async_chat_equals_sync_chat(chat_ctx: kvfork.Context) -> None:
+    # One chat after the other, the first pruned before the second starts: the second's turns
+    # land in the first's cells, the same decodes over the same cells, bit for bit.
     a = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer in one word.")
+    replies = [await a.send(q, max_tokens=16) for q in QUESTIONS[:2]]
+    assert a.branch is not None
+    await a.branch.prune()
     b = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer in one word.")
-    for q in QUESTIONS[:2]:
-        assert await a.send(q, max_tokens=16) == b.send_sync(q, max_tokens=16)
+    assert [b.send_sync(q, max_tokens=16) for q in QUESTIONS[:2]] == replies
     assert a.messages == b.messages and a.messages[0]["role"] == "system"
 
 
@@ -236,9 +253,11 @@ async def test_a_forked_chat_continues_like_the_original(chat_ctx: kvfork.Contex
     forked = await side.send(QUESTIONS[1], max_tokens=16)
     assert side.prefilled_tokens < 40  # only the new turn: the history is shared KV
     assert len(chat.messages) == 3  # the original is untouched
+    # The fork pruned first, the original's turn lands in the cells the fork's took: the
+    # same decodes over the same cells, bit for bit.
+    await side.branch.prune()
     straight = await chat.send(QUESTIONS[1], max_tokens=16)
     assert forked == straight
-    await side.branch.prune()
     unstarted = kvfork.Chat(chat_ctx, params=GREEDY).fork_sync()
     assert unstarted.branch is None and unstarted.messages == []
 

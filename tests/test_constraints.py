@@ -11,7 +11,7 @@ import jsonschema
 import kvfork
 import pytest
 
-from .conftest import GREEDY, PROMPT, root
+from .conftest import GREEDY, PROMPT, assert_follows, record, root
 from .conftest import PERSON_SCHEMA as SCHEMA
 
 
@@ -52,6 +52,7 @@ def test_greedy_never_skips_a_better_legal_token(ctx: kvfork.Context) -> None:
 def test_walk_of_the_best_tokens_equals_the_whole_allowed_set(ctx: kvfork.Context) -> None:
     # A top_k chain tries the best tokens one by one; a huge top_n_sigma keeps every token and
     # so samples from the constraint's whole allowed set. The draws must be the same.
+    # (Each branch pruned before the next prefills in its cells: the same rows, bit for bit.)
     outs = []
     for extra in ({}, {"top_n_sigma": 1e6}):
         b = root(ctx, "A person as JSON:", {"temperature": 0.9, "top_k": 40, "seed": 3, **extra})
@@ -128,9 +129,11 @@ def test_save_and_load_mid_document(ctx: kvfork.Context, tmp_path: Path) -> None
     for _ in b.generate_sync(5):
         pass
     b.save_sync(tmp_path / "j.kvfork")
-    expected = [t.token for t in b.generate_sync(30)]
+    expected = record(b, 30)
     loaded = kvfork.Branch.load_sync(ctx, tmp_path / "j.kvfork")
-    assert [t.token for t in loaded.generate_sync(30)] == expected
+    # In other cells than b's: b's draws from b's rows (the parser's state restored), its own
+    # rows equal up to noise.
+    assert_follows(loaded, expected)
 
 
 def test_bad_constraints_raise(ctx: kvfork.Context) -> None:

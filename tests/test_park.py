@@ -1,4 +1,5 @@
-"""Parked branches (`park=True`): more branches than leases, results equal up to cell-order noise."""
+"""Parked branches (`park=True`): more branches than leases, results equal up to cell-order
+noise (a parked branch comes back into other cells: conftest's rules)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,27 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import GREEDY, PROMPT, assert_same_greedy, greedy_tokens
+from .conftest import (
+    GREEDY,
+    NEAR_TIE,
+    PROMPT,
+    Trace,
+    assert_close_logits,
+    assert_follows,
+    assert_same_greedy,
+    greedy_tokens,
+    greedy_with_margins,
+    margin,
+    record,
+)
 
 # Every decode takes at most 4 tokens in both contexts compared, so the two run the same
 # batch shapes and only the placement of cells differs.
 N_BATCH = 4
 
 # Generated tokens of the 64-branch tree search before their branch's first near-tie
-# (margin < 1) on the 64-lease run: the tokens its comparison checks.
+# (margin < 1) on the 64-lease run: the tokens its comparison checks at the least.
 COMPARED_TOKENS = 64
-
-# Bound on the logit change a hole below a branch's cells causes (llama.cpp cell order;
-# 0.98 measured on the default model).
-HOLE_NOISE = 1.5
 
 
 def open_ctx(model: kvfork.Model, n_seq_max: int, park: bool) -> kvfork.Context:
@@ -67,11 +76,22 @@ def tree_search(
     return [b.history for b in branches], [margins[b.handle] for b in branches]
 
 
+def compared_tokens(margins: list[list[float]]) -> tuple[int, int]:
+    """How many generated tokens come before their branch's first near-tie (those
+    `assert_same_greedy` compares whatever happens), and how many were generated."""
+    n_prompt = len(margins[0])
+    compared = sum(
+        next((i for i, x in enumerate(m) if x < NEAR_TIE), len(m)) - n_prompt for m in margins
+    )
+    return compared, sum(len(m) - n_prompt for m in margins)
+
+
 # Parking moves cells: a branch brought back, or a new cell, may land in a hole below the
 # branch's older cells, and llama.cpp's attention sums in cell order (f16 on this model), so
 # logits move by up to ~1 (test_a_hole_below_a_branchs_cells_moves_logits_within_a_bound
 # shows it without parking). Tokens are therefore compared the way every batching test of
-# kvfork compares them: equal up to the 64-lease run's first near-tie on each branch.
+# kvfork compares them (conftest.assert_same_greedy): equal up to their first difference,
+# which must come at a near-tie of the 64-lease run.
 def test_tree_search_with_4_leases_equals_64_leases(model: kvfork.Model) -> None:
     with open_ctx(model, 64, park=False) as wide:
         expected, margins = tree_search(wide)
@@ -85,23 +105,23 @@ def test_tree_search_with_4_leases_equals_64_leases(model: kvfork.Model) -> None
     for g, e, m in zip(got, expected, margins, strict=True):
         assert_same_greedy(g, e, m)
     # The comparison is not vacuous: most generated tokens come before any near-tie.
-    n_prompt = len(margins[0])
-    compared = sum(
-        next((i for i, x in enumerate(m) if x < 1.0), len(m)) - n_prompt for m in margins
-    )
-    generated = sum(len(m) - n_prompt for m in margins)
+    compared, generated = compared_tokens(margins)
     print(f"tokens compared: {compared} of {generated}")
     assert compared >= COMPARED_TOKENS, (compared, generated)
 
 
 @pytest.mark.parametrize("live", [5, 7])
-def test_small_tree_search_on_4_leases_is_bit_exact(model: kvfork.Model, live: int) -> None:
+def test_small_tree_search_on_4_leases_equals_the_wide_one(model: kvfork.Model, live: int) -> None:
+    """A few branches, parked and brought back into other cells: the margin rule, as for 64
+    (this CPU happens to give the same tokens throughout, near-ties included)."""
     with open_ctx(model, 64, park=False) as wide:
-        expected, _ = tree_search(wide, live=live)
+        expected, margins = tree_search(wide, live=live)
     with open_ctx(model, 4, park=True) as narrow:
         got, _ = tree_search(narrow, live=live)
         assert narrow.stats()["parks"] > 0
-    assert got == expected
+    assert [len(g) for g in got] == [len(e) for e in expected]
+    for g, e, m in zip(got, expected, margins, strict=True):
+        assert_same_greedy(g, e, m)
 
 
 def test_fork_and_create_without_a_lease_park_instead_of_raising(model: kvfork.Model) -> None:
@@ -114,12 +134,12 @@ def test_fork_and_create_without_a_lease_park_instead_of_raising(model: kvfork.M
         assert ctx.stats()["parked_branches"] == 2
         # A child parked on its active parent holds no cell of its own.
         assert ctx.stats()["parked_bytes"] == 0
-        expected = greedy_tokens(a.fork_sync(), 5)  # a third branch, parked then back
-        b_tokens = greedy_tokens(b, 5)  # b comes back, a is parked
+        expected = record(a.fork_sync(), 5)  # a third branch, parked then back
+        assert_follows(b, expected)  # b comes back, a is parked
         assert b.is_active and not a.is_active
         assert ctx.stats()["unparks"] >= 1 and ctx.stats()["parks"] >= 1
-        a_tokens = greedy_tokens(a, 5)
-        assert a_tokens == b_tokens == expected
+        assert_follows(a, expected)
+        assert a.history == b.history
     with open_ctx(model, 1, park=False) as strict:
         kvfork.Branch.create(strict, 0, GREEDY)
         with pytest.raises(kvfork.LeaseExhaustedError):
@@ -155,23 +175,34 @@ def test_host_memory_of_a_parked_branch_is_its_own_cells(model: kvfork.Model) ->
 def test_prune_keep_children_and_reseed_of_an_anchor_keep_parked_children_exact(
     model: kvfork.Model,
 ) -> None:
-    def run(ctx: kvfork.Context) -> list[list[int]]:
+    def run(ctx: kvfork.Context) -> list[tuple[list[int], list[float]]]:
         root = kvfork.Branch.create(ctx, 0, GREEDY)
         root.prefill_sync(ctx.tokenize(PROMPT))
         mid = root.fork_sync()
         mid.prefill_sync(ctx.tokenize(" and the", add_special=False))
         kids = [mid.fork_sync() for _ in range(3)]
+        # Each kid takes one of the three best tokens: its margin, how clear that token is of
+        # its neighbours (as tree_search counts it).
+        firsts = []
         for k, kid in enumerate(kids):
-            kid.commit_sync(kid.top_logprobs(3)[k][0])
+            token = kid.top_logprobs(3)[k][0]
+            firsts.append(([token], [gaps(kid, k + 1)]))
+            kid.commit_sync(token)
         mid.prune_sync(keep_children=True)
         root.reseed_context_sync(ctx.tokenize("Hello"), 0)
         greedy_tokens(root, 3)
-        return [greedy_tokens(kid, 6) for kid in kids]
+        out = []
+        for (first, gap), kid in zip(firsts, kids, strict=True):
+            tokens, margins = greedy_with_margins(kid, 6)
+            out.append((first + tokens, gap + margins))
+        return out
 
     with open_ctx(model, 8, park=False) as wide:
         expected = run(wide)
     with open_ctx(model, 1, park=True) as narrow:
-        assert run(narrow) == expected
+        got = run(narrow)
+    for (tokens, _), (want, margins) in zip(got, expected, strict=True):
+        assert_same_greedy(tokens, want, margins)
 
 
 def test_retain_only_a_parked_winner(model: kvfork.Model) -> None:
@@ -184,12 +215,12 @@ def test_retain_only_a_parked_winner(model: kvfork.Model) -> None:
         winner = kids[0]
         assert not winner.is_active
         reference = winner.fork_sync()
-        expected = greedy_tokens(reference, 4)
+        expected = record(reference, 4)
         reference.prune_sync()
         kvfork.BranchStore(ctx).retain_only_sync(winner)
         assert winner.is_active and all(b.disposed for b in [*kids[1:], root])
         assert ctx.stats()["parked_branches"] == 0
-        assert greedy_tokens(winner, 4) == expected
+        assert_follows(winner, expected)
 
 
 def test_save_and_load_a_parked_branch(model: kvfork.Model, tmp_path: object) -> None:
@@ -204,9 +235,9 @@ def test_save_and_load_a_parked_branch(model: kvfork.Model, tmp_path: object) ->
         a.commit_sync(a.sample())
         assert not b.is_active
         b.save_sync(path)
-        expected = greedy_tokens(b, 4)
+        expected = record(b, 4)
         loaded = kvfork.Branch.load_sync(ctx, path)
-        assert greedy_tokens(loaded, 4) == expected
+        assert_follows(loaded, expected)
         with pytest.raises(kvfork.KvforkError, match="park=True"):
             ctx.save_state_sync(Path(str(tmp_path)) / "ctx.kvs")
 
@@ -216,7 +247,7 @@ def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model
     the prefix it shares with a parked child, llama.cpp may reuse those cells (held by the
     parent alone) for new ones, unless the child's copy was taken first."""
 
-    def run(ctx: kvfork.Context) -> list[int]:
+    def run(ctx: kvfork.Context, reference: Trace | None) -> Trace:
         first = kvfork.Branch.create(ctx, 0, GREEDY)
         first.prefill_sync(list(range(3000, 3010)))  # the lowest cells
         parent = kvfork.Branch.create(ctx, 0, GREEDY)
@@ -225,12 +256,16 @@ def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model
         parent.prefill_sync(list(range(2000, 2700)))  # a window past the shared prefix
         first.prune_sync()  # llama.cpp's next search for cells starts at the bottom
         parent.prefill_sync(list(range(2700, 2720)))
-        return greedy_tokens(child, 8)
+        if reference is None:
+            return record(child, 8)
+        # Cells overwritten would move its rows far beyond noise.
+        assert_follows(child, reference)
+        return reference
 
     with open_ctx(model, 3, park=False) as wide:
-        expected = run(wide)
+        expected = run(wide, None)
     with open_ctx(model, 2, park=True) as narrow:
-        assert run(narrow) == expected
+        run(narrow, expected)
 
 
 def test_bad_park_options(model: kvfork.Model) -> None:
@@ -256,15 +291,16 @@ def test_logits_of_a_branch_unparked_equal_those_it_had(model: kvfork.Model) -> 
             r.prefill_sync(ref_ctx.tokenize(PROMPT))
             r.prefill_sync(ref_ctx.tokenize(" in the", add_special=False))
             r.commit_sync(17)
-            np.testing.assert_allclose(probe.logits(), r.logits(), atol=1e-3)
+            # The same decodes, in other cells: equal up to noise (conftest.LOGIT_NOISE).
+            assert_close_logits(probe.logits(), r.logits())
 
 
 def test_a_hole_below_a_branchs_cells_moves_logits_within_a_bound(model: kvfork.Model) -> None:
     """Why parked results are compared margin-aware. No parking at all: the same branch, the
     same cells and contents, only a hole at the bottom of the cache (a pruned branch's 30
     cells) where its next token's cell lands. llama.cpp's attention sums in cell order, so
-    the logits move (by up to ~1 on this model), but no more than HOLE_NOISE, and the greedy
-    token stays when the reference's margin is clear."""
+    the logits move (by up to ~1 on this model), but within conftest.LOGIT_NOISE, and the
+    greedy token stays when the reference's margin is clear."""
 
     def run(hole: bool) -> np.ndarray:
         with open_ctx(model, 4, park=False) as ctx:
@@ -280,10 +316,8 @@ def test_a_hole_below_a_branchs_cells_moves_logits_within_a_bound(model: kvfork.
     moved, ref = run(True), run(False)
     noise = float(np.abs(moved - ref).max())
     print(f"cell-order noise: max |logit difference| = {noise:.3f}")
-    assert noise < HOLE_NOISE
-    top2 = np.partition(ref, -2)[-2:]
-    assert top2[1] - top2[0] >= 1.0  # a clear argmax, which cell-order noise cannot move
-    assert int(np.argmax(moved)) == int(np.argmax(ref))
+    assert margin(ref) >= NEAR_TIE  # a clear argmax, which cell-order noise cannot move
+    assert_close_logits(moved, ref)
 
 
 def test_raw_layer_calls_that_name_sequences_are_refused(model: kvfork.Model) -> None:

@@ -18,7 +18,7 @@ import kvfork
 import numpy as np
 import pytest
 
-from .conftest import GREEDY, PROMPT, root
+from .conftest import GREEDY, PROMPT, assert_close_logits, root
 
 CHAIN = kvfork.SamplingParams(seed=7)  # the default chain: top-k, top-p, min-p, temperature
 
@@ -109,8 +109,10 @@ def test_a_one_token_speculate_keeps_its_loan_and_its_forks_rows(ctx: kvfork.Con
     assert twin.produce_sync() == pending
     accepted, nxt = a.speculate_sync(pending, [])
     assert accepted == [] and reading(fork) == before
-    twin.commit_sync(pending.token)  # the same decode, as a commit
-    assert reading(a) == reading(twin) != before
+    twin.commit_sync(pending.token)  # the same decode, as a commit (in the twin's own cells)
+    assert reading(a) != before
+    assert_close_logits(a.logits(), twin.logits())  # other cells: equal up to noise
+    twin.set_logits(a.logits())  # the twin's sampler (a's RNG, cloned) on a's very row
     assert twin.produce_sync() == nxt
 
 

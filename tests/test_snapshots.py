@@ -11,7 +11,7 @@ from pathlib import Path
 import kvfork
 import pytest
 
-from .conftest import GREEDY, PROMPT, greedy_tokens, root
+from .conftest import GREEDY, PROMPT, assert_follows, greedy_tokens, record, root
 
 
 @pytest.fixture
@@ -30,12 +30,13 @@ def test_a_branch_snapshot_is_its_state_file_and_continues_exactly(
     assert isinstance(data, bytes)
     b.save_sync(tmp_path / "b.kvf")
     assert data == (tmp_path / "b.kvf").read_bytes()  # the same framing as the file
-    expected = greedy_tokens(b, 6)
+    expected = record(b, 6)
     again = kvfork.Branch.restore_sync(small, data)
     assert again.position == b.position - 6 and again.history == b.history[:-6]
-    assert greedy_tokens(again, 6) == expected
+    # In other cells than b's: b's draws from b's rows, its own rows equal up to noise.
+    assert_follows(again, expected)
     from_file = kvfork.Branch.restore_sync(small, bytearray(data))  # any bytes-like
-    assert greedy_tokens(from_file, 6) == expected
+    assert_follows(from_file, expected)
 
 
 async def test_a_branch_snapshot_restores_on_another_context(
@@ -45,6 +46,7 @@ async def test_a_branch_snapshot_restores_on_another_context(
     data = await b.snapshot()
     expected = greedy_tokens(b, 5)
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2) as other:
+        # The first branch there, in b's cells: b's very decodes, bit for bit.
         moved = await kvfork.Branch.restore(other, data)
         assert greedy_tokens(moved, 5) == expected
 
@@ -59,7 +61,7 @@ async def test_a_context_snapshot_returns_to_its_tree_over_live_branches(
     small.decode_sync(small.tokenize("Raw cells"), 0, 3)  # cells of no branch come back too
     data = await small.snapshot()
     seqs = [k.seq_id for k in kids]
-    expected = [greedy_tokens(k, 4) for k in kids]
+    expected = [record(k, 4) for k in kids]
     extra = await kids[0].fork()  # the tree changes after the snapshot
     small.kv_seq_remove(3)
 
@@ -73,7 +75,8 @@ async def test_a_context_snapshot_returns_to_its_tree_over_live_branches(
     assert new_trunk.parent is None and new_kids[0].parent == new_trunk
     assert [k.seq_id for k in new_kids] == seqs
     assert await small.kv_seq_pos_max(3) == len(small.tokenize("Raw cells")) - 1
-    assert [greedy_tokens(k, 4) for k in new_kids] == expected
+    for k, reference in zip(new_kids, expected, strict=True):
+        assert_follows(k, reference)  # after other decodes since: rows equal up to noise
     assert kvfork.BranchStore(small).available == 1
 
 
@@ -98,7 +101,7 @@ def test_corrupt_truncated_or_foreign_snapshots_raise_and_change_nothing(
         with pytest.raises(kvfork.StateFileError):
             small.restore_sync(data)
     assert not b.disposed  # a refused restore disposed nothing
-    assert greedy_tokens(b, 3) == greedy_tokens(kvfork.Branch.restore_sync(small, branch_data), 3)
+    assert_follows(kvfork.Branch.restore_sync(small, branch_data), record(b, 3))
     with kvfork.create_context_sync(chat_model, n_ctx=256, n_seq_max=2) as chat:
         with pytest.raises(kvfork.StateFileError, match="different model"):
             kvfork.Branch.restore_sync(chat, branch_data)

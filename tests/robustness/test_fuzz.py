@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvfork
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,7 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ..conftest import GREEDY
+from ..conftest import GREEDY, assert_close_logits
 
 N_CTX = 1024
 N_SEQ = 5
@@ -373,12 +372,10 @@ class BranchTree(RuleBasedStateMachine):
                 want, got = replay.logits(), node.branch.logits()
             finally:
                 replay.prune_sync()
-            # Batched decodes differ from one long prefill by small amounts (DESIGN.md): the
-            # same argmax where the replay's margin is clear, and the same distribution.
-            top2 = np.partition(want, -2)[-2:]
-            if top2[1] - top2[0] > 1.0:  # the suite's margin rule (conftest.assert_same_greedy)
-                assert int(np.argmax(got)) == int(np.argmax(want))
-            assert float(np.corrcoef(got, want)[0, 1]) > 0.99
+            # Batched decodes in other cells differ from one long prefill by noise: within
+            # LOGIT_NOISE, the same argmax where the replay's margin is clear, and the same
+            # distribution (conftest.assert_close_logits).
+            assert_close_logits(got, want, f"branch {node.branch.handle} at {node.position}")
 
     @invariant()
     def tree_matches_the_model(self) -> None:
