@@ -194,3 +194,31 @@ def test_tiny_temperature_changes_keep_the_random_stream(ctx: kvfork.Context) ->
     # draw only when its quantile sits on a boundary between two tokens).
     same = sum(a == b for a, b in zip(steady, moved))
     assert same >= 0.95 * draws, same
+
+
+def test_a_row_replaced_between_produce_and_commit_keeps_one_xtc_roll_a_step(
+    ctx: kvfork.Context,
+) -> None:
+    """XTC rolls once a step: a commit whose row was replaced after `produce` (the same row
+    written back with `set_logits`) filters the candidates again without a second roll, so
+    the random stream goes on as without the replacement, and the committed token keeps a
+    finite sampling perplexity. (Each branch pruned before the next: the same rows.)"""
+    params = {**SEEDED, "xtc_probability": 0.5, "xtc_threshold": 0.05}
+    expected = root(ctx, PROMPT, params)
+    reference = []
+    for _ in range(24):
+        t = expected.produce_sync()
+        expected.commit_sync(t)
+        reference.append(t.token)
+    want = expected.sampling_perplexity
+    expected.prune_sync()
+    b = root(ctx, PROMPT, params)
+    got = []
+    for _ in range(24):
+        t = b.produce_sync()
+        b.set_logits(b.logits())  # a new row version: the candidates are filtered again
+        b.commit_sync(t)
+        got.append(t.token)
+    assert got == reference
+    assert math.isfinite(b.sampling_perplexity)
+    assert b.sampling_perplexity == pytest.approx(want)

@@ -419,7 +419,7 @@ impl BranchState {
             return Err(self.nothing_to_sample());
         }
         let mut cur = c.array();
-        self.sampler.filter(&mut cur);
+        self.sampler.filter(&mut cur, self.sampler_epoch);
         c.keep(&cur);
         if !c.any_finite() {
             return Err(self.nothing_to_sample());

@@ -23,6 +23,10 @@ pub(crate) struct SamplerChain {
     filters: Option<RawSampler>,
     /// Draws of XTC and the terminal (see `stochastic.rs`).
     rng: Rng,
+    /// XTC's roll of a step (the branch's sampler epoch), drawn once however often that
+    /// step's candidates are filtered (a row replaced between `produce` and `commit` is
+    /// filtered again): the RNG stream stays that of one draw a step.
+    xtc_roll: Option<(u64, f64)>,
     /// Mirostat's running target (2·tau at the start).
     mu: f32,
     n_vocab: usize,
@@ -141,6 +145,7 @@ impl SamplerChain {
             seed,
             filters,
             rng: Rng::from_seed(seed),
+            xtc_roll: None,
             mu: 2.0 * p.mirostat_tau,
             n_vocab: model.vocab_size(),
         }
@@ -164,8 +169,9 @@ impl SamplerChain {
         (p.top_k > 0 && p.top_n_sigma <= 0.0).then_some(p.top_k as usize)
     }
 
-    /// Run the filters over `cur` (in place): llama.cpp's, then XTC and temperature.
-    pub fn filter(&mut self, cur: &mut sys::llama_token_data_array) {
+    /// Run the filters over `cur` (in place): llama.cpp's, then XTC and temperature. `step`
+    /// is the branch's sampler epoch (one per accepted token).
+    pub fn filter(&mut self, cur: &mut sys::llama_token_data_array, step: u64) {
         if let Some(f) = self.filters.as_mut() {
             f.apply(cur);
         }
@@ -174,12 +180,16 @@ impl SamplerChain {
             return;
         }
         if p.mirostat == 0 {
-            let cut = stochastic::xtc(
-                window(cur),
-                p.xtc_probability,
-                p.xtc_threshold,
-                &mut self.rng,
-            );
+            let (rng, memo) = (&mut self.rng, &mut self.xtc_roll);
+            let roll = || match *memo {
+                Some((at, roll)) if at == step => roll,
+                _ => {
+                    let roll = rng.uniform();
+                    *memo = Some((step, roll));
+                    roll
+                }
+            };
+            let cut = stochastic::xtc(window(cur), p.xtc_probability, p.xtc_threshold, roll);
             // SAFETY: `xtc` returns 0 or less than the window's length, so `data + cut` stays
             // inside the buffer `cur` describes and `size - cut` entries remain after it.
             cur.data = unsafe { cur.data.add(cut) };
@@ -225,6 +235,7 @@ impl SamplerChain {
     pub fn reseed(&mut self, seed: u32) {
         self.seed = seed;
         self.rng = Rng::from_seed(seed);
+        self.xtc_roll = None;
     }
 
     /// Take new params. The RNG stream and Mirostat's mu carry on, unless the params name a
@@ -250,6 +261,7 @@ impl SamplerChain {
         let mut next = Self::build(params, new_seed.unwrap_or(self.seed), model);
         if new_seed.is_none() {
             next.rng = self.rng;
+            next.xtc_roll = self.xtc_roll;
         }
         if self.params.mirostat != 0 && params.mirostat != 0 {
             next.mu = self.mu;

@@ -124,11 +124,16 @@ fn draw_and_adapt(
 /// XTC ("exclude top choices"): with `probability`, drop every candidate at or above
 /// `threshold` except the least likely of them. Returns how many were dropped from the front
 /// (the window is sorted best first when that happens).
-pub(crate) fn xtc(c: Window<'_>, probability: f32, threshold: f32, rng: &mut Rng) -> usize {
+pub(crate) fn xtc(
+    c: Window<'_>,
+    probability: f32,
+    threshold: f32,
+    roll: impl FnOnce() -> f64,
+) -> usize {
     if probability <= 0.0 || threshold > 0.5 || c.len() < 2 {
         return 0;
     }
-    if rng.uniform() as f32 > probability {
+    if roll() as f32 > probability {
         return 0;
     }
     sorted_softmax(c);
@@ -265,12 +270,12 @@ mod tests {
     fn xtc_drops_all_but_the_least_likely_top_choice() {
         let mut rng = Rng::from_seed(3);
         let mut c = cands(&[3.0, 2.9, 2.8, -5.0]);
-        let cut = xtc(&mut c, 1.0, 0.1, &mut rng);
+        let cut = xtc(&mut c, 1.0, 0.1, || rng.uniform());
         assert_eq!(cut, 2);
         assert_eq!(c[cut].id, 2);
         // Never when the threshold cannot be met by two candidates, nor with one candidate.
-        assert_eq!(xtc(&mut cands(&[1.0, 0.0]), 1.0, 0.6, &mut rng), 0);
-        assert_eq!(xtc(&mut cands(&[1.0]), 1.0, 0.1, &mut rng), 0);
+        assert_eq!(xtc(&mut cands(&[1.0, 0.0]), 1.0, 0.6, || rng.uniform()), 0);
+        assert_eq!(xtc(&mut cands(&[1.0]), 1.0, 0.1, || rng.uniform()), 0);
     }
 
     #[test]
