@@ -109,7 +109,10 @@ impl Worker {
         from: usize,
         anchor: Option<&Arc<BranchCell>>,
     ) -> Result<(Vec<u8>, usize)> {
-        let anchor = anchor.filter(|a| from > 0 && holds_prefix(a, &cell.lock().history()[..from]));
+        // The prefix copied out first: the entry's lock is not held while the anchor's is taken.
+        let prefix = cell.lock().history().get(..from).map(<[Token]>::to_vec);
+        let anchor =
+            anchor.filter(|a| from > 0 && prefix.as_deref().is_some_and(|p| holds_prefix(a, p)));
         let Some(anchor) = anchor else {
             return Ok((self.branch_bytes(cell)?, 0));
         };
