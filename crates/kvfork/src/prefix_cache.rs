@@ -25,7 +25,7 @@ use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::prefix_spill::{
-    pack, unpack, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken, Unpacked,
+    pack, unpack, DiskWrite, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken, Unpacked,
 };
 use crate::sampling::SamplingParams;
 
@@ -600,7 +600,9 @@ impl PrefixCache {
         if len < shared + WORTH_SHARING {
             return None;
         }
-        st.spill.as_mut()?.take(id).ok().map(|taken| (taken, len))
+        let taking = st.spill.as_mut()?.take(id)?;
+        drop(st); // a file is read without the lock
+        taking.read().ok().map(|taken| (taken, len))
     }
 
     /// Copy a spilled entry's first `len` tokens into `branch`'s empty sequence; how many it
@@ -671,8 +673,24 @@ impl PrefixCache {
     /// Keep an evicted entry (`pack`ed, without its first `anchor` tokens' cells; nothing
     /// when taking its snapshot failed: it is only lost).
     fn keep_spilled(&self, tokens: Vec<Token>, entry: Result<(Vec<u8>, usize)>) {
-        if let (Ok((entry, anchor)), Some(spill)) = (entry, self.lock().spill.as_mut()) {
-            spill.keep(tokens, entry, anchor);
+        let writes = match (entry, self.lock().spill.as_mut()) {
+            (Ok((entry, anchor)), Some(spill)) => {
+                spill.keep(tokens, entry, anchor);
+                spill.take_writes()
+            }
+            _ => return,
+        };
+        self.write_out(writes);
+    }
+
+    /// Write the spill's files without the lock (a disk does not hold up requests), then
+    /// tell the spill how each went.
+    fn write_out(&self, writes: Vec<DiskWrite>) {
+        for write in writes {
+            let ok = write.run().is_ok();
+            if let Some(spill) = self.lock().spill.as_mut() {
+                spill.written(&write, ok);
+            }
         }
     }
 
@@ -775,11 +793,19 @@ impl PrefixCache {
     /// many entries are on disk then. Without spilling, the same as [`PrefixCache::clear`].
     pub fn spill_all(&self) -> Result<usize> {
         self.clear()?;
-        let mut st = self.lock();
-        Ok(st.spill.as_mut().map_or(0, |s| {
-            s.flush_to_disk();
-            s.stats().1.entries
-        }))
+        let writes = match self.lock().spill.as_mut() {
+            Some(spill) => {
+                spill.flush_to_disk();
+                spill.take_writes()
+            }
+            None => return Ok(0),
+        };
+        self.write_out(writes);
+        Ok(self
+            .lock()
+            .spill
+            .as_ref()
+            .map_or(0, |s| s.stats().1.entries))
     }
 
     /// Counts so far, and the entries now.

@@ -17,7 +17,11 @@
 //! back instead, and the rest is prefilled.
 //!
 //! On disk each entry is one file, `<id>.kvfe`: a header (magic, version, the tokens, so
-//! a restart rebuilds the index without reading the KV) and the entry. Files are written
+//! a restart rebuilds the index without reading the KV) and the entry. `Spill` is only the
+//! index and the host level: it hands out the files to write (`take_writes`) and to read
+//! (`Taking::read`), which the prefix cache does outside its lock, so that requests are not
+//! held up by a disk while an entry goes to it or comes back. An entry being written counts
+//! on disk and is still served from memory. Files are written
 //! under a temporary name and renamed, so a crash leaves either a whole file or a `.tmp`
 //! that the next start removes; a file that does not parse is skipped (and removed), one
 //! from another model or cache layout is refused by the snapshot's own checks when it is
@@ -72,7 +76,15 @@ pub struct LevelStats {
 
 enum Place {
     Host(Arc<Vec<u8>>),
+    /// Going to disk (a `DiskWrite` handed out): counted there, still read from memory.
+    Writing(Arc<Vec<u8>>),
     Disk(PathBuf),
+}
+
+impl Place {
+    fn on_disk(&self) -> bool {
+        !matches!(self, Place::Host(_))
+    }
 }
 
 struct Entry {
@@ -94,6 +106,69 @@ pub(crate) struct Spill {
     next_id: u64,
     host: LevelStats,
     disk: LevelStats,
+    /// Files to write, handed out by `take_writes`.
+    writes: Vec<DiskWrite>,
+}
+
+/// An entry's file to write, outside the cache's lock; then `Spill::written`.
+pub(crate) struct DiskWrite {
+    id: u64,
+    path: PathBuf,
+    layout: u64,
+    anchor: usize,
+    tokens: Vec<Token>,
+    entry: Arc<Vec<u8>>,
+}
+
+impl DiskWrite {
+    /// Write the file (under a temporary name, then renamed).
+    pub fn run(&self) -> std::io::Result<()> {
+        write_file(
+            &self.path,
+            self.layout,
+            self.anchor,
+            &self.tokens,
+            &self.entry,
+        )
+    }
+}
+
+/// A spilled entry taken out of its level, to read (outside the cache's lock) and restore.
+pub(crate) struct Taking {
+    tokens: Vec<Token>,
+    source: Source,
+}
+
+enum Source {
+    Host(Arc<Vec<u8>>),
+    /// Still being written: its bytes are in memory, the level is disk's.
+    Writing(Arc<Vec<u8>>),
+    Disk(PathBuf),
+}
+
+impl Taking {
+    /// The entry's bytes: from memory, or read from its file (which is removed).
+    pub fn read(self) -> Result<Taken> {
+        let (entry, from_disk) = match self.source {
+            Source::Host(entry) => (entry, false),
+            Source::Writing(entry) => (entry, true),
+            Source::Disk(path) => {
+                let read = fs::read(&path).map_err(|e| Error::io(&path, e));
+                let _ = fs::remove_file(&path);
+                let file = read?;
+                let at = header_len(&self.tokens);
+                if file.len() < at {
+                    return Err(Error::State(format!("{} is truncated", path.display())));
+                }
+                (Arc::new(file[at..].to_vec()), true)
+            }
+        };
+        Ok(Taken {
+            entry,
+            tokens: self.tokens,
+            from_disk,
+        })
+    }
 }
 
 /// A spilled entry taken out to be restored.
@@ -177,6 +252,7 @@ impl Spill {
             next_id: 0,
             host: LevelStats::default(),
             disk: LevelStats::default(),
+            writes: Vec::new(),
         };
         if let Some(dir) = spill.config.disk_dir.clone() {
             fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
@@ -230,9 +306,10 @@ impl Spill {
     fn insert(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, bytes: usize, place: Place) {
         self.trie.insert(id, &tokens);
         self.trie.set_evictable(id, true);
-        let level = match place {
-            Place::Host(_) => &mut self.host,
-            Place::Disk(_) => &mut self.disk,
+        let level = if place.on_disk() {
+            &mut self.disk
+        } else {
+            &mut self.host
         };
         level.entries += 1;
         level.bytes += bytes;
@@ -250,9 +327,10 @@ impl Spill {
     fn remove(&mut self, id: u64) -> Option<Entry> {
         let entry = self.entries.remove(&id)?;
         self.trie.remove(id);
-        let level = match entry.place {
-            Place::Host(_) => &mut self.host,
-            Place::Disk(_) => &mut self.disk,
+        let level = if entry.place.on_disk() {
+            &mut self.disk
+        } else {
+            &mut self.host
         };
         level.entries -= 1;
         level.bytes -= entry.bytes;
@@ -261,7 +339,7 @@ impl Spill {
 
     /// Keep an entry evicted from the KV cache (`pack`ed, its snapshot without the cells of
     /// its first `anchor` tokens), holding `tokens`: in host memory, moving the least recently
-    /// used ones to disk (or dropping them) to stay in budget.
+    /// used ones to disk (`take_writes`) or dropping them to stay in budget.
     pub fn keep(&mut self, tokens: Vec<Token>, snapshot: Vec<u8>, anchor: usize) {
         if tokens.is_empty() {
             return;
@@ -278,7 +356,7 @@ impl Spill {
             self.insert(id, tokens, anchor, bytes, Place::Host(Arc::new(snapshot)));
             self.fit_host();
         } else {
-            self.write_to_disk(id, tokens, anchor, &snapshot);
+            self.write_to_disk(id, tokens, anchor, Arc::new(snapshot));
         }
     }
 
@@ -288,7 +366,7 @@ impl Spill {
             let Some(id) = self.lru_at(false) else { break };
             let entry = self.remove(id).expect("listed");
             if let Place::Host(snapshot) = entry.place {
-                self.write_to_disk(id, entry.tokens, entry.anchor, &snapshot);
+                self.write_to_disk(id, entry.tokens, entry.anchor, snapshot);
             }
         }
     }
@@ -306,22 +384,51 @@ impl Spill {
         self.trie.evict_order().into_iter().find(|id| {
             self.entries
                 .get(id)
-                .is_some_and(|e| matches!(e.place, Place::Disk(_)) == disk)
+                .is_some_and(|e| e.place.on_disk() == disk)
         })
     }
 
-    fn write_to_disk(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, snapshot: &[u8]) {
+    /// Index entry `id` on disk and hand out its file to write (dropped when it cannot fit).
+    fn write_to_disk(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, entry: Arc<Vec<u8>>) {
         let Some(dir) = self.config.disk_dir.clone() else {
             return;
         };
-        let bytes = header_len(&tokens) + snapshot.len();
+        let bytes = header_len(&tokens) + entry.len();
         if bytes > self.config.disk_bytes {
             return;
         }
-        let path = dir.join(format!("{id:016x}.{EXTENSION}"));
-        if write_file(&path, self.layout, anchor, &tokens, snapshot).is_ok() {
-            self.insert(id, tokens, anchor, bytes, Place::Disk(path));
-            self.fit_disk();
+        self.writes.push(DiskWrite {
+            id,
+            path: dir.join(format!("{id:016x}.{EXTENSION}")),
+            layout: self.layout,
+            anchor,
+            tokens: tokens.clone(),
+            entry: entry.clone(),
+        });
+        self.insert(id, tokens, anchor, bytes, Place::Writing(entry));
+        self.fit_disk();
+    }
+
+    /// The files to write now (outside the cache's lock), each reported to `written`.
+    pub fn take_writes(&mut self) -> Vec<DiskWrite> {
+        std::mem::take(&mut self.writes)
+    }
+
+    /// `write`'s file is written (`ok`) or failed: the entry is on disk now, or gone. One
+    /// taken or dropped meanwhile has its file removed.
+    pub fn written(&mut self, write: &DiskWrite, ok: bool) {
+        let id = write.id;
+        match self.entries.get_mut(&id) {
+            Some(entry) if matches!(entry.place, Place::Writing(_)) => {
+                if ok {
+                    entry.place = Place::Disk(write.path.clone());
+                } else {
+                    self.remove(id);
+                }
+            }
+            _ => {
+                let _ = fs::remove_file(&write.path);
+            }
         }
     }
 
@@ -335,8 +442,8 @@ impl Spill {
         }
     }
 
-    /// Write every entry held in host memory to disk (as far as the disk budget goes): what
-    /// a restart finds. How many were written.
+    /// Move every entry held in host memory to disk (as far as the disk budget goes; the
+    /// files to write are `take_writes`): what a restart finds. How many go.
     pub fn flush_to_disk(&mut self) -> usize {
         let host: Vec<u64> = self
             .entries
@@ -353,7 +460,7 @@ impl Spill {
                 ..
             }) = self.remove(id)
             {
-                self.write_to_disk(id, tokens, anchor, &snapshot);
+                self.write_to_disk(id, tokens, anchor, snapshot);
             }
         }
         self.disk.entries.saturating_sub(before)
@@ -366,32 +473,18 @@ impl Spill {
         Some((m.key, m.len, self.entries.get(&m.key)?.anchor))
     }
 
-    /// Take entry `id` out to restore it (its file is read and removed).
-    pub fn take(&mut self, id: u64) -> Result<Taken> {
-        let entry = self
-            .remove(id)
-            .ok_or_else(|| Error::Internal(format!("spilled entry {id} is gone")))?;
-        match entry.place {
-            Place::Host(snapshot) => Ok(Taken {
-                entry: snapshot,
-                tokens: entry.tokens,
-                from_disk: false,
-            }),
-            Place::Disk(path) => {
-                let read = fs::read(&path).map_err(|e| Error::io(&path, e));
-                let _ = fs::remove_file(&path);
-                let file = read?;
-                let at = header_len(&entry.tokens);
-                if file.len() < at {
-                    return Err(Error::State(format!("{} is truncated", path.display())));
-                }
-                Ok(Taken {
-                    entry: Arc::new(file[at..].to_vec()),
-                    tokens: entry.tokens,
-                    from_disk: true,
-                })
-            }
-        }
+    /// Take entry `id` out to restore it (`Taking::read` reads its file, and removes it).
+    pub fn take(&mut self, id: u64) -> Option<Taking> {
+        let entry = self.remove(id)?;
+        let source = match entry.place {
+            Place::Host(snapshot) => Source::Host(snapshot),
+            Place::Writing(snapshot) => Source::Writing(snapshot),
+            Place::Disk(path) => Source::Disk(path),
+        };
+        Some(Taking {
+            tokens: entry.tokens,
+            source,
+        })
     }
 
     /// An entry restored from a level: counted as a hit there.
@@ -482,6 +575,18 @@ mod tests {
         d
     }
 
+    /// Write the files handed out, as the prefix cache does outside its lock.
+    fn settle(s: &mut Spill) {
+        for w in s.take_writes() {
+            let ok = w.run().is_ok();
+            s.written(&w, ok);
+        }
+    }
+
+    fn take(s: &mut Spill, id: u64) -> Taken {
+        s.take(id).unwrap().read().unwrap()
+    }
+
     fn config(host: usize, dir: &Path, disk: usize) -> SpillConfig {
         SpillConfig {
             host_bytes: host,
@@ -497,13 +602,14 @@ mod tests {
         for i in 0..4 {
             s.keep(vec![1, 2, i], vec![i as u8; 100], 0);
         }
+        settle(&mut s);
         let (host, disk) = s.stats();
         assert_eq!((host.entries, host.bytes), (2, 200));
         assert_eq!(disk.entries, 2);
         // The oldest went to disk: [1, 2, 0] is read back from its file, which goes.
         let (id, len, _) = s.best(&[1, 2, 0, 9]).unwrap();
         assert_eq!(len, 3);
-        let taken = s.take(id).unwrap();
+        let taken = take(&mut s, id);
         assert!(taken.from_disk);
         assert_eq!(*taken.entry, vec![0u8; 100]);
         assert_eq!(s.stats().1.entries, 1);
@@ -519,6 +625,7 @@ mod tests {
             for i in 0..3 {
                 s.keep(vec![5, i], vec![7; 50], i as usize);
             }
+            settle(&mut s);
             assert_eq!(s.stats().1.entries, 3);
         }
         fs::write(d.join("0000000000000009.tmp"), b"cut short").unwrap();
@@ -572,7 +679,37 @@ mod tests {
         s.keep(vec![1, 2, 3], vec![2; 10], 0);
         assert_eq!(s.stats().0.entries, 1);
         let (id, _, _) = s.best(&[1, 2, 3]).unwrap();
-        assert_eq!(*s.take(id).unwrap().entry, vec![2; 10]);
+        assert_eq!(*take(&mut s, id).entry, vec![2; 10]);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn an_entry_going_to_disk_is_served_from_memory_and_its_late_file_removed() {
+        let d = dir("writing");
+        let mut s = Spill::open(config(0, &d, 10_000), 1).unwrap();
+        s.keep(vec![3, 4], vec![5; 40], 0);
+        s.keep(vec![6, 7], vec![8; 40], 0);
+        // Both count on disk before their files are written.
+        assert_eq!(s.stats().1.entries, 2);
+        let writes = s.take_writes();
+        assert_eq!(writes.len(), 2);
+        // One is taken while its file is still being written: served from memory, and the
+        // file is removed once written, leaving the other's.
+        let (id, _, _) = s.best(&[3, 4]).unwrap();
+        let taken = take(&mut s, id);
+        assert_eq!((*taken.entry).clone(), vec![5; 40]);
+        for w in &writes {
+            assert!(w.run().is_ok());
+            s.written(w, true);
+        }
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        assert_eq!(s.stats().1.entries, 1);
+        // A failed write drops its entry.
+        s.keep(vec![9], vec![1; 40], 0);
+        let failed = s.take_writes();
+        s.written(&failed[0], false);
+        assert!(s.best(&[9]).is_none());
+        assert_eq!(s.stats().1.entries, 1);
         let _ = fs::remove_dir_all(&d);
     }
 }
