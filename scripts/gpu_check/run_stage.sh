@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check, on the GPU machine (CUDA, CMake, ninja, Python 3.12; no Rust, no network).
-# usage: scripts/gpu_check/run_stage.sh next|receive|build|install|test|bench|export|status
+# usage: scripts/gpu_check/run_stage.sh next|receive|build|install|serve|test|bench|export|status
 #
 # Every call first takes in the bundles it carries (stage_receive.sh), then runs STAGE. `next`
-# runs each planned stage not done yet, in order (build, install, test, bench), until this
-# call's budget (KVFORK_GPU_BUDGET_S, 540 s of a 600 s call) is spent or a stage waits for
-# inputs; while bundles are still to come, the build runs detached so that the next calls can
-# carry them meanwhile. State lives in KVFORK_GPU_WORK (/tmp/kvfork-gpu), which lasts while
-# the machine stays warm between calls. $OUT gets summary.md (every stage's latest summary and
-# the verdict: done, continue, waiting, FAILED) and the logs of the stages this call ran.
+# runs each planned stage not done yet, in order (build, install, serve, test, bench; serve
+# only when prepare.sh's --stages named it), until this call's budget (KVFORK_GPU_BUDGET_S,
+# 540 s of a 600 s call) is spent or a stage waits for inputs; while bundles are still to
+# come, the builds (the module's, and llama-server's for serve) run detached so that the next
+# calls can carry them meanwhile; serve runs before the suite and the benchmarks, so that no
+# build runs beside their timings. State lives in KVFORK_GPU_WORK (/tmp/kvfork-gpu), which
+# lasts while the machine stays warm between calls. $OUT gets summary.md (every stage's latest
+# summary and the verdict: done, continue, waiting, FAILED) and the logs of the stages this
+# call ran.
 # Exit: 0 done; 3 continue (call again, carrying nothing new); 4 waiting for bundles; 1 failed.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
-stage=${1:?usage: run_stage.sh next|receive|build|install|test|bench|export|status}
+stage=${1:?usage: run_stage.sh next|receive|build|install|serve|test|bench|export|status}
 rm -rf "$CALL" && mkdir -p "$CALL"
 VERDICT="verdict: ?"
 
@@ -62,7 +65,7 @@ case $stage in
       verdict 4 receive
     fi
     exit $? ;;
-  build | install | test | bench | export)
+  build | install | serve | test | bench | export)
     "$HERE/stage_$stage.sh"
     verdict $? "$stage"
     exit $? ;;
@@ -72,10 +75,13 @@ esac
 
 [ $received = 1 ] && [ ! -f "$WORK/manifest.json" ] && { verdict 1 receive; exit 1; }
 rc=0
-for s in build install test bench; do
+case " $planned " in
+  *" serve "*) [ "$missing" != 0 ] && "$HERE/stage_serve.sh" --background ;; # llama-server's build
+esac
+for s in build install serve test bench; do
   case " $planned " in *" $s "*) ;; *) continue ;; esac
-  if [ "$s" = build ] && [ "$missing" != 0 ]; then
-    "$HERE/stage_build.sh" --background
+  if { [ "$s" = build ] || [ "$s" = serve ]; } && [ "$missing" != 0 ]; then
+    "$HERE/stage_$s.sh" --background # builds only; the rest waits for the inputs
   else
     "$HERE/stage_$s.sh"
   fi
