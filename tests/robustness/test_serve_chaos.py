@@ -70,10 +70,14 @@ GARBAGE = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A chat server whose evicted prefix-cache entries spill to small host and disk levels
+    (a few entries each), so that spills, restores and disk overflow take part too."""
     start = servers()
+    cache_dir = tmp_path_factory.mktemp("chaos-cache")
     started = next(start)(
-        "chat", "--n-ctx", "4096", "--n-seq-max", str(N_SEQ), "--max-queue", "4"
+        "chat", "--n-ctx", "4096", "--n-seq-max", str(N_SEQ), "--max-queue", "4",
+        "--cache-ram", "8", "--cache-dir", str(cache_dir), "--cache-disk", "24",
     )  # fmt: skip
     yield started
     next(start, None)  # stops it: a clean exit (status 0, no traceback)
@@ -269,6 +273,13 @@ def test_a_random_rude_crowd_never_gets_a_500_and_leaks_nothing(server: Server) 
     assert statuses[("chat", 200)] > 0 and statuses[("garbage", 400)] > 0
     assert statuses[("responses", 200)] > 0 and statuses[("messages", 200)] > 0
     server.assert_at_rest()
+    evicted = server.metric("kvfork_prefix_cache_evictions_total")
+    spilled = server.metric("kvfork_prefix_cache_spilled")
+    restored = server.metric("kvfork_prefix_cache_restored_total")
+    print(
+        f"prefix cache: {evicted:.0f} evicted, {spilled:.0f} spilled now, {restored:.0f} restored"
+    )
+    assert spilled > 0  # the spill levels took part
     _plain_at_once(server)
     if len(rss) >= 30:  # the soak: memory flat (a leak of a few KiB per request shows)
         base, end, per_request = growth_kib_per_cycle(rss, 50)
