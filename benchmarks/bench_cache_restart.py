@@ -28,9 +28,10 @@ from pathlib import Path
 import kvfork
 import openai
 from bench_serve import (
-    CONVERSATION_TOKENS,
     ROOT,
     ServerSpec,
+    TurnResult,
+    conversation_turn,
     kvfork_serve,
     llama_server,
     preamble,
@@ -41,30 +42,12 @@ from bench_serve import (
 N_CTX, SEQS = 12 * 1600, 8
 
 
-async def turn(url: str, prompt: str) -> tuple[float, int, str]:
-    """One streamed greedy completion: (time to first token, prompt tokens prefilled, text)."""
+async def turns(url: str, prompts: list[str]) -> list[TurnResult]:
+    """`prompts` as conversation turns, one at a time."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    t0 = time.perf_counter()
-    ttft, text, usage = float("nan"), [], None
-    stream = await client.completions.create(
-        model="m",
-        prompt=prompt,
-        max_tokens=CONVERSATION_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            if ttft != ttft:
-                ttft = time.perf_counter() - t0
-            text.append(chunk.choices[0].text)
-        usage = chunk.usage or usage
+    results = [await conversation_turn(client, p) for p in prompts]
     await client.close()
-    details = usage.prompt_tokens_details if usage else None
-    cached = (details.cached_tokens or 0) if details else 0
-    prefilled = (usage.prompt_tokens if usage else 0) - cached
-    return ttft, prefilled, "".join(text)
+    return results
 
 
 def first_prompts(n: int) -> list[str]:
@@ -80,7 +63,7 @@ def run_turns(spec: ServerSpec, prompts: list[str]) -> tuple[dict[str, float], l
     proc, url, log = start(spec)
     ready = time.perf_counter() - t0
     try:
-        results = [asyncio.run(turn(url, p)) for p in prompts]
+        results = asyncio.run(turns(url, prompts))
     finally:
         t1 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
@@ -94,9 +77,9 @@ def run_turns(spec: ServerSpec, prompts: list[str]) -> tuple[dict[str, float], l
     return {
         "ready": ready,
         "stop": stop,
-        "ttft": statistics.median(r[0] for r in results),
-        "prefilled": sum(r[1] for r in results),
-    }, [r[2] for r in results]
+        "ttft": statistics.median(r.ttft for r in results),
+        "prefilled": sum(r.prompt_tokens - r.cached_tokens for r in results),
+    }, [r.text for r in results]
 
 
 def main() -> None:

@@ -201,6 +201,31 @@ class TurnResult:
     ttft: float
     prompt_tokens: int
     cached_tokens: int
+    text: str
+
+
+async def conversation_turn(client: openai.AsyncOpenAI, prompt: str) -> TurnResult:
+    """One turn: a streamed greedy completion of CONVERSATION_TOKENS, its time to first token,
+    prompt tokens and those the server had cached (as it reports them), and its text."""
+    t0 = time.perf_counter()
+    ttft, text, usage = float("nan"), [], None
+    stream = await client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=CONVERSATION_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if ttft != ttft:
+                ttft = time.perf_counter() - t0
+            text.append(chunk.choices[0].text)
+        usage = chunk.usage or usage
+    details = usage.prompt_tokens_details if usage else None
+    cached = (details.cached_tokens or 0) if details else 0
+    return TurnResult(ttft, usage.prompt_tokens if usage else 0, cached, "".join(text))
 
 
 async def conversations(
@@ -240,27 +265,9 @@ async def conversations(
                 continue
             k = done_turns[c]
             prompt = f"{history[c]}\nQuestion {k}: what does note {c}.{k} say? Answer:"
-            t0 = time.perf_counter()
-            ttft, text, usage = float("nan"), [], None
-            stream = await client.completions.create(
-                model="m",
-                prompt=prompt,
-                max_tokens=CONVERSATION_TOKENS,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    if ttft != ttft:
-                        ttft = time.perf_counter() - t0
-                    text.append(chunk.choices[0].text)
-                usage = chunk.usage or usage
-            prompt_tokens = usage.prompt_tokens if usage else 0
-            details = usage.prompt_tokens_details if usage else None
-            cached = (details.cached_tokens or 0) if details else 0
-            results.append(TurnResult(ttft, prompt_tokens, cached))
-            history[c] = prompt + "".join(text)
+            result = await conversation_turn(client, prompt)
+            results.append(result)
+            history[c] = prompt + result.text
             done_turns[c] += 1
             async with lock:
                 busy.discard(c)
