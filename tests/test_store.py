@@ -167,6 +167,43 @@ def test_a_long_prompt_goes_through_the_scratch_alone_and_forks_inside_it_read_i
         assert_same_greedy(tokens, expected, margins)
 
 
+async def test_a_short_continuation_goes_ahead_of_a_long_prompt_in_the_scratch(
+    model: kvfork.Model,
+) -> None:
+    """A short prompt continuing a branch (a conversation's next turn) that comes while a long
+    new prompt decodes in the scratch context, chunk after chunk, is decoded in the cache
+    between two of those chunks: it is answered first, not after the whole long prompt (a
+    short job behind a long one). Both continue exactly as when each runs alone (up to
+    near-ties). On the CPU only (elsewhere no scratch: the queue's order holds)."""
+
+    async def run(together: bool) -> tuple[list[str], list[tuple[list[int], list[float]]]]:
+        async with await kvfork.create_context(model, n_ctx=8192, n_seq_max=8) as c:
+            text = c.tokenize(PROMPT * 400, add_special=False)  # ~3,200 tokens
+            talk = kvfork.Branch.create(c, 0, GREEDY)
+            talk.prefill_sync(text[:1500])  # a busy cache, and a conversation on it
+            long = kvfork.Branch.create(c, 0, GREEDY)
+            long_prompt = c.tokenize("Notes:") + text[1600:2900]
+            turn = c.tokenize(" And then? Count: 1, 2, 3,", add_special=False)
+            done: list[str] = []
+
+            async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:
+                await b.prefill(tokens)
+                done.append(name)
+
+            if together:
+                await asyncio.gather(prefill(long, long_prompt, "long"), prefill(talk, turn, "turn"))
+            else:
+                await prefill(long, long_prompt, "long")
+                await prefill(talk, turn, "turn")
+            return done, [greedy_with_margins(b, 6) for b in (talk, long)]
+
+    order, got = await run(together=True)
+    _, reference = await run(together=False)
+    assert order == (["turn", "long"] if ON_CPU else ["long", "turn"]), order
+    for (tokens, _), (expected, margins) in zip(got, reference, strict=True):
+        assert_same_greedy(tokens, expected, margins)
+
+
 def test_new_prompts_that_do_not_fit_beside_a_busy_cache_roll_back_from_the_scratch(
     model: kvfork.Model,
 ) -> None:

@@ -17,7 +17,9 @@
 //! steady workload of `bench_serve.py`), far more than a separate decode of the steps costs.
 //! The steps that came meanwhile decode apart, once every [`STEP_EVERY`] prompt tokens. Each
 //! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
-//! between two decodes, the next decode is its context's.
+//! between two decodes, the next decode is its context's, except that short prompts for the
+//! main context ([`SHORT_MAIN_PROMPT`]) may go ahead of a scratch prompt, one decode of them
+//! (with the steps riding it) between two of the scratch's.
 //!
 //! A failed decode ends the run: the prompts not yet answered lose what they wrote and go
 //! through the packed path (`prefill.rs`), which narrows the failure down to its request.
@@ -54,6 +56,13 @@ const MOST_PROMPTS: usize = 256;
 /// `bench_serve.py`, stepping them after every 512-token decode put 6 % of the gaps between
 /// tokens at a decode's length (p95 0.32 s against llama-server's 0.10 s).
 const STEP_EVERY: usize = 2048;
+
+/// A prompt for the main context with at most this many tokens left goes before a scratch
+/// prompt cut between two decodes (one decode of them between two of the scratch's): a
+/// conversation's next turn after its entry came back, or a question on a fork, would
+/// otherwise wait for all of a prompt of up to [`LONG_SCRATCH_PROMPT`] tokens (~3 s on a CPU),
+/// a short job behind a long one.
+const SHORT_MAIN_PROMPT: usize = 128;
 
 /// A chunk of prompt tokens riding a commit's decode: its tokens go into the batch after the
 /// steps', its logits rows are copied out once the decode lands.
@@ -138,6 +147,9 @@ struct Run {
     held: Vec<CommitRequest>,
     /// Prompt tokens decoded in a scratch since the streams last stepped.
     since_steps: usize,
+    /// The last decode took short main prompts ahead of a scratch prompt cut between two
+    /// decodes ([`SHORT_MAIN_PROMPT`]): the scratch's turn now.
+    went_ahead: bool,
 }
 
 impl Run {
@@ -185,6 +197,7 @@ impl Worker {
             expected: 0,
             held: Vec::new(),
             since_steps: STEP_EVERY,
+            went_ahead: false,
         };
         for req in group {
             self.take_prompt(&mut run, req);
@@ -265,6 +278,9 @@ impl Worker {
                 .unwrap_or(n)
         };
         match run.place[first] {
+            Place::Scratch if !run.went_ahead && short_main_prompts(run).next().is_some() => {
+                (Place::Main, n)
+            }
             Place::Scratch => (Place::Scratch, scratch_end(first)),
             Place::Unplaced if fits(first) && scratch_pays_from(first) => {
                 (Place::Scratch, scratch_end(first))
@@ -340,7 +356,14 @@ impl Worker {
                     spans: usize::MAX,
                 }
             };
-            let chunk = plan_chunk(&run.progress[..limit], room);
+            let ahead = place == Place::Main
+                && run.place.get(first_unfinished(run)) == Some(&Place::Scratch);
+            let chunk = if ahead {
+                plan_ahead(run, room)
+            } else {
+                plan_chunk(&run.progress[..limit], room)
+            };
+            run.went_ahead = ahead;
             for span in &chunk.spans {
                 run.place[span.item] = place;
             }
@@ -617,6 +640,47 @@ impl Worker {
 
 /// The scratch a chunk decodes in: the one a long prompt has alone (a chunk of the scratch's
 /// holds one such prompt only), else the shared one.
+/// The next decode of the short main prompts going ahead of a scratch prompt
+/// ([`short_main_prompts`]): the other items count as done for this plan.
+fn plan_ahead(run: &Run, room: ChunkRoom) -> Chunk {
+    let mut progress: Vec<Progress> = run
+        .progress
+        .iter()
+        .map(|p| Progress {
+            done: p.len,
+            len: p.len,
+        })
+        .collect();
+    for k in short_main_prompts(run) {
+        progress[k] = run.progress[k];
+    }
+    plan_chunk(&progress, room)
+}
+
+/// The run's first item not decoded whole (its item count when none).
+fn first_unfinished(run: &Run) -> usize {
+    (0..run.items.len())
+        .find(|&k| run.progress[k].done < run.progress[k].len)
+        .unwrap_or(run.items.len())
+}
+
+/// The items that may go ahead of a scratch prompt cut between two decodes: prompts of one
+/// item (a request of several keeps its packing) for the main context (placed there, or
+/// continuing a sequence, which the scratch never takes) with at most [`SHORT_MAIN_PROMPT`]
+/// tokens left.
+fn short_main_prompts(run: &Run) -> impl Iterator<Item = usize> + '_ {
+    (0..run.items.len()).filter(move |&k| {
+        let (p, i) = run.items[k];
+        let left = run.progress[k].len - run.progress[k].done;
+        let for_main = match run.place[k] {
+            Place::Main => true,
+            Place::Unplaced => run.prompts[p].starts[i] > 0,
+            Place::Scratch => false,
+        };
+        for_main && left > 0 && left <= SHORT_MAIN_PROMPT && run.prompts[p].items.len() == 1
+    })
+}
+
 fn scratch_kind(w: &Worker, run: &Run, chunk: &Chunk) -> ScratchKind {
     match chunk.spans.first() {
         Some(span) => w.scratch_kind_of(run.progress[span.item].len),
