@@ -897,10 +897,16 @@ impl Branch {
         }
         let cell = self.cell().clone();
         let anchor = (parts.anchor, anchor.map(|b| b.cell().clone()));
-        self.context().run(move |w| {
-            let snapshot = &entry[..parts.snapshot_len];
-            w.restore_prefix(&cell, snapshot, len, parts.checkpoints, anchor)
-        })
+        // It decodes nothing and changes only this branch's own sequence: a continuous
+        // prefill runs it in passing (a conversation's next turn does not wait for the
+        // prompts decoding meanwhile).
+        let reads = anchor.1.iter().cloned().collect();
+        self.context()
+            .engine()
+            .run_light(CancelPolicy::Drop, reads, vec![cell.clone()], move |w| {
+                let snapshot = &entry[..parts.snapshot_len];
+                w.restore_prefix(&cell, snapshot, len, parts.checkpoints, anchor)
+            })
     }
 
     /// The snapshot a spilled entry keeps (`prefix_spill`): with `anchor` (its first tokens,
@@ -918,8 +924,15 @@ impl Branch {
             Some((from, b)) => (from, Some(b.cell().clone())),
             None => (0, None),
         };
+        // It only reads: a continuous prefill runs it in passing.
+        let reads = std::iter::once(cell.clone())
+            .chain(anchor.clone())
+            .collect();
         self.context()
-            .run(move |w| w.spill_bytes(&cell, from, anchor.as_ref()))
+            .engine()
+            .run_light(CancelPolicy::Drop, reads, Vec::new(), move |w| {
+                w.spill_bytes(&cell, from, anchor.as_ref())
+            })
     }
 
     /// Take over `source`'s first cells, those of `prefix`, into this branch's empty sequence
