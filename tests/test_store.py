@@ -191,7 +191,9 @@ async def test_a_short_continuation_goes_ahead_of_a_long_prompt_in_the_scratch(
                 done.append(name)
 
             if together:
-                await asyncio.gather(prefill(long, long_prompt, "long"), prefill(talk, turn, "turn"))
+                await asyncio.gather(
+                    prefill(long, long_prompt, "long"), prefill(talk, turn, "turn")
+                )
             else:
                 await prefill(long, long_prompt, "long")
                 await prefill(talk, turn, "turn")
