@@ -590,7 +590,7 @@ impl PrefixCache {
         let mut st = self.lock();
         let prompt = &tokens[..tokens.len() - 1];
         let (mut id, mut len, anchor) = st.spill.as_ref()?.best(prompt)?;
-        if anchor > 0 && (len <= anchor || !holds(&st, &prompt[..anchor])) {
+        if anchor > 0 && (len <= anchor || holder_in(&st, &prompt[..anchor]).is_none()) {
             let spill = st.spill.as_ref()?;
             (id, len) = match spill.best(&prompt[..anchor.min(len)])? {
                 (id, len, 0) => (id, len),
@@ -829,7 +829,6 @@ fn queue_eviction(branch: &Branch) {
     drop(branch.prune_keep_children());
 }
 
-/// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
 /// A branch of the cache (no adapters) whose KV holds `prefix`.
 fn holder_in(st: &State, prefix: &[Token]) -> Option<Branch> {
     let found = st.trie.longest_prefix(prefix)?;
@@ -837,10 +836,7 @@ fn holder_in(st: &State, prefix: &[Token]) -> Option<Branch> {
     (found.len >= prefix.len() && holder.sentinel.is_none()).then(|| holder.branch.clone())
 }
 
-fn holds(st: &State, prefix: &[Token]) -> bool {
-    holder_in(st, prefix).is_some()
-}
-
+/// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
 fn keyed(sentinel: Option<Token>, tokens: &[Token]) -> Vec<Token> {
     sentinel.into_iter().chain(tokens.iter().copied()).collect()
 }
@@ -924,13 +920,12 @@ impl Branch {
             Some((from, b)) => (from, Some(b.cell().clone())),
             None => (0, None),
         };
-        // It only reads: a continuous prefill runs it in passing.
-        let reads = std::iter::once(cell.clone())
-            .chain(anchor.clone())
-            .collect();
+        // It decodes nothing, changes only this entry's own sequence (its prefix taken out and
+        // put back) and reads the anchor: a continuous prefill runs it in passing.
+        let (reads, writes) = (anchor.iter().cloned().collect(), vec![cell.clone()]);
         self.context()
             .engine()
-            .run_light(CancelPolicy::Drop, reads, Vec::new(), move |w| {
+            .run_light(CancelPolicy::Drop, reads, writes, move |w| {
                 w.spill_bytes(&cell, from, anchor.as_ref())
             })
     }

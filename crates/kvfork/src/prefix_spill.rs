@@ -136,23 +136,18 @@ impl DiskWrite {
 /// A spilled entry taken out of its level, to read (outside the cache's lock) and restore.
 pub(crate) struct Taking {
     tokens: Vec<Token>,
-    source: Source,
-}
-
-enum Source {
-    Host(Arc<Vec<u8>>),
-    /// Still being written: its bytes are in memory, the level is disk's.
-    Writing(Arc<Vec<u8>>),
-    Disk(PathBuf),
+    /// Where it was.
+    place: Place,
 }
 
 impl Taking {
-    /// The entry's bytes: from memory, or read from its file (which is removed).
+    /// The entry's bytes: from memory (an entry still being written too), or read from its
+    /// file (which is removed).
     pub fn read(self) -> Result<Taken> {
-        let (entry, from_disk) = match self.source {
-            Source::Host(entry) => (entry, false),
-            Source::Writing(entry) => (entry, true),
-            Source::Disk(path) => {
+        let from_disk = self.place.on_disk();
+        let entry = match self.place {
+            Place::Host(entry) | Place::Writing(entry) => entry,
+            Place::Disk(path) => {
                 let read = fs::read(&path).map_err(|e| Error::io(&path, e));
                 let _ = fs::remove_file(&path);
                 let file = read?;
@@ -160,7 +155,7 @@ impl Taking {
                 if file.len() < at {
                     return Err(Error::State(format!("{} is truncated", path.display())));
                 }
-                (Arc::new(file[at..].to_vec()), true)
+                Arc::new(file[at..].to_vec())
             }
         };
         Ok(Taken {
@@ -306,11 +301,7 @@ impl Spill {
     fn insert(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, bytes: usize, place: Place) {
         self.trie.insert(id, &tokens);
         self.trie.set_evictable(id, true);
-        let level = if place.on_disk() {
-            &mut self.disk
-        } else {
-            &mut self.host
-        };
+        let level = self.level(place.on_disk());
         level.entries += 1;
         level.bytes += bytes;
         self.entries.insert(
@@ -324,14 +315,19 @@ impl Spill {
         );
     }
 
-    fn remove(&mut self, id: u64) -> Option<Entry> {
-        let entry = self.entries.remove(&id)?;
-        self.trie.remove(id);
-        let level = if entry.place.on_disk() {
+    /// The disk level's counts, or host memory's.
+    fn level(&mut self, disk: bool) -> &mut LevelStats {
+        if disk {
             &mut self.disk
         } else {
             &mut self.host
-        };
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let entry = self.entries.remove(&id)?;
+        self.trie.remove(id);
+        let level = self.level(entry.place.on_disk());
         level.entries -= 1;
         level.bytes -= entry.bytes;
         Some(entry)
@@ -476,24 +472,15 @@ impl Spill {
     /// Take entry `id` out to restore it (`Taking::read` reads its file, and removes it).
     pub fn take(&mut self, id: u64) -> Option<Taking> {
         let entry = self.remove(id)?;
-        let source = match entry.place {
-            Place::Host(snapshot) => Source::Host(snapshot),
-            Place::Writing(snapshot) => Source::Writing(snapshot),
-            Place::Disk(path) => Source::Disk(path),
-        };
         Some(Taking {
             tokens: entry.tokens,
-            source,
+            place: entry.place,
         })
     }
 
     /// An entry restored from a level: counted as a hit there.
     pub fn restored(&mut self, from_disk: bool, tokens: usize) {
-        let level = if from_disk {
-            &mut self.disk
-        } else {
-            &mut self.host
-        };
+        let level = self.level(from_disk);
         level.hits += 1;
         level.restored_tokens += tokens as u64;
     }

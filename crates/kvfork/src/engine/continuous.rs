@@ -114,6 +114,15 @@ struct Prompt {
     first: usize,
 }
 
+/// Which prompts the next decode takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Take {
+    /// From those before this item (exclusive), in queue order.
+    UpTo(usize),
+    /// Only the short main prompts going ahead of a scratch prompt ([`short_main_prompts`]).
+    Ahead,
+}
+
 /// Where an item of a run is decoded, chosen at its first chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
@@ -215,17 +224,18 @@ impl Worker {
         self.run_next(run.waiting.into_iter());
     }
 
-    /// Where the next decode goes, and up to which item (exclusive) its prompts may come
-    /// from. A prompt cut between two decodes finishes where it started. A new prompt goes to
+    /// Where the next decode goes, and which prompts it takes. A prompt cut between two
+    /// decodes finishes where it started (short main prompts may go ahead of a scratch one
+    /// in between, every other decode at most). A new prompt goes to
     /// the scratch when it fits there (`scratch.rs`: it starts its sequence, within one
     /// decode and the sliding window, or up to `LONG_SCRATCH_PROMPT` tokens alone) and the
     /// scratch pays for it and the new prompts after it; a decode in the main context then
     /// ends before it (so that it starts a decode).
-    fn next_place(&self, run: &Run) -> (Place, usize) {
+    fn next_place(&self, run: &Run) -> (Place, Take) {
         let n = run.items.len();
         let unfinished = |k: &usize| run.progress[*k].done < run.progress[*k].len;
         let Some(first) = (0..n).find(unfinished) else {
-            return (Place::Main, n);
+            return (Place::Main, Take::UpTo(n));
         };
         let new = |k: usize| {
             let (p, i) = run.items[k];
@@ -279,13 +289,13 @@ impl Worker {
         };
         match run.place[first] {
             Place::Scratch if !run.went_ahead && short_main_prompts(run).next().is_some() => {
-                (Place::Main, n)
+                (Place::Main, Take::Ahead)
             }
-            Place::Scratch => (Place::Scratch, scratch_end(first)),
+            Place::Scratch => (Place::Scratch, Take::UpTo(scratch_end(first))),
             Place::Unplaced if fits(first) && scratch_pays_from(first) => {
-                (Place::Scratch, scratch_end(first))
+                (Place::Scratch, Take::UpTo(scratch_end(first)))
             }
-            _ => (Place::Main, main_end()),
+            _ => (Place::Main, Take::UpTo(main_end())),
         }
     }
 
@@ -342,7 +352,7 @@ impl Worker {
             }
             let rider_tokens: usize = riders.iter().map(|r| r.items.len()).sum();
             let n_seq_max = self.shared().n_seq_max as usize;
-            let (place, limit) = self.next_place(run);
+            let (place, take) = self.next_place(run);
             let room = if place == Place::Scratch {
                 ChunkRoom {
                     tokens: self.n_batch(),
@@ -356,14 +366,11 @@ impl Worker {
                     spans: usize::MAX,
                 }
             };
-            let ahead = place == Place::Main
-                && run.place.get(first_unfinished(run)) == Some(&Place::Scratch);
-            let chunk = if ahead {
-                plan_ahead(run, room)
-            } else {
-                plan_chunk(&run.progress[..limit], room)
+            let chunk = match take {
+                Take::UpTo(limit) => plan_chunk(&run.progress[..limit], room),
+                Take::Ahead => plan_ahead(run, room),
             };
-            run.went_ahead = ahead;
+            run.went_ahead = take == Take::Ahead;
             for span in &chunk.spans {
                 run.place[span.item] = place;
             }
@@ -638,8 +645,6 @@ impl Worker {
     }
 }
 
-/// The scratch a chunk decodes in: the one a long prompt has alone (a chunk of the scratch's
-/// holds one such prompt only), else the shared one.
 /// The next decode of the short main prompts going ahead of a scratch prompt
 /// ([`short_main_prompts`]): the other items count as done for this plan.
 fn plan_ahead(run: &Run, room: ChunkRoom) -> Chunk {
@@ -655,13 +660,6 @@ fn plan_ahead(run: &Run, room: ChunkRoom) -> Chunk {
         progress[k] = run.progress[k];
     }
     plan_chunk(&progress, room)
-}
-
-/// The run's first item not decoded whole (its item count when none).
-fn first_unfinished(run: &Run) -> usize {
-    (0..run.items.len())
-        .find(|&k| run.progress[k].done < run.progress[k].len)
-        .unwrap_or(run.items.len())
 }
 
 /// The items that may go ahead of a scratch prompt cut between two decodes: prompts of one
@@ -681,6 +679,8 @@ fn short_main_prompts(run: &Run) -> impl Iterator<Item = usize> + '_ {
     })
 }
 
+/// The scratch a chunk decodes in: the one a long prompt has alone (a chunk of the scratch's
+/// holds one such prompt only), else the shared one.
 fn scratch_kind(w: &Worker, run: &Run, chunk: &Chunk) -> ScratchKind {
     match chunk.spans.first() {
         Some(span) => w.scratch_kind_of(run.progress[span.item].len),

@@ -201,10 +201,8 @@ impl Worker {
                 None => return Ok(0),
             },
         };
-        match &anchor_cell {
-            Some(a) => self.give_leases(&[cell, a])?,
-            None => self.give_leases(&[cell])?,
-        }
+        let cells: Vec<&Arc<BranchCell>> = std::iter::once(cell).chain(&anchor_cell).collect();
+        self.give_leases(&cells)?;
         let seq = cell.seq();
         self.empty_seq(seq)?;
         // The bytes passed the model and checksum checks: what fails now is room.
