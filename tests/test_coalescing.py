@@ -188,6 +188,37 @@ async def test_a_prompt_is_answered_when_its_own_tokens_are_in_and_steps_meanwhi
     assert b.position == len(long_prompt)
 
 
+async def test_a_prune_keeping_children_does_not_hold_up_a_running_prefill(
+    wide: kvfork.Context,
+) -> None:
+    """A prefix cache evicts an entry with `prune(keep_children=True)` while prompts decode (a
+    server under steady arrivals): the prune runs in passing, and a prompt queued after it
+    still joins the prompts in flight (it stopped the run from pulling the queue: the prompt
+    then waited for all of theirs, and decoded alone after them)."""
+    long_prompt = wide.tokenize(LONG)[:1500]
+    # A conversation's next turn: it continues its sequence, so it shares the long prompt's
+    # decodes (a new prompt could go to a scratch context after them instead).
+    short = wide.tokenize(" 15, 16, 17,", add_special=False)
+    entry = kvfork.Branch.create(wide, 0, GREEDY)
+    entry.prefill_sync(wide.tokenize(counting(7)))
+    child = entry.fork_sync()
+    a = kvfork.Branch.create(wide, 0, GREEDY)
+    a.prefill_sync(wide.tokenize(counting(5)))
+    b = kvfork.Branch.create(wide, 0, GREEDY)
+    before = wide.stats()
+    long_task = asyncio.ensure_future(b.prefill(long_prompt))
+    await asyncio.sleep(0.2)  # its first decode (~0.7 s on 2 cores) is under way
+    evicted = asyncio.ensure_future(entry.prune(keep_children=True))
+    await asyncio.gather(a.prefill(short), long_task, evicted)
+    after = wide.stats()
+    # The short prompt rode the long one's decodes: ceil(total / n_batch), none of its own.
+    assert after["decode_calls"] - before["decode_calls"] == -(
+        -(len(long_prompt) + len(short)) // wide.n_batch
+    )
+    assert entry.disposed and not child.disposed
+    assert child.position == len(wide.tokenize(counting(7)))
+
+
 async def test_streams_stepping_while_prompts_arrive_get_their_tokens_alone(
     wide: kvfork.Context,
 ) -> None:

@@ -267,13 +267,17 @@ impl Branch {
     }
 
     /// Queue the engine half of a prune (`engine/tree.rs`). `disposed` is already visible,
-    /// so it always happens, even if the caller cancels. A leaf's prune touches its own
-    /// cells only: the others' gatherings run it in passing (a server's finished request
-    /// does not hold up the streams still stepping).
+    /// so it always happens, even if the caller cancels. A prune of the branch alone (a leaf,
+    /// or one whose children stay) empties its own sequence only: the cells it shares with
+    /// its children keep their sequences too, and the children only change parents in the
+    /// registry. The others' gatherings run it in passing: a server's finished request, or a
+    /// prefix cache's eviction, does not hold up the streams still stepping nor the first
+    /// tokens of the prompts being decoded (an eviction stopped a continuous prefill from
+    /// pulling the queue, and a prompt's first token waited for every prompt after it).
     fn release(&self, how: Prune) -> Pending<()> {
         let handle = self.handle;
         let prune = move |w: &mut crate::engine::Worker| w.prune(handle, how);
-        if how == Prune::Leaf {
+        if how != Prune::Subtree {
             let writes = vec![self.cell.clone()];
             self.ctx
                 .engine()
