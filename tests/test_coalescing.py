@@ -188,13 +188,15 @@ async def test_a_prompt_is_answered_when_its_own_tokens_are_in_and_steps_meanwhi
     assert b.position == len(long_prompt)
 
 
-async def test_a_prune_keeping_children_does_not_hold_up_a_running_prefill(
-    wide: kvfork.Context,
+@pytest.mark.parametrize("work", ["evict", "fork"])
+async def test_a_fork_or_an_eviction_does_not_hold_up_a_running_prefill(
+    wide: kvfork.Context, work: str
 ) -> None:
-    """A prefix cache evicts an entry with `prune(keep_children=True)` while prompts decode (a
-    server under steady arrivals): the prune runs in passing, and a prompt queued after it
-    still joins the prompts in flight (it stopped the run from pulling the queue: the prompt
-    then waited for all of theirs, and decoded alone after them)."""
+    """While prompts decode (a server under steady arrivals), a prefix cache evicts an entry
+    (`prune(keep_children=True)`) or a request forks its `n` choices: that work runs in
+    passing, and a prompt queued after it still joins the prompts in flight. (As any other
+    work it stopped the run from pulling the queue: the prompt then waited for all of
+    theirs, and decoded alone after them.)"""
     long_prompt = wide.tokenize(LONG)[:1500]
     # A conversation's next turn: it continues its sequence, so it shares the long prompt's
     # decodes (a new prompt could go to a scratch context after them instead).
@@ -208,14 +210,22 @@ async def test_a_prune_keeping_children_does_not_hold_up_a_running_prefill(
     before = wide.stats()
     long_task = asyncio.ensure_future(b.prefill(long_prompt))
     await asyncio.sleep(0.2)  # its first decode (~0.7 s on 2 cores) is under way
-    evicted = asyncio.ensure_future(entry.prune(keep_children=True))
-    await asyncio.gather(a.prefill(short), long_task, evicted)
+    if work == "evict":
+        done = asyncio.ensure_future(entry.prune(keep_children=True))
+    else:
+        done = asyncio.ensure_future(child.fork())
+    await asyncio.gather(a.prefill(short), long_task, done)
     after = wide.stats()
     # The short prompt rode the long one's decodes: ceil(total / n_batch), none of its own.
     assert after["decode_calls"] - before["decode_calls"] == -(
         -(len(long_prompt) + len(short)) // wide.n_batch
     )
-    assert entry.disposed and not child.disposed
+    if work == "evict":
+        assert entry.disposed and not child.disposed
+    else:
+        fork = done.result()
+        assert fork.position == child.position
+        assert_close_logits(fork.logits(), child.logits())
     assert child.position == len(wide.tokenize(counting(7)))
 
 
