@@ -210,20 +210,18 @@ async def test_a_fork_or_an_eviction_does_not_hold_up_a_running_prefill(
     before = wide.stats()
     long_task = asyncio.ensure_future(b.prefill(long_prompt))
     await asyncio.sleep(0.2)  # its first decode (~0.7 s on 2 cores) is under way
-    if work == "evict":
-        done = asyncio.ensure_future(entry.prune(keep_children=True))
-    else:
-        done = asyncio.ensure_future(child.fork())
-    await asyncio.gather(a.prefill(short), long_task, done)
+    evicted = asyncio.ensure_future(entry.prune(keep_children=True)) if work == "evict" else None
+    forked = asyncio.ensure_future(child.fork()) if work == "fork" else None
+    await asyncio.gather(a.prefill(short), long_task, *(t for t in (evicted, forked) if t))
     after = wide.stats()
     # The short prompt rode the long one's decodes: ceil(total / n_batch), none of its own.
     assert after["decode_calls"] - before["decode_calls"] == -(
         -(len(long_prompt) + len(short)) // wide.n_batch
     )
-    if work == "evict":
+    if forked is None:
         assert entry.disposed and not child.disposed
     else:
-        fork = done.result()
+        fork = forked.result()
         assert fork.position == child.position
         assert_close_logits(fork.logits(), child.logits())
     assert child.position == len(wide.tokenize(counting(7)))
