@@ -167,23 +167,30 @@ def test_a_long_prompt_goes_through_the_scratch_alone_and_forks_inside_it_read_i
         assert_same_greedy(tokens, expected, margins)
 
 
-async def test_a_short_continuation_goes_ahead_of_a_long_prompt_in_the_scratch(
-    model: kvfork.Model,
+@pytest.mark.parametrize("turn_kind", ["continuation", "new"])
+async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_scratch(
+    model: kvfork.Model, turn_kind: str
 ) -> None:
-    """A short prompt continuing a branch (a conversation's next turn) that comes while a long
-    new prompt decodes in the scratch context, chunk after chunk, is decoded in the cache
-    between two of those chunks: it is answered first, not after the whole long prompt (a
-    short job behind a long one). Both continue exactly as when each runs alone (up to
-    near-ties). On the CPU only (elsewhere no scratch: the queue's order holds)."""
+    """A short prompt that comes while a long new prompt decodes in the scratch context,
+    chunk after chunk, is decoded between two of those chunks: a branch's continuation (a
+    conversation's next turn) in the cache, a short new request in the shared scratch. It is
+    answered first, not after the whole long prompt (a short job behind a long one). Both
+    continue exactly as when each runs alone (up to near-ties). On the CPU only (elsewhere
+    no scratch: the queue's order holds)."""
 
     async def run(together: bool) -> tuple[list[str], list[tuple[list[int], list[float]]]]:
         async with await kvfork.create_context(model, n_ctx=8192, n_seq_max=8) as c:
             text = c.tokenize(PROMPT * 400, add_special=False)  # ~3,200 tokens
-            talk = kvfork.Branch.create(c, 0, GREEDY)
-            talk.prefill_sync(text[:1500])  # a busy cache, and a conversation on it
+            busy = kvfork.Branch.create(c, 0, GREEDY)
+            busy.prefill_sync(text[:1500])  # a busy cache, and a conversation on it
             long = kvfork.Branch.create(c, 0, GREEDY)
             long_prompt = c.tokenize("Notes:") + text[1600:2900]
-            turn = c.tokenize(" And then? Count: 1, 2, 3,", add_special=False)
+            if turn_kind == "continuation":
+                talk = busy
+                turn = c.tokenize(" And then? Count: 1, 2, 3,", add_special=False)
+            else:
+                talk = kvfork.Branch.create(c, 0, GREEDY)
+                turn = c.tokenize("Count: 1, 2, 3,")
             done: list[str] = []
 
             async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:

@@ -17,9 +17,10 @@
 //! steady workload of `bench_serve.py`), far more than a separate decode of the steps costs.
 //! The steps that came meanwhile decode apart, once every [`STEP_EVERY`] prompt tokens. Each
 //! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
-//! between two decodes, the next decode is its context's, except that short prompts for the
-//! main context ([`SHORT_MAIN_PROMPT`]) may go ahead of a scratch prompt, one decode of them
-//! (with the steps riding it) between two of the scratch's.
+//! between two decodes, the next decode is its context's, except that short prompts
+//! ([`SHORT_PROMPT`]) may go ahead of a scratch prompt: those for the main context (with the
+//! steps riding their decode), or new ones the shared scratch takes while a long prompt is cut
+//! in the scratch it has alone; one decode of them between two of the scratch's.
 //!
 //! A failed decode ends the run: the prompts not yet answered lose what they wrote and go
 //! through the packed path (`prefill.rs`), which narrows the failure down to its request.
@@ -57,12 +58,13 @@ const MOST_PROMPTS: usize = 256;
 /// tokens at a decode's length (p95 0.32 s against llama-server's 0.10 s).
 const STEP_EVERY: usize = 2048;
 
-/// A prompt for the main context with at most this many tokens left goes before a scratch
-/// prompt cut between two decodes (one decode of them between two of the scratch's): a
-/// conversation's next turn after its entry came back, or a question on a fork, would
-/// otherwise wait for all of a prompt of up to [`LONG_SCRATCH_PROMPT`] tokens (~3 s on a CPU),
-/// a short job behind a long one.
-const SHORT_MAIN_PROMPT: usize = 128;
+/// A prompt with at most this many tokens left goes before a scratch prompt cut between two
+/// decodes (one decode of them between two of the scratch's): a conversation's next turn
+/// after its entry came back, a question on a fork, or a short new request would otherwise
+/// wait for all of a prompt of up to [`LONG_SCRATCH_PROMPT`] tokens (~3 s on a CPU), a short
+/// job behind a long one (a 46-token request waited 2.2 s in the steady workload of
+/// `bench_serve.py`).
+const SHORT_PROMPT: usize = 128;
 
 /// A chunk of prompt tokens riding a commit's decode: its tokens go into the batch after the
 /// steps', its logits rows are copied out once the decode lands.
@@ -119,7 +121,8 @@ struct Prompt {
 enum Take {
     /// From those before this item (exclusive), in queue order.
     UpTo(usize),
-    /// Only the short main prompts going ahead of a scratch prompt ([`short_main_prompts`]).
+    /// Only the short prompts going ahead of a scratch prompt ([`short_prompts`]) to the
+    /// decode's context.
     Ahead,
 }
 
@@ -156,8 +159,8 @@ struct Run {
     held: Vec<CommitRequest>,
     /// Prompt tokens decoded in a scratch since the streams last stepped.
     since_steps: usize,
-    /// The last decode took short main prompts ahead of a scratch prompt cut between two
-    /// decodes ([`SHORT_MAIN_PROMPT`]): the scratch's turn now.
+    /// The last decode took short prompts ahead of a scratch prompt cut between two decodes
+    /// ([`SHORT_PROMPT`]): the scratch's turn now.
     went_ahead: bool,
 }
 
@@ -287,9 +290,20 @@ impl Worker {
                 .filter(|&k| run.items[k].1 == 0 && fits(k) && scratch_pays_from(k))
                 .unwrap_or(n)
         };
+        let short_goes_ahead = |place: Place| {
+            // New prompts go ahead into the shared scratch only while the one cut is in the
+            // scratch it has alone (in the shared one they join its next decode anyway).
+            (place == Place::Main || alone(first))
+                && short_prompts(run, place, |len| self.fits_scratch(len))
+                    .next()
+                    .is_some()
+        };
         match run.place[first] {
-            Place::Scratch if !run.went_ahead && short_main_prompts(run).next().is_some() => {
+            Place::Scratch if !run.went_ahead && short_goes_ahead(Place::Main) => {
                 (Place::Main, Take::Ahead)
+            }
+            Place::Scratch if !run.went_ahead && short_goes_ahead(Place::Scratch) => {
+                (Place::Scratch, Take::Ahead)
             }
             Place::Scratch => (Place::Scratch, Take::UpTo(scratch_end(first))),
             Place::Unplaced if fits(first) && scratch_pays_from(first) => {
@@ -368,7 +382,7 @@ impl Worker {
             };
             let chunk = match take {
                 Take::UpTo(limit) => plan_chunk(&run.progress[..limit], room),
-                Take::Ahead => plan_ahead(run, room),
+                Take::Ahead => plan_ahead(run, room, place, |len| self.fits_scratch(len)),
             };
             run.went_ahead = take == Take::Ahead;
             for span in &chunk.spans {
@@ -645,9 +659,14 @@ impl Worker {
     }
 }
 
-/// The next decode of the short main prompts going ahead of a scratch prompt
-/// ([`short_main_prompts`]): the other items count as done for this plan.
-fn plan_ahead(run: &Run, room: ChunkRoom) -> Chunk {
+/// The next decode of the short prompts going ahead of a scratch prompt into `place`
+/// ([`short_prompts`]): the other items count as done for this plan.
+fn plan_ahead(
+    run: &Run,
+    room: ChunkRoom,
+    place: Place,
+    fits_scratch: impl Fn(usize) -> bool,
+) -> Chunk {
     let mut progress: Vec<Progress> = run
         .progress
         .iter()
@@ -656,26 +675,36 @@ fn plan_ahead(run: &Run, room: ChunkRoom) -> Chunk {
             len: p.len,
         })
         .collect();
-    for k in short_main_prompts(run) {
+    for k in short_prompts(run, place, fits_scratch) {
         progress[k] = run.progress[k];
     }
     plan_chunk(&progress, room)
 }
 
-/// The items that may go ahead of a scratch prompt cut between two decodes: prompts of one
-/// item (a request of several keeps its packing) for the main context (placed there, or
-/// continuing a sequence, which the scratch never takes) with at most [`SHORT_MAIN_PROMPT`]
-/// tokens left.
-fn short_main_prompts(run: &Run) -> impl Iterator<Item = usize> + '_ {
+/// The items that may go ahead of a scratch prompt cut between two decodes, into `place`:
+/// prompts of one item (a request of several keeps its packing) with at most
+/// [`SHORT_PROMPT`] tokens left. For the main context, those placed there or continuing a
+/// sequence (which the scratch never takes); for the scratch, new prompts that start their
+/// sequence and fit the shared scratch (`fits_scratch`).
+fn short_prompts<'r>(
+    run: &'r Run,
+    place: Place,
+    fits_scratch: impl Fn(usize) -> bool + 'r,
+) -> impl Iterator<Item = usize> + 'r {
     (0..run.items.len()).filter(move |&k| {
         let (p, i) = run.items[k];
-        let left = run.progress[k].len - run.progress[k].done;
-        let for_main = match run.place[k] {
-            Place::Main => true,
-            Place::Unplaced => run.prompts[p].starts[i] > 0,
-            Place::Scratch => false,
+        let (len, left) = (
+            run.progress[k].len,
+            run.progress[k].len - run.progress[k].done,
+        );
+        let continues = run.prompts[p].starts[i] > 0;
+        let goes = match (place, run.place[k]) {
+            (Place::Main, Place::Main) => true,
+            (Place::Main, Place::Unplaced) => continues,
+            (Place::Scratch, Place::Unplaced) => !continues && fits_scratch(len),
+            _ => false,
         };
-        for_main && left > 0 && left <= SHORT_MAIN_PROMPT && run.prompts[p].items.len() == 1
+        goes && left > 0 && left <= SHORT_PROMPT && run.prompts[p].items.len() == 1
     })
 }
 
