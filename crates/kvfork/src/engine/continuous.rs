@@ -228,8 +228,8 @@ impl Worker {
     }
 
     /// Where the next decode goes, and which prompts it takes. A prompt cut between two
-    /// decodes finishes where it started (short main prompts may go ahead of a scratch one
-    /// in between, every other decode at most). A new prompt goes to
+    /// decodes finishes where it started (short prompts may go ahead of a scratch one in
+    /// between, every other decode at most: [`Worker::short_prompts`]). A new prompt goes to
     /// the scratch when it fits there (`scratch.rs`: it starts its sequence, within one
     /// decode and the sliding window, or up to `LONG_SCRATCH_PROMPT` tokens alone) and the
     /// scratch pays for it and the new prompts after it; a decode in the main context then
@@ -294,9 +294,7 @@ impl Worker {
             // New prompts go ahead into the shared scratch only while the one cut is in the
             // scratch it has alone (in the shared one they join its next decode anyway).
             (place == Place::Main || alone(first))
-                && short_prompts(run, place, |len| self.fits_scratch(len))
-                    .next()
-                    .is_some()
+                && self.short_prompts(run, place).next().is_some()
         };
         match run.place[first] {
             Place::Scratch if !run.went_ahead && short_goes_ahead(Place::Main) => {
@@ -382,7 +380,7 @@ impl Worker {
             };
             let chunk = match take {
                 Take::UpTo(limit) => plan_chunk(&run.progress[..limit], room),
-                Take::Ahead => plan_ahead(run, room, place, |len| self.fits_scratch(len)),
+                Take::Ahead => self.plan_ahead(run, room, place),
             };
             run.went_ahead = take == Take::Ahead;
             for span in &chunk.spans {
@@ -659,53 +657,43 @@ impl Worker {
     }
 }
 
-/// The next decode of the short prompts going ahead of a scratch prompt into `place`
-/// ([`short_prompts`]): the other items count as done for this plan.
-fn plan_ahead(
-    run: &Run,
-    room: ChunkRoom,
-    place: Place,
-    fits_scratch: impl Fn(usize) -> bool,
-) -> Chunk {
-    let mut progress: Vec<Progress> = run
-        .progress
-        .iter()
-        .map(|p| Progress {
-            done: p.len,
-            len: p.len,
-        })
-        .collect();
-    for k in short_prompts(run, place, fits_scratch) {
-        progress[k] = run.progress[k];
+impl Worker {
+    /// The next decode of the short prompts going ahead of a scratch prompt into `place`
+    /// ([`Worker::short_prompts`]): the other items count as done for this plan.
+    fn plan_ahead(&self, run: &Run, room: ChunkRoom, place: Place) -> Chunk {
+        let mut progress: Vec<Progress> = run
+            .progress
+            .iter()
+            .map(|p| Progress {
+                done: p.len,
+                len: p.len,
+            })
+            .collect();
+        for k in self.short_prompts(run, place) {
+            progress[k] = run.progress[k];
+        }
+        plan_chunk(&progress, room)
     }
-    plan_chunk(&progress, room)
-}
 
-/// The items that may go ahead of a scratch prompt cut between two decodes, into `place`:
-/// prompts of one item (a request of several keeps its packing) with at most
-/// [`SHORT_PROMPT`] tokens left. For the main context, those placed there or continuing a
-/// sequence (which the scratch never takes); for the scratch, new prompts that start their
-/// sequence and fit the shared scratch (`fits_scratch`).
-fn short_prompts<'r>(
-    run: &'r Run,
-    place: Place,
-    fits_scratch: impl Fn(usize) -> bool + 'r,
-) -> impl Iterator<Item = usize> + 'r {
-    (0..run.items.len()).filter(move |&k| {
-        let (p, i) = run.items[k];
-        let (len, left) = (
-            run.progress[k].len,
-            run.progress[k].len - run.progress[k].done,
-        );
-        let continues = run.prompts[p].starts[i] > 0;
-        let goes = match (place, run.place[k]) {
-            (Place::Main, Place::Main) => true,
-            (Place::Main, Place::Unplaced) => continues,
-            (Place::Scratch, Place::Unplaced) => !continues && fits_scratch(len),
-            _ => false,
-        };
-        goes && left > 0 && left <= SHORT_PROMPT && run.prompts[p].items.len() == 1
-    })
+    /// The items that may go ahead of a scratch prompt cut between two decodes, into
+    /// `place`: prompts of one item (a request of several keeps its packing) with at most
+    /// [`SHORT_PROMPT`] tokens left. For the main context, those placed there or continuing
+    /// a sequence (which the scratch never takes); for the scratch, new prompts that start
+    /// their sequence and fit the shared scratch.
+    fn short_prompts<'r>(&'r self, run: &'r Run, place: Place) -> impl Iterator<Item = usize> + 'r {
+        (0..run.items.len()).filter(move |&k| {
+            let (p, i) = run.items[k];
+            let Progress { done, len } = run.progress[k];
+            let continues = run.prompts[p].starts[i] > 0;
+            let goes = match (place, run.place[k]) {
+                (Place::Main, Place::Main) => true,
+                (Place::Main, Place::Unplaced) => continues,
+                (Place::Scratch, Place::Unplaced) => !continues && self.fits_scratch(len),
+                _ => false,
+            };
+            goes && done < len && len - done <= SHORT_PROMPT && run.prompts[p].items.len() == 1
+        })
+    }
 }
 
 /// The scratch a chunk decodes in: the one a long prompt has alone (a chunk of the scratch's
