@@ -248,17 +248,10 @@ impl Branch {
         }
         let (ctx, parent, parent_cell) =
             (self.context().clone(), self.handle(), self.cell().clone());
-        // It touches the parent and a free lease only: the others' gatherings run it in
-        // passing (a server's `n` choices or a best-of-N fork does not stop a continuous
-        // prefill from pulling the queue). The parent counts as written: the fork must see
-        // every job queued before it on the parent, so a gathering holding one waits for it.
-        let writes = vec![parent_cell.clone()];
-        self.context()
-            .engine()
-            .run_light(CancelPolicy::Drop, Vec::new(), writes, move |w| {
-                let (handle, cell) = w.fork(parent, &parent_cell, seed, on)?;
-                Ok(Branch::from_parts(ctx, handle, cell))
-            })
+        self.context().run(move |w| {
+            let (handle, cell) = w.fork(parent, &parent_cell, seed, on)?;
+            Ok(Branch::from_parts(ctx, handle, cell))
+        })
     }
 
     /// Ready when a prune has nothing to do (already pruned) or cannot run (closed context).
