@@ -11,11 +11,13 @@ Prints four tables (recorded in BENCHMARKS.md):
 3. `fork()` time vs prefix length;
 4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096;
 5. a step of N branches with its output rows padded to whole tiles of the CPU's output
-   matmul and without (`KVFORK_NO_OUTPUT_PADDING`), two contexts side by side.
+   matmul and without (`KVFORK_NO_OUTPUT_PADDING`), two contexts side by side;
+6. (`--only device`, not in the default set) greedy steps with `device_sampling=True`
+   beside the default host rows.
 
 usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
                                         [--peer-python .venv-peer/bin/python] [--skip-peer]
-                                        [--only throughput,fork,kv,padding]
+                                        [--only throughput,fork,kv,padding,device]
 The peer's venv: `make peer`; without it the peer column is skipped.
 """
 
@@ -41,7 +43,11 @@ DEFAULT_CHAIN = kvfork.SamplingParams(seed=1234)
 
 
 def make_context(
-    model: kvfork.Model, n_seq: int, n_ctx: int = 4096, adaptive: bool = False
+    model: kvfork.Model,
+    n_seq: int,
+    n_ctx: int = 4096,
+    adaptive: bool = False,
+    device_sampling: bool = False,
 ) -> kvfork.Context:
     """A context like the peer's: both thread counts fixed (None: kvfork's adaptive default)."""
     threads = None if adaptive else THREADS
@@ -52,6 +58,7 @@ def make_context(
         n_seq_max=n_seq,
         n_threads=threads,
         n_threads_batch=threads,
+        device_sampling=device_sampling,
     )
 
 
@@ -95,6 +102,40 @@ def run_step(
                 store.step_sync(branches)
 
         return timed(ctx, body)
+
+
+def run_greedy_steps(
+    model: kvfork.Model, n: int, steps: int, device_sampling: bool
+) -> tuple[float, float, int]:
+    """`store.step` of n greedy branches, rows to the host or draws on the device."""
+    with make_context(model, n, device_sampling=device_sampling) as ctx:
+        branches = branches_at_prompt(ctx, n, GREEDY)
+        store = kvfork.BranchStore(ctx)
+
+        def body() -> None:
+            for _ in range(steps):
+                store.step_sync(branches)
+
+        return timed(ctx, body)
+
+
+def device_sampling(args: argparse.Namespace, model: kvfork.Model) -> None:
+    """Greedy steps with `device_sampling=True` (argmax in llama.cpp's graph, no row copied
+    out) beside the default (rows lent to the host, argmax in kvfork's summary pass), the
+    two alternating so that drift on a shared machine falls on both."""
+    print(
+        f"\n## Device sampling (greedy store.step, steps={args.steps}, threads={THREADS}, "
+        f"best of {args.repeat}, alternating)"
+    )
+    print("| N | host rows tok/s | device draws tok/s | device / host |")
+    print("|---|---|---|---|")
+    for n in args.ns:
+        best: dict[bool, float] = {False: 0.0, True: 0.0}
+        for _ in range(args.repeat):
+            for on_device in (False, True):
+                wall, _, _ = run_greedy_steps(model, n, args.steps, on_device)
+                best[on_device] = max(best[on_device], n * args.steps / wall)
+        print(f"| {n} | {best[False]:.1f} | {best[True]:.1f} | {best[True] / best[False]:.3f} |")
 
 
 def run_sequential(model: kvfork.Model, n: int, steps: int) -> tuple[float, float, int]:
@@ -275,7 +316,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs per cell; the best is kept")
     parser.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", DEFAULT_PEER_PYTHON))
     parser.add_argument("--skip-peer", action="store_true")
-    parser.add_argument("--only", default="throughput,fork,kv,padding")
+    parser.add_argument(
+        "--only", default="throughput,fork,kv,padding", help="also: device (device_sampling)"
+    )
     args = parser.parse_args()
     if not args.skip_peer and not Path(args.peer_python).exists():
         print(
@@ -297,6 +340,8 @@ def main() -> None:
         kv_sharing(model)
     if "padding" in sections:
         padding(model)
+    if "device" in sections:
+        device_sampling(args, model)
 
 
 if __name__ == "__main__":

@@ -634,6 +634,7 @@ class _ContextOptions(TypedDict, total=False):
     checkpoints: int
     checkpoint_bytes: int
     recurrent_rollback: int
+    device_sampling: bool
 
 def create_context(
     path_or_model: str | PathLike[str] | Model,

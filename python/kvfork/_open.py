@@ -88,6 +88,14 @@ def create_context(
       Qwen3.5, Nemotron-H and a few others), how many trailing tokens it can drop at once: a
       rejected speculative guess that long is undone without decoding the kept tokens
       again (one decode saved a rejection). 0 to 64; ignored elsewhere.
+    - `device_sampling=False`: True draws greedy tokens inside llama.cpp's graph, on the
+      device that computed the logits: each decode hands back every output's argmax and
+      log-partition, not its logits row (on a GPU, one copy of `vocab_size` floats per
+      branch per step saved). Branches then sample greedily only, unbiased and
+      unconstrained, and have no rows: `logits()`, `top_logprobs`, entropies, stochastic
+      chains, grammars, biases and steering raise KvforkError saying so; `logprob` and the
+      perplexities work for the drawn token, and committing any other token is refused
+      (`prefill` takes any). Not with `embeddings=True`.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

@@ -45,6 +45,7 @@ fn options(
     checkpoints: Int,
     checkpoint_bytes: Int,
     recurrent_rollback: Int,
+    device_sampling: Arg<bool>,
 ) -> PyResult<Options> {
     let source = if let Ok(m) = path_or_model.cast::<PyModel>() {
         ModelSource::Loaded(m.get().inner.clone())
@@ -72,6 +73,7 @@ fn options(
         checkpoints: checkpoints.u32("checkpoints", 0)?,
         checkpoint_bytes: checkpoint_bytes.within("checkpoint_bytes", 0, i64::MAX)? as u64,
         recurrent_rollback: recurrent_rollback.u32("recurrent_rollback", 0)?,
+        device_sampling: device_sampling.0,
     };
     params.validate().py()?;
     Ok(Options {
@@ -100,7 +102,7 @@ fn build(o: Options) -> kvfork::Result<kvfork::Context> {
     kvfork::Context::new(model, o.params)
 }
 
-/// `create_context` and its blocking twin from one signature: the fifteen options read into
+/// `create_context` and its blocking twin from one signature: the sixteen options read into
 /// [`Options`] by `options`, then `$body` with them as `$o`.
 macro_rules! context_creator {
     ($(#[doc = $doc:literal])* fn $name:ident<$py:lifetime>($pyv:ident) -> $ret:ty { |$o:ident| $body:expr }) => {
@@ -111,13 +113,14 @@ macro_rules! context_creator {
                             type_k=Arg("f16"), type_v=Arg("f16"), embeddings=Arg(false),
                             pooling=None, n_gpu_layers=None, park=Arg(false),
                             checkpoints=Int(Some(16)), checkpoint_bytes=Int(Some(268435456)),
-                            recurrent_rollback=Int(Some(0))),
+                            recurrent_rollback=Int(Some(0)), device_sampling=Arg(false)),
                // The defaults written out: pyo3 shows `Int(...)` defaults as `...`.
                text_signature = "(path_or_model, *, n_ctx=4096, n_batch=512, n_seq_max=8, \
                                  n_threads=None, n_threads_batch=None, type_k='f16', \
                                  type_v='f16', embeddings=False, pooling=None, \
                                  n_gpu_layers=None, park=False, checkpoints=16, \
-                                 checkpoint_bytes=268435456, recurrent_rollback=0)")]
+                                 checkpoint_bytes=268435456, recurrent_rollback=0, \
+                                 device_sampling=False)")]
         #[allow(clippy::too_many_arguments)]
         pub fn $name<$py>(
             $pyv: Python<$py>,
@@ -136,6 +139,7 @@ macro_rules! context_creator {
             checkpoints: Int,
             checkpoint_bytes: Int,
             recurrent_rollback: Int,
+            device_sampling: Arg<bool>,
         ) -> $ret {
             let $o = options(
                 path_or_model,
@@ -153,6 +157,7 @@ macro_rules! context_creator {
                 checkpoints,
                 checkpoint_bytes,
                 recurrent_rollback,
+                device_sampling,
             )?;
             $body
         }

@@ -10,9 +10,11 @@ use crate::branch_state::BranchState;
 use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending, Prune};
 use crate::error::{Error, Result};
+use crate::llama_ctx::Output;
 use crate::model::Token;
 use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
+use crate::sampling::device::Drawn;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
 
@@ -612,12 +614,18 @@ impl Branch {
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.with_row(|s| Ok(s.logits().row().map(<[f32]>::to_vec)))
+        self.with_row(|s| {
+            s.logits().refuse_drawn()?;
+            Ok(s.logits().row().map(<[f32]>::to_vec))
+        })
     }
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.with_row(|s| Ok(s.logits_shared()))
+        self.with_row(|s| {
+            s.logits().refuse_drawn()?;
+            Ok(s.logits_shared())
+        })
     }
 
     /// Replace the snapshot (must have vocab_size entries).
@@ -634,6 +642,14 @@ impl Branch {
         }
         self.with_row(|s| {
             s.set_logits(logits);
+            Ok(())
+        })
+    }
+
+    /// Replace the snapshot with a device draw (`Context::decode`'s output, taken over).
+    pub(crate) fn set_drawn(&self, d: Drawn) -> Result<()> {
+        self.with_row(|s| {
+            s.set_output(&Output::Drawn(d));
             Ok(())
         })
     }

@@ -16,9 +16,11 @@ use candidates::{biased_count, guided_window, legal_window, Candidates};
 
 use crate::adapter::Adapters;
 use crate::error::{Error, Result};
+use crate::llama_ctx::{Output, OutputRef};
 use crate::model::{Model, Token};
 use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
+use crate::sampling::device::Drawn;
 use crate::sampling::grammar::{Grammar, GrammarSpec, GrammarUndo};
 use crate::sampling::guidance::Guided;
 use crate::sampling::SamplingParams;
@@ -224,9 +226,9 @@ impl BranchState {
 
     /// After `tokens` were prefilled into the branch (`row`: the last one's logits). A token
     /// `accept`ed before is no longer waiting for its decode: the prefill was it.
-    pub fn prefilled(&mut self, tokens: &[Token], row: Option<&[f32]>) {
-        if let Some(row) = row {
-            self.logits.set(row);
+    pub fn prefilled(&mut self, tokens: &[Token], output: Option<&Output>) {
+        if let Some(output) = output {
+            self.logits.set_output(output);
         }
         self.decoded(tokens);
         self.accepted_undecoded = None;
@@ -286,6 +288,11 @@ impl BranchState {
         self.logits.set(row);
     }
 
+    /// Replace the snapshot with a decode's output kept aside (a row, or a device draw).
+    pub fn set_output(&mut self, output: &Output) {
+        self.logits.set_output(output);
+    }
+
     /// The snapshot as a buffer of its own (a lent row is copied out first).
     pub fn logits_shared(&mut self) -> Option<Arc<[f32]>> {
         self.logits.shared()
@@ -302,15 +309,17 @@ impl BranchState {
         self.logits.land();
     }
 
-    /// Read `row` where llama.cpp wrote it instead of copying it, summarized and with its
-    /// best `top_k` logits kept for the sampler.
+    /// Read a decode's output where llama.cpp wrote it instead of copying it: a row is
+    /// summarized, with its best `top_k` logits kept for the sampler; a device draw is taken
+    /// as is.
     ///
     /// # Safety
-    /// As for `LogitsSnapshot::lend`: `row` stays valid, and unwritten while the snapshot is
-    /// not in flight, until the engine gives the loan back (`engine/loans.rs`).
-    pub unsafe fn lend_row(&mut self, row: &[f32], top_k: usize) {
+    /// As for `LogitsSnapshot::lend`, when `output` is a row: it stays valid, and unwritten
+    /// while the snapshot is not in flight, until the engine gives the loan back
+    /// (`engine/loans.rs`).
+    pub unsafe fn lend_output(&mut self, output: OutputRef<'_>, top_k: usize) {
         // SAFETY: the caller keeps the contract of `lend`, which is this function's.
-        unsafe { self.logits.lend(row, top_k) }
+        unsafe { self.logits.lend_output(output, top_k) }
     }
 
     /// A lent row becomes a copy of its own (before a decode overwrites it).
@@ -376,6 +385,9 @@ impl BranchState {
 
     /// Fill the candidates with constraint → bias → steer → filter chain applied.
     fn filter_candidates(&mut self) -> Result<()> {
+        if let Some(d) = self.logits.drawn() {
+            return self.take_drawn(d);
+        }
         let logits = self.logits.require()?;
         let snap = &self.logits;
         let lists = [&self.logit_bias, &self.steer];
@@ -414,6 +426,26 @@ impl BranchState {
             }
         };
         c.add_biases(&lists, whole);
+        self.filter_gathered()
+    }
+
+    /// `filter_candidates` after a device draw: the drawn token is the only candidate, for
+    /// a chain that is greedy and unconstrained (any other needs the row, which stayed on
+    /// the device: `require` says so).
+    fn take_drawn(&mut self, d: Drawn) -> Result<()> {
+        let lists = [&self.logit_bias, &self.steer];
+        match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, usize::MAX) {
+            Gathering::Argmax => self.candidates.drawn(d.token, d.logit),
+            _ => {
+                self.logits.require()?;
+            }
+        }
+        self.filter_gathered()
+    }
+
+    /// Run the chain's filters over the gathered candidates and cache their log-partition.
+    fn filter_gathered(&mut self) -> Result<()> {
+        let c = &mut self.candidates;
         // llama.cpp's filters drop -inf candidates and then assert on an empty array.
         if !c.any_finite() {
             return Err(self.nothing_to_sample());

@@ -107,6 +107,10 @@ pub struct ContextParams {
     /// LFM2, Qwen3.5, Nemotron-H, ...): a rejected speculative guess that long is undone at
     /// once instead of decoded again. 0: none.
     pub recurrent_rollback: u32,
+    /// Greedy draws in llama.cpp's graph (`sampling/device.rs`): a decode hands back each
+    /// output's argmax and log-partition instead of its logits row. Branches then sample
+    /// greedily only, and have no rows to read.
+    pub device_sampling: bool,
 }
 
 impl Default for ContextParams {
@@ -125,6 +129,7 @@ impl Default for ContextParams {
             checkpoints: 16,
             checkpoint_bytes: 256 << 20,
             recurrent_rollback: 0,
+            device_sampling: false,
         }
     }
 }
@@ -147,6 +152,12 @@ impl ContextParams {
             return Err(Error::invalid(
                 "park",
                 "parking is for generation contexts, not embeddings=True",
+            ));
+        }
+        if self.device_sampling && self.embeddings {
+            return Err(Error::invalid(
+                "device_sampling",
+                "device sampling draws tokens; an embeddings=True context draws none",
             ));
         }
         if self.n_ctx < 16 || self.n_ctx > 1 << 24 {

@@ -11,7 +11,32 @@ use crate::adapter::LoraAdapter;
 use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
+use crate::sampling::device::{DeviceChains, Drawn};
 use crate::seq::Seq;
+
+/// One output of the last decode: its logits row, or what device sampling drew from it.
+#[derive(Clone, Copy)]
+pub(crate) enum OutputRef<'a> {
+    Row(&'a [f32]),
+    Drawn(Drawn),
+}
+
+impl OutputRef<'_> {
+    /// A copy that outlives the next decode.
+    pub fn to_owned(self) -> Output {
+        match self {
+            OutputRef::Row(row) => Output::Row(row.to_vec()),
+            OutputRef::Drawn(d) => Output::Drawn(d),
+        }
+    }
+}
+
+/// An output kept past the next decode.
+#[derive(Clone)]
+pub(crate) enum Output {
+    Row(Vec<f32>),
+    Drawn(Drawn),
+}
 
 /// An owned `llama_context`. Neither `Send` nor `Sync` (raw pointers): the engine thread
 /// creates it, uses it and frees it, and the compiler keeps it there.
@@ -38,6 +63,9 @@ pub(crate) struct LlamaCtx {
     pub output_padding: Option<(Seq, usize)>,
     /// Read by llama.cpp's abort callback; dropped after the context (field order).
     abort_signal: Option<Arc<AbortSignal>>,
+    /// The greedy chains of `device_sampling`, one per sequence, which the context points
+    /// to: dropped after it.
+    device: Option<DeviceChains>,
     // Keeps the weights alive for as long as the context.
     _model: Arc<Model>,
 }
@@ -105,10 +133,18 @@ impl LlamaCtx {
             0
         };
         cp.no_perf = true;
+        let mut device = p.device_sampling.then(|| DeviceChains::new(p.llama_seqs()));
+        if let Some(chains) = device.as_mut() {
+            chains.attach(&mut cp);
+            // A speculative verification draws at every position of its draft (llama.cpp's
+            // default allows one output per sequence with backend samplers).
+            cp.n_outputs_max_per_seq = cp.n_outputs_max;
+        }
         // SAFETY: `model` is loaded and alive (the `Arc` held here, then `_model`, keeps it so
         // for the context's whole life). `cp` is llama.cpp's defaults with values `validate`
         // accepted and the adjustments above, which keep its asserts out of reach; any other
-        // failure comes back as NULL (llama.cpp catches its exceptions here).
+        // failure comes back as NULL (llama.cpp catches its exceptions here). The device
+        // chains `cp` points to live in `device`, which the context owns from here on.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
             Error::Decode(
@@ -154,6 +190,7 @@ impl LlamaCtx {
                 // Off for measuring its worth side by side (benchmarks/bench_store.py).
                 .filter(|_| std::env::var_os("KVFORK_NO_OUTPUT_PADDING").is_none()),
             abort_signal: None,
+            device,
             _model: model,
         })
     }
@@ -208,6 +245,11 @@ impl LlamaCtx {
 
     /// Logits row of batch entry `i` (which must have been marked for output).
     pub fn logits_ith(&self, i: usize) -> Result<&[f32]> {
+        if self.device.is_some() {
+            return Err(Error::Internal(
+                "a row read from a device-sampling context (use output_ith)".into(),
+            ));
+        }
         // SAFETY: the context is live; llama.cpp checks any index against the last decode's
         // outputs and returns NULL for one that was not an output.
         let p = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32) };
@@ -220,6 +262,18 @@ impl LlamaCtx {
         // its lazy row reordering and pending copies inside the first getter after a decode,
         // before that returns, so no later getter moves a row already handed out.
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
+    }
+
+    /// Output `i` of the last decode (batch entry `i`, marked for output): its row, or with
+    /// device sampling what the device drew from it.
+    pub fn output_ith(&self, i: usize) -> Result<OutputRef<'_>> {
+        if self.device.is_some() {
+            // SAFETY: the context is live, created with the chains, and used by this thread.
+            return Ok(OutputRef::Drawn(unsafe {
+                Drawn::read(self.ptr.as_ptr(), i)
+            }?));
+        }
+        self.logits_ith(i).map(OutputRef::Row)
     }
 
     /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs

@@ -158,6 +158,9 @@ impl Branch {
         self.check_live()?;
         let seq = self.cell().seq();
         let row = self.context().shared().outputs().row(seq).cloned();
+        if let Some(d) = row.as_ref().and_then(LogitsSnapshot::drawn) {
+            return self.set_drawn(d);
+        }
         match row.as_ref().and_then(LogitsSnapshot::row) {
             Some(row) => self.set_logits(row),
             None if self.logits_shared()?.is_some() => Ok(()),

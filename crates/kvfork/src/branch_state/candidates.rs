@@ -45,6 +45,12 @@ fn guided_refusals(k: usize) -> usize {
 
 impl Candidates {
     /// The argmax alone (greedy, unbiased, unconstrained).
+    /// The one token the device drew (`sampling/device.rs`), with its logit.
+    pub fn drawn(&mut self, token: Token, logit: f32) {
+        self.data.clear();
+        self.data.push(token_data(token, logit));
+    }
+
     pub fn argmax(&mut self, logits: &[f32], i: usize) {
         self.data.clear();
         self.data.push(token_data(i as Token, logits[i]));

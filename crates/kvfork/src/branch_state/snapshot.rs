@@ -12,14 +12,24 @@ use std::sync::Arc;
 use kvfork_core::metrics::{self, RowSummary};
 
 use crate::error::{Error, Result};
+use crate::llama_ctx::{Output, OutputRef};
 use crate::model::Token;
+use crate::sampling::device::Drawn;
 
 #[derive(Clone)]
 enum Row {
     Empty,
     Owned(Arc<[f32]>),
     Lent(LentRow),
+    /// Device sampling: no row, only what the device drew from it (`sampling/device.rs`).
+    Drawn(Drawn),
 }
+
+/// Why a device-sampled branch has no row to read.
+const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
+    (create_context(device_sampling=True)): its logits rows stay there, and only greedy \
+    draws and the drawn token's log-probability come back; create the context with \
+    device_sampling=False to read rows, sample stochastically or constrain";
 
 /// A row of llama.cpp's output buffer.
 #[derive(Clone, Copy)]
@@ -70,7 +80,7 @@ impl LogitsSnapshot {
             return None;
         }
         match &self.row {
-            Row::Empty => None,
+            Row::Empty | Row::Drawn(_) => None,
             Row::Owned(row) => Some(row),
             // SAFETY: a lent row not in flight is valid and unwritten (the contract of `lend`),
             // and `&self` keeps the snapshot from changing meanwhile.
@@ -89,9 +99,68 @@ impl LogitsSnapshot {
     }
 
     pub fn require(&self) -> Result<&[f32]> {
+        self.refuse_drawn()?;
         self.row().ok_or_else(|| {
             Error::Other("the branch has no logits yet: prefill or commit a token first".into())
         })
+    }
+
+    /// An error when the last output was drawn on the device: there is no row to read.
+    pub fn refuse_drawn(&self) -> Result<()> {
+        match self.row {
+            Row::Drawn(_) => Err(Error::Other(NO_ROW_ON_DEVICE.into())),
+            _ => Ok(()),
+        }
+    }
+
+    /// What the device drew, when the last output was drawn there (no row).
+    pub fn drawn(&self) -> Option<Drawn> {
+        match self.row {
+            Row::Drawn(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Take a decode's output: a row (copied) or a device draw.
+    pub fn set_output(&mut self, output: &Output) {
+        match output {
+            Output::Row(row) => self.set(row),
+            Output::Drawn(d) => self.set_drawn(*d),
+        }
+    }
+
+    /// `set_output` for an output still in llama.cpp's buffer (a row is copied).
+    pub fn set_output_ref(&mut self, output: OutputRef<'_>) {
+        match output {
+            OutputRef::Row(row) => self.set(row),
+            OutputRef::Drawn(d) => self.set_drawn(d),
+        }
+    }
+
+    /// Take what the device drew from a new row.
+    pub fn set_drawn(&mut self, d: Drawn) {
+        self.summary = RowSummary {
+            log_sum_exp: d.log_sum_exp,
+            argmax: d.token as usize,
+        };
+        self.row = Row::Drawn(d);
+        self.top.clear();
+        self.top_k = 0;
+        self.in_flight = false;
+        self.version += 1;
+    }
+
+    /// Take a decode's output where llama.cpp wrote it: a row is lent (see `lend`), a draw
+    /// copied.
+    ///
+    /// # Safety
+    /// As for `lend`, when `output` is a row.
+    pub unsafe fn lend_output(&mut self, output: OutputRef<'_>, top_k: usize) {
+        match output {
+            // SAFETY: the caller's contract.
+            OutputRef::Row(row) => unsafe { self.lend(row, top_k) },
+            OutputRef::Drawn(d) => self.set_drawn(d),
+        }
     }
 
     pub fn version(&self) -> u64 {
@@ -201,8 +270,18 @@ impl LogitsSnapshot {
         }
     }
 
-    /// Model-level surprisal of `token` in nats.
+    /// Model-level surprisal of `token` in nats (of a device draw: its own token only).
     pub fn surprisal(&self, token: Token) -> Result<f64> {
+        if let Row::Drawn(d) = self.row {
+            if token != d.token {
+                return Err(Error::Other(format!(
+                    "token {token} is not the one drawn ({}), and its probability is unknown: \
+                     {NO_ROW_ON_DEVICE}",
+                    d.token
+                )));
+            }
+            return Ok(d.log_sum_exp - f64::from(d.logit));
+        }
         let logit = f64::from(self.require()?[token as usize]);
         Ok(if logit == f64::NEG_INFINITY {
             f64::INFINITY

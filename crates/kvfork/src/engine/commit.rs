@@ -16,6 +16,7 @@ use super::{CommitItem, CommitRequest, Worker};
 use crate::adapter::Adapters;
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
+use crate::llama_ctx::Output;
 use crate::produced::Produced;
 use crate::seq::Seq;
 
@@ -246,8 +247,8 @@ impl Worker {
         let landed = match decoded {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
             Ok(kept) => {
-                for (st, row) in states.iter_mut().zip(&kept) {
-                    st.set_logits(row);
+                for (st, output) in states.iter_mut().zip(&kept) {
+                    st.set_output(output);
                 }
                 Ok(())
             }
@@ -278,10 +279,10 @@ impl Worker {
         places: &[i32],
         sets: &[(Adapters, usize)],
         copy_rows: bool,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Output>> {
         let room = self.decode_room();
         let base = self.ctx().output_base();
-        let mut kept: Vec<Vec<f32>> = Vec::new();
+        let mut kept: Vec<Output> = Vec::new();
         let mut chunks = Vec::new();
         let mut first = 0;
         for (set, n) in sets {
@@ -339,7 +340,7 @@ impl Worker {
             }
             if copy_rows {
                 for k in 0..end - start {
-                    kept.push(self.ctx().logits_ith(k)?.to_vec());
+                    kept.push(self.ctx().output_ith(k)?.to_owned());
                 }
             }
         }
@@ -352,14 +353,14 @@ impl Worker {
         let mut work = Vec::with_capacity(states.len());
         for (i, st) in states.iter_mut().enumerate() {
             let top_k = st.top_hint();
-            work.push((&mut **st, self.ctx().logits_ith(i)?, top_k));
+            work.push((&mut **st, self.ctx().output_ith(i)?, top_k));
         }
-        parallel::for_each_mut(&mut work, self.team_threads(), |(st, row, top_k)| {
+        parallel::for_each_mut(&mut work, self.team_threads(), |(st, output, top_k)| {
             // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
             // moves. Before every decode the worker gives back each loan except those of a
             // commit's members, which are in flight (never read) until the decode lands
             // (`loans.rs`); `decode_items` records these cells as the holders right after.
-            unsafe { st.lend_row(row, *top_k) }
+            unsafe { st.lend_output(*output, *top_k) }
         });
         Ok(())
     }

@@ -43,7 +43,7 @@ use super::shared::{BranchCell, Stats};
 use super::{CommitRequest, Job, PrefillItem, PrefillRequest, Ticket, Worker};
 use crate::adapter::Adapters;
 use crate::error::{Error, Result};
-use crate::llama_ctx::Batch;
+use crate::llama_ctx::{Batch, Output};
 use crate::model::Token;
 use crate::seq::Seq;
 
@@ -72,7 +72,7 @@ pub(super) struct Riding {
     /// (token, position, sequence, wants logits), in batch order.
     tokens: Vec<(Token, i32, Seq, bool)>,
     /// The rows of its outputs, in order.
-    rows: Vec<Vec<f32>>,
+    rows: Vec<Output>,
     /// None until it was decoded (or its decode failed).
     outcome: Option<Result<()>>,
 }
@@ -97,7 +97,7 @@ impl Riding {
             }
             // (`logits_ith` takes the token's index in the batch.)
             for (j, _) in self.tokens.iter().enumerate().filter(|(_, t)| t.3) {
-                self.rows.push(w.ctx().logits_ith(n_steps + j)?.to_vec());
+                self.rows.push(w.ctx().output_ith(n_steps + j)?.to_owned());
             }
             Ok(())
         });
@@ -140,7 +140,7 @@ struct Run {
     /// (prompt, item) of each item, and its progress.
     items: Vec<(usize, usize)>,
     progress: Vec<Progress>,
-    rows: Vec<Option<Vec<f32>>>,
+    rows: Vec<Option<Output>>,
     place: Vec<Place>,
     /// Scratch sequences of items in flight there.
     slots: ScratchSlots,
@@ -501,7 +501,7 @@ impl Worker {
         run: &Run,
         chunk: &Chunk,
         riders: Vec<CommitRequest>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Output>> {
         let items = Self::chunk_items(&run.items, &run.prompts);
         let mut tokens = Vec::with_capacity(chunk.n_tokens());
         for span in &chunk.spans {
@@ -543,7 +543,7 @@ impl Worker {
 
     /// One decode of the chunk in the scratch context; the prompts it finishes move to their
     /// sequences. Their rows, in order.
-    fn scratch_decode(&mut self, run: &mut Run, chunk: &Chunk) -> Result<Vec<Vec<f32>>> {
+    fn scratch_decode(&mut self, run: &mut Run, chunk: &Chunk) -> Result<Vec<Output>> {
         let items: Vec<&PrefillItem> = Self::chunk_items(&run.items, &run.prompts)
             .into_iter()
             .map(|(it, _)| it)
@@ -579,7 +579,7 @@ impl Worker {
                 continue;
             }
             for ((cell, tokens), row) in prompt.items.iter().zip(&mut run.rows[range]) {
-                cell.lock().prefilled(tokens, row.take().as_deref());
+                cell.lock().prefilled(tokens, row.take().as_ref());
                 run.stepping.insert(seq_id(cell));
             }
             prompt.ticket.finish();

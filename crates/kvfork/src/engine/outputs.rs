@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 
 use crate::branch_state::LogitsSnapshot;
+use crate::llama_ctx::OutputRef;
 use crate::seq::Seq;
 
 /// What the context's last decode output.
@@ -32,10 +33,10 @@ pub(crate) struct Outputs {
 }
 
 impl Outputs {
-    /// A `Context::decode` into `seq` ended with `row`.
-    pub fn raw(&mut self, seq: Seq, row: &[f32]) {
+    /// A `Context::decode` into `seq` ended with `output`.
+    pub fn raw(&mut self, seq: Seq, output: OutputRef<'_>) {
         let mut snapshot = LogitsSnapshot::empty();
-        snapshot.set(row);
+        snapshot.set_output_ref(output);
         self.rows.insert(seq, snapshot.clone());
         self.last = LastOutput::Raw(snapshot);
     }
@@ -101,8 +102,8 @@ mod tests {
     #[test]
     fn a_raw_row_lives_until_its_sequence_is_decoded_into_or_emptied() {
         let mut o = Outputs::default();
-        o.raw(Seq::new(1), &[1.0, 2.0]);
-        o.raw(Seq::new(2), &[3.0, 4.0]);
+        o.raw(Seq::new(1), OutputRef::Row(&[1.0, 2.0]));
+        o.raw(Seq::new(2), OutputRef::Row(&[3.0, 4.0]));
         assert!(matches!(o.last(), LastOutput::Raw(_)));
         // A branch decode into sequence 1 (its last output) supersedes 1's row only.
         o.decoded([Seq::new(1)].into_iter(), Seq::new(1));

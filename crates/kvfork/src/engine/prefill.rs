@@ -10,6 +10,7 @@ use super::commit::may_be_one_request;
 use super::gather::start_run;
 use super::{PrefillItem, PrefillRequest, Worker};
 use crate::error::{Error, Result};
+use crate::llama_ctx::Output;
 use crate::seq::Seq;
 
 impl Worker {
@@ -121,7 +122,7 @@ impl Worker {
         } else {
             items.len().max(1)
         };
-        let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
+        let mut rows: Vec<Option<Output>> = vec![None; items.len()];
         for first in (0..items.len()).step_by(room) {
             let end = (first + room).min(items.len());
             if let Err(e) = self.prefill_group(
@@ -136,7 +137,7 @@ impl Worker {
             }
         }
         for (i, (cell, tokens)) in items.iter().copied().enumerate() {
-            cell.lock().prefilled(tokens, rows[i].as_deref());
+            cell.lock().prefilled(tokens, rows[i].as_ref());
         }
         Ok(())
     }
@@ -147,7 +148,7 @@ impl Worker {
         &mut self,
         items: &[&PrefillItem],
         starts: &[i32],
-        rows: &mut [Option<Vec<f32>>],
+        rows: &mut [Option<Output>],
     ) -> Result<()> {
         let cells: Vec<&std::sync::Arc<super::BranchCell>> =
             items.iter().map(|(cell, _)| cell).collect();
@@ -188,7 +189,7 @@ impl Worker {
                 for (k, span) in chunk.spans.iter().enumerate() {
                     if span.is_last {
                         rows[members[span.item]] =
-                            Some(self.ctx().logits_ith(logits_index(&chunk, k))?.to_vec());
+                            Some(self.ctx().output_ith(logits_index(&chunk, k))?.to_owned());
                     }
                 }
                 // Recurrent models: a checkpoint where each prompt's chunk ends, for forks

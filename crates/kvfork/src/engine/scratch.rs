@@ -29,7 +29,7 @@ use super::shared::Stats;
 use super::{PrefillItem, Worker};
 use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
-use crate::llama_ctx::LlamaCtx;
+use crate::llama_ctx::{LlamaCtx, Output};
 use crate::seq::Seq;
 
 /// Prompts the scratch context prefills at once (its sequences).
@@ -112,7 +112,7 @@ impl Worker {
         items: &[&PrefillItem],
         seqs: &[Seq],
         plan: &[PrefillChunk],
-        rows: &mut [Option<Vec<f32>>],
+        rows: &mut [Option<Output>],
     ) -> Result<()> {
         let mut slots = ScratchSlots::new(items.len());
         let result = plan.iter().try_for_each(|chunk| {
@@ -135,7 +135,7 @@ impl Worker {
         seqs: &[Seq],
         chunk: &PrefillChunk,
         slots: &mut ScratchSlots,
-        rows: &mut [Option<Vec<f32>>],
+        rows: &mut [Option<Output>],
     ) -> Result<()> {
         self.open_scratch(kind)?;
         let batch = self.start_batch();
@@ -152,7 +152,7 @@ impl Worker {
         for (k, span) in chunk.spans.iter().enumerate().filter(|(_, s)| s.is_last) {
             let seq = slots.give_back(span.item)?;
             let scratch = self.scratch.get(kind).expect("opened above");
-            rows[span.item] = Some(scratch.logits_ith(logits_index(chunk, k))?.to_vec());
+            rows[span.item] = Some(scratch.output_ith(logits_index(chunk, k))?.to_owned());
             let cells = scratch.kv_state(Some(seq))?;
             scratch.clear_seq(seq)?;
             // Fails only without enough free cells, where a decode would fail alike.

@@ -91,12 +91,12 @@ impl Worker {
         let drawn: Result<Produced> = (|| {
             for i in 0..=draft.len() {
                 let top_k = st.top_hint();
-                let row = self.ctx().logits_ith(i)?;
-                // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites
+                let output = self.ctx().output_ith(i)?;
+                // SAFETY: a row is in llama.cpp's output buffer, which only a decode rewrites
                 // or moves; `decode` gave back every loan before this one and gives this one
                 // back before the next (the cell is recorded below). The cell stays locked
                 // meanwhile.
-                unsafe { st.lend_row(row, top_k) };
+                unsafe { st.lend_output(output, top_k) };
                 let produced = st.produce(&model)?;
                 let token = produced.token;
                 if i == draft.len() || token != draft[i] || produced.is_stop {

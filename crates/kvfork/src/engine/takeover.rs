@@ -74,8 +74,8 @@ impl Worker {
             at += chunk.len() as i32;
         }
         let last = tokens.len() - (chunks - 1) * n_batch - 1;
-        let row = self.ctx().logits_ith(last)?;
-        self.shared().outputs().raw(seq, row);
+        let output = self.ctx().output_ith(last)?;
+        self.shared().outputs().raw(seq, output);
         Ok(())
     }
 

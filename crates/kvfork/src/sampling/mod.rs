@@ -1,6 +1,7 @@
 //! Sampling: parameters, the llama.cpp sampler chain, grammars.
 
 pub(crate) mod chain;
+pub(crate) mod device;
 pub(crate) mod grammar;
 pub(crate) mod guidance;
 pub(crate) mod json_schema;

@@ -1,0 +1,171 @@
+"""`create_context(device_sampling=True)`: greedy draws inside llama.cpp's graph. On a CPU
+build the graph runs on llama.cpp's CPU backend, the same path a GPU runs, so these tests
+check its semantics anywhere: the tokens and perplexities of host rows, one decode a step,
+forks, parking and speculation as before, and clear errors where a row would be needed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kvfork
+import pytest
+
+from .conftest import (
+    GREEDY,
+    PROMPT,
+    assert_same_greedy,
+    greedy_tokens,
+    greedy_with_margins,
+    root,
+)
+
+#: Log-probabilities of one token under the device's f32 log-partition and the host's f64
+#: one, over the same or a re-batched row (measured: 2e-6 apart on the same history).
+LOGPROB_ROUNDING = 1e-3
+
+
+@pytest.fixture
+def dev_ctx(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=8, device_sampling=True) as c:
+        yield c
+
+
+def test_greedy_tokens_and_perplexity_equal_those_of_host_rows(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    host, dev = root(ctx), root(dev_ctx)
+    drawn = dev.sample()
+    assert drawn == host.sample()
+    assert dev.logprob(drawn) == pytest.approx(host.logprob(drawn), abs=LOGPROB_ROUNDING)
+    expected, margins = greedy_with_margins(host, 24)
+    got = greedy_tokens(dev, 24)
+    assert_same_greedy(got, expected, margins)
+    if got == expected:
+        assert dev.perplexity == pytest.approx(host.perplexity, rel=1e-4)
+        assert dev.sampling_perplexity == pytest.approx(host.sampling_perplexity, rel=1e-4)
+        assert dev.perplexity > 1.0
+
+
+def test_a_store_step_of_forks_is_one_decode_and_draws_what_the_host_draws(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    expected, margins = greedy_with_margins(root(ctx), 12)
+    parent = root(dev_ctx)
+    branches = [parent, *(parent.fork_sync() for _ in range(3))]
+    store = kvfork.BranchStore(dev_ctx)
+    got: list[list[int]] = [[] for _ in branches]
+    for _ in range(12):
+        before = dev_ctx.stats()["decode_calls"]
+        for row, t in zip(got, store.step_sync(branches)):
+            row.append(t.token)
+        assert dev_ctx.stats()["decode_calls"] - before == 1
+    for tokens in got:
+        assert_same_greedy(tokens, expected, margins)
+    # A fork takes its parent's draw with it.
+    child = branches[1].fork_sync()
+    assert child.sample() == branches[1].sample()
+
+
+def test_rows_stay_on_the_device_and_reading_one_says_so(dev_ctx: kvfork.Context) -> None:
+    b = root(dev_ctx)
+    drawn = b.sample()
+    other = (drawn + 1) % dev_ctx.vocab_size
+    for read in (
+        b.logits,
+        lambda: b.top_logprobs(3),
+        b.entropy,
+        lambda: b.logprob(other),
+        dev_ctx.model_entropy,
+    ):
+        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+            read()
+    # Committing a token it did not draw would need that token's probability: refused,
+    # and the branch is as it was.
+    position, perplexity = b.position, b.perplexity
+    with pytest.raises(kvfork.KvforkError, match="not the one drawn"):
+        b.commit_sync(other)
+    assert (b.position, b.perplexity, b.sample()) == (position, perplexity, drawn)
+    # Prefill takes any tokens (it accepts none), and the draw follows the new row.
+    b.prefill_sync(dev_ctx.tokenize(" and then"))
+    assert b.position == position + len(dev_ctx.tokenize(" and then"))
+    b.commit_sync(b.sample())
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        lambda b: b.set_sampler_params(kvfork.SamplingParams(temperature=0.8, seed=1)),
+        lambda b: b.set_sampler_params(kvfork.SamplingParams(temperature=0.0, repeat_penalty=1.3)),
+        lambda b: b.set_grammar('root ::= "yes" | "no"'),
+        lambda b: b.set_logit_bias({42: 5.0}),
+        lambda b: b.steer({42: -5.0}),
+    ],
+    ids=["stochastic", "penalties", "grammar", "bias", "steer"],
+)
+def test_only_greedy_unconstrained_chains_draw_on_the_device(
+    dev_ctx: kvfork.Context, setup: object
+) -> None:
+    b = root(dev_ctx)
+    setup(b)  # type: ignore[operator]
+    with pytest.raises(kvfork.KvforkError, match="device_sampling=False"):
+        b.produce_sync()
+    with pytest.raises(kvfork.KvforkError, match="device_sampling=False"):
+        kvfork.BranchStore(dev_ctx).step_sync([b])
+
+
+def test_a_long_prompt_through_the_scratch_and_parked_branches(
+    ctx: kvfork.Context, model: kvfork.Model
+) -> None:
+    """A prompt long enough for the scratch prefill context (which gets the draws too), and
+    branches that outnumber their leases (`park`): each draws what the host draws."""
+    long_prompt = " ".join([PROMPT] * 40)
+    expected, margins = greedy_with_margins(root(ctx, long_prompt), 6)
+    with kvfork.create_context_sync(
+        model, n_ctx=4096, n_seq_max=2, park=True, device_sampling=True
+    ) as dev:
+        parent = root(dev, long_prompt)
+        branches = [parent, *(parent.fork_sync() for _ in range(3))]
+        assert not all(b.is_active for b in branches)
+        got: list[list[int]] = [[] for _ in branches]
+        for _ in range(6):
+            for tokens, b in zip(got, branches):
+                t = b.produce_sync().token
+                b.commit_sync(t)
+                tokens.append(t)
+        for tokens in got:
+            assert_same_greedy(tokens, expected, margins)
+
+
+def test_speculation_draws_what_plain_generation_draws(dev_ctx: kvfork.Context) -> None:
+    text = (
+        "Copy the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, "
+        "honeydew, kiwi, lemon, mango, nectarine, orange, papaya\nCopy: apple, banana,"
+    )
+    plain, spec = root(dev_ctx, text), root(dev_ctx, text)
+    expected = [t.token for t in plain.generate_sync(16)]
+    before = dev_ctx.stats()["decode_calls"]
+    stream = spec.generate_sync(16, draft=kvfork.PromptLookup())
+    got = [t.token for t in stream]
+    # Same context, same cells' history: a difference can only be a near-tie of rows that
+    # a verification batch computed; none on this prompt.
+    assert got == expected
+    assert (
+        stream.accepted > 0
+        and stream.rounds < 16
+        and dev_ctx.stats()["decode_calls"] - before == stream.rounds
+    )
+    assert spec.perplexity == pytest.approx(plain.perplexity, rel=1e-2)
+
+
+def test_the_raw_layer_takes_a_device_draw_over(dev_ctx: kvfork.Context) -> None:
+    tokens = dev_ctx.tokenize(PROMPT)
+    dev_ctx.decode_sync(tokens, 0, 3)
+    b = kvfork.Branch.create(dev_ctx, len(tokens), GREEDY, seq_id=3)
+    b.capture_logits()
+    reference = root(dev_ctx)
+    assert b.sample() == reference.sample()
+
+
+def test_device_sampling_is_refused_for_embeddings(model: kvfork.Model) -> None:
+    with pytest.raises(ValueError, match="device_sampling"):
+        kvfork.create_context_sync(model, embeddings=True, device_sampling=True)
