@@ -92,24 +92,10 @@ def run_step(
     steps: int,
     params: kvfork.SamplingParams,
     adaptive: bool = False,
+    device_sampling: bool = False,
 ) -> tuple[float, float, int]:
-    with make_context(model, n, adaptive=adaptive) as ctx:
+    with make_context(model, n, adaptive=adaptive, device_sampling=device_sampling) as ctx:
         branches = branches_at_prompt(ctx, n, params)
-        store = kvfork.BranchStore(ctx)
-
-        def body() -> None:
-            for _ in range(steps):
-                store.step_sync(branches)
-
-        return timed(ctx, body)
-
-
-def run_greedy_steps(
-    model: kvfork.Model, n: int, steps: int, device_sampling: bool
-) -> tuple[float, float, int]:
-    """`store.step` of n greedy branches, rows to the host or draws on the device."""
-    with make_context(model, n, device_sampling=device_sampling) as ctx:
-        branches = branches_at_prompt(ctx, n, GREEDY)
         store = kvfork.BranchStore(ctx)
 
         def body() -> None:
@@ -133,7 +119,7 @@ def device_sampling(args: argparse.Namespace, model: kvfork.Model) -> None:
         best: dict[bool, float] = {False: 0.0, True: 0.0}
         for _ in range(args.repeat):
             for on_device in (False, True):
-                wall, _, _ = run_greedy_steps(model, n, args.steps, on_device)
+                wall, _, _ = run_step(model, n, args.steps, GREEDY, device_sampling=on_device)
                 best[on_device] = max(best[on_device], n * args.steps / wall)
         print(f"| {n} | {best[False]:.1f} | {best[True]:.1f} | {best[True] / best[False]:.3f} |")
 
