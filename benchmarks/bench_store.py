@@ -12,8 +12,8 @@ Prints four tables (recorded in BENCHMARKS.md):
 4. KV memory: 16 forks of a 1,500-token prefix, 64 tokens each, in n_ctx = 4,096;
 5. a step of N branches with its output rows padded to whole tiles of the CPU's output
    matmul and without (`KVFORK_NO_OUTPUT_PADDING`), two contexts side by side;
-6. (`--only device`, not in the default set) greedy steps with `device_sampling=True`
-   beside the default host rows.
+6. (`--only device`, not in the default set) steps with `device_sampling=True` beside the
+   default host rows, greedy and the default chain.
 
 usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
                                         [--peer-python .venv-peer/bin/python] [--skip-peer]
@@ -106,22 +106,29 @@ def run_step(
 
 
 def device_sampling(args: argparse.Namespace, model: kvfork.Model) -> None:
-    """Greedy steps with `device_sampling=True` (argmax in llama.cpp's graph, no row copied
-    out) beside the default (rows lent to the host, argmax in kvfork's summary pass), the
-    two alternating so that drift on a shared machine falls on both."""
+    """Steps with `device_sampling=True` (each row's best 64 found in llama.cpp's graph, no
+    row copied out) beside the default (rows lent to the host, summarized on the decode's
+    threads), greedy and the default chain, the two alternating so that drift on a shared
+    machine falls on both."""
     print(
-        f"\n## Device sampling (greedy store.step, steps={args.steps}, threads={THREADS}, "
+        f"\n## Device sampling (store.step, steps={args.steps}, threads={THREADS}, "
         f"best of {args.repeat}, alternating)"
     )
-    print("| N | host rows tok/s | device draws tok/s | device / host |")
-    print("|---|---|---|---|")
+    print(
+        "| N | greedy, host rows tok/s | greedy, device | device / host "
+        "| default chain, host rows | default chain, device | device / host |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for n in args.ns:
-        best: dict[bool, float] = {False: 0.0, True: 0.0}
-        for _ in range(args.repeat):
-            for on_device in (False, True):
-                wall, _, _ = run_step(model, n, args.steps, GREEDY, device_sampling=on_device)
-                best[on_device] = max(best[on_device], n * args.steps / wall)
-        print(f"| {n} | {best[False]:.1f} | {best[True]:.1f} | {best[True] / best[False]:.3f} |")
+        cells = []
+        for params in (GREEDY, DEFAULT_CHAIN):
+            best: dict[bool, float] = {False: 0.0, True: 0.0}
+            for _ in range(args.repeat):
+                for on_device in (False, True):
+                    wall, _, _ = run_step(model, n, args.steps, params, device_sampling=on_device)
+                    best[on_device] = max(best[on_device], n * args.steps / wall)
+            cells += [f"{best[False]:.1f}", f"{best[True]:.1f}", f"{best[True] / best[False]:.3f}"]
+        print(f"| {n} | {' | '.join(cells)} |")
 
 
 def run_sequential(model: kvfork.Model, n: int, steps: int) -> tuple[float, float, int]:

@@ -1,7 +1,9 @@
-"""`create_context(device_sampling=True)`: greedy draws inside llama.cpp's graph. On a CPU
-build the graph runs on llama.cpp's CPU backend, the same path a GPU runs, so these tests
-check its semantics anywhere: the tokens and perplexities of host rows, one decode a step,
-forks, parking and speculation as before, and clear errors where a row would be needed."""
+"""`create_context(device_sampling=True)`: each row's best 64 logits found inside llama.cpp's
+graph, the branch's chain drawing from them on the host. On a CPU build the graph runs on
+llama.cpp's CPU backend, the same path a GPU runs, so these tests check its semantics
+anywhere: the draws (greedy and seeded, forks, reseeds, hot swaps) and perplexities of host
+rows, one decode a step, parking and speculation as before, and clear errors where a row
+would be needed."""
 
 from __future__ import annotations
 
@@ -66,50 +68,90 @@ def test_a_store_step_of_forks_is_one_decode_and_draws_what_the_host_draws(
     assert child.sample() == branches[1].sample()
 
 
-def test_rows_stay_on_the_device_and_reading_one_says_so(dev_ctx: kvfork.Context) -> None:
+def test_seeded_chains_draw_what_they_draw_from_host_rows(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    """The chain draws from the device's candidates with its own RNG, so a seeded chain, a
+    fork reseeded, a reseed and a hot swap to another chain draw what they draw from the
+    host's rows. Both contexts run the same decodes over the same cells, so the rows, and
+    with them the candidates, are the same: the draws are equal, not only near."""
+
+    def run(c: kvfork.Context) -> tuple[list[int], ...]:
+        b = root(c, PROMPT, kvfork.SamplingParams(seed=7))
+        child = b.fork_sync(seed=99)
+        first = [t.token for t in b.generate_sync(12)]
+        b.reseed_sampler(5)
+        second = [t.token for t in b.generate_sync(6)]
+        b.set_sampler_params(kvfork.SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=3))
+        third = [t.token for t in b.generate_sync(6)]
+        kid = [t.token for t in child.generate_sync(8)]
+        return first, second, third, kid
+
+    host, dev = run(ctx), run(dev_ctx)
+    assert dev == host
+    h, d = root(ctx), root(dev_ctx)
+    got, expected = d.top_logprobs(64), h.top_logprobs(64)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=LOGPROB_ROUNDING)
+
+
+def test_rows_stay_on_the_device_and_reading_one_says_so(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
     b = root(dev_ctx)
     drawn = b.sample()
-    other = (drawn + 1) % dev_ctx.vocab_size
+    unlikely = int(root(ctx).logits().argmin())  # far outside the best 64
     for read in (
         b.logits,
-        lambda: b.top_logprobs(3),
+        lambda: b.top_logprobs(65),
         b.entropy,
-        lambda: b.logprob(other),
+        lambda: b.logprob(unlikely),
         dev_ctx.model_entropy,
     ):
         with pytest.raises(kvfork.KvforkError, match="device_sampling"):
             read()
-    # Committing a token it did not draw would need that token's probability: refused,
-    # and the branch is as it was.
+    # Committing a token outside the candidates would need its probability: refused, and
+    # the branch is as it was.
     position, perplexity = b.position, b.perplexity
-    with pytest.raises(kvfork.KvforkError, match="not the one drawn"):
-        b.commit_sync(other)
+    with pytest.raises(kvfork.KvforkError, match="not among the 64 best"):
+        b.commit_sync(unlikely)
     assert (b.position, b.perplexity, b.sample()) == (position, perplexity, drawn)
-    # Prefill takes any tokens (it accepts none), and the draw follows the new row.
-    b.prefill_sync(dev_ctx.tokenize(" and then"))
-    assert b.position == position + len(dev_ctx.tokenize(" and then"))
+    # Any candidate may be committed; prefill takes any tokens (it accepts none).
+    b.commit_sync(b.top_logprobs(64)[-1][0])
+    prompt = dev_ctx.tokenize(" and then")
+    b.prefill_sync(prompt)
+    assert b.position == position + 1 + len(prompt)
     b.commit_sync(b.sample())
 
 
 @pytest.mark.parametrize(
-    "setup",
+    ("setup", "says"),
     [
-        lambda b: b.set_sampler_params(kvfork.SamplingParams(temperature=0.8, seed=1)),
-        lambda b: b.set_sampler_params(kvfork.SamplingParams(temperature=0.0, repeat_penalty=1.3)),
-        lambda b: b.set_grammar('root ::= "yes" | "no"'),
-        lambda b: b.set_logit_bias({42: 5.0}),
-        lambda b: b.steer({42: -5.0}),
+        (
+            lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=0, seed=1)),
+            "device_sampling=False",
+        ),
+        (lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=100)), "top_k = 100"),
+        (
+            lambda b: b.set_sampler_params(
+                kvfork.SamplingParams(temperature=0.0, repeat_penalty=1.3)
+            ),
+            "device_sampling=False",
+        ),
+        (lambda b: b.set_grammar('root ::= "yes" | "no"'), "device_sampling=False"),
+        (lambda b: b.set_logit_bias({42: 5.0}), "device_sampling=False"),
+        (lambda b: b.steer({42: -5.0}), "device_sampling=False"),
     ],
-    ids=["stochastic", "penalties", "grammar", "bias", "steer"],
+    ids=["whole-vocabulary", "top-k-over-64", "penalties", "grammar", "bias", "steer"],
 )
-def test_only_greedy_unconstrained_chains_draw_on_the_device(
-    dev_ctx: kvfork.Context, setup: object
+def test_chains_that_need_the_whole_row_are_refused(
+    dev_ctx: kvfork.Context, setup: object, says: str
 ) -> None:
     b = root(dev_ctx)
     setup(b)  # type: ignore[operator]
-    with pytest.raises(kvfork.KvforkError, match="device_sampling=False"):
+    with pytest.raises(kvfork.KvforkError, match=says):
         b.produce_sync()
-    with pytest.raises(kvfork.KvforkError, match="device_sampling=False"):
+    with pytest.raises(kvfork.KvforkError, match=says):
         kvfork.BranchStore(dev_ctx).step_sync([b])
 
 

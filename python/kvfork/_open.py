@@ -88,14 +88,18 @@ def create_context(
       Qwen3.5, Nemotron-H and a few others), how many trailing tokens it can drop at once: a
       rejected speculative guess that long is undone without decoding the kept tokens
       again (one decode saved a rejection). 0 to 64; ignored elsewhere.
-    - `device_sampling=False`: True draws greedy tokens inside llama.cpp's graph, on the
-      device that computed the logits: each decode hands back every output's argmax and
-      log-partition, not its logits row (on a GPU, one copy of `vocab_size` floats per
-      branch per step saved). Branches then sample greedily only, unbiased and
-      unconstrained, and have no rows: `logits()`, `top_logprobs`, entropies, stochastic
-      chains, grammars, biases and steering raise KvforkError saying so; `logprob` and the
-      perplexities work for the drawn token, and committing any other token is refused
-      (`prefill` takes any). Not with `embeddings=True`.
+    - `device_sampling=False`: True finds each output row's best 64 logits (with their
+      tokens) and its log-partition inside llama.cpp's graph, on the device that computed
+      the logits, and copies only those back, not the row (on a GPU, one copy of
+      `vocab_size` floats per branch per step saved). Each branch's own chain then draws
+      from them with its own RNG, so greedy and every chain that cuts to `top_k <= 64`
+      first (temperature, top-p, min-p, seeds, forks, reseeds) draw exactly what they draw
+      from a row. Branches have no rows: `logits()`, entropies, `top_logprobs(k > 64)`,
+      chains over the whole vocabulary (`top_k=0`, penalties, DRY, Mirostat), grammars,
+      biases and steering raise KvforkError saying so; `logprob` and the perplexities work
+      for the 64 candidates, and committing any other token is refused (`prefill` takes
+      any). Not with `embeddings=True`. Meant for GPUs: on the CPU backend it is slower
+      than host rows.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

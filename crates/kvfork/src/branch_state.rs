@@ -20,7 +20,6 @@ use crate::llama_ctx::{Output, OutputRef};
 use crate::model::{Model, Token};
 use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
-use crate::sampling::device::Drawn;
 use crate::sampling::grammar::{Grammar, GrammarSpec, GrammarUndo};
 use crate::sampling::guidance::Guided;
 use crate::sampling::SamplingParams;
@@ -386,7 +385,8 @@ impl BranchState {
     /// Fill the candidates with constraint → bias → steer → filter chain applied.
     fn filter_candidates(&mut self) -> Result<()> {
         if let Some(d) = self.logits.drawn() {
-            return self.take_drawn(d);
+            let best = d.best.clone();
+            return self.take_drawn(&best);
         }
         let logits = self.logits.require()?;
         let snap = &self.logits;
@@ -429,17 +429,31 @@ impl BranchState {
         self.filter_gathered()
     }
 
-    /// `filter_candidates` after a device draw: the drawn token is the only candidate, for
-    /// a chain that is greedy and unconstrained (any other needs the row, which stayed on
-    /// the device: `require` says so).
-    fn take_drawn(&mut self, d: Drawn) -> Result<()> {
+    /// `filter_candidates` after a device draw: the best `k` the device kept, for a chain
+    /// that is unconstrained, unbiased and cuts to its top `k` first (greedy: 1), as
+    /// `Gathering::Top` takes them from a row. Any other chain needs the row, which stayed
+    /// on the device (`require` says so).
+    fn take_drawn(&mut self, best: &[(Token, f32)]) -> Result<()> {
         let lists = [&self.logit_bias, &self.steer];
-        match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, usize::MAX) {
-            Gathering::Argmax => self.candidates.drawn(d.token, d.logit),
-            _ => {
-                self.logits.require()?;
-            }
+        if lists.iter().any(|l| !l.is_empty()) {
+            // A biased token's raw logit may lie outside the candidates.
+            return Err(LogitsSnapshot::no_row_on_device());
         }
+        let k = match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, usize::MAX) {
+            Gathering::Argmax => 1,
+            Gathering::Top(k) if k <= best.len() => k,
+            Gathering::Top(k) => {
+                return Err(Error::Other(format!(
+                    "top_k = {k}: the device keeps the {} best logits of each row \
+                     (create_context(device_sampling=True)); use top_k <= {} or \
+                     device_sampling=False",
+                    best.len(),
+                    best.len()
+                )))
+            }
+            _ => return Err(LogitsSnapshot::no_row_on_device()),
+        };
+        self.candidates.drawn(best, k);
         self.filter_gathered()
     }
 

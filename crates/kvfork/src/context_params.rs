@@ -107,9 +107,9 @@ pub struct ContextParams {
     /// LFM2, Qwen3.5, Nemotron-H, ...): a rejected speculative guess that long is undone at
     /// once instead of decoded again. 0: none.
     pub recurrent_rollback: u32,
-    /// Greedy draws in llama.cpp's graph (`sampling/device.rs`): a decode hands back each
-    /// output's argmax and log-partition instead of its logits row. Branches then sample
-    /// greedily only, and have no rows to read.
+    /// Sampling on the device (`sampling/device.rs`): a decode hands back each output's best
+    /// 64 logits and log-partition instead of its logits row, and branches draw from those
+    /// (chains that cut to `top_k <= 64` first); they have no rows to read.
     pub device_sampling: bool,
 }
 
@@ -157,7 +157,7 @@ impl ContextParams {
         if self.device_sampling && self.embeddings {
             return Err(Error::invalid(
                 "device_sampling",
-                "device sampling draws tokens; an embeddings=True context draws none",
+                "device sampling is for drawing tokens; an embeddings=True context draws none",
             ));
         }
         if self.n_ctx < 16 || self.n_ctx > 1 << 24 {

@@ -15,7 +15,7 @@ use crate::sampling::device::{DeviceChains, Drawn};
 use crate::seq::Seq;
 
 /// One output of the last decode: its logits row, or what device sampling drew from it.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) enum OutputRef<'a> {
     Row(&'a [f32]),
     Drawn(Drawn),
@@ -23,7 +23,7 @@ pub(crate) enum OutputRef<'a> {
 
 impl OutputRef<'_> {
     /// A copy that outlives the next decode.
-    pub fn to_owned(self) -> Output {
+    pub fn into_owned(self) -> Output {
         match self {
             OutputRef::Row(row) => Output::Row(row.to_vec()),
             OutputRef::Drawn(d) => Output::Drawn(d),
@@ -270,7 +270,7 @@ impl LlamaCtx {
         if self.device.is_some() {
             // SAFETY: the context is live, created with the chains, and used by this thread.
             return Ok(OutputRef::Drawn(unsafe {
-                Drawn::read(self.ptr.as_ptr(), i)
+                Drawn::read(self.ptr.as_ptr(), i, self.n_vocab)
             }?));
         }
         self.logits_ith(i).map(OutputRef::Row)

@@ -159,7 +159,7 @@ impl Branch {
         let seq = self.cell().seq();
         let row = self.context().shared().outputs().row(seq).cloned();
         if let Some(d) = row.as_ref().and_then(LogitsSnapshot::drawn) {
-            return self.set_drawn(d);
+            return self.set_drawn(d.clone());
         }
         match row.as_ref().and_then(LogitsSnapshot::row) {
             Some(row) => self.set_logits(row),

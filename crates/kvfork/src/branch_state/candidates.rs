@@ -45,10 +45,11 @@ fn guided_refusals(k: usize) -> usize {
 
 impl Candidates {
     /// The argmax alone (greedy, unbiased, unconstrained).
-    /// The one token the device drew (`sampling/device.rs`), with its logit.
-    pub fn drawn(&mut self, token: Token, logit: f32) {
+    /// The best `k` of the candidates the device kept (`sampling/device.rs`), best first.
+    pub fn drawn(&mut self, best: &[(Token, f32)], k: usize) {
         self.data.clear();
-        self.data.push(token_data(token, logit));
+        self.data
+            .extend(best[..k].iter().map(|&(t, logit)| token_data(t, logit)));
     }
 
     pub fn argmax(&mut self, logits: &[f32], i: usize) {

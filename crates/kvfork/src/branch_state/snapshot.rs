@@ -27,9 +27,9 @@ enum Row {
 
 /// Why a device-sampled branch has no row to read.
 const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
-    (create_context(device_sampling=True)): its logits rows stay there, and only greedy \
-    draws and the drawn token's log-probability come back; create the context with \
-    device_sampling=False to read rows, sample stochastically or constrain";
+    (create_context(device_sampling=True)): its logits rows stay there, and only each row's \
+    best 64 logits and its log-partition come back; create the context with \
+    device_sampling=False to read rows, constrain, bias or sample from more than the top 64";
 
 /// A row of llama.cpp's output buffer.
 #[derive(Clone, Copy)]
@@ -108,14 +108,19 @@ impl LogitsSnapshot {
     /// An error when the last output was drawn on the device: there is no row to read.
     pub fn refuse_drawn(&self) -> Result<()> {
         match self.row {
-            Row::Drawn(_) => Err(Error::Other(NO_ROW_ON_DEVICE.into())),
+            Row::Drawn(_) => Err(Self::no_row_on_device()),
             _ => Ok(()),
         }
     }
 
-    /// What the device drew, when the last output was drawn there (no row).
-    pub fn drawn(&self) -> Option<Drawn> {
-        match self.row {
+    /// What a reader of a row that stayed on the device gets.
+    pub fn no_row_on_device() -> Error {
+        Error::Other(NO_ROW_ON_DEVICE.into())
+    }
+
+    /// What the device kept, when the last output was sampled there (no row).
+    pub fn drawn(&self) -> Option<&Drawn> {
+        match &self.row {
             Row::Drawn(d) => Some(d),
             _ => None,
         }
@@ -125,7 +130,7 @@ impl LogitsSnapshot {
     pub fn set_output(&mut self, output: &Output) {
         match output {
             Output::Row(row) => self.set(row),
-            Output::Drawn(d) => self.set_drawn(*d),
+            Output::Drawn(d) => self.set_drawn(d.clone()),
         }
     }
 
@@ -137,15 +142,16 @@ impl LogitsSnapshot {
         }
     }
 
-    /// Take what the device drew from a new row.
+    /// Take what the device kept of a new row: its best candidates stand for `top`.
     pub fn set_drawn(&mut self, d: Drawn) {
         self.summary = RowSummary {
             log_sum_exp: d.log_sum_exp,
-            argmax: d.token as usize,
+            argmax: d.token() as usize,
         };
-        self.row = Row::Drawn(d);
         self.top.clear();
-        self.top_k = 0;
+        self.top.extend(d.best.iter().map(|&(t, _)| t as u32));
+        self.top_k = self.top.len();
+        self.row = Row::Drawn(d);
         self.in_flight = false;
         self.version += 1;
     }
@@ -270,17 +276,17 @@ impl LogitsSnapshot {
         }
     }
 
-    /// Model-level surprisal of `token` in nats (of a device draw: its own token only).
+    /// Model-level surprisal of `token` in nats (after a device draw: of its candidates only).
     pub fn surprisal(&self, token: Token) -> Result<f64> {
-        if let Row::Drawn(d) = self.row {
-            if token != d.token {
-                return Err(Error::Other(format!(
-                    "token {token} is not the one drawn ({}), and its probability is unknown: \
-                     {NO_ROW_ON_DEVICE}",
-                    d.token
-                )));
-            }
-            return Ok(d.log_sum_exp - f64::from(d.logit));
+        if let Row::Drawn(d) = &self.row {
+            let logit = d.logit_of(token).ok_or_else(|| {
+                Error::Other(format!(
+                    "token {token} is not among the {} best of the row, and its probability \
+                     is unknown: {NO_ROW_ON_DEVICE}",
+                    d.best.len()
+                ))
+            })?;
+            return Ok(d.log_sum_exp - f64::from(logit));
         }
         let logit = f64::from(self.require()?[token as usize]);
         Ok(if logit == f64::NEG_INFINITY {
@@ -293,6 +299,19 @@ impl LogitsSnapshot {
     /// The `k` most likely tokens with their natural-log probabilities, best first (ties:
     /// lower token id first). Fewer when fewer logits are finite.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
+        if let Row::Drawn(d) = &self.row {
+            if k > d.best.len() {
+                return Err(Error::Other(format!(
+                    "top_logprobs({k}): the device keeps the {} best of each row: \
+                     {NO_ROW_ON_DEVICE}",
+                    d.best.len()
+                )));
+            }
+            return Ok(d.best[..k]
+                .iter()
+                .map(|&(t, l)| (t, f64::from(l) - d.log_sum_exp))
+                .collect());
+        }
         let logits = self.require()?;
         let mut idx = Vec::new();
         self.best(k, &mut idx);

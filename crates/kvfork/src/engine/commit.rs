@@ -340,7 +340,7 @@ impl Worker {
             }
             if copy_rows {
                 for k in 0..end - start {
-                    kept.push(self.ctx().output_ith(k)?.to_owned());
+                    kept.push(self.ctx().output_ith(k)?.into_owned());
                 }
             }
         }
@@ -360,7 +360,7 @@ impl Worker {
             // moves. Before every decode the worker gives back each loan except those of a
             // commit's members, which are in flight (never read) until the decode lands
             // (`loans.rs`); `decode_items` records these cells as the holders right after.
-            unsafe { st.lend_output(*output, *top_k) }
+            unsafe { st.lend_output(output.clone(), *top_k) }
         });
         Ok(())
     }

@@ -97,7 +97,8 @@ impl Riding {
             }
             // (`logits_ith` takes the token's index in the batch.)
             for (j, _) in self.tokens.iter().enumerate().filter(|(_, t)| t.3) {
-                self.rows.push(w.ctx().output_ith(n_steps + j)?.to_owned());
+                self.rows
+                    .push(w.ctx().output_ith(n_steps + j)?.into_owned());
             }
             Ok(())
         });

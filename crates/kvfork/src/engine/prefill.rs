@@ -189,7 +189,7 @@ impl Worker {
                 for (k, span) in chunk.spans.iter().enumerate() {
                     if span.is_last {
                         rows[members[span.item]] =
-                            Some(self.ctx().output_ith(logits_index(&chunk, k))?.to_owned());
+                            Some(self.ctx().output_ith(logits_index(&chunk, k))?.into_owned());
                     }
                 }
                 // Recurrent models: a checkpoint where each prompt's chunk ends, for forks

@@ -152,7 +152,7 @@ impl Worker {
         for (k, span) in chunk.spans.iter().enumerate().filter(|(_, s)| s.is_last) {
             let seq = slots.give_back(span.item)?;
             let scratch = self.scratch.get(kind).expect("opened above");
-            rows[span.item] = Some(scratch.output_ith(logits_index(chunk, k))?.to_owned());
+            rows[span.item] = Some(scratch.output_ith(logits_index(chunk, k))?.into_owned());
             let cells = scratch.kv_state(Some(seq))?;
             scratch.clear_seq(seq)?;
             // Fails only without enough free cells, where a decode would fail alike.

@@ -1,59 +1,100 @@
-//! Greedy draws in llama.cpp's graph (`create_context(device_sampling=True)`): every sequence
-//! of the context gets a one-stage backend chain whose stage takes the argmax of each output
-//! row and the row's log-partition, on the device that computed the logits. Only those come
-//! back to the host (three numbers per output), not the row: on a GPU this saves a copy of
-//! `n_vocab` floats per branch per step (1 MB on Gemma 3).
+//! Sampling on the device (`create_context(device_sampling=True)`): every sequence of the
+//! context gets a one-stage backend chain whose stage finds, on the device that computed the
+//! logits, each output row's best [`CANDIDATES`] logits with their token ids and the row's
+//! log-partition. Only those come back to the host (129 numbers per output), not the row: on
+//! a GPU this saves a copy of `n_vocab` floats per branch per step (1 MB on Gemma 3).
 //!
-//! The stage is stateless, so it follows a branch wherever its lease goes (parking, forks,
-//! the scratch context, which has no samplers and hands out whole rows): there is nothing to
-//! move, clone or reseed.
+//! The branch's own chain then draws from those candidates on the host, with its own RNG,
+//! exactly as it draws from a row's top-k today (`Gathering::Top`): greedy and every chain
+//! that cuts to its `top_k` first (temperature, top-p, min-p, seeded draws after it) keep
+//! their draws, reseeds, hot swaps and forks. The stage itself is stateless, so it follows a
+//! branch wherever its lease goes (parking, forks, the scratch context) with nothing to move.
 
 use std::ffi::{c_char, CStr};
 use std::ptr;
+use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
 use crate::error::{Error, Result};
 use crate::model::Token;
 
-/// What the device drew from one output row: its argmax with that token's logit, and the
-/// row's log-partition (`ln Σ e^x`), from which the token's log-probability follows.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// How many of each row's best logits come back from the device.
+pub(crate) const CANDIDATES: usize = 64;
+
+/// What the device kept of one output row: its best logits with their tokens, best first (on
+/// ties the lower token first, as the host's `top_k_sorted`), and the row's log-partition
+/// (`ln Σ e^x`), from which any of their log-probabilities follows.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Drawn {
-    pub token: Token,
-    pub logit: f32,
+    pub best: Arc<[(Token, f32)]>,
     pub log_sum_exp: f64,
 }
 
 impl Drawn {
-    /// Read output `i` of the last decode of `ctx`, whose sequences all carry the chains
-    /// of [`DeviceChains`].
+    /// The best token.
+    pub fn token(&self) -> Token {
+        self.best[0].0
+    }
+
+    /// The logit of `token` when it is among the candidates.
+    pub fn logit_of(&self, token: Token) -> Option<f32> {
+        self.best
+            .iter()
+            .find(|&&(t, _)| t == token)
+            .map(|&(_, l)| l)
+    }
+
+    /// Read output `i` of the last decode of `ctx` (a vocabulary of `n_vocab`), whose
+    /// sequences all carry the chains of [`DeviceChains`].
     ///
     /// # Safety
     /// `ctx` is a live context created with those chains, used by this thread only.
-    pub unsafe fn read(ctx: *mut sys::llama_context, i: usize) -> Result<Self> {
+    pub unsafe fn read(ctx: *mut sys::llama_context, i: usize, n_vocab: usize) -> Result<Self> {
+        let k = CANDIDATES.min(n_vocab);
         let i = i as i32;
         // SAFETY: the caller's contract; llama.cpp checks `i` against the last decode's
-        // outputs (NULL token / NULL pointer for one that was not an output).
-        let (token, values, count) = unsafe {
+        // outputs (NULL pointers for one that was not an output).
+        let (logits, n_logits, ids, n_ids) = unsafe {
             (
-                sys::llama_get_sampled_token_ith(ctx, i),
                 sys::llama_get_sampled_logits_ith(ctx, i),
                 sys::llama_get_sampled_logits_count_ith(ctx, i),
+                sys::llama_get_sampled_candidates_ith(ctx, i),
+                sys::llama_get_sampled_candidates_count_ith(ctx, i),
             )
         };
-        if token < 0 || values.is_null() || count != 2 {
+        if logits.is_null() || ids.is_null() || n_logits as usize != k + 1 || n_ids as usize != k {
             return Err(Error::Decode(format!(
-                "the device drew nothing for output {i} (its backend could not run the \
+                "the device kept nothing for output {i} (its backend could not run the \
                  sampling graph?): create the context with device_sampling=False"
             )));
         }
-        // SAFETY: a non-NULL row of `count` (2) floats, valid until the next decode; read now.
-        let (logit, log_prob) = unsafe { (*values, *values.add(1)) };
-        Ok(Drawn {
-            token,
-            logit,
-            log_sum_exp: f64::from(logit) - f64::from(log_prob),
+        // SAFETY: non-NULL rows of the counts checked above, valid until the next decode;
+        // copied now.
+        let (logits, ids) = unsafe {
+            (
+                std::slice::from_raw_parts(logits, k + 1),
+                std::slice::from_raw_parts(ids, k),
+            )
+        };
+        Self::from_parts(ids, &logits[..k], logits[k], n_vocab).ok_or_else(|| {
+            Error::Decode(format!(
+                "the device returned a token outside the vocabulary for output {i}"
+            ))
+        })
+    }
+
+    /// The candidates in the stage's layout (unordered ids and their logits, the best one's
+    /// log-probability), ordered best first; None when an id is outside the vocabulary.
+    fn from_parts(ids: &[Token], logits: &[f32], log_prob: f32, n_vocab: usize) -> Option<Self> {
+        let mut best: Vec<(Token, f32)> = ids.iter().copied().zip(logits.iter().copied()).collect();
+        if best.is_empty() || best.iter().any(|&(t, _)| t < 0 || t as usize >= n_vocab) {
+            return None;
+        }
+        best.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        Some(Drawn {
+            log_sum_exp: f64::from(best[0].1) - f64::from(log_prob),
+            best: best.into(),
         })
     }
 }
@@ -66,7 +107,7 @@ unsafe extern "C" fn name(_: *const sys::llama_sampler) -> *const c_char {
 }
 
 /// The host path (llama.cpp calls it only when something samples this chain on the CPU, which
-/// kvfork never does): the same argmax.
+/// kvfork never does): the argmax, what a greedy branch would draw.
 unsafe extern "C" fn apply(_: *mut sys::llama_sampler, cur: *mut sys::llama_token_data_array) {
     // SAFETY: llama.cpp passes a live array of `size` initialised entries.
     let cur = unsafe { &mut *cur };
@@ -84,8 +125,8 @@ unsafe extern "C" fn clone(_: *const sys::llama_sampler) -> *mut sys::llama_samp
     new_stage()
 }
 
-/// Every backend kvfork loads runs the stage's ops (argmax, get_rows, sub, exp, sum, log,
-/// scale, concat); a backend missing one gets it from the scheduler's CPU fallback.
+/// Every backend kvfork loads runs the stage's ops (top_k, get_rows, argmax, sub, exp, sum,
+/// log, scale, concat); a backend missing one gets it from the scheduler's CPU fallback.
 unsafe extern "C" fn backend_init(
     _: *mut sys::llama_sampler,
     _: sys::ggml_backend_buffer_type_t,
@@ -94,11 +135,17 @@ unsafe extern "C" fn backend_init(
     true
 }
 
-/// The graph: `sampled` = argmax of the row; `logits` = [its logit, its log-probability].
-/// The log-probability is `-ln Σ e^(x - max)`, with the row cut into up to 64 pieces so
-/// that a CPU backend spreads its exponentials over its threads (it splits ops by rows; a
-/// softmax of one 262,144-wide row ran on one thread and cost 0.74× the host rows' speed
-/// at 64 branches).
+/// The graph, for a row of `n` logits:
+/// - its best `k` (`ggml_top_k`, unordered) and their logits;
+/// - the best logit's log-probability, `-ln Σ e^(x - max)`, over the row cut into up to 64
+///   pieces (a CPU backend splits each op by rows, so the pieces spread the pass over its
+///   threads).
+///
+/// Outputs, which llama.cpp copies back: `candidates` (the `k` token ids) and `logits` (their
+/// `k` logits, then the log-probability). Nothing is `sampled` on the device: the branch's
+/// chain draws from the candidates on the host, with its own RNG. (Few nodes on purpose:
+/// reserving the graph of a stage with twice as many for 512 outputs ran out of the graph
+/// allocator's free blocks, which aborts; this one passes up to 8,192 outputs, checked.)
 unsafe extern "C" fn backend_apply(
     _: *mut sys::llama_sampler,
     ctx: *mut sys::ggml_context,
@@ -107,28 +154,30 @@ unsafe extern "C" fn backend_apply(
 ) {
     // SAFETY: llama.cpp passes its graph context and this output's data, whose `logits` is
     // a contiguous F32 view of one row (`build_sampling`); each op returns a new node of
-    // that context, and the reshapes keep the element count.
+    // that context, the reshapes keep element counts, and the top-k takes `k <= n`.
     unsafe {
         let data = &mut *data;
         let n = sys::ggml_nelements(data.logits);
+        let k = (CANDIDATES as i64).min(n);
         let row = sys::ggml_reshape_1d(ctx, data.logits, n);
-        let best = sys::ggml_argmax(ctx, row);
-        let logit = sys::ggml_get_rows(ctx, sys::ggml_reshape_2d(ctx, row, 1, n), best);
+        let ids = sys::ggml_top_k(ctx, row, k as i32);
+        let logits = sys::ggml_get_rows(ctx, sys::ggml_reshape_2d(ctx, row, 1, n), ids);
+        let best = sys::ggml_argmax(ctx, sys::ggml_reshape_1d(ctx, logits, k));
+        let max = sys::ggml_get_rows(ctx, logits, best);
         let pieces = row_pieces(n);
         let cut = sys::ggml_reshape_2d(ctx, row, n / pieces, pieces);
-        let shifted = sys::ggml_exp(ctx, sys::ggml_sub(ctx, cut, logit));
+        let shifted = sys::ggml_exp(ctx, sys::ggml_sub(ctx, cut, max));
         let log_prob = sys::ggml_scale(ctx, sys::ggml_log(ctx, sys::ggml_sum(ctx, shifted)), -1.0);
-        let pair = sys::ggml_concat(ctx, logit, sys::ggml_reshape_2d(ctx, log_prob, 1, 1), 0);
-        sys::ggml_set_name(best, c"kvfork_argmax".as_ptr());
-        sys::ggml_set_name(pair, c"kvfork_logit_logprob".as_ptr());
-        // llama.cpp reads both after the graph ran. `best` feeds later nodes, and unmarked the
-        // allocator handed its memory on after them (garbage tokens, seen on sequence 1).
-        sys::ggml_set_output(best);
-        sys::ggml_set_output(pair);
-        data.sampled = best;
-        data.logits = pair;
+        let out = sys::ggml_concat(ctx, sys::ggml_reshape_1d(ctx, logits, k), log_prob, 0);
+        sys::ggml_set_name(out, c"kvfork_candidate_logits".as_ptr());
+        // llama.cpp reads both after the graph ran; unmarked, the allocator handed their
+        // memory on to later nodes (garbage on every sequence but 0).
+        sys::ggml_set_output(ids);
+        sys::ggml_set_output(out);
+        data.sampled = ptr::null_mut();
+        data.logits = out;
         data.probs = ptr::null_mut();
-        data.candidates = ptr::null_mut();
+        data.candidates = ids;
     }
 }
 
@@ -213,7 +262,20 @@ impl Drop for DeviceChains {
 
 #[cfg(test)]
 mod tests {
-    use super::row_pieces;
+    use super::{row_pieces, Drawn};
+
+    #[test]
+    fn candidates_come_best_first_with_ties_to_the_lower_token() {
+        let d = Drawn::from_parts(&[7, 3, 9, 5], &[1.0, 2.5, 2.5, -1.0], -0.25, 10).unwrap();
+        assert_eq!(&*d.best, &[(3, 2.5), (9, 2.5), (7, 1.0), (5, -1.0)]);
+        assert_eq!(d.token(), 3);
+        assert_eq!(d.log_sum_exp, 2.75);
+        assert_eq!(d.logit_of(7), Some(1.0));
+        assert_eq!(d.logit_of(4), None);
+        assert!(Drawn::from_parts(&[1, 10], &[0.0, 0.0], 0.0, 10).is_none());
+        assert!(Drawn::from_parts(&[-1], &[0.0], 0.0, 10).is_none());
+        assert!(Drawn::from_parts(&[], &[], 0.0, 10).is_none());
+    }
 
     #[test]
     fn a_row_is_cut_into_even_pieces() {
