@@ -7,7 +7,7 @@ would be needed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import kvfork
 import pytest
@@ -20,6 +20,7 @@ from .conftest import (
     greedy_with_margins,
     root,
 )
+from .family_models import FAMILIES
 
 #: Log-probabilities of one token under the device's f32 log-partition and the host's f64
 #: one, over the same or a re-batched row (measured: 2e-6 apart on the same history).
@@ -211,3 +212,24 @@ def test_the_raw_layer_takes_a_device_draw_over(dev_ctx: kvfork.Context) -> None
 def test_device_sampling_is_refused_for_embeddings(model: kvfork.Model) -> None:
     with pytest.raises(ValueError, match="device_sampling"):
         kvfork.create_context_sync(model, embeddings=True, device_sampling=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_draws_on_the_device_what_it_draws_from_rows(
+    family_models: Callable[[str], kvfork.Model], family: str
+) -> None:
+    """Recurrent, hybrid, mixture-of-experts and sliding-window models (the tiny ones of
+    `family_models.py`): a root and a fork of it (on sequence 1) draw what host rows draw.
+    Both contexts run the same decodes over the same cells, so the tokens are equal."""
+    model = family_models(family)
+
+    def run(device_sampling: bool) -> tuple[list[int], list[int]]:
+        with kvfork.create_context_sync(
+            model, n_ctx=1024, n_seq_max=4, device_sampling=device_sampling
+        ) as c:
+            b = root(c, PROMPT, kvfork.SamplingParams(seed=11))
+            first = greedy_tokens(b, 6)
+            child = b.fork_sync()
+            return first + greedy_tokens(b, 4), greedy_tokens(child, 4)
+
+    assert run(True) == run(False)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check.bundles as bundles  # noqa: E402
 import gpu_check.chunks as chunks  # noqa: E402
 import gpu_check.cmake_flags as cmake_flags  # noqa: E402
+import gpu_check.gpu_bench as gpu_bench  # noqa: E402
 import gpu_check.prepare as prepare  # noqa: E402
 from gpu_check.bundles import MIB, Input, Item  # noqa: E402
 
@@ -816,3 +817,16 @@ def test_run_stage_serve_builds_then_runs_each_workload_once(tmp_path: Path) -> 
     assert all("--example-server  --gpu" in b for b in benches)  # none: '' passed
     rc, text = call("serve")  # done: nothing runs again
     assert rc == 0 and len(fake_log.read_text().splitlines()) == 3
+
+
+def test_the_bench_report_shows_both_bench_store_tables(tmp_path: Path) -> None:
+    """The bench stage's summary carries bench_store.py's throughput table and its
+    device-sampling table (issue 42's item 3) for each model, as printed."""
+    (tmp_path / "bench_store-default.txt").write_text("| N | step greedy |\n| 1 | 874 |\n")
+    (tmp_path / "device-default.txt").write_text("| N | greedy, host rows tok/s |\n| 1 | 880 |\n")
+    (tmp_path / "device-chat.txt").write_text("| N | greedy, host rows tok/s |\n| 8 | 4047 |\n")
+    text = gpu_bench.report(tmp_path)
+    assert "### benchmarks/bench_store.py --only throughput (default)\n| N | step greedy |" in text
+    assert "--only device (device_sampling=True against host rows) (chat)\n" in text
+    assert "| 1 | 880 |" in text and "| 8 | 4047 |" in text
+    assert text.index("(chat)") < text.index("| 8 | 4047 |")

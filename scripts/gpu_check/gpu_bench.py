@@ -158,7 +158,7 @@ def parse_bare(text: str) -> dict[tuple[str, int], float]:
 
 def report(folder: Path) -> str:
     """Markdown: per model, the checks and one table of kvfork against bare llama.cpp, then
-    bench_store.py's throughput table as it printed it."""
+    bench_store.py's throughput and device-sampling tables as it printed them."""
     lines: list[str] = []
     for path in sorted(folder.glob("kvfork-*.json")):
         result = json.loads(path.read_text())
@@ -187,10 +187,15 @@ def report(folder: Path) -> str:
                 f"{f'{gpu:,.0f}' if gpu else '-'} | {ratio} |"
             )
         lines.append("")
-    for path in sorted(folder.glob("bench_store-*.txt")):
-        lines.append(f"### benchmarks/bench_store.py --only throughput ({path.stem[12:]})")
-        lines.append(path.read_text().strip())
-        lines.append("")
+    for pattern, title in (
+        ("bench_store-*.txt", "--only throughput"),
+        ("device-*.txt", "--only device (device_sampling=True against host rows)"),
+    ):
+        for path in sorted(folder.glob(pattern)):
+            label = path.stem.split("-", 1)[1]
+            lines.append(f"### benchmarks/bench_store.py {title} ({label})")
+            lines.append(path.read_text().strip())
+            lines.append("")
     return "\n".join(lines) + "\n" if lines else "no benchmark output yet\n"
 
 

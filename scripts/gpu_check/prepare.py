@@ -370,7 +370,8 @@ def travelling_tree_size(root: Path) -> int:
 
 #: Guesses, in minutes, until a first run measures them: a machine's start; a bundle call
 #: (its ~60 MiB transfer, the sha256 checks, the gap before the next call); the CUDA build for
-#: one architecture on 16 cores (3.5 by hand); install; the suite (660 tests); benchmarks;
+#: one architecture on 16 cores (3.5 by hand); install; the suite (660 tests); benchmarks
+#: (with bench_store.py's device section);
 #: llama-server's CUDA build (ggml-cuda, llama, common, mtmd, the server); bench_serve.py's
 #: two workloads.
 MINUTES = {
@@ -379,7 +380,7 @@ MINUTES = {
     "build": 3.5,
     "install": 0.2,
     "test": 5.0,
-    "bench": 2.0,
+    "bench": 3.0,
     "serve_build": 5.0,
     "serve": 1.5,
 }

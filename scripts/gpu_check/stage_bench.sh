@@ -3,7 +3,7 @@
 # 128 (gpu_check/gpu_bench.py), llama.cpp's own loop beside it (benchmarks/bare_bench.cpp,
 # built here against the wheel's llama.cpp libraries, the modules loaded as kvfork loads
 # them: argmax on the host, and greedy sampling on the backend), and
-# benchmarks/bench_store.py's throughput table. Every step leaves its output and a marker:
+# benchmarks/bench_store.py's throughput and device-sampling tables. Every step leaves its output and a marker:
 # a call cut short goes on with the next step. Exit: 0 done, 3 steps remain, 4 inputs
 # missing, 1 the backend is not CUDA.
 set -uo pipefail
@@ -73,6 +73,9 @@ for label in default chat; do
   fi
   step "bench_store-$label" 120 env KVFORK_MODEL="$model" "$PY" "$REPO/benchmarks/bench_store.py" \
     --only throughput --skip-peer --ns "$NS" --steps 32 --repeat 1 || { rc=3; break; }
+  # Issue 42's item 3: device_sampling=True against host rows, greedy and the default chain.
+  step "device-$label" 150 env KVFORK_MODEL="$model" "$PY" "$REPO/benchmarks/bench_store.py" \
+    --only device --skip-peer --ns "$NS" --steps 32 --repeat 1 || { rc=3; break; }
 done
 for label in default chat; do [ -f "$BN/kvfork-$label.done" ] || rc=3; done
 [ $rc = 0 ] && touch "$BN/DONE"
