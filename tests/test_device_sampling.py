@@ -201,12 +201,22 @@ def test_speculation_draws_what_plain_generation_draws(dev_ctx: kvfork.Context) 
 
 
 def test_the_raw_layer_takes_a_device_draw_over(dev_ctx: kvfork.Context) -> None:
+    """A raw `decode`'s output, and a destroyed branch's, are device draws a branch created
+    over the sequence captures; capturing again after its own decode changes nothing."""
     tokens = dev_ctx.tokenize(PROMPT)
     dev_ctx.decode_sync(tokens, 0, 3)
     b = kvfork.Branch.create(dev_ctx, len(tokens), GREEDY, seq_id=3)
     b.capture_logits()
     reference = root(dev_ctx)
     assert b.sample() == reference.sample()
+    b.commit_sync(b.sample())
+    drawn, top, seq, position = b.sample(), b.top_logprobs(5), b.seq_id, b.position
+    b.capture_logits()  # its own decode's output already
+    assert b.sample() == drawn
+    b.destroy()
+    again = kvfork.Branch.create(dev_ctx, position, GREEDY, seq_id=seq)
+    again.capture_logits()
+    assert (again.sample(), again.top_logprobs(5)) == (drawn, top)
 
 
 def test_device_sampling_is_refused_for_embeddings(model: kvfork.Model) -> None:

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvfork_core::metrics::LogBase;
 use kvfork_core::{Handle, Registry};
 
-use crate::branch_state::BranchState;
+use crate::branch_state::{BranchState, LogitsSnapshot};
 use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending, Prune};
 use crate::error::{Error, Result};
@@ -643,6 +643,22 @@ impl Branch {
         self.with_row(|s| {
             s.set_logits(logits);
             Ok(())
+        })
+    }
+
+    /// The snapshot as a sequence's output of its own (a row copied out, or a device draw),
+    /// for the raw layer to keep; None before any output.
+    pub(crate) fn output_to_keep(&self) -> Result<Option<LogitsSnapshot>> {
+        self.with_row(|s| {
+            let mut kept = LogitsSnapshot::empty();
+            if let Some(d) = s.logits().drawn() {
+                kept.set_drawn(d.clone());
+                return Ok(Some(kept));
+            }
+            Ok(s.logits_shared().map(|row| {
+                kept.set(&row);
+                kept
+            }))
         })
     }
 

@@ -163,7 +163,7 @@ impl Branch {
         }
         match row.as_ref().and_then(LogitsSnapshot::row) {
             Some(row) => self.set_logits(row),
-            None if self.logits_shared()?.is_some() => Ok(()),
+            None if self.output_to_keep()?.is_some() => Ok(()),
             None => Err(Error::Other(format!(
                 "sequence {} has no output to capture: decode into it first \
                  (ctx.decode(tokens, position, seq_id)) or prefill the branch",
@@ -192,11 +192,7 @@ impl Branch {
         refuse_park(self.context(), "Branch.destroy")?;
         // Read first (waiting for a decode of it in flight to land): the snapshot is the
         // sequence's last output, for whoever takes its cells over next.
-        let kept = self.logits_shared()?.map(|row| {
-            let mut kept = LogitsSnapshot::empty();
-            kept.set(&row);
-            kept
-        });
+        let kept = self.output_to_keep()?;
         let shared = self.context().shared();
         let mut registry = shared.registry();
         match registry.get(self.handle()) {
