@@ -8,6 +8,7 @@ would be needed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import kvfork
 import pytest
@@ -243,3 +244,23 @@ def test_every_family_draws_on_the_device_what_it_draws_from_rows(
             return first + greedy_tokens(b, 4), greedy_tokens(child, 4)
 
     assert run(True) == run(False)
+
+
+def test_a_saved_branch_keeps_what_the_device_kept(
+    dev_ctx: kvfork.Context, model: kvfork.Model, tmp_path: Path
+) -> None:
+    """`Branch.save` writes the device's candidates in place of a row: the loaded branch
+    draws, scores and goes on as the saved one (its own RNG too), here and in another
+    device-sampling context."""
+    b = root(dev_ctx, PROMPT, kvfork.SamplingParams(seed=3))
+    greedy_tokens(b, 5)
+    b.save_sync(tmp_path / "b.kvfork")
+    before = (b.top_logprobs(10), b.perplexity, b.sampling_perplexity)
+    expected = [t.token for t in b.generate_sync(8)]
+    same = kvfork.Branch.load_sync(dev_ctx, tmp_path / "b.kvfork")
+    assert (same.top_logprobs(10), same.perplexity, same.sampling_perplexity) == before
+    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+        same.logits()
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
+        moved = kvfork.Branch.load_sync(c, tmp_path / "b.kvfork")
+        assert [t.token for t in moved.generate_sync(8)] == expected

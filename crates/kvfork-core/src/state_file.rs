@@ -8,8 +8,8 @@ use std::fmt;
 /// First bytes of every kvfork state file.
 pub const MAGIC: [u8; 8] = *b"KVFORK\0S";
 /// Bumped whenever the payload layout changes (2: a branch's record holds its history; 3: and
-/// its adapters).
-pub const VERSION: u32 = 3;
+/// its adapters; 4: its last output is a row or a device draw).
+pub const VERSION: u32 = 4;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 8 + 8;
 
 /// What a state file holds.

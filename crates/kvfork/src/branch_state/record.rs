@@ -9,8 +9,10 @@ use std::sync::Arc;
 use super::BranchState;
 use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
 use crate::error::{Error, Result};
+use crate::llama_ctx::Output;
 use crate::model::{Model, Token};
 use crate::sampling::chain::{DrawState, SamplerChain};
+use crate::sampling::device::Drawn;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
 
@@ -26,9 +28,19 @@ impl BranchState {
     /// Append this branch's record to `w`.
     pub fn write(&self, w: &mut Writer) {
         w.i32(self.position);
-        let row = self.logits.row();
-        w.bool(row.is_some());
-        w.f32s(row.unwrap_or(&[]));
+        // The last output: none (0), a row (1), or what the device kept of one (2).
+        match (self.logits.row(), self.logits.drawn()) {
+            (Some(row), _) => {
+                w.u8(1).f32s(row);
+            }
+            (None, Some(d)) => {
+                let (ids, logits): (Vec<i32>, Vec<f32>) = d.best.iter().copied().unzip();
+                w.u8(2).i32s(&ids).f32s(&logits).f64(d.log_sum_exp);
+            }
+            (None, None) => {
+                w.u8(0);
+            }
+        }
         write_params(w, self.sampler.params());
         let draw = self.sampler.draw_state();
         w.u32(draw.seed).f32(draw.mu);
@@ -65,11 +77,31 @@ impl BranchState {
         if position < 0 {
             return Err(malformed("negative position"));
         }
-        let has_logits = r.bool().map_err(state_error)?;
-        let logits = r.f32s().map_err(state_error)?;
-        if has_logits && logits.len() != model.vocab_size() {
-            return Err(malformed("the logits row does not match the vocabulary"));
-        }
+        let output = match r.u8().map_err(state_error)? {
+            0 => None,
+            1 => {
+                let row = r.f32s().map_err(state_error)?;
+                if row.len() != model.vocab_size() {
+                    return Err(malformed("the logits row does not match the vocabulary"));
+                }
+                Some(Output::Row(row))
+            }
+            2 => {
+                let ids = read_tokens(r, model)?;
+                let logits = r.f32s().map_err(state_error)?;
+                let log_sum_exp = r.f64().map_err(state_error)?;
+                if ids.len() != logits.len() || log_sum_exp.is_nan() {
+                    return Err(malformed("a device draw's candidates do not match"));
+                }
+                let drawn = Drawn::from_parts(&ids, &logits, 0.0, model.vocab_size())
+                    .ok_or_else(|| malformed("a device draw without candidates"))?;
+                Some(Output::Drawn(Drawn {
+                    log_sum_exp,
+                    ..drawn
+                }))
+            }
+            _ => return Err(malformed("unknown kind of last output")),
+        };
         let params = read_params(r)?;
         let seed = r.u32().map_err(state_error)?;
         let mu = r.f32().map_err(state_error)?;
@@ -114,8 +146,8 @@ impl BranchState {
         };
         let mut st = BranchState::new(position, sampler, grammar);
         st.grammar_since = grammar_since;
-        if has_logits {
-            st.logits.set(&logits);
+        if let Some(output) = &output {
+            st.logits.set_output(output);
         }
         st.logit_bias = Biases::new(logit_bias);
         st.steer = Biases::new(steer);

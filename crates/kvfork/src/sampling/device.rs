@@ -86,7 +86,12 @@ impl Drawn {
 
     /// The candidates in the stage's layout (unordered ids and their logits, the best one's
     /// log-probability), ordered best first; None when an id is outside the vocabulary.
-    fn from_parts(ids: &[Token], logits: &[f32], log_prob: f32, n_vocab: usize) -> Option<Self> {
+    pub(crate) fn from_parts(
+        ids: &[Token],
+        logits: &[f32],
+        log_prob: f32,
+        n_vocab: usize,
+    ) -> Option<Self> {
         let mut best: Vec<(Token, f32)> = ids.iter().copied().zip(logits.iter().copied()).collect();
         if best.is_empty() || best.iter().any(|&(t, _)| t < 0 || t as usize >= n_vocab) {
             return None;
