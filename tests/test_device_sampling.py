@@ -147,10 +147,10 @@ def test_rows_stay_on_the_device_and_reading_one_says_so(
     ids=["whole-vocabulary", "top-k-over-64", "penalties", "grammar", "bias", "steer"],
 )
 def test_chains_that_need_the_whole_row_are_refused(
-    dev_ctx: kvfork.Context, setup: object, says: str
+    dev_ctx: kvfork.Context, setup: Callable[[kvfork.Branch], None], says: str
 ) -> None:
     b = root(dev_ctx)
-    setup(b)  # type: ignore[operator]
+    setup(b)
     with pytest.raises(kvfork.KvforkError, match=says):
         b.produce_sync()
     with pytest.raises(kvfork.KvforkError, match=says):

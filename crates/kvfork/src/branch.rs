@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvfork_core::metrics::LogBase;
 use kvfork_core::{Handle, Registry};
 
-use crate::branch_state::{BranchState, LogitsSnapshot};
+use crate::branch_state::BranchState;
 use crate::context::Context;
 use crate::engine::{BranchCell, CancelPolicy, Pending, Prune};
 use crate::error::{Error, Result};
@@ -14,7 +14,6 @@ use crate::llama_ctx::Output;
 use crate::model::Token;
 use crate::produced::Produced;
 use crate::sampling::chain::SamplerChain;
-use crate::sampling::device::Drawn;
 use crate::sampling::grammar::{Grammar, GrammarSpec};
 use crate::sampling::SamplingParams;
 
@@ -646,26 +645,16 @@ impl Branch {
         })
     }
 
-    /// The snapshot as a sequence's output of its own (a row copied out, or a device draw),
-    /// for the raw layer to keep; None before any output.
-    pub(crate) fn output_to_keep(&self) -> Result<Option<LogitsSnapshot>> {
-        self.with_row(|s| {
-            let mut kept = LogitsSnapshot::empty();
-            if let Some(d) = s.logits().drawn() {
-                kept.set_drawn(d.clone());
-                return Ok(Some(kept));
-            }
-            Ok(s.logits_shared().map(|row| {
-                kept.set(&row);
-                kept
-            }))
-        })
+    /// The last output (a row copied out, or a device draw), for the raw layer; None before
+    /// any.
+    pub(crate) fn output(&self) -> Result<Option<Output>> {
+        self.with_row(|s| Ok(s.logits().output()))
     }
 
-    /// Replace the snapshot with a device draw (`Context::decode`'s output, taken over).
-    pub(crate) fn set_drawn(&self, d: Drawn) -> Result<()> {
+    /// Replace the snapshot with an output (`Context::decode`'s, taken over).
+    pub(crate) fn set_output(&self, output: &Output) -> Result<()> {
         self.with_row(|s| {
-            s.set_output(&Output::Drawn(d));
+            s.set_output(output);
             Ok(())
         })
     }

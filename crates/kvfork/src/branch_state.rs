@@ -227,7 +227,7 @@ impl BranchState {
     /// `accept`ed before is no longer waiting for its decode: the prefill was it.
     pub fn prefilled(&mut self, tokens: &[Token], output: Option<&Output>) {
         if let Some(output) = output {
-            self.logits.set_output(output);
+            self.logits.set_output(output.as_ref());
         }
         self.decoded(tokens);
         self.accepted_undecoded = None;
@@ -289,7 +289,7 @@ impl BranchState {
 
     /// Replace the snapshot with a decode's output kept aside (a row, or a device draw).
     pub fn set_output(&mut self, output: &Output) {
-        self.logits.set_output(output);
+        self.logits.set_output(output.as_ref());
     }
 
     /// The snapshot as a buffer of its own (a lent row is copied out first).
@@ -443,13 +443,12 @@ impl BranchState {
             Gathering::Argmax => 1,
             Gathering::Top(k) if k <= best.len() => k,
             Gathering::Top(k) => {
+                let kept = best.len();
                 return Err(Error::Other(format!(
-                    "top_k = {k}: the device keeps the {} best logits of each row \
-                     (create_context(device_sampling=True)); use top_k <= {} or \
-                     device_sampling=False",
-                    best.len(),
-                    best.len()
-                )))
+                    "top_k = {k}: the device keeps the {kept} best logits of each row \
+                     (create_context(device_sampling=True)); use top_k <= {kept} or \
+                     device_sampling=False"
+                )));
             }
             _ => return Err(LogitsSnapshot::no_row_on_device()),
         };

@@ -38,6 +38,15 @@ pub(crate) enum Output {
     Drawn(Drawn),
 }
 
+impl Output {
+    pub fn as_ref(&self) -> OutputRef<'_> {
+        match self {
+            Output::Row(row) => OutputRef::Row(row),
+            Output::Drawn(d) => OutputRef::Drawn(d.clone()),
+        }
+    }
+}
+
 /// An owned `llama_context`. Neither `Send` nor `Sync` (raw pointers): the engine thread
 /// creates it, uses it and frees it, and the compiler keeps it there.
 pub(crate) struct LlamaCtx {

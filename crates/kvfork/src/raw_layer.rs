@@ -157,13 +157,15 @@ impl Branch {
     pub fn capture_logits(&self) -> Result<()> {
         self.check_live()?;
         let seq = self.cell().seq();
-        let row = self.context().shared().outputs().row(seq).cloned();
-        if let Some(d) = row.as_ref().and_then(LogitsSnapshot::drawn) {
-            return self.set_drawn(d.clone());
-        }
-        match row.as_ref().and_then(LogitsSnapshot::row) {
-            Some(row) => self.set_logits(row),
-            None if self.output_to_keep()?.is_some() => Ok(()),
+        let raw = self
+            .context()
+            .shared()
+            .outputs()
+            .row(seq)
+            .and_then(LogitsSnapshot::output);
+        match raw {
+            Some(output) => self.set_output(&output),
+            None if self.output()?.is_some() => Ok(()),
             None => Err(Error::Other(format!(
                 "sequence {} has no output to capture: decode into it first \
                  (ctx.decode(tokens, position, seq_id)) or prefill the branch",
@@ -192,7 +194,11 @@ impl Branch {
         refuse_park(self.context(), "Branch.destroy")?;
         // Read first (waiting for a decode of it in flight to land): the snapshot is the
         // sequence's last output, for whoever takes its cells over next.
-        let kept = self.output_to_keep()?;
+        let kept = self.output()?.map(|output| {
+            let mut kept = LogitsSnapshot::empty();
+            kept.set_output(output.as_ref());
+            kept
+        });
         let shared = self.context().shared();
         let mut registry = shared.registry();
         match registry.get(self.handle()) {

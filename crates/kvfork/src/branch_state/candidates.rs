@@ -44,7 +44,6 @@ fn guided_refusals(k: usize) -> usize {
 }
 
 impl Candidates {
-    /// The argmax alone (greedy, unbiased, unconstrained).
     /// The best `k` of the candidates the device kept (`sampling/device.rs`), best first.
     pub fn drawn(&mut self, best: &[(Token, f32)], k: usize) {
         self.data.clear();
@@ -52,6 +51,7 @@ impl Candidates {
             .extend(best[..k].iter().map(|&(t, logit)| token_data(t, logit)));
     }
 
+    /// The argmax alone (greedy, unbiased, unconstrained).
     pub fn argmax(&mut self, logits: &[f32], i: usize) {
         self.data.clear();
         self.data.push(token_data(i as Token, logits[i]));

@@ -93,12 +93,9 @@ impl BranchState {
                 if ids.len() != logits.len() || log_sum_exp.is_nan() {
                     return Err(malformed("a device draw's candidates do not match"));
                 }
-                let drawn = Drawn::from_parts(&ids, &logits, 0.0, model.vocab_size())
+                let best = Drawn::best_first(&ids, &logits, model.vocab_size())
                     .ok_or_else(|| malformed("a device draw without candidates"))?;
-                Some(Output::Drawn(Drawn {
-                    log_sum_exp,
-                    ..drawn
-                }))
+                Some(Output::Drawn(Drawn { best, log_sum_exp }))
             }
             _ => return Err(malformed("unknown kind of last output")),
         };
@@ -147,7 +144,7 @@ impl BranchState {
         let mut st = BranchState::new(position, sampler, grammar);
         st.grammar_since = grammar_since;
         if let Some(output) = &output {
-            st.logits.set_output(output);
+            st.logits.set_output(output.as_ref());
         }
         st.logit_bias = Biases::new(logit_bias);
         st.steer = Biases::new(steer);

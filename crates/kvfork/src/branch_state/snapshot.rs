@@ -127,30 +127,29 @@ impl LogitsSnapshot {
     }
 
     /// Take a decode's output: a row (copied) or a device draw.
-    pub fn set_output(&mut self, output: &Output) {
-        match output {
-            Output::Row(row) => self.set(row),
-            Output::Drawn(d) => self.set_drawn(d.clone()),
-        }
-    }
-
-    /// `set_output` for an output still in llama.cpp's buffer (a row is copied).
-    pub fn set_output_ref(&mut self, output: OutputRef<'_>) {
+    pub fn set_output(&mut self, output: OutputRef<'_>) {
         match output {
             OutputRef::Row(row) => self.set(row),
             OutputRef::Drawn(d) => self.set_drawn(d),
         }
     }
 
-    /// Take what the device kept of a new row: its best candidates stand for `top`.
-    pub fn set_drawn(&mut self, d: Drawn) {
+    /// The last output as one of its own (a row copied), None before any.
+    pub fn output(&self) -> Option<Output> {
+        match &self.row {
+            Row::Drawn(d) => Some(Output::Drawn(d.clone())),
+            _ => self.row().map(|row| Output::Row(row.to_vec())),
+        }
+    }
+
+    /// Take what the device kept of a new row (its candidates: no `top` list to keep).
+    fn set_drawn(&mut self, d: Drawn) {
         self.summary = RowSummary {
             log_sum_exp: d.log_sum_exp,
             argmax: d.token() as usize,
         };
         self.top.clear();
-        self.top.extend(d.best.iter().map(|&(t, _)| t as u32));
-        self.top_k = self.top.len();
+        self.top_k = 0;
         self.row = Row::Drawn(d);
         self.in_flight = false;
         self.version += 1;

@@ -36,7 +36,7 @@ impl Outputs {
     /// A `Context::decode` into `seq` ended with `output`.
     pub fn raw(&mut self, seq: Seq, output: OutputRef<'_>) {
         let mut snapshot = LogitsSnapshot::empty();
-        snapshot.set_output_ref(output);
+        snapshot.set_output(output);
         self.rows.insert(seq, snapshot.clone());
         self.last = LastOutput::Raw(snapshot);
     }

@@ -77,30 +77,31 @@ impl Drawn {
                 std::slice::from_raw_parts(ids, k),
             )
         };
-        Self::from_parts(ids, &logits[..k], logits[k], n_vocab).ok_or_else(|| {
+        let best = Self::best_first(ids, &logits[..k], n_vocab).ok_or_else(|| {
             Error::Decode(format!(
                 "the device returned a token outside the vocabulary for output {i}"
             ))
+        })?;
+        // The stage's last number is the best logit's log-probability.
+        Ok(Drawn {
+            log_sum_exp: f64::from(best[0].1) - f64::from(logits[k]),
+            best,
         })
     }
 
-    /// The candidates in the stage's layout (unordered ids and their logits, the best one's
-    /// log-probability), ordered best first; None when an id is outside the vocabulary.
-    pub(crate) fn from_parts(
+    /// Candidates (ids and their logits, in any order) best first; None when there are none
+    /// or an id is outside the vocabulary.
+    pub(crate) fn best_first(
         ids: &[Token],
         logits: &[f32],
-        log_prob: f32,
         n_vocab: usize,
-    ) -> Option<Self> {
+    ) -> Option<Arc<[(Token, f32)]>> {
         let mut best: Vec<(Token, f32)> = ids.iter().copied().zip(logits.iter().copied()).collect();
         if best.is_empty() || best.iter().any(|&(t, _)| t < 0 || t as usize >= n_vocab) {
             return None;
         }
         best.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        Some(Drawn {
-            log_sum_exp: f64::from(best[0].1) - f64::from(log_prob),
-            best: best.into(),
-        })
+        Some(best.into())
     }
 }
 
@@ -271,15 +272,18 @@ mod tests {
 
     #[test]
     fn candidates_come_best_first_with_ties_to_the_lower_token() {
-        let d = Drawn::from_parts(&[7, 3, 9, 5], &[1.0, 2.5, 2.5, -1.0], -0.25, 10).unwrap();
-        assert_eq!(&*d.best, &[(3, 2.5), (9, 2.5), (7, 1.0), (5, -1.0)]);
+        let best = Drawn::best_first(&[7, 3, 9, 5], &[1.0, 2.5, 2.5, -1.0], 10).unwrap();
+        assert_eq!(&*best, &[(3, 2.5), (9, 2.5), (7, 1.0), (5, -1.0)]);
+        let d = Drawn {
+            best,
+            log_sum_exp: 2.75,
+        };
         assert_eq!(d.token(), 3);
-        assert_eq!(d.log_sum_exp, 2.75);
         assert_eq!(d.logit_of(7), Some(1.0));
         assert_eq!(d.logit_of(4), None);
-        assert!(Drawn::from_parts(&[1, 10], &[0.0, 0.0], 0.0, 10).is_none());
-        assert!(Drawn::from_parts(&[-1], &[0.0], 0.0, 10).is_none());
-        assert!(Drawn::from_parts(&[], &[], 0.0, 10).is_none());
+        assert!(Drawn::best_first(&[1, 10], &[0.0, 0.0], 10).is_none());
+        assert!(Drawn::best_first(&[-1], &[0.0], 10).is_none());
+        assert!(Drawn::best_first(&[], &[], 10).is_none());
     }
 
     #[test]
