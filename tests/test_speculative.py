@@ -97,7 +97,9 @@ def test_prompt_lookup_draws_what_plain_generation_draws(
     got = [t.token for t in stream]
     assert_same_greedy(got, expected, margins, NEAR_TIE if params is GREEDY else SEEDED_NEAR_TIE)
     assert stream.stop_reason == "max_tokens"
-    assert stream.acceptance > 0.5 and stream.rounds < 20  # the list is copied
+    # The list is copied. How many rounds depends on the measured cost of wide decodes (a
+    # busy core inflates it); at least the first full guess of 8 is decoded and kept.
+    assert stream.acceptance > 0.5 and stream.rounds <= 40 - 8
     assert ctx.stats()["decode_calls"] - before == stream.rounds
     # Same state after: position, history, perplexity, and what comes next.
     assert spec.position == plain.position and spec.history == prompt + got
