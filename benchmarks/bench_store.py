@@ -13,7 +13,8 @@ Prints four tables (recorded in BENCHMARKS.md):
 5. a step of N branches with its output rows padded to whole tiles of the CPU's output
    matmul and without (`KVFORK_NO_OUTPUT_PADDING`), two contexts side by side;
 6. (`--only device`, not in the default set) steps with `device_sampling=True` beside the
-   default host rows, greedy and the default chain.
+   default host rows, greedy and the default chain, and greedy with one of the N branches
+   biased (its whole row comes back, and with it every output's row of that decode).
 
 usage: python benchmarks/bench_store.py [--steps 32] [--ns 1,2,4,8,16,32]
                                         [--peer-python .venv-peer/bin/python] [--skip-peer]
@@ -63,15 +64,22 @@ def make_context(
 
 
 def branches_at_prompt(
-    ctx: kvfork.Context, n: int, params: kvfork.SamplingParams
+    ctx: kvfork.Context, n: int, params: kvfork.SamplingParams, *, one_biased: bool = False
 ) -> list[kvfork.Branch]:
-    """A root with the prompt prefilled plus n - 1 forks of it (n sequences, as the peer)."""
+    """A root with the prompt prefilled plus n - 1 forks of it (n sequences, as the peer).
+    `one_biased`: the last of them a root of its own with a logit bias (set before its
+    prefill: a chain that needs whole rows)."""
     root = kvfork.Branch.create(ctx, 0, params)
     root.prefill_sync(ctx.tokenize(PROMPT))
-    kids = [root.fork_sync() for _ in range(n - 1)]
+    kids = [root.fork_sync() for _ in range(n - 1 - one_biased)]
     for i, kid in enumerate(kids):
         kid.reseed_sampler(i + 1)
-    return [root, *kids]
+    if one_biased:
+        biased = kvfork.Branch.create(ctx, 0, params)
+        biased.set_logit_bias({0: -1.0})
+        biased.prefill_sync(ctx.tokenize(PROMPT))
+        kids.append(biased)
+    return [root, *kids][:n]
 
 
 def timed(ctx: kvfork.Context, body: Callable[[], None]) -> tuple[float, float, int]:
@@ -93,9 +101,10 @@ def run_step(
     params: kvfork.SamplingParams,
     adaptive: bool = False,
     device_sampling: bool = False,
+    one_biased: bool = False,
 ) -> tuple[float, float, int]:
     with make_context(model, n, adaptive=adaptive, device_sampling=device_sampling) as ctx:
-        branches = branches_at_prompt(ctx, n, params)
+        branches = branches_at_prompt(ctx, n, params, one_biased=one_biased)
         store = kvfork.BranchStore(ctx)
 
         def body() -> None:
@@ -116,16 +125,19 @@ def device_sampling(args: argparse.Namespace, model: kvfork.Model) -> None:
     )
     print(
         "| N | greedy, host rows tok/s | greedy, device | device / host "
-        "| default chain, host rows | default chain, device | device / host |"
+        "| default chain, host rows | default chain, device | device / host "
+        "| greedy, one biased, host rows | one biased, device | device / host |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.ns:
         cells = []
-        for params in (GREEDY, DEFAULT_CHAIN):
+        for params, biased in ((GREEDY, False), (DEFAULT_CHAIN, False), (GREEDY, True)):
             best: dict[bool, float] = {False: 0.0, True: 0.0}
             for _ in range(args.repeat):
                 for on_device in (False, True):
-                    wall, _, _ = run_step(model, n, args.steps, params, device_sampling=on_device)
+                    wall, _, _ = run_step(
+                        model, n, args.steps, params, device_sampling=on_device, one_biased=biased
+                    )
                     best[on_device] = max(best[on_device], n * args.steps / wall)
             cells += [f"{best[False]:.1f}", f"{best[True]:.1f}", f"{best[True] / best[False]:.3f}"]
         print(f"| {n} | {' | '.join(cells)} |")

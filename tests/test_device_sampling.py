@@ -2,8 +2,8 @@
 graph, the branch's chain drawing from them on the host. On a CPU build the graph runs on
 llama.cpp's CPU backend, the same path a GPU runs, so these tests check its semantics
 anywhere: the draws (greedy and seeded, forks, reseeds, hot swaps) and perplexities of host
-rows, one decode a step, parking and speculation as before, and clear errors where a row
-would be needed."""
+rows, one decode a step, parking and speculation as before; whole rows, per sequence, for
+the branches whose chains need them; clear errors where a row stayed on the device."""
 
 from __future__ import annotations
 
@@ -126,35 +126,121 @@ def test_rows_stay_on_the_device_and_reading_one_says_so(
     b.commit_sync(b.sample())
 
 
-@pytest.mark.parametrize(
-    ("setup", "says"),
-    [
-        (
-            lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=0, seed=1)),
-            "device_sampling=False",
-        ),
-        (lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=100)), "top_k = 100"),
-        (
-            lambda b: b.set_sampler_params(
-                kvfork.SamplingParams(temperature=0.0, repeat_penalty=1.3)
-            ),
-            "device_sampling=False",
-        ),
-        (lambda b: b.set_grammar('root ::= "yes" | "no"'), "device_sampling=False"),
-        (lambda b: b.set_logit_bias({42: 5.0}), "device_sampling=False"),
-        (lambda b: b.steer({42: -5.0}), "device_sampling=False"),
-    ],
-    ids=["whole-vocabulary", "top-k-over-64", "penalties", "grammar", "bias", "steer"],
-)
-def test_chains_that_need_the_whole_row_are_refused(
-    dev_ctx: kvfork.Context, setup: Callable[[kvfork.Branch], None], says: str
-) -> None:
-    b = root(dev_ctx)
+ROW_CHAINS: dict[str, Callable[[kvfork.Branch], None]] = {
+    "whole-vocabulary": lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=0, seed=1)),
+    "top-k-over-64": lambda b: b.set_sampler_params(kvfork.SamplingParams(top_k=100, seed=2)),
+    "penalties": lambda b: b.set_sampler_params(
+        kvfork.SamplingParams(temperature=0.0, repeat_penalty=1.3)
+    ),
+    "grammar": lambda b: b.set_grammar('root ::= (" yes" | " no" | " maybe")+'),
+    "bias": lambda b: b.set_logit_bias({int(b.sample()): -100.0}),
+    "steer": lambda b: b.steer({int(b.sample()): -100.0}),
+}
+
+
+def row_branch(c: kvfork.Context, setup: Callable[[kvfork.Branch], None]) -> kvfork.Branch:
+    """A branch whose chain needs whole rows, set up before the decode it samples from."""
+    b = root(c, "Is the sky blue?")
     setup(b)
-    with pytest.raises(kvfork.KvforkError, match=says):
-        b.produce_sync()
-    with pytest.raises(kvfork.KvforkError, match=says):
-        kvfork.BranchStore(dev_ctx).step_sync([b])
+    b.prefill_sync(c.tokenize(" Answer:"))
+    return b
+
+
+@pytest.mark.parametrize("chain", ROW_CHAINS.values(), ids=ROW_CHAINS.keys())
+def test_chains_that_need_the_whole_row_get_it(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context, chain: Callable[[kvfork.Branch], None]
+) -> None:
+    """A grammar, a bias, a steer or a draw from more than the device's candidates: the
+    branch's sequence gives its whole row from the next decode on, and the branch draws
+    what it draws in a context without device sampling (the same decodes over the same
+    cells: equal tokens), beside a greedy branch of the same store step that keeps drawing
+    from the device's candidates, in one decode."""
+
+    def run(c: kvfork.Context) -> tuple[list[int], list[int]]:
+        needs, plain = row_branch(c, chain), root(c)
+        store = kvfork.BranchStore(c)
+        steps = [store.step_sync([needs, plain]) for _ in range(6)]
+        return [a.token for a, _ in steps], [b.token for _, b in steps]
+
+    before = dev_ctx.stats()["decode_calls"]
+    assert run(dev_ctx) == run(ctx)
+    assert dev_ctx.stats()["decode_calls"] - before == 3 + 6  # three prefills, one a step
+    needs, plain = row_branch(dev_ctx, chain), root(dev_ctx)
+    row = needs.logits()
+    assert row is not None and len(row) == dev_ctx.vocab_size  # a row came back
+    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+        plain.logits()  # the greedy branch's stayed on the device
+
+
+def test_a_chain_that_comes_to_need_the_row_gets_it_decoded_again(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    """A grammar set after the decode whose output the device drew: `sample()` (the output
+    as it is) says so; `produce` decodes the last token again, row asked for, and draws what
+    a context without device sampling draws; so does a store step of a fork given a bias.
+    A sequence goes back to the device's candidates when a branch that needs none takes it
+    over."""
+    grammar = 'root ::= " yes" | " no"'
+    b = root(dev_ctx)
+    b.set_grammar(grammar)
+    with pytest.raises(kvfork.KvforkError, match="before the branch's chain needed"):
+        b.sample()
+    host = root(ctx)
+    host.set_grammar(grammar)
+    decodes = dev_ctx.stats()["decode_calls"]
+    assert b.produce_sync().token == host.produce_sync().token
+    assert dev_ctx.stats()["decode_calls"] - decodes == 1  # the last token, again
+    assert b.sample() == host.sample()  # the row is the branch's output now
+
+    def biased_fork_steps(c: kvfork.Context) -> list[tuple[int, int]]:
+        parent = root(c)
+        child = parent.fork_sync()
+        child.set_logit_bias({parent.sample(): -100.0})
+        store = kvfork.BranchStore(c)
+        return [(p.token, q.token) for p, q in (store.step_sync([parent, child]) for _ in range(4))]
+
+    assert biased_fork_steps(dev_ctx) == biased_fork_steps(ctx)
+    seq = b.seq_id
+    b.prune_sync()
+    after = kvfork.Branch.create(dev_ctx, 0, GREEDY, seq_id=seq)
+    after.prefill_sync(dev_ctx.tokenize(PROMPT))
+    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+        after.logits()
+    assert after.sample() == root(ctx).sample()
+
+
+def test_a_recurrent_model_cannot_decode_a_token_again_and_says_so(
+    family_models: Callable[[str], kvfork.Model],
+) -> None:
+    """On a recurrent state the last token cannot be decoded again beside the branch: a
+    chain that came to need the row after the device drew keeps saying what to do; set
+    before the prefill, it gets its rows."""
+    model = family_models("mamba")
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
+        late = root(c)
+        late.set_logit_bias({0: -5.0})
+        with pytest.raises(kvfork.KvforkError, match="except on recurrent"):
+            late.produce_sync()
+        late.prune_sync()
+        early = kvfork.Branch.create(c, 0, GREEDY)
+        early.set_logit_bias({0: -5.0})
+        early.prefill_sync(c.tokenize(PROMPT))
+        assert early.produce_sync().token != 0
+
+
+def test_speculation_under_a_grammar_gets_rows(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    """A speculative round's verification outputs are whole rows for a branch that needs
+    them: the grammar-constrained stream yields what it yields without device sampling."""
+    grammar = 'root ::= " apple, banana, cherry, date"'
+
+    def run(c: kvfork.Context) -> list[int]:
+        b = kvfork.Branch.create(c, 0, GREEDY, grammar=grammar)
+        b.prefill_sync(c.tokenize("List: apple, banana, cherry, date\nCopy:"))
+        return [t.token for t in b.generate_sync(8, draft=kvfork.PromptLookup())]
+
+    assert run(dev_ctx) == run(ctx)
 
 
 def test_a_long_prompt_through_the_scratch_and_parked_branches(

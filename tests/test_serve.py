@@ -793,3 +793,44 @@ def test_earlier_tool_calls_and_results_reach_a_template_that_ignores_them(
         "/apply-template", json.dumps({"messages": _messages()}).encode()
     )
     assert body["prompt"] == plain
+
+
+def test_a_device_sampling_server_gives_rows_to_requests_that_need_them(serve: Any) -> None:
+    """`--device-sampling`: greedy and default requests draw from the device's candidates;
+    a schema, a logit bias or a whole-vocabulary chain gets its rows from the decode whose
+    output it samples (set before the prompt's last token), cache hit or not."""
+    server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "6", "--device-sampling")
+    client = server.client()
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    status, body = server.post("/tokenize", json.dumps({"content": "Yes"}).encode())
+    assert status == 200
+    yes = body["tokens"][-1]
+    for _ in range(2):  # a cold prompt, then a prefix-cache hit of all of it
+        greedy = client.chat.completions.create(
+            model="x", messages=_messages(), max_tokens=8, temperature=0
+        )
+        assert "Paris" in (greedy.choices[0].message.content or "")
+        shaped = client.chat.completions.create(
+            model="x", messages=_messages(), max_tokens=48, temperature=0, response_format=fmt
+        )
+        text = shaped.choices[0].message.content or ""
+        assert json.loads(text) == {"capital": "Paris"}, text
+        forced = client.chat.completions.create(
+            model="x",
+            messages=_messages(),
+            max_tokens=3,
+            temperature=0,
+            logit_bias={str(yes): 100},
+        )
+        assert (forced.choices[0].message.content or "").startswith("Yes")
+        wide = client.chat.completions.create(
+            model="x", messages=_messages(), max_tokens=4, n=2, seed=5, top_p=1.0
+        )
+        assert all(c.message.content for c in wide.choices)
+    server.assert_at_rest()

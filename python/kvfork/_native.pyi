@@ -407,6 +407,12 @@ class Context:
     def vocab_size(self) -> int:
         """Number of tokens in the model's vocabulary (the length of a logits row)."""
     @property
+    def device_sampling(self) -> bool:
+        """True when the context samples on the device (`create_context(device_sampling=True)`):
+        a branch's chain needs its grammar, logit bias or steer before the decode whose output
+        it samples.
+        """
+    @property
     def closed(self) -> bool:
         """True once the context is closed (by `close`, leaving a `with` block, or an internal
         error); most calls then raise KvforkError.

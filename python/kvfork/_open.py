@@ -94,12 +94,18 @@ def create_context(
       `vocab_size` floats per branch per step saved). Each branch's own chain then draws
       from them with its own RNG, so greedy and every chain that cuts to `top_k <= 64`
       first (temperature, top-p, min-p, seeds, forks, reseeds) draw exactly what they draw
-      from a row. Branches have no rows: `logits()`, entropies, `top_logprobs(k > 64)`,
-      chains over the whole vocabulary (`top_k=0`, penalties, DRY, Mirostat), grammars,
-      biases and steering raise KvforkError saying so; `logprob` and the perplexities work
-      for the 64 candidates, and committing any other token is refused (`prefill` takes
-      any). Not with `embeddings=True`. Meant for GPUs: on the CPU backend it is slower
-      than host rows.
+      from a row. Such branches have no rows: `logits()`, entropies and `top_logprobs(k > 64)`
+      raise KvforkError saying so; `logprob` and the perplexities work for the 64
+      candidates, and committing any other token is refused (`prefill` takes any). A branch
+      whose chain needs its whole row (a grammar, a logit bias, steering, `top_k=0` or above
+      64, penalties, DRY, Mirostat) gets it: its sequence gives rows from the next decode on,
+      beside branches drawing on the device in the same decode (which then copies every
+      output's row back; switching a sequence costs one graph reservation, ~10 ms on a CPU).
+      A chain that comes to need the row after the device drew the output it samples (a
+      grammar set after the prefill, a fork given a bias) gets it from `produce`, `step` and
+      `BranchStore.step`, which decode the last token again (one decode; not on recurrent
+      or hybrid models, where KvforkError says so, as `sample()` does anywhere): set such
+      chains before the prefill to spare it. Not with `embeddings=True`. Meant for GPUs: on the CPU backend it is slower than host rows.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

@@ -359,6 +359,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
     if args.ray is not None and args.lora:
         raise CliError("--lora applies to a local server, not --ray")
+    if args.ray is not None and args.device_sampling:
+        raise CliError("--device-sampling applies to a local server, not --ray")
     try:
         lora_specs = [AdapterSpec.parse(text) for text in args.lora]
     except ValueError as exc:
@@ -371,13 +373,15 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     )
     path = resolve_model(args.model)
     # Both counts pinned: an adaptive batch count would take every core (BENCHMARKS §10).
-    options: dict[str, int] = (
+    options: dict[str, int | bool] = (
         {}
         if args.threads is None
         else dict.fromkeys(("n_threads", "n_threads_batch"), args.threads)
     )
     if args.n_batch is not None:
         options["n_batch"] = args.n_batch
+    if args.device_sampling:
+        options["device_sampling"] = True
     cluster = None
     adapters = None
     if args.ray is None:
@@ -623,6 +627,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a sequence before 503"
+    )
+    serve.add_argument(
+        "--device-sampling",
+        action="store_true",
+        help="find each output's best 64 logits on the device (a GPU) and copy back only "
+        "those; requests whose sampling needs the whole row (top_k 0 or above 64, "
+        "penalties, logit_bias, response_format) get it (create_context(device_sampling=))",
     )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(

@@ -249,6 +249,14 @@ impl PyContext {
         self.inner.vocab_size()
     }
 
+    /// True when the context samples on the device (`create_context(device_sampling=True)`):
+    /// a branch's chain needs its grammar, logit bias or steer before the decode whose output
+    /// it samples.
+    #[getter]
+    fn device_sampling(&self) -> bool {
+        self.inner.device_sampling()
+    }
+
     /// True once the context is closed (by `close`, leaving a `with` block, or an internal
     /// error); most calls then raise KvforkError.
     #[getter]

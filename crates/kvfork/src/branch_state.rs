@@ -430,30 +430,37 @@ impl BranchState {
     }
 
     /// `filter_candidates` after a device draw: the best `k` the device kept, for a chain
-    /// that is unconstrained, unbiased and cuts to its top `k` first (greedy: 1), as
-    /// `Gathering::Top` takes them from a row. Any other chain needs the row, which stayed
-    /// on the device (`require` says so).
+    /// that draws from them (`device_k`), as `Gathering::Top` takes them from a row. Any
+    /// other chain needs the row, which a decode gives when asked before (`needs_row`); this
+    /// output was drawn before the chain needed it.
     fn take_drawn(&mut self, best: &[(Token, f32)]) -> Result<()> {
-        let lists = [&self.logit_bias, &self.steer];
-        if lists.iter().any(|l| !l.is_empty()) {
-            // A biased token's raw logit may lie outside the candidates.
-            return Err(LogitsSnapshot::no_row_on_device());
-        }
-        let k = match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, usize::MAX) {
-            Gathering::Argmax => 1,
-            Gathering::Top(k) if k <= best.len() => k,
-            Gathering::Top(k) => {
-                let kept = best.len();
-                return Err(Error::Other(format!(
-                    "top_k = {k}: the device keeps the {kept} best logits of each row \
-                     (create_context(device_sampling=True)); use top_k <= {kept} or \
-                     device_sampling=False"
-                )));
-            }
-            _ => return Err(LogitsSnapshot::no_row_on_device()),
-        };
+        let k = self
+            .device_k(best.len())
+            .ok_or_else(LogitsSnapshot::drawn_before_needed)?;
         self.candidates.drawn(best, k);
         self.filter_gathered()
+    }
+
+    /// How many of the `kept` candidates a device keeps of a row this branch's chain draws
+    /// from (greedy: 1), or None when it needs the whole row: a grammar, a bias or steer (a
+    /// biased token's raw logit may lie outside the candidates), or a chain that draws from
+    /// more than `kept` (`top_k` 0 or above it).
+    fn device_k(&mut self, kept: usize) -> Option<usize> {
+        let lists = [&self.logit_bias, &self.steer];
+        if lists.iter().any(|l| !l.is_empty()) {
+            return None;
+        }
+        match Gathering::of(&self.sampler, self.grammar.as_mut(), &lists, usize::MAX) {
+            Gathering::Argmax => Some(1),
+            Gathering::Top(k) if k <= kept => Some(k),
+            _ => None,
+        }
+    }
+
+    /// Whether the branch's next output must be a whole row in a device-sampling context
+    /// that keeps `kept` candidates of each row (see `device_k`).
+    pub fn needs_row(&mut self, kept: usize) -> bool {
+        self.device_k(kept).is_none()
     }
 
     /// Run the chain's filters over the gathered candidates and cache their log-partition.

@@ -114,6 +114,11 @@ impl Context {
         self.shared().threads.get().1
     }
 
+    /// Whether the context samples on the device (`ContextParams::device_sampling`).
+    pub fn device_sampling(&self) -> bool {
+        self.shared().params.device_sampling
+    }
+
     /// Tokens in the model's vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.model().vocab_size()

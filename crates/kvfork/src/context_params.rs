@@ -109,7 +109,8 @@ pub struct ContextParams {
     pub recurrent_rollback: u32,
     /// Sampling on the device (`sampling/device.rs`): a decode hands back each output's best
     /// 64 logits and log-partition instead of its logits row, and branches draw from those
-    /// (chains that cut to `top_k <= 64` first); they have no rows to read.
+    /// (chains that cut to `top_k <= 64` first); they have no rows to read. A branch whose
+    /// chain needs the row gets it (`Batch::want_row`).
     pub device_sampling: bool,
 }
 

@@ -11,7 +11,7 @@ use crate::adapter::LoraAdapter;
 use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
-use crate::sampling::device::{DeviceChains, Drawn};
+use crate::sampling::device::{DeviceChains, Drawn, CANDIDATES};
 use crate::seq::Seq;
 
 /// One output of the last decode: its logits row, or what device sampling drew from it.
@@ -209,6 +209,11 @@ impl LlamaCtx {
         if batch.len() == 0 {
             return Ok(());
         }
+        if let Some(device) = self.device.as_mut() {
+            // SAFETY: the context is live, created with these chains, used by this thread,
+            // and not decoding.
+            unsafe { device.follow(self.ptr.as_ptr(), batch.outputs(), &batch.rows) };
+        }
         // SAFETY: the context is live and `&mut self` means no slice of the previous decode's
         // logits or embeddings is still borrowed; rows lent to snapshots as raw pointers are
         // given back or in flight (unread) first (`engine/loans.rs`). `batch.raw` holds `batch.len()` entries, all
@@ -252,15 +257,13 @@ impl LlamaCtx {
         self.abort_signal = Some(signal);
     }
 
-    /// Logits row of batch entry `i` (which must have been marked for output).
-    pub fn logits_ith(&self, i: usize) -> Result<&[f32]> {
-        if self.device.is_some() {
-            return Err(Error::Internal(
-                "a row read from a device-sampling context (use output_ith)".into(),
-            ));
-        }
+    /// Logits row of batch entry `i` (which must have been marked for output, and give its
+    /// row: see `output_ith`).
+    fn logits_ith(&self, i: usize) -> Result<&[f32]> {
         // SAFETY: the context is live; llama.cpp checks any index against the last decode's
-        // outputs and returns NULL for one that was not an output.
+        // outputs and returns NULL for one that was not an output. (With device sampling it
+        // returns the stage's short output for an entry that gave none: `output_ith` asks
+        // only for entries that gave their row.)
         let p = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32) };
         if p.is_null() {
             return Err(Error::Decode(format!("no logits at batch index {i}")));
@@ -274,15 +277,22 @@ impl LlamaCtx {
     }
 
     /// Output `i` of the last decode (batch entry `i`, marked for output): its row, or with
-    /// device sampling what the device drew from it.
+    /// device sampling what the device drew from it (unless its sequence gave the row:
+    /// `Batch::want_row`).
     pub fn output_ith(&self, i: usize) -> Result<OutputRef<'_>> {
-        if self.device.is_some() {
+        if self.device.as_ref().is_some_and(|d| !d.gave_row(i)) {
             // SAFETY: the context is live, created with the chains, and used by this thread.
             return Ok(OutputRef::Drawn(unsafe {
                 Drawn::read(self.ptr.as_ptr(), i, self.n_vocab)
             }?));
         }
         self.logits_ith(i).map(OutputRef::Row)
+    }
+
+    /// With device sampling, how many of each row's best logits the device keeps (a branch
+    /// whose chain draws from more wants its row: `Batch::want_row`); None without.
+    pub fn device_candidates(&self) -> Option<usize> {
+        self.device.as_ref().map(|_| CANDIDATES.min(self.n_vocab))
     }
 
     /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs
@@ -567,6 +577,8 @@ pub(crate) struct Batch {
     n_outputs: usize,
     /// Entries at the end added by `pad` (output rows nobody reads), taken out by `unpad`.
     padding: usize,
+    /// Sequences whose outputs must be whole rows in a device-sampling context (`want_row`).
+    rows: Vec<Seq>,
 }
 
 impl Drop for Batch {
@@ -599,6 +611,7 @@ impl Batch {
             last_output: None,
             n_outputs: 0,
             padding: 0,
+            rows: Vec::new(),
         }
     }
 
@@ -611,6 +624,16 @@ impl Batch {
         self.last_output = None;
         self.n_outputs = 0;
         self.padding = 0;
+        self.rows.clear();
+    }
+
+    /// In a device-sampling context, `seq`'s outputs in this batch come back as whole rows
+    /// (its branch's chain needs one: a grammar, a bias, a draw from the whole vocabulary),
+    /// not as the device's candidates. Without device sampling every output is a row.
+    pub fn want_row(&mut self, seq: Seq) {
+        if !self.rows.contains(&seq) {
+            self.rows.push(seq);
+        }
     }
 
     /// Entries it can still take.
@@ -648,11 +671,16 @@ impl Batch {
 
     /// The sequences of the tokens marked for output (with repeats), in batch order.
     pub fn output_seqs(&self) -> impl Iterator<Item = Seq> + '_ {
+        self.outputs().map(|(_, seq)| seq)
+    }
+
+    /// The entries marked for output and their sequences, in batch order.
+    pub fn outputs(&self) -> impl Iterator<Item = (usize, Seq)> + '_ {
         (0..self.len()).filter_map(|i| {
             // SAFETY: `i < len() <= capacity` and, by the type's invariant, the first `len()`
             // entries of `logits` and `seq_id` (each with its one id) are written.
             let (wants, seq) = unsafe { (*self.raw.logits.add(i), **self.raw.seq_id.add(i)) };
-            (wants != 0).then(|| Seq::new(seq as u32))
+            (wants != 0).then(|| (i, Seq::new(seq as u32)))
         })
     }
 

@@ -26,6 +26,7 @@ from .._native import (
     Branch,
     BranchStore,
     Context,
+    KvCacheFullError,
     KvforkError,
     LeaseExhaustedError,
     LoraAdapter,
@@ -548,10 +549,13 @@ class Generation:
         unless they share its reasoning, when they are forked at its end. The prompt tokens
         that came from the cache."""
         g, sampling = self.generator, self.sampling
+        # Sampling on the device, a chain with a bias or a schema needs its rows from the
+        # decode whose output it samples on: set before the prompt's last token.
+        constrained = sampling.logit_bias or sampling.json_schema is not None
+        last = g.ctx.device_sampling and constrained and len(self.tokens) > 1
+        prompt = self.tokens[:-1] if last else self.tokens
         try:
-            first = await g.cache.branch(
-                self.tokens, sampling.params(0), adapters=self.adapters or None
-            )
+            first = await g.cache.branch(prompt, sampling.params(0), adapters=self.adapters or None)
         except LeaseExhaustedError:
             raise _no_free_sequence() from None
         except ValueError as exc:  # raced
@@ -568,6 +572,11 @@ class Generation:
                 raise bad_request(
                     f"the JSON schema is not usable: {exc}", "response_format"
                 ) from None
+        if last:
+            try:
+                await first.prefill(self.tokens[-1:])
+            except KvCacheFullError as exc:
+                raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
         plan = sampling.reasoning
         if plan is None or not plan.shared:
             await self._fork(first, sampling.n)

@@ -27,9 +27,17 @@ enum Row {
 
 /// Why a device-sampled branch has no row to read.
 const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
-    (create_context(device_sampling=True)): its logits rows stay there, and only each row's \
-    best 64 logits and its log-partition come back; create the context with \
-    device_sampling=False to read rows, constrain, bias or sample from more than the top 64";
+    (create_context(device_sampling=True)): the logits row of this output stayed there, and \
+    only its best 64 logits and its log-partition came back; create the context with \
+    device_sampling=False to read rows";
+
+/// Why a branch whose chain came to need the row cannot draw from a device's output.
+const DRAWN_BEFORE_NEEDED: &str = "this output was drawn on the device \
+    (create_context(device_sampling=True)) before the branch's chain needed its whole row \
+    (a grammar, logit bias, steer, or a sampler that draws from more than the top 64). \
+    produce(), step() and BranchStore.step decode the last token again for it, except on \
+    recurrent and hybrid models; sample() reads the output as it is. Set those before the \
+    prefill or step whose output the branch samples";
 
 /// A row of llama.cpp's output buffer.
 #[derive(Clone, Copy)]
@@ -116,6 +124,11 @@ impl LogitsSnapshot {
     /// What a reader of a row that stayed on the device gets.
     pub fn no_row_on_device() -> Error {
         Error::Other(NO_ROW_ON_DEVICE.into())
+    }
+
+    /// What a branch whose chain needs the row gets from an output drawn on the device.
+    pub fn drawn_before_needed() -> Error {
+        Error::Other(DRAWN_BEFORE_NEEDED.into())
     }
 
     /// What the device kept, when the last output was sampled there (no row).

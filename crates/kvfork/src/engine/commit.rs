@@ -78,7 +78,7 @@ impl Worker {
     /// Sample the branches of every step in the group at once (across the cores when it pays).
     /// A step's tokens become its items, except stop tokens: reported, not committed. A step
     /// with a branch that cannot be sampled fails whole (its first error) and commits nothing.
-    fn sample_steps(&self, group: &mut [CommitRequest], results: &mut [Result<Vec<Produced>>]) {
+    fn sample_steps(&mut self, group: &mut [CommitRequest], results: &mut [Result<Vec<Produced>>]) {
         let steps: Vec<usize> = (0..group.len())
             .filter(|&i| group[i].reply.is_sampled())
             .collect();
@@ -139,20 +139,27 @@ impl Worker {
     }
 
     /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
-    /// pay); nothing is accepted.
-    fn sample_cells(&self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+    /// pay); nothing is accepted. A cell whose chain needs the row the device kept gets it
+    /// first (`refresh.rs`).
+    fn sample_cells(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+        let refused = self.refresh_rows(cells);
         let model = self.shared().model.clone();
-        let sample = |cell: &Arc<BranchCell>| -> Result<Produced> {
+        let sample = |i: usize| -> Result<Produced> {
+            let cell = &cells[i];
             if cell.is_disposed() {
                 return Err(Error::BranchDisposed("in step".into()));
+            }
+            if let Some(Some(e)) = refused.get(i) {
+                return Err(e.clone());
             }
             cell.lock().produce(&model)
         };
         let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
         if heavy {
-            parallel::map_parallel(cells, sample)
+            let indices: Vec<usize> = (0..cells.len()).collect();
+            parallel::map_parallel(&indices, |&i| sample(i))
         } else {
-            cells.iter().map(sample).collect()
+            (0..cells.len()).map(sample).collect()
         }
     }
 
@@ -310,12 +317,14 @@ impl Worker {
                 .and_then(|()| self.use_adapters(set))
                 .and_then(|()| {
                     let seqs: Vec<Seq> = group.iter().map(|cell| cell.seq()).collect();
+                    let rows = self.row_seqs(group.iter().copied());
                     let batch = self.start_batch();
                     for ((seq, &pos), (_, token)) in
                         seqs.iter().zip(&places[start..end]).zip(&items[start..end])
                     {
                         batch.push(*token, pos, *seq, true);
                     }
+                    rows.into_iter().for_each(|seq| batch.want_row(seq));
                     if let Some(riding) = &riding {
                         riding.push_into(batch);
                     }

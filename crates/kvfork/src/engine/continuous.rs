@@ -71,6 +71,8 @@ const SHORT_PROMPT: usize = 128;
 pub(super) struct Riding {
     /// (token, position, sequence, wants logits), in batch order.
     tokens: Vec<(Token, i32, Seq, bool)>,
+    /// The sequences whose outputs must be whole rows (`Batch::want_row`).
+    whole_rows: Vec<Seq>,
     /// The rows of its outputs, in order.
     rows: Vec<Output>,
     /// None until it was decoded (or its decode failed).
@@ -87,6 +89,7 @@ impl Riding {
         for &(token, pos, seq, logits) in &self.tokens {
             batch.push(token, pos, seq, logits);
         }
+        self.whole_rows.iter().for_each(|&seq| batch.want_row(seq));
     }
 
     /// The decode that held it (after `n_steps` step rows) ended with `decoded`.
@@ -505,6 +508,13 @@ impl Worker {
     ) -> Result<Vec<Output>> {
         let items = Self::chunk_items(&run.items, &run.prompts);
         let mut tokens = Vec::with_capacity(chunk.n_tokens());
+        let whole_rows = self.row_seqs(
+            chunk
+                .spans
+                .iter()
+                .filter(|span| span.is_last)
+                .map(|span| &items[span.item].0 .0),
+        );
         for span in &chunk.spans {
             let ((cell, all), start) = items[span.item];
             let seq = cell.seq();
@@ -516,6 +526,7 @@ impl Worker {
         }
         let mut riding = Riding {
             tokens,
+            whole_rows,
             rows: Vec::new(),
             outcome: None,
         };

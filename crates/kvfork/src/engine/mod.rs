@@ -32,6 +32,7 @@ mod parallel;
 mod park;
 mod pending;
 mod prefill;
+mod refresh;
 mod reseed;
 mod scratch;
 mod share;

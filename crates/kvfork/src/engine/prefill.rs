@@ -173,9 +173,11 @@ impl Worker {
                 }
                 continue;
             }
+            let whole_rows = self.row_seqs(members.iter().map(|&i| &items[i].0));
             for chunk in plan {
                 self.use_adapters(&set)?;
                 let batch = self.start_batch();
+                whole_rows.iter().for_each(|&seq| batch.want_row(seq));
                 for span in &chunk.spans {
                     let item = members[span.item];
                     let tokens = &items[item].1[span.start..span.start + span.len];

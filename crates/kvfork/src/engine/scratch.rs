@@ -138,9 +138,13 @@ impl Worker {
         rows: &mut [Option<Output>],
     ) -> Result<()> {
         self.open_scratch(kind)?;
+        let whole_rows: Vec<bool> = items.iter().map(|(cell, _)| self.wants_row(cell)).collect();
         let batch = self.start_batch();
         for span in &chunk.spans {
             let seq = slots.seq_of(span.item)?;
+            if whole_rows[span.item] {
+                batch.want_row(seq);
+            }
             let tokens = &items[span.item].1[span.start..span.start + span.len];
             for (j, &t) in tokens.iter().enumerate() {
                 let wants_logits = span.is_last && j + 1 == span.len;

@@ -65,9 +65,13 @@ impl Worker {
             } else {
                 self.loans().give_back_all();
             }
+            let wants_row = self.wants_row(cell);
             let batch = self.start_batch();
             for (i, &t) in std::iter::once(&pending).chain(&draft).enumerate() {
                 batch.push(t, start + i as i32, seq, true);
+            }
+            if wants_row {
+                batch.want_row(seq);
             }
             self.decode_batch()
         });

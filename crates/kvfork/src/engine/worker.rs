@@ -14,7 +14,7 @@ use kvfork_core::threads::{ceiling_for, ThreadTuner};
 use super::load::LoadMeter;
 use super::loans::RowLoans;
 use super::shared::{Shared, Stats};
-use super::{panic_message, Job, RunJob};
+use super::{panic_message, BranchCell, Job, RunJob};
 use crate::adapter::AdapterKey;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
@@ -232,6 +232,27 @@ impl Worker {
         }
     }
 
+    /// Whether `cell`'s next output must be a whole row: in a device-sampling context, when
+    /// its chain draws from more than the device's candidates (for `Batch::want_row`); never
+    /// otherwise (every output is a row).
+    pub(super) fn wants_row(&self, cell: &BranchCell) -> bool {
+        self.ctx
+            .device_candidates()
+            .is_some_and(|kept| cell.lock().needs_row(kept))
+    }
+
+    /// The sequences of `cells` whose next outputs must be whole rows (`wants_row`).
+    pub(super) fn row_seqs<'a>(
+        &self,
+        cells: impl IntoIterator<Item = &'a Arc<BranchCell>>,
+    ) -> Vec<Seq> {
+        cells
+            .into_iter()
+            .filter(|cell| self.wants_row(cell))
+            .map(|cell| cell.seq())
+            .collect()
+    }
+
     /// `llama_decode` of the current batch, counted. Every row lent to a snapshot is given
     /// back first (the decode overwrites them).
     pub(super) fn decode(&mut self) -> Result<()> {
@@ -253,6 +274,16 @@ impl Worker {
             }
         }
         self.after_decode(t0.elapsed(), r, pad, true)
+    }
+
+    /// `decode` with no output padding: for a batch on the padding sequence itself
+    /// (`refresh.rs`).
+    pub(super) fn decode_unpadded(&mut self) -> Result<()> {
+        self.loans.give_back_all();
+        self.read_load();
+        let t0 = Instant::now();
+        let r = self.ctx.decode(&self.batch);
+        self.after_decode(t0.elapsed(), r, 0, true)
     }
 
     /// `llama_decode` of the current batch in the scratch context, timed and counted like

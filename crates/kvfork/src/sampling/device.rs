@@ -9,15 +9,19 @@
 //! that cuts to its `top_k` first (temperature, top-p, min-p, seeded draws after it) keep
 //! their draws, reseeds, hot swaps and forks. The stage itself is stateless, so it follows a
 //! branch wherever its lease goes (parking, forks, the scratch context) with nothing to move.
+//! A branch whose chain needs the whole row (a grammar, a bias, a draw from the whole
+//! vocabulary) has the chain taken off its sequence before its decode
+//! ([`DeviceChains::follow`]), and gets the row as without device sampling.
 
 use std::ffi::{c_char, CStr};
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
 use crate::error::{Error, Result};
 use crate::model::Token;
+use crate::seq::Seq;
 
 /// How many of each row's best logits come back from the device.
 pub(crate) const CANDIDATES: usize = 64;
@@ -218,35 +222,48 @@ fn new_stage() -> *mut sys::llama_sampler {
     unsafe { sys::llama_sampler_init(ptr::addr_of!(METHODS.0).cast_mut(), ptr::null_mut()) }
 }
 
-/// One chain per llama.cpp sequence of a context, alive for as long as the context (which
-/// keeps pointers to them): create before it, drop after it.
+/// A chain of one stage, as llama.cpp takes backend samplers.
+fn new_chain() -> *mut sys::llama_sampler {
+    // SAFETY: plain values in; the chain takes ownership of the stage added.
+    unsafe {
+        let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
+        sys::llama_sampler_chain_add(chain, new_stage());
+        chain
+    }
+}
+
+/// The stage's chains of a context, one per llama.cpp sequence that draws on the device, and
+/// which sequences give whole rows instead: a branch whose chain needs the row (a grammar,
+/// a bias, a steer, a draw from more than the candidates) has its sequence's chain taken
+/// off before its decode, and llama.cpp then copies the rows back as without device
+/// sampling. Created before the context (which starts with a chain on every sequence) and
+/// dropped after it.
 pub(crate) struct DeviceChains {
-    chains: Vec<*mut sys::llama_sampler>,
+    /// The chain attached to each sequence; None: the sequence gives rows.
+    chains: Vec<Option<NonNull<sys::llama_sampler>>>,
     configs: Vec<sys::llama_sampler_seq_config>,
+    /// Batch entries of the last decode whose output is a row (their sequence gives rows).
+    row_entries: Vec<usize>,
 }
 
 impl DeviceChains {
     pub fn new(n_seqs: u32) -> Self {
-        let chains: Vec<_> = (0..n_seqs)
-            .map(|_| {
-                // SAFETY: plain values in; the chain takes ownership of the stage added.
-                unsafe {
-                    let chain =
-                        sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
-                    sys::llama_sampler_chain_add(chain, new_stage());
-                    chain
-                }
-            })
-            .collect();
+        let chains: Vec<_> = (0..n_seqs).map(|_| NonNull::new(new_chain())).collect();
         let configs = chains
             .iter()
             .enumerate()
-            .map(|(seq, &sampler)| sys::llama_sampler_seq_config {
-                seq_id: seq as i32,
-                sampler,
+            .filter_map(|(seq, chain)| {
+                chain.map(|c| sys::llama_sampler_seq_config {
+                    seq_id: seq as i32,
+                    sampler: c.as_ptr(),
+                })
             })
             .collect();
-        DeviceChains { chains, configs }
+        DeviceChains {
+            chains,
+            configs,
+            row_entries: Vec::new(),
+        }
     }
 
     /// Hand the chains to the context parameters (valid while `self` is).
@@ -254,14 +271,72 @@ impl DeviceChains {
         cp.samplers = self.configs.as_mut_ptr();
         cp.n_samplers = self.configs.len();
     }
+
+    /// Before a decode: give each output's sequence (`outputs`: batch entry and sequence)
+    /// what it needs, whole rows for the sequences in `rows`, the device's candidates for the
+    /// others. A sequence keeps its mode until an output wants the other: each switch makes
+    /// llama.cpp reserve its graph again at the next decode (10-13 ms on a 2-core CPU beside
+    /// a 60 ms step of 8 Gemma 3 branches; a decode holding a row copies every output's row,
+    /// 3-8 % dearer there).
+    ///
+    /// # Safety
+    /// `ctx` is the live context created with these chains, used by this thread only, not
+    /// decoding.
+    pub unsafe fn follow(
+        &mut self,
+        ctx: *mut sys::llama_context,
+        outputs: impl Iterator<Item = (usize, Seq)>,
+        rows: &[Seq],
+    ) {
+        self.row_entries.clear();
+        for (entry, seq) in outputs {
+            let Some(chain) = self.chains.get_mut(seq.id() as usize) else {
+                continue; // llama.cpp refuses the batch itself
+            };
+            let wants_row = rows.contains(&seq);
+            match (chain.is_some(), wants_row) {
+                (true, true) => {
+                    // SAFETY: the caller's contract. NULL takes the chain off the sequence;
+                    // llama.cpp keeps no pointer to it (a graph built with it is not reused:
+                    // its chains differ from the context's now), so it is freed here.
+                    unsafe {
+                        sys::llama_set_sampler(ctx, seq.id(), ptr::null_mut());
+                        sys::llama_sampler_free(chain.take().expect("attached").as_ptr());
+                    }
+                }
+                (false, false) => {
+                    // A fresh chain: llama.cpp initialises a chain once.
+                    let fresh = new_chain();
+                    // SAFETY: the caller's contract; `fresh` is a chain of the stage, owned
+                    // here from now on (llama.cpp keeps a pointer while it is attached).
+                    if unsafe { sys::llama_set_sampler(ctx, seq.id(), fresh) } {
+                        *chain = NonNull::new(fresh);
+                    } else {
+                        // Refused (a tensor-split model): the sequence keeps giving rows.
+                        // SAFETY: not attached, owned here alone.
+                        unsafe { sys::llama_sampler_free(fresh) };
+                    }
+                }
+                _ => {}
+            }
+            if chain.is_none() {
+                self.row_entries.push(entry);
+            }
+        }
+    }
+
+    /// Whether batch entry `entry` of the last decode gave its row (not candidates).
+    pub fn gave_row(&self, entry: usize) -> bool {
+        self.row_entries.contains(&entry)
+    }
 }
 
 impl Drop for DeviceChains {
     fn drop(&mut self) {
-        for &chain in &self.chains {
-            // SAFETY: each chain was created in `new`, is owned here alone (the context that
+        for chain in self.chains.iter().flatten() {
+            // SAFETY: each chain was created here, is owned here alone (the context that
             // pointed to it is freed first), and is freed once with its stage.
-            unsafe { sys::llama_sampler_free(chain) }
+            unsafe { sys::llama_sampler_free(chain.as_ptr()) }
         }
     }
 }

@@ -1,0 +1,71 @@
+//! Device sampling (`sampling/device.rs`): a branch whose chain came to need its whole row
+//! after the device drew its last output (a grammar set after the prefill, a fork given a
+//! bias) gets the row before it samples: its last token is decoded again, row asked for, on
+//! the padding sequence (no branch leases it; it is empty between decodes) over the branch's
+//! own cells, so the branch itself is untouched whether that works or not. The row is the
+//! last token's over the same cells, as exact as any re-batched row (margin-aware).
+//!
+//! Only on attention-only models: a recurrent state cannot be shared up to one token short.
+//! There, and without a padding sequence, the branch's sample keeps saying what to do
+//! (`LogitsSnapshot::drawn_before_needed`).
+
+use std::sync::Arc;
+
+use super::{BranchCell, Worker};
+use crate::error::{Error, Result};
+use crate::llama_ctx::Output;
+
+impl Worker {
+    /// Give each of `cells` that needs it its row (see the module). One entry per cell: the
+    /// error of a refresh that failed, which its sample reports; None otherwise. Empty (no
+    /// allocation) when none needs one.
+    pub(super) fn refresh_rows(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Option<Error>> {
+        let Some(kept) = self.ctx().device_candidates() else {
+            return Vec::new();
+        };
+        let stale = |cell: &Arc<BranchCell>| {
+            let mut st = cell.lock();
+            st.logits().drawn().is_some() && st.needs_row(kept)
+        };
+        if self.keeps_checkpoints() || !cells.iter().any(stale) {
+            return Vec::new();
+        }
+        cells
+            .iter()
+            .map(|cell| stale(cell).then(|| self.refresh_row(cell).err()).flatten())
+            .collect()
+    }
+
+    /// Decode `cell`'s last token again on the padding sequence, row asked for, and make
+    /// that row the branch's output.
+    fn refresh_row(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
+        let Some(tmp) = self.shared().params.pad_seq() else {
+            return Ok(()); // no sequence to decode on: the sample says what to do
+        };
+        self.give_leases(&[cell])?;
+        let (position, last, adapters) = {
+            let st = cell.lock();
+            (
+                st.position(),
+                st.history().last().copied(),
+                st.adapters().clone(),
+            )
+        };
+        let Some(last) = last.filter(|_| position > 0) else {
+            return Ok(()); // cells the raw layer decoded: no token to decode again
+        };
+        let seq = cell.seq();
+        self.use_adapters(&adapters)?;
+        self.ctx_mut().seq_cp(seq, tmp, 0, position - 1)?;
+        let batch = self.start_batch();
+        batch.push(last, position - 1, tmp, true);
+        batch.want_row(tmp);
+        let decoded = self
+            .decode_unpadded()
+            .and_then(|()| Ok(self.ctx().output_ith(0)?.into_owned()));
+        self.clear_seq(tmp);
+        let row: Output = decoded?;
+        cell.lock().set_output(&row);
+        Ok(())
+    }
+}
