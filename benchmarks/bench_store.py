@@ -69,17 +69,21 @@ def branches_at_prompt(
     """A root with the prompt prefilled plus n - 1 forks of it (n sequences, as the peer).
     `one_biased`: the last of them a root of its own with a logit bias (set before its
     prefill: a chain that needs whole rows)."""
-    root = kvfork.Branch.create(ctx, 0, params)
-    root.prefill_sync(ctx.tokenize(PROMPT))
-    kids = [root.fork_sync() for _ in range(n - 1 - one_biased)]
-    for i, kid in enumerate(kids):
-        kid.reseed_sampler(i + 1)
+    branches: list[kvfork.Branch] = []
+    plain = n - one_biased
+    if plain:
+        root = kvfork.Branch.create(ctx, 0, params)
+        root.prefill_sync(ctx.tokenize(PROMPT))
+        kids = [root.fork_sync() for _ in range(plain - 1)]
+        for i, kid in enumerate(kids):
+            kid.reseed_sampler(i + 1)
+        branches = [root, *kids]
     if one_biased:
         biased = kvfork.Branch.create(ctx, 0, params)
         biased.set_logit_bias({0: -1.0})
         biased.prefill_sync(ctx.tokenize(PROMPT))
-        kids.append(biased)
-    return [root, *kids][:n]
+        branches.append(biased)
+    return branches
 
 
 def timed(ctx: kvfork.Context, body: Callable[[], None]) -> tuple[float, float, int]:

@@ -4,6 +4,7 @@ state's checkpoints, with the real `openai` client on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,3 +87,34 @@ def test_a_hybrid_model_shares_the_system_prompt_exactly(
     assert cached[0] == 0
     assert all(c > 16 for c in cached[2:]), cached
     assert hybrid_server.metric("kvfork_checkpoint_restores_total") >= 2
+
+
+def test_a_device_sampling_hybrid_server_sets_a_bias_before_the_last_token(
+    hybrid_path: Path,
+) -> None:
+    """`--device-sampling` on the hybrid model: a request's logit bias is set before its
+    prompt's last token is decoded (a recurrent state cannot decode that token again for the
+    row), so a greedy request forced onto one token starts with it, cold and from the cache."""
+    for start in servers():
+        server: Server = start(
+            str(hybrid_path), "--n-ctx", "2048", "--n-seq-max", "4", "--device-sampling"
+        )
+        status, body = server.post("/tokenize", b'{"content": " Mainz"}')
+        assert status == 200
+        forced = body["tokens"][-1]
+        status, body = server.post("/detokenize", json.dumps({"tokens": [forced]}).encode())
+        assert status == 200
+        messages: Any = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": QUESTIONS[0]},
+        ]
+        for _ in range(2):
+            reply = server.client().chat.completions.create(
+                model="x",
+                messages=messages,
+                temperature=0,
+                max_tokens=2,
+                logit_bias={str(forced): 100},
+            )
+            assert (reply.choices[0].message.content or "").startswith(body["content"])
+        server.assert_at_rest()
