@@ -19,10 +19,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import kvfork
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -830,3 +832,40 @@ def test_the_bench_report_shows_both_bench_store_tables(tmp_path: Path) -> None:
     assert "--only device (device_sampling=True against host rows) (chat)\n" in text
     assert "| 1 | 880 |" in text and "| 8 | 4047 |" in text
     assert text.index("(chat)") < text.index("| 8 | 4047 |")
+
+
+def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
+    tmp_path: Path,
+) -> None:
+    """Issue 42's item 3 target, in one table: `store.step` with `device_sampling=True`
+    against the bare loop with llama.cpp's backend sampling, N by N (`-` where a number is
+    missing)."""
+    result = {
+        "label": "default",
+        "model": "m.gguf",
+        "steps": 64,
+        "checks": {"backend": "OK cuda"},
+        "store_step": {"8": 3933.0, "64": 7623.0},
+        "store_step_device": {"8": 4200.0},
+    }
+    (tmp_path / "kvfork-default.json").write_text(json.dumps(result))
+    (tmp_path / "bare-default-host.txt").write_text("bare N=8 tok/s=2409.0 step_ms=3.3\n")
+    (tmp_path / "bare-default-gpu.txt").write_text(
+        "bare-gpusample N=8 tok/s=4047.0 step_ms=2.0\nbare-gpusample N=64 tok/s=9043.0\n"
+    )
+    text = gpu_bench.report(tmp_path)
+    assert "| kvfork, device_sampling |" in text and "| device_sampling / bare backend |" in text
+    assert "| 8 | 3,933 | 4,200 | 2,409 | 4,047 | 1.63 | 1.04 |" in text
+    assert "| 64 | 7,623 | - | - | 9,043 | - | - |" in text
+
+
+def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
+    """`gpu_bench`'s throughput on the CPU backend (what runs on the GPU with every layer
+    offloaded): both modes measured for each N."""
+    result: dict[str, Any] = {"store_step": {}, "store_step_device": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kvfork.KvforkWarning)  # no GPU here: the CPU runs it
+        gpu_bench._throughput(str(kvfork.default_chat_model_path()), [2], 2, result)
+    assert set(result["store_step"]) == set(result["store_step_device"]) == {"2"}
+    assert min(result["store_step"]["2"], result["store_step_device"]["2"]) > 0
+    assert result["generate"] > 0

@@ -9,7 +9,7 @@ Checks (a line `CHECK name OK|DIFFERS|FAIL detail` each; only `backend` stops th
    greedy continuation (cell placement changes the attention's summation order: they may
    part late, which is recorded, not failed).
 PERF: `store.step` greedy tokens/s for each N (a prompt, N - 1 forks, STEPS steps, best of
-3), `Branch.generate` at N = 1.
+3), with host rows and with `device_sampling=True`, `Branch.generate` at N = 1.
 
 usage (PYTHONPATH=site:scripts):
   python -m gpu_check.gpu_bench run --model PATH --label NAME --json OUT [--ns 1,8,64,128]
@@ -94,31 +94,17 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
 
     greedy = kvfork.SamplingParams(temperature=0.0)
     model = kvfork.Model.load(model_path, n_gpu_layers=ALL_LAYERS)
-    rates: dict[str, float] = result["store_step"]
     for n in ns:
-        with kvfork.create_context_sync(model, n_ctx=8192, n_batch=512, n_seq_max=n) as ctx:
-            root = kvfork.Branch.create(ctx, 0, greedy)
-            root.prefill_sync(ctx.tokenize(PROMPT))
-            branches = [root] + [root.fork_sync() for _ in range(n - 1)]
-            store = kvfork.BranchStore(ctx)
-            for _ in range(2):
-                store.step_sync(branches)
-            best, decode = float("inf"), 0.0
-            for _ in range(3):
-                s0 = ctx.stats()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    store.step_sync(branches)
-                dt = time.perf_counter() - t0
-                if dt < best:
-                    best = dt
-                    decode = float(ctx.stats()["decode_seconds"]) - float(s0["decode_seconds"])
-        rates[str(n)] = n * steps / best
-        print(
-            f"PERF kvfork store.step N={n} tok/s={rates[str(n)]:.1f} "
-            f"step_ms={1000 * best / steps:.3f} decode_share={decode / best:.3f}",
-            flush=True,
-        )
+        # Host rows (the default), then `device_sampling=True` (issue 42's item 3: against
+        # the bare loop's backend sampling, the same greedy tokens copied back as ids).
+        for key, on_device in (("store_step", False), ("store_step_device", True)):
+            rate, step_ms, share = _step_rate(model, n, steps, greedy, on_device)
+            result[key][str(n)] = rate
+            print(
+                f"PERF kvfork store.step{' device_sampling' if on_device else ''} N={n} "
+                f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f}",
+                flush=True,
+            )
     with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
         b = kvfork.Branch.create(ctx, 0, greedy)
         b.prefill_sync(ctx.tokenize(PROMPT))
@@ -129,6 +115,35 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
     print(f"PERF kvfork generate N=1 tok/s={result['generate']:.1f}", flush=True)
 
 
+def _step_rate(
+    model: Any, n: int, steps: int, params: Any, device_sampling: bool
+) -> tuple[float, float, float]:
+    """`store.step` of a prompt and N - 1 forks: (tokens/s, ms a step, share of the time in
+    llama_decode), best of 3 after 2 warm-up steps."""
+    import kvfork
+
+    with kvfork.create_context_sync(
+        model, n_ctx=8192, n_batch=512, n_seq_max=n, device_sampling=device_sampling
+    ) as ctx:
+        root = kvfork.Branch.create(ctx, 0, params)
+        root.prefill_sync(ctx.tokenize(PROMPT))
+        branches = [root] + [root.fork_sync() for _ in range(n - 1)]
+        store = kvfork.BranchStore(ctx)
+        for _ in range(2):
+            store.step_sync(branches)
+        best, decode = float("inf"), 0.0
+        for _ in range(3):
+            s0 = ctx.stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                store.step_sync(branches)
+            dt = time.perf_counter() - t0
+            if dt < best:
+                best = dt
+                decode = float(ctx.stats()["decode_seconds"]) - float(s0["decode_seconds"])
+    return n * steps / best, 1000 * best / steps, decode / best
+
+
 def run(model: str, label: str, ns: Sequence[int], steps: int, out: Path) -> int:
     """Checks and throughput for one model into `out` (JSON); 1 when the backend is not CUDA."""
     result: dict[str, Any] = {
@@ -137,6 +152,7 @@ def run(model: str, label: str, ns: Sequence[int], steps: int, out: Path) -> int
         "steps": steps,
         "checks": {},
         "store_step": {},
+        "store_step_device": {},
     }
     _checks(model, result)
     if result["checks"].get("backend", "").startswith("OK"):
@@ -154,6 +170,14 @@ def parse_bare(text: str) -> dict[tuple[str, int], float]:
         ("gpu" if m.group(1) else "host", int(m.group(2))): float(m.group(3))
         for m in _BARE.finditer(text)
     }
+
+
+def _num(rate: float | None) -> str:
+    return f"{rate:,.0f}" if rate else "-"
+
+
+def _ratio(rate: float | None, anchor: float | None) -> str:
+    return f"{rate / anchor:.2f}" if rate and anchor else "-"
 
 
 def report(folder: Path) -> str:
@@ -175,17 +199,19 @@ def report(folder: Path) -> str:
             lines.append(f"- Branch.generate N=1: {result['generate']:.0f} tok/s")
         lines += [
             "",
-            "| N | kvfork store.step | bare, host argmax | bare, backend sampling | kvfork / bare host |",
-            "|---|---|---|---|---|",
+            (
+                "| N | kvfork store.step | kvfork, device_sampling | bare, host argmax "
+                "| bare, backend sampling | kvfork / bare host | device_sampling / bare backend |"
+            ),
+            "|---|---|---|---|---|---|---|",
         ]
+        on_device = result.get("store_step_device", {})
         for n_text, rate in result["store_step"].items():
             n = int(n_text)
-            host, gpu = bare.get(("host", n)), bare.get(("gpu", n))
-            ratio = f"{rate / host:.2f}" if host else "-"
-            lines.append(
-                f"| {n} | {rate:,.0f} | {f'{host:,.0f}' if host else '-'} | "
-                f"{f'{gpu:,.0f}' if gpu else '-'} | {ratio} |"
-            )
+            host, gpu, dev = bare.get(("host", n)), bare.get(("gpu", n)), on_device.get(n_text)
+            cells = [_num(rate), _num(dev), _num(host), _num(gpu)]
+            cells += [_ratio(rate, host), _ratio(dev, gpu)]
+            lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
     for pattern, title in (
         ("bench_store-*.txt", "--only throughput"),

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Stage bench: on each model, the checks and kvfork's store.step throughput at N = 1, 8, 64,
-# 128 (gpu_check/gpu_bench.py), llama.cpp's own loop beside it (benchmarks/bare_bench.cpp,
-# built here against the wheel's llama.cpp libraries, the modules loaded as kvfork loads
-# them: argmax on the host, and greedy sampling on the backend), and
-# benchmarks/bench_store.py's throughput and device-sampling tables. Every step leaves its output and a marker:
-# a call cut short goes on with the next step. Exit: 0 done, 3 steps remain, 4 inputs
-# missing, 1 the backend is not CUDA.
+# 128, with host rows and with device_sampling (gpu_check/gpu_bench.py), llama.cpp's own loop
+# beside it (benchmarks/bare_bench.cpp, built here against the wheel's llama.cpp libraries,
+# the modules loaded as kvfork loads them: argmax on the host, and greedy sampling on the
+# backend), and benchmarks/bench_store.py's throughput and device-sampling tables. Every step
+# leaves its output and a marker: a call cut short goes on with the next step. Exit: 0 done,
+# 3 steps remain, 4 inputs missing, 1 the backend is not CUDA.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 BN=$WORK/bench
@@ -42,7 +42,7 @@ step() {
 cd "$WORK" || exit 1
 for label in default chat; do
   model=$INPUTS/$(meta models.$label)
-  step "kvfork-$label" 90 "$PY" -m gpu_check.gpu_bench run --model "$model" --label "$label" \
+  step "kvfork-$label" 120 "$PY" -m gpu_check.gpu_bench run --model "$model" --label "$label" \
     --ns "$NS" --json "$BN/kvfork-$label.json" || break
   if [ "$(cat "$BN/kvfork-$label.done")" != 0 ]; then
     { echo "FAILED: the backend is not CUDA"; report; } | summary bench
