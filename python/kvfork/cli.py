@@ -632,8 +632,9 @@ def _parser() -> argparse.ArgumentParser:
         "--device-sampling",
         action="store_true",
         help="find each output's best 64 logits on the device (a GPU) and copy back only "
-        "those; requests whose sampling needs the whole row (top_k 0 or above 64, "
-        "penalties, logit_bias, response_format) get it (create_context(device_sampling=))",
+        "those, for requests that draw from them (temperature 0, or top_k 1 to 64); the "
+        "others (the default top_k 0: the whole vocabulary; penalties, logit_bias, "
+        "response_format) get whole rows as without it (create_context(device_sampling=))",
     )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
