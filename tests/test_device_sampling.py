@@ -7,14 +7,17 @@ the branches whose chains need them; clear errors where a row stayed on the devi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kvfork
+import numpy as np
 import pytest
 
 from .conftest import (
     GREEDY,
+    ON_CPU,
     PROMPT,
     assert_same_greedy,
     greedy_tokens,
@@ -248,6 +251,56 @@ def test_a_recurrent_model_cannot_decode_a_token_again_and_says_so(
         early.set_logit_bias({0: -5.0})
         early.prefill_sync(c.tokenize(PROMPT))
         assert early.produce_sync().token != 0
+
+
+def test_the_scratch_prefill_gives_rows_to_the_branches_that_need_them(
+    model: kvfork.Model,
+) -> None:
+    """New prompts prefilled together beside a busy cache go through the scratch context on
+    the CPU (which samples on the device too): the branch whose chain needs its row gets
+    it there, the greedy one the device's candidates."""
+    with kvfork.create_context_sync(
+        model, n_ctx=1024, n_batch=32, n_seq_max=4, device_sampling=True
+    ) as c:
+        busy = root(c, " ".join([PROMPT] * 12))  # over 2 x n_batch cells
+        needs, plain = kvfork.Branch.create(c, 0, GREEDY), kvfork.Branch.create(c, 0, GREEDY)
+        banned = busy.sample()
+        needs.set_logit_bias({banned: -100.0})
+        prompts = [c.tokenize(f"{i} and {i + 1} make") for i in (1, 2)]
+        kvfork.BranchStore(c).prefill_sync([(needs, prompts[0]), (plain, prompts[1])])
+        if ON_CPU:
+            assert int(c.stats()["scratch_tokens"]) == sum(map(len, prompts))
+        row = needs.logits()
+        assert row is not None and len(row) == c.vocab_size
+        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+            plain.logits()
+        biased = row.copy()
+        biased[banned] -= 100.0
+        assert needs.produce_sync().token == int(np.argmax(biased))  # from that very row
+
+
+async def test_a_prompt_riding_steps_gets_its_row(model: kvfork.Model) -> None:
+    """A long prompt prefilled while another branch steps rides the steps' decodes in
+    chunks (continuous batching): its last chunk's output is a row for a branch that needs
+    one, beside the stepping branch's device draws."""
+    async with kvfork.create_context(
+        model, n_ctx=2048, n_batch=64, n_seq_max=4, device_sampling=True
+    ) as c:
+        stepping = root(c)
+        needs = kvfork.Branch.create(c, 0, GREEDY)
+        needs.set_logit_bias({stepping.sample(): -100.0})
+        before = int(c.stats()["mixed_decodes"])
+        task = asyncio.create_task(needs.prefill(c.tokenize(" ".join([PROMPT] * 16))))
+        for _ in range(64):
+            if task.done():
+                break
+            await stepping.commit(await stepping.produce())
+        await task
+        assert int(c.stats()["mixed_decodes"]) > before
+        row = needs.logits()
+        assert row is not None and len(row) == c.vocab_size
+        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
+            stepping.logits()
 
 
 def test_speculation_under_a_grammar_gets_rows(
