@@ -121,7 +121,8 @@ def run_step(
 def device_sampling(args: argparse.Namespace, model: kvfork.Model) -> None:
     """Steps with `device_sampling=True` (each row's best 64 found in llama.cpp's graph, no
     row copied out) beside the default (rows lent to the host, summarized on the decode's
-    threads), greedy and the default chain, the two alternating so that drift on a shared
+    threads), greedy, the default chain and greedy with one branch biased (a row for it, so
+    every row of the decode copied back), the two alternating so that drift on a shared
     machine falls on both."""
     print(
         f"\n## Device sampling (store.step, steps={args.steps}, threads={THREADS}, "

@@ -72,8 +72,8 @@ pub(crate) struct LlamaCtx {
     pub output_padding: Option<(Seq, usize)>,
     /// Read by llama.cpp's abort callback; dropped after the context (field order).
     abort_signal: Option<Arc<AbortSignal>>,
-    /// The greedy chains of `device_sampling`, one per sequence, which the context points
-    /// to: dropped after it.
+    /// The chains of `device_sampling` (`sampling/device.rs`), which the context points to:
+    /// dropped after it.
     device: Option<DeviceChains>,
     // Keeps the weights alive for as long as the context.
     _model: Arc<Model>,

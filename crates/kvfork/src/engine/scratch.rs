@@ -138,11 +138,14 @@ impl Worker {
         rows: &mut [Option<Output>],
     ) -> Result<()> {
         self.open_scratch(kind)?;
-        let whole_rows: Vec<bool> = items.iter().map(|(cell, _)| self.wants_row(cell)).collect();
+        // Items whose outputs must be rows (none, and no allocation, without device sampling).
+        let whole_rows: Vec<usize> = (0..items.len())
+            .filter(|&i| self.wants_row(&items[i].0))
+            .collect();
         let batch = self.start_batch();
         for span in &chunk.spans {
             let seq = slots.seq_of(span.item)?;
-            if whole_rows[span.item] {
+            if whole_rows.contains(&span.item) {
                 batch.want_row(seq);
             }
             let tokens = &items[span.item].1[span.start..span.start + span.len];

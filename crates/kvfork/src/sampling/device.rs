@@ -50,7 +50,7 @@ impl Drawn {
     }
 
     /// Read output `i` of the last decode of `ctx` (a vocabulary of `n_vocab`), whose
-    /// sequences all carry the chains of [`DeviceChains`].
+    /// sequence carried a chain of [`DeviceChains`] in that decode.
     ///
     /// # Safety
     /// `ctx` is a live context created with those chains, used by this thread only.
@@ -109,7 +109,7 @@ impl Drawn {
     }
 }
 
-const NAME: &CStr = c"kvfork-greedy";
+const NAME: &CStr = c"kvfork-candidates";
 
 /// The stage's name.
 unsafe extern "C" fn name(_: *const sys::llama_sampler) -> *const c_char {
@@ -241,6 +241,8 @@ fn new_chain() -> *mut sys::llama_sampler {
 pub(crate) struct DeviceChains {
     /// The chain attached to each sequence; None: the sequence gives rows.
     chains: Vec<Option<NonNull<sys::llama_sampler>>>,
+    /// The first chains as the context parameters list them (`attach`): llama.cpp reads
+    /// them once, when it creates the context.
     configs: Vec<sys::llama_sampler_seq_config>,
     /// Batch entries of the last decode whose output is a row (their sequence gives rows).
     row_entries: Vec<usize>,
