@@ -101,33 +101,91 @@ def test_seeded_chains_draw_what_they_draw_from_host_rows(
     assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=LOGPROB_ROUNDING)
 
 
-def test_rows_stay_on_the_device_and_reading_one_says_so(
+def decodes_to_read(c: kvfork.Context, b: kvfork.Branch) -> int:
+    """Read `b`'s row; how many decodes that took: 1 when the device kept it (the branch's
+    last token decoded again), 0 when the branch had it."""
+    before = c.stats()["decode_calls"]
+    row = b.logits()
+    assert row is not None and len(row) == c.vocab_size
+    return int(c.stats()["decode_calls"] - before)
+
+
+def test_reading_a_row_the_device_kept_decodes_it_again_and_rows_follow(
     ctx: kvfork.Context, dev_ctx: kvfork.Context
 ) -> None:
-    b = root(dev_ctx)
+    """A greedy branch's rows stay on the device. Reading one decodes its last token again
+    (one decode) and gives the row of the same history over the same cells, and the branch
+    gets rows from then on (reading costs nothing after the next decode); its forks too.
+    What the device kept answers without a decode."""
+    host, b = root(ctx), root(dev_ctx)
     drawn = b.sample()
+    before = dev_ctx.stats()["decode_calls"]
+    top, expected_top = b.top_logprobs(5), host.top_logprobs(5)
+    assert [t for t, _ in top] == [t for t, _ in expected_top]
+    assert [lp for _, lp in top] == pytest.approx(
+        [lp for _, lp in expected_top], abs=LOGPROB_ROUNDING
+    )
+    assert dev_ctx.stats()["decode_calls"] == before  # the device's candidates answered
+    assert decodes_to_read(dev_ctx, b) == 1
+    row, expected = b.logits(), host.logits()
+    assert int(np.argmax(row)) == drawn
+    assert np.allclose(row, expected, atol=1e-3)
+    assert b.entropy() == pytest.approx(host.entropy(), rel=1e-4)
+    expected_tokens, margins = greedy_with_margins(host, 6)
+    assert_same_greedy(greedy_tokens(b, 6), expected_tokens, margins)
+    assert decodes_to_read(dev_ctx, b) == 0
+    child = b.fork_sync()
+    child.commit_sync(child.sample())
+    assert decodes_to_read(dev_ctx, child) == 0
+
+
+@pytest.mark.parametrize("read", ["top_logprobs", "logprob", "entropy", "model_entropy"])
+def test_every_reader_of_the_row_gets_it(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context, read: str
+) -> None:
+    """Each reader that needs more than the device's 64 candidates gets the row decoded
+    again, and reads what a context without device sampling reads."""
     unlikely = int(root(ctx).logits().argmin())  # far outside the best 64
-    for read in (
-        b.logits,
-        lambda: b.top_logprobs(65),
-        b.entropy,
-        lambda: b.logprob(unlikely),
-        dev_ctx.model_entropy,
-    ):
-        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-            read()
-    # Committing a token outside the candidates would need its probability: refused, and
-    # the branch is as it was.
-    position, perplexity = b.position, b.perplexity
-    with pytest.raises(kvfork.KvforkError, match="not among the 64 best"):
-        b.commit_sync(unlikely)
-    assert (b.position, b.perplexity, b.sample()) == (position, perplexity, drawn)
-    # Any candidate may be committed; prefill takes any tokens (it accepts none).
+    reads: dict[str, Callable[[kvfork.Context, kvfork.Branch], object]] = {
+        "top_logprobs": lambda c, b: [lp for _, lp in b.top_logprobs(65)],
+        "logprob": lambda c, b: b.logprob(unlikely),
+        "entropy": lambda c, b: b.entropy(),
+        "model_entropy": lambda c, b: c.model_entropy(),
+    }
+    expected = reads[read](ctx, root(ctx))
+    b = root(dev_ctx)
+    before = dev_ctx.stats()["decode_calls"]
+    assert reads[read](dev_ctx, b) == pytest.approx(expected, rel=1e-4, abs=LOGPROB_ROUNDING)
+    assert dev_ctx.stats()["decode_calls"] - before == 1
+    assert decodes_to_read(dev_ctx, b) == 0
+
+
+def test_committing_a_token_the_device_did_not_keep_decodes_its_row_first(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    """A token outside the device's candidates has no probability to count until the row is
+    decoded again: `commit` and `accept` of it take one decode more, and count what host
+    rows count."""
+    host = root(ctx)
+    unlikely = int(host.logits().argmin())
+    host.commit_sync(unlikely)
+    committed = root(dev_ctx)
+    before = dev_ctx.stats()["decode_calls"]
+    committed.commit_sync(unlikely)
+    assert dev_ctx.stats()["decode_calls"] - before == 2
+    accepted = root(dev_ctx)
+    accepted.accept(unlikely)
+    accepted.commit_sync(unlikely)
+    for b in (committed, accepted):
+        assert b.perplexity == pytest.approx(host.perplexity, rel=1e-4)
+        assert b.position == host.position
+        assert b.sample() == host.sample()
+    # Any candidate commits without a row; prefill takes any tokens.
+    b = root(dev_ctx)
+    before = dev_ctx.stats()["decode_calls"]
     b.commit_sync(b.top_logprobs(64)[-1][0])
-    prompt = dev_ctx.tokenize(" and then")
-    b.prefill_sync(prompt)
-    assert b.position == position + 1 + len(prompt)
-    b.commit_sync(b.sample())
+    b.prefill_sync(dev_ctx.tokenize(" and then"))
+    assert dev_ctx.stats()["decode_calls"] - before == 2
 
 
 ROW_CHAINS: dict[str, Callable[[kvfork.Branch], None]] = {
@@ -170,10 +228,8 @@ def test_chains_that_need_the_whole_row_get_it(
     assert run(dev_ctx) == run(ctx)
     assert dev_ctx.stats()["decode_calls"] - before == 3 + 6  # three prefills, one a step
     needs, plain = row_branch(dev_ctx, chain), root(dev_ctx)
-    row = needs.logits()
-    assert row is not None and len(row) == dev_ctx.vocab_size  # a row came back
-    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-        plain.logits()  # the greedy branch's stayed on the device
+    assert decodes_to_read(dev_ctx, needs) == 0  # a row came back
+    assert decodes_to_read(dev_ctx, plain) == 1  # the greedy branch's stayed on the device
 
 
 def biased_margin(b: kvfork.Branch, banned: int) -> float:
@@ -229,9 +285,8 @@ def test_a_chain_that_comes_to_need_the_row_gets_it_decoded_again(
     b.prune_sync()
     after = kvfork.Branch.create(dev_ctx, 0, GREEDY, seq_id=seq)
     after.prefill_sync(dev_ctx.tokenize(PROMPT))
-    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-        after.logits()
     assert after.sample() == root(ctx).sample()
+    assert decodes_to_read(dev_ctx, after) == 1  # the device drew its output
 
 
 def test_a_recurrent_model_cannot_decode_a_token_again_and_says_so(
@@ -239,9 +294,16 @@ def test_a_recurrent_model_cannot_decode_a_token_again_and_says_so(
 ) -> None:
     """On a recurrent state the last token cannot be decoded again beside the branch: a
     chain that came to need the row after the device drew keeps saying what to do; set
-    before the prefill, it gets its rows."""
+    before the prefill, it gets its rows. A read of the row says so too, and the branch
+    gets rows from its next decode on."""
     model = family_models("mamba")
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
+        reader = root(c)
+        with pytest.raises(kvfork.KvforkError, match="except on recurrent"):
+            reader.entropy()
+        reader.commit_sync(reader.produce_sync().token)  # its chain still draws
+        assert decodes_to_read(c, reader) == 0
+        reader.prune_sync()
         late = root(c)
         late.set_logit_bias({0: -5.0})
         with pytest.raises(kvfork.KvforkError, match="except on recurrent"):
@@ -270,10 +332,10 @@ def test_the_scratch_prefill_gives_rows_to_the_branches_that_need_them(
         kvfork.BranchStore(c).prefill_sync([(needs, prompts[0]), (plain, prompts[1])])
         if ON_CPU:
             assert int(c.stats()["scratch_tokens"]) == sum(map(len, prompts))
+        assert decodes_to_read(c, needs) == 0
+        assert decodes_to_read(c, plain) == 1
         row = needs.logits()
-        assert row is not None and len(row) == c.vocab_size
-        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-            plain.logits()
+        assert row is not None
         biased = row.copy()
         biased[banned] -= 100.0
         assert needs.produce_sync().token == int(np.argmax(biased))  # from that very row
@@ -297,10 +359,8 @@ async def test_a_prompt_riding_steps_gets_its_row(model: kvfork.Model) -> None:
             await stepping.commit(await stepping.produce())
         await task
         assert int(c.stats()["mixed_decodes"]) > before
-        row = needs.logits()
-        assert row is not None and len(row) == c.vocab_size
-        with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-            stepping.logits()
+        assert decodes_to_read(c, needs) == 0
+        assert decodes_to_read(c, stepping) == 1
 
 
 def test_speculation_under_a_grammar_gets_rows(
@@ -425,8 +485,7 @@ def test_a_saved_branch_keeps_what_the_device_kept(
     expected = [t.token for t in b.generate_sync(8)]
     same = kvfork.Branch.load_sync(dev_ctx, tmp_path / "b.kvfork")
     assert (same.top_logprobs(10), same.perplexity, same.sampling_perplexity) == before
-    with pytest.raises(kvfork.KvforkError, match="device_sampling"):
-        same.logits()
+    assert decodes_to_read(dev_ctx, same) == 1  # the row stayed where it was drawn
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
         moved = kvfork.Branch.load_sync(c, tmp_path / "b.kvfork")
         assert [t.token for t in moved.generate_sync(8)] == expected

@@ -1119,7 +1119,8 @@ class Branch:
         """
     def logits(self) -> npt.NDArray[np.float32]:
         """A copy of the raw logits snapshot, float32 of shape (vocab_size,). Raises KvforkError
-        before the first prefill or commit.
+        before the first prefill or commit. On a `device_sampling` context a row the device
+        kept is decoded again first (one decode), and the branch gets rows from then on.
         """
     def set_logits(self, logits: npt.NDArray[np.float32]) -> None:
         """Replace the snapshot with a float32 array of shape (vocab_size,)."""

@@ -94,9 +94,11 @@ def create_context(
       `vocab_size` floats per branch per step saved). Each branch's own chain then draws
       from them with its own RNG, so greedy and every chain that cuts to `top_k <= 64`
       first (temperature, top-p, min-p, seeds, forks, reseeds) draw exactly what they draw
-      from a row. Such branches have no rows: `logits()`, entropies and `top_logprobs(k > 64)`
-      raise KvforkError saying so; `logprob` and the perplexities work for the 64
-      candidates, and committing any other token is refused (`prefill` takes any). A branch
+      from a row. Such branches keep no rows: reading one (`logits()`, entropies,
+      `top_logprobs(k > 64)`, `logprob` of another token) or committing a token outside the
+      64 decodes the branch's last token again to get it (one decode), and the branch gets
+      rows from then on, as below; on recurrent and hybrid models that raises KvforkError
+      instead (`prefill` takes any tokens anywhere). A branch
       whose chain needs its whole row (a grammar, a logit bias, steering, `top_k=0` or above
       64, penalties, DRY, Mirostat) gets it: its sequence gives rows from the next decode on,
       beside branches drawing on the device in the same decode (which then copies every

@@ -509,10 +509,12 @@ impl PyBranch {
     }
 
     /// A copy of the raw logits snapshot, float32 of shape (vocab_size,). Raises KvforkError
-    /// before the first prefill or commit.
+    /// before the first prefill or commit. On a `device_sampling` context a row the device
+    /// kept is decoded again first (one decode), and the branch gets rows from then on.
     fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        // The snapshot is shared out first: no Python runs under the branch lock.
-        match self.inner.logits_shared().py()? {
+        // The snapshot is shared out first: no Python runs under the branch lock. Detached:
+        // the read may wait for a decode (a row in flight, or one the device kept).
+        match py.detach(|| self.inner.logits_shared()).py()? {
             Some(row) => convert::f32_array(py, &row),
             None => Err(crate::errors::KvforkError::new_err(
                 "the branch has no logits yet: prefill or commit first",

@@ -132,6 +132,27 @@ impl Branch {
         f(&mut st)
     }
 
+    /// `with_row` for a reader of the row, `f`. On a device-sampling context the row of an
+    /// output the device drew stayed there: when `f` cannot answer from what came back, the
+    /// branch gets rows from now on (`BranchState::read_rows`) and its last token is decoded
+    /// again for this read (`engine/refresh.rs`). Where that cannot be done (a recurrent
+    /// model, no spare sequence) `f`'s error stands.
+    fn with_whole_row<T>(&self, f: impl Fn(&mut BranchState) -> Result<T>) -> Result<T> {
+        let answered = self.with_row(|s| match f(s) {
+            Err(_) if s.logits().drawn().is_some() => {
+                s.read_rows();
+                Ok(None)
+            }
+            r => r.map(Some),
+        })?;
+        if let Some(value) = answered {
+            return Ok(value);
+        }
+        let cell = self.cell.clone();
+        self.ctx.run(move |w| w.refresh_for_reader(&cell)).wait()?;
+        self.with_row(f)
+    }
+
     // ---- decoding ----
 
     /// Decode external tokens at the branch's position and capture the last logits.
@@ -176,7 +197,7 @@ impl Branch {
     /// commit of another token is refused while this one is pending.
     pub fn accept(&self, token: Token) -> Result<()> {
         let model = self.ctx.model().clone();
-        self.with_row(|s| s.accept_ahead(&model, token))
+        self.with_whole_row(|s| s.accept_ahead(&model, token))
     }
 
     /// Accept, then decode `token` and capture logits; rolled back entirely if the decode fails.
@@ -589,31 +610,31 @@ impl Branch {
 
     /// Entropy of the raw snapshot's distribution (softmax of the logits), in `base`.
     pub fn entropy(&self, base: LogBase) -> Result<f64> {
-        self.with_row(|s| Ok(base.convert(s.logits().entropy()?)))
+        self.with_whole_row(|s| Ok(base.convert(s.logits().entropy()?)))
     }
 
     /// Surprisal of `token` under the raw snapshot (minus its log-probability), in `base`.
     pub fn surprisal(&self, token: Token, base: LogBase) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(base.convert(s.logits().surprisal(token)?)))
+        self.with_whole_row(|s| Ok(base.convert(s.logits().surprisal(token)?)))
     }
 
     /// Natural-log probability of `token` under the raw snapshot (log-softmax); -inf for a
     /// token whose logit is -inf.
     pub fn logprob(&self, token: Token) -> Result<f64> {
         self.ctx.model().check_token(token)?;
-        self.with_row(|s| Ok(-s.logits().surprisal(token)?))
+        self.with_whole_row(|s| Ok(-s.logits().surprisal(token)?))
     }
 
     /// The `k` most likely tokens of the raw snapshot with their natural-log probabilities,
     /// best first.
     pub fn top_logprobs(&self, k: usize) -> Result<Vec<(Token, f64)>> {
-        self.with_row(|s| s.logits().top_logprobs(k))
+        self.with_whole_row(|s| s.logits().top_logprobs(k))
     }
 
     /// A copy of the logits snapshot (None before the first prefill/commit).
     pub fn logits(&self) -> Result<Option<Vec<f32>>> {
-        self.with_row(|s| {
+        self.with_whole_row(|s| {
             s.logits().refuse_drawn()?;
             Ok(s.logits().row().map(<[f32]>::to_vec))
         })
@@ -621,7 +642,7 @@ impl Branch {
 
     /// The snapshot itself, shared (no copy; the branch lock is not held while it is used).
     pub fn logits_shared(&self) -> Result<Option<Arc<[f32]>>> {
-        self.with_row(|s| {
+        self.with_whole_row(|s| {
             s.logits().refuse_drawn()?;
             Ok(s.logits_shared())
         })

@@ -70,6 +70,9 @@ pub(crate) struct BranchState {
     /// Copies of a recurrent model's state at chosen positions of `history` (inherited by
     /// forks; see `engine/checkpoints.rs`). Always empty on other models.
     checkpoints: Checkpoints<Arc<[u8]>>,
+    /// Device sampling: the branch's rows were read (`Branch::with_whole_row`), so its
+    /// outputs are rows from now on, whatever its chain (inherited by forks).
+    reads_rows: bool,
 }
 
 /// What `commit` restores when the decode fails.
@@ -105,6 +108,7 @@ impl BranchState {
             cache: FilteredCache::default(),
             adapters: Adapters::default(),
             checkpoints: Checkpoints::default(),
+            reads_rows: false,
         }
     }
 
@@ -129,6 +133,7 @@ impl BranchState {
             cache: FilteredCache::default(),
             adapters: self.adapters.clone(),
             checkpoints: self.checkpoints.clone(),
+            reads_rows: self.reads_rows,
         }
     }
 
@@ -457,10 +462,21 @@ impl BranchState {
         }
     }
 
-    /// Whether the branch's next output must be a whole row in a device-sampling context
-    /// that keeps `kept` candidates of each row (see `device_k`).
-    pub fn needs_row(&mut self, kept: usize) -> bool {
+    /// Whether the branch's chain needs a whole row to sample from, in a device-sampling
+    /// context that keeps `kept` candidates of each row (see `device_k`).
+    pub fn chain_needs_row(&mut self, kept: usize) -> bool {
         self.device_k(kept).is_none()
+    }
+
+    /// Whether the branch's next output must be a whole row: its chain needs one, or its
+    /// rows are read.
+    pub fn needs_row(&mut self, kept: usize) -> bool {
+        self.reads_rows || self.chain_needs_row(kept)
+    }
+
+    /// Its rows are read: its outputs are rows from now on.
+    pub fn read_rows(&mut self) {
+        self.reads_rows = true;
     }
 
     /// Run the chain's filters over the gathered candidates and cache their log-partition.

@@ -28,8 +28,10 @@ enum Row {
 /// Why a device-sampled branch has no row to read.
 const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
     (create_context(device_sampling=True)): the logits row of this output stayed there, and \
-    only its best 64 logits and its log-partition came back; create the context with \
-    device_sampling=False to read rows";
+    only its best 64 logits and its log-partition came back. A branch's row is decoded again \
+    when it is read (and the branch gets rows from then on), except on recurrent and hybrid \
+    models, with n_seq_max 256 (no spare sequence), and for Context.decode's outputs; create \
+    the context with device_sampling=False to read rows there";
 
 /// Why a branch whose chain came to need the row cannot draw from a device's output.
 const DRAWN_BEFORE_NEEDED: &str = "this output was drawn on the device \

@@ -168,6 +168,10 @@ impl Worker {
         let mut snaps = Vec::with_capacity(items.len());
         let model = self.shared().model.clone();
         for (i, (cell, token)) in items.iter().enumerate() {
+            if let Err(e) = self.refresh_for_commit(cell, *token) {
+                restore(&items[..i], snaps);
+                return Err(e);
+            }
             let outcome = (|| {
                 if cell.is_disposed() {
                     return Err(Error::BranchDisposed("in commit".into()));

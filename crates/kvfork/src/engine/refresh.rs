@@ -1,6 +1,7 @@
 //! Device sampling (`sampling/device.rs`): a branch whose chain came to need its whole row
 //! after the device drew its last output (a grammar set after the prefill, a fork given a
-//! bias) gets the row before it samples: its last token is decoded again, row asked for, on
+//! bias), or whose row is read (`logits()`, `entropy()`), gets the row before it samples or
+//! is read: its last token is decoded again, row asked for, on
 //! the padding sequence (no branch leases it; it is empty between decodes) over the branch's
 //! own cells, so the branch itself is untouched whether that works or not. The row is the
 //! last token's over the same cells, as exact as any re-batched row (margin-aware).
@@ -14,6 +15,7 @@ use std::sync::Arc;
 use super::{BranchCell, Worker};
 use crate::error::{Error, Result};
 use crate::llama_ctx::Output;
+use crate::model::Token;
 
 impl Worker {
     /// Give each of `cells` that needs it its row (see the module). One entry per cell: the
@@ -25,7 +27,7 @@ impl Worker {
         };
         let stale = |cell: &Arc<BranchCell>| {
             let mut st = cell.lock();
-            st.logits().drawn().is_some() && st.needs_row(kept)
+            st.logits().drawn().is_some() && st.chain_needs_row(kept)
         };
         if self.keeps_checkpoints() || !cells.iter().any(stale) {
             return Vec::new();
@@ -34,6 +36,44 @@ impl Worker {
             .iter()
             .map(|cell| stale(cell).then(|| self.refresh_row(cell).err()).flatten())
             .collect()
+    }
+
+    /// Give `cell` its row for a reader (`Branch::with_whole_row`) when the device drew its
+    /// output; the branch was marked to get rows from now on. Nothing where it cannot (see
+    /// the module): the reader reports that.
+    pub(crate) fn refresh_for_reader(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
+        let drawn =
+            self.ctx().device_candidates().is_some() && cell.lock().logits().drawn().is_some();
+        if !drawn || self.keeps_checkpoints() {
+            return Ok(());
+        }
+        self.refresh_row(cell)
+    }
+
+    /// Before `token` is committed to `cell`: a token outside the candidates the device kept
+    /// has no probability to count, so the branch gets its row, and rows from now on (it
+    /// commits tokens of its own, as a reader would).
+    pub(super) fn refresh_for_commit(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        token: Token,
+    ) -> Result<()> {
+        let outside = {
+            let mut st = cell.lock();
+            let outside = st
+                .logits()
+                .drawn()
+                .is_some_and(|d| d.logit_of(token).is_none());
+            if outside {
+                st.read_rows();
+            }
+            outside
+        };
+        if outside {
+            self.refresh_for_reader(cell)
+        } else {
+            Ok(())
+        }
     }
 
     /// Decode `cell`'s last token again on the padding sequence, row asked for, and make
