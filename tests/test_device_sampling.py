@@ -11,6 +11,7 @@ import asyncio
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import kvfork
 import numpy as np
@@ -30,7 +31,7 @@ from .conftest import (
     margin,
     root,
 )
-from .family_models import FAMILIES
+from .family_models import FAMILIES, RECURRENT
 
 #: Log-probabilities of one token under the device's f32 log-partition and the host's f64
 #: one, over the same or a re-batched row (measured: 2e-6 apart on the same history).
@@ -322,30 +323,55 @@ def test_a_chain_that_comes_to_need_the_row_gets_it_decoded_again(
     assert decodes_to_read(dev_ctx, after) == 1  # the device drew its output
 
 
-def test_a_recurrent_model_cannot_decode_a_token_again_and_says_so(
-    family_models: Callable[[str], kvfork.Model],
+class Rebuilt(NamedTuple):
+    """What `test_a_recurrent_state_is_rebuilt_to_decode_a_token_again` sees in a context."""
+
+    tokens: list[int]
+    row: npt.NDArray[np.float32]
+    replayed: int
+    late: int
+    late_margin: float
+    late_replayed: int
+
+
+@pytest.mark.parametrize("family", sorted(RECURRENT))
+def test_a_recurrent_state_is_rebuilt_to_decode_a_token_again(
+    family_models: Callable[[str], kvfork.Model], family: str
 ) -> None:
-    """On a recurrent state the last token cannot be decoded again beside the branch: a
-    chain that came to need the row after the device drew keeps saying what to do; set
-    before the prefill, it gets its rows. A read of the row says so too, and the branch
-    gets rows from its next decode on."""
-    model = family_models("mamba")
-    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
-        reader = root(c)
-        with pytest.raises(kvfork.KvforkError, match="except on recurrent"):
-            reader.entropy()
-        reader.commit_sync(reader.produce_sync().token)  # its chain still draws
-        assert decodes_to_read(c, reader) == 0
-        reader.prune_sync()
-        late = root(c)
-        late.set_logit_bias({0: -5.0})
-        with pytest.raises(kvfork.KvforkError, match="except on recurrent"):
-            late.produce_sync()
-        late.prune_sync()
-        early = kvfork.Branch.create(c, 0, GREEDY)
-        early.set_logit_bias({0: -5.0})
-        early.prefill_sync(c.tokenize(PROMPT))
-        assert early.produce_sync().token != 0
+    """On a recurrent state (pure or hybrid) the spare sequence is rebuilt from the branch's
+    last checkpoint (the prompt's end) with the tokens after it decoded again: a reader, and
+    a chain that came to need the row after the device drew, get the row of the same
+    history as host rows, and draw what host rows draw (the margin rule: other batches)."""
+    model = family_models(family)
+    generated = 4
+
+    def run(device_sampling: bool) -> Rebuilt:
+        with kvfork.create_context_sync(
+            model, n_ctx=512, n_seq_max=2, device_sampling=device_sampling
+        ) as c:
+            reader = root(c)
+            tokens = greedy_tokens(reader, generated)
+            before = c.stats()["replayed_tokens"]
+            row = reader.logits()
+            assert row is not None
+            replayed = int(c.stats()["replayed_tokens"] - before)
+            late = root(c)
+            greedy_tokens(late, generated)
+            banned = late.sample()  # the device's draw: no row read
+            late.set_logit_bias({banned: -100.0})
+            late_margin = 0.0 if device_sampling else biased_margin(late, banned)
+            before = c.stats()["replayed_tokens"]
+            produced = late.produce_sync().token
+            late_replayed = int(c.stats()["replayed_tokens"] - before)
+            return Rebuilt(tokens, row, replayed, produced, late_margin, late_replayed)
+
+    host, dev = run(False), run(True)
+    assert dev.tokens == host.tokens  # the same decodes over the same cells
+    since_the_prompt = generated - 1
+    assert (host.replayed, dev.replayed) == (0, since_the_prompt)
+    assert (host.late_replayed, dev.late_replayed) == (0, since_the_prompt)
+    assert_close_logits(dev.row, host.row)
+    assert_same_greedy([dev.late], [host.late], [host.late_margin])
 
 
 def test_the_scratch_prefill_gives_rows_to_the_branches_that_need_them(

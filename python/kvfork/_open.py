@@ -96,18 +96,19 @@ def create_context(
       first (temperature, top-p, min-p, seeds, forks, reseeds) draw exactly what they draw
       from a row. Such branches keep no rows: reading one (`logits()`, entropies,
       `top_logprobs(k > 64)`, `logprob` of another token) or committing a token outside the
-      64 decodes the branch's last token again to get it (one decode), and the branch gets
-      rows from then on, as below; on recurrent and hybrid models that raises KvforkError
-      instead (`prefill` takes any tokens anywhere). A branch
-      whose chain needs its whole row (a grammar, a logit bias, steering, `top_k=0` or above
-      64, penalties, DRY, Mirostat) gets it: its sequence gives rows from the next decode on,
-      beside branches drawing on the device in the same decode (which then copies every
-      output's row back; switching a sequence costs one graph reservation, ~10 ms on a CPU).
-      A chain that comes to need the row after the device drew the output it samples (a
-      grammar set after the prefill, a fork given a bias) gets it from `produce`, `step` and
-      `BranchStore.step`, which decode the last token again (one decode; not on recurrent
-      or hybrid models, where KvforkError says so, as `sample()` does anywhere): set such
-      chains before the prefill to spare it. Not with `embeddings=True`. Meant for GPUs: on the CPU backend it is slower than host rows.
+      64 decodes the branch's last token again to get it (one decode; on recurrent and
+      hybrid models, the tokens since the branch's last checkpoint too), and the branch gets
+      rows from then on. A branch whose chain needs its whole row (a grammar, a logit bias,
+      steering, `top_k=0` or above 64, penalties, DRY, Mirostat) gets it: its sequence gives
+      rows from the next decode on, beside branches drawing on the device in the same
+      decode (which then copies every output's row back; switching a sequence costs one
+      graph reservation, ~10 ms on a CPU). A chain that comes to need the row after the
+      device drew the output it samples (a grammar set after the prefill, a fork given a
+      bias) gets it from `produce`, `step` and `BranchStore.step` the same way (`sample()`
+      reads the output as it is, and raises KvforkError saying so): set such chains before
+      the prefill to spare the decode. With `n_seq_max=256` there is no spare sequence to
+      decode again on, and those calls raise KvforkError instead. Not with
+      `embeddings=True`. Meant for GPUs: on the CPU backend it is slower than host rows.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

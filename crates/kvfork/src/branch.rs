@@ -135,8 +135,8 @@ impl Branch {
     /// `with_row` for a reader of the row, `f`. On a device-sampling context the row of an
     /// output the device drew stayed there: when `f` cannot answer from what came back, the
     /// branch gets rows from now on (`BranchState::read_rows`) and its last token is decoded
-    /// again for this read (`engine/refresh.rs`). Where that cannot be done (a recurrent
-    /// model, no spare sequence) `f`'s error stands.
+    /// again for this read (`engine/refresh.rs`). Where that cannot be done (no spare
+    /// sequence) `f`'s error stands.
     fn with_whole_row<T>(&self, f: impl Fn(&mut BranchState) -> Result<T>) -> Result<T> {
         let answered = self.with_row(|s| match f(s) {
             Err(_) if s.logits().drawn().is_some() => {

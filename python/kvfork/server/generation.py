@@ -549,9 +549,10 @@ class Generation:
         unless they share its reasoning, when they are forked at its end. The prompt tokens
         that came from the cache."""
         g, sampling = self.generator, self.sampling
-        # With device sampling, a bias or a schema must be set before the decode whose output
-        # it samples: the prompt's last token is prefilled after them (a recurrent state
-        # cannot decode that token again later, `engine/refresh.rs`).
+        # With device sampling, a bias or a schema wants a row from the decode whose output
+        # it samples: the prompt's last token is prefilled after them. Otherwise the first
+        # step decodes it again (`engine/refresh.rs`), on a recurrent state with every token
+        # since the branch's last checkpoint.
         constrained = sampling.logit_bias or sampling.json_schema is not None
         last = g.ctx.device_sampling and constrained and len(self.tokens) > 1
         prompt = self.tokens[:-1] if last else self.tokens

@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::seq::Seq;
 
+/// A recurrent state kept aside: the position after which it was taken, and its bytes.
+type Checkpoint = (u32, Arc<[u8]>);
+
 impl Worker {
     /// Whether this context's model keeps a recurrent state (pure or hybrid): then cuts and
     /// forks inside a sequence go through checkpoints.
@@ -67,25 +70,8 @@ impl Worker {
             self.ctx_mut().seq_rm(seq, pos, -1)?;
             return Ok(());
         }
-        let (from, replay) = {
-            let mut st = cell.lock();
-            st.forget_checkpoints_after(pos.max(0) as u32);
-            let from = st.checkpoint_at_or_before(pos as u32);
-            let at = from.as_ref().map_or(0, |(at, _)| *at as usize);
-            // The history ends at the branch's position; a branch the raw layer made over
-            // existing cells lacks its first tokens.
-            let history = st.history();
-            let offset = (st.position() as usize).saturating_sub(history.len());
-            if at < offset || pos as usize > offset + history.len() {
-                let family = self.shared().model.family();
-                return Err(Error::Other(format!(
-                    "cannot bring this branch's recurrent state back to position {pos} on a \
-                     {family} model: its tokens before position {offset} are unknown (a branch \
-                     over cells the raw layer decoded); make such branches with prefill"
-                )));
-            }
-            (from, history[at - offset..pos as usize - offset].to_vec())
-        };
+        cell.lock().forget_checkpoints_after(pos.max(0) as u32);
+        let (from, replay) = self.replay_plan(cell, pos)?;
         let start = match from {
             Some((at, state)) => {
                 self.ctx_mut().set_recurrent_state(seq, &state)?;
@@ -100,6 +86,59 @@ impl Worker {
             }
         };
         self.replay(cell, seq, start, &replay)
+    }
+
+    /// Make the empty sequence `target` hold `cell`'s first `pos` tokens, `cell` untouched:
+    /// its cells on a KV cache; on a recurrent state, its cells up to the last checkpoint at
+    /// or before `pos`, that checkpoint's state, and the tokens after it decoded again. On
+    /// failure `target` may hold part of them: the caller empties it.
+    pub(super) fn rebuild_on(
+        &mut self,
+        cell: &Arc<BranchCell>,
+        target: Seq,
+        pos: i32,
+    ) -> Result<()> {
+        let seq = cell.seq();
+        if !self.keeps_checkpoints() {
+            return self.ctx_mut().seq_cp(seq, target, 0, pos);
+        }
+        let (from, replay) = self.replay_plan(cell, pos)?;
+        let start = match from {
+            Some((at, state)) => {
+                self.ctx_mut().seq_cp(seq, target, 0, at as i32)?;
+                self.ctx_mut().set_recurrent_state(target, &state)?;
+                Stats::add(&self.shared().stats.checkpoint_restores, 1);
+                at as i32
+            }
+            None => 0,
+        };
+        self.replay(cell, target, start, &replay)
+    }
+
+    /// Where a recurrent state for `cell`'s first `pos` tokens starts from (its last
+    /// checkpoint at or before `pos`, or nothing: position 0) and the tokens of its history
+    /// to decode after it.
+    fn replay_plan(
+        &self,
+        cell: &Arc<BranchCell>,
+        pos: i32,
+    ) -> Result<(Option<Checkpoint>, Vec<Token>)> {
+        let st = cell.lock();
+        let from = st.checkpoint_at_or_before(pos as u32);
+        let at = from.as_ref().map_or(0, |(at, _)| *at as usize);
+        // The history ends at the branch's position; a branch the raw layer made over
+        // existing cells lacks its first tokens.
+        let history = st.history();
+        let offset = (st.position() as usize).saturating_sub(history.len());
+        if at < offset || pos as usize > offset + history.len() {
+            let family = self.shared().model.family();
+            return Err(Error::Other(format!(
+                "cannot bring this branch's recurrent state back to position {pos} on a \
+                 {family} model: its tokens before position {offset} are unknown (a branch \
+                 over cells the raw layer decoded); make such branches with prefill"
+            )));
+        }
+        Ok((from, history[at - offset..pos as usize - offset].to_vec()))
     }
 
     /// Decode `tokens` into `seq` from position `start` again, without logits, under the
@@ -123,7 +162,8 @@ impl Worker {
             for (j, &t) in chunk.iter().enumerate() {
                 batch.push(t, first + j as i32, seq, false);
             }
-            self.decode()?;
+            // No outputs, so nothing to pad: `seq` may be the padding sequence (`refresh.rs`).
+            self.decode_unpadded()?;
         }
         Stats::add(&self.shared().stats.replayed_tokens, tokens.len() as u64);
         Ok(())

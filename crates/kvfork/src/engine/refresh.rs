@@ -1,13 +1,14 @@
 //! Device sampling (`sampling/device.rs`): a branch whose chain came to need its whole row
 //! after the device drew its last output (a grammar set after the prefill, a fork given a
 //! bias), or whose row is read (`logits()`, `entropy()`), gets the row before it samples or
-//! is read: its last token is decoded again, row asked for, on
-//! the padding sequence (no branch leases it; it is empty between decodes) over the branch's
-//! own cells, so the branch itself is untouched whether that works or not. The row is the
-//! last token's over the same cells, as exact as any re-batched row (margin-aware).
+//! is read. Its last token is decoded again, row asked for, on the padding sequence (no
+//! branch leases it; it is empty between decodes) made to hold the branch's other tokens
+//! (`Worker::rebuild_on`: a copy of its cells; on a recurrent state, its last checkpoint and
+//! the tokens after it decoded again), so the branch itself is untouched whether that works
+//! or not. The row is the last token's over the same history, as exact as any re-batched row
+//! (margin-aware).
 //!
-//! Only on attention-only models: a recurrent state cannot be shared up to one token short.
-//! There, and without a padding sequence, the branch's sample keeps saying what to do
+//! Without a padding sequence (n_seq_max 256) the branch's sample keeps saying what to do
 //! (`LogitsSnapshot::drawn_before_needed`).
 
 use std::sync::Arc;
@@ -29,7 +30,7 @@ impl Worker {
             let mut st = cell.lock();
             st.logits().drawn().is_some() && st.chain_needs_row(kept)
         };
-        if self.keeps_checkpoints() || !cells.iter().any(stale) {
+        if !cells.iter().any(stale) {
             return Vec::new();
         }
         cells
@@ -44,10 +45,10 @@ impl Worker {
     pub(crate) fn refresh_for_reader(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
         let drawn =
             self.ctx().device_candidates().is_some() && cell.lock().logits().drawn().is_some();
-        if !drawn || self.keeps_checkpoints() {
-            return Ok(());
+        if drawn {
+            self.refresh_row(cell)?;
         }
-        self.refresh_row(cell)
+        Ok(())
     }
 
     /// Before `token` is committed to `cell`: a token outside the candidates the device kept
@@ -94,15 +95,14 @@ impl Worker {
         let Some(last) = last.filter(|_| position > 0) else {
             return Ok(()); // cells the raw layer decoded: no token to decode again
         };
-        let seq = cell.seq();
         self.use_adapters(&adapters)?;
-        self.ctx_mut().seq_cp(seq, tmp, 0, position - 1)?;
-        let batch = self.start_batch();
-        batch.push(last, position - 1, tmp, true);
-        batch.want_row(tmp);
-        let decoded = self
-            .decode_unpadded()
-            .and_then(|()| Ok(self.ctx().output_ith(0)?.into_owned()));
+        let decoded = self.rebuild_on(cell, tmp, position - 1).and_then(|()| {
+            let batch = self.start_batch();
+            batch.push(last, position - 1, tmp, true);
+            batch.want_row(tmp);
+            self.decode_unpadded()?;
+            Ok(self.ctx().output_ith(0)?.into_owned())
+        });
         self.clear_seq(tmp);
         let row: Output = decoded?;
         cell.lock().set_output(&row);
