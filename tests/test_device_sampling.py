@@ -189,6 +189,8 @@ def test_every_reader_of_the_row_gets_it(
         "model_entropy": lambda: row_entropy(row),
     }
     expected = from_row[read]()
+    # The decode aside left the context's last output where it was: the branch's.
+    assert dev_ctx.model_entropy() == pytest.approx(b.entropy(), rel=1e-9)
     assert got == pytest.approx(expected, rel=1e-4, abs=LOGPROB_ROUNDING)
 
 
@@ -278,20 +280,26 @@ def biased_margin(b: kvfork.Branch, banned: int) -> float:
 def test_a_chain_that_comes_to_need_the_row_gets_it_decoded_again(
     ctx: kvfork.Context, dev_ctx: kvfork.Context
 ) -> None:
-    """A grammar or a bias set after the decode whose output the device drew: `sample()`
-    (the output as it is) says so; `produce` and store steps decode the last token again, row
-    asked for (one decode), and draw what a context without device sampling draws (another
-    decode than the reference's: the margin rule). A sequence goes back to the device's
-    candidates when a branch that needs none takes it over."""
-    b = root(dev_ctx)
-    b.set_grammar('root ::= " yes" | " no"')
-    with pytest.raises(kvfork.KvforkError, match="before the branch's chain needed"):
-        b.sample()
-    decodes = dev_ctx.stats()["decode_calls"]
-    text = b.produce_sync().text
-    assert dev_ctx.stats()["decode_calls"] - decodes == 1  # the last token, again
-    assert text and (" yes".startswith(text) or " no".startswith(text))
-    assert b.sample() == b.produce_sync().token  # the row is the branch's output now
+    """A grammar or a bias set after the decode whose output the device drew: `sample()`,
+    `produce` and store steps decode the last token again, row asked for (one decode), and
+    draw what a context without device sampling draws (another decode than the reference's:
+    the margin rule). A sequence goes back to the device's candidates when a branch that
+    needs none takes it over."""
+    lates: tuple[Callable[[kvfork.Branch], int], ...] = (
+        lambda b: b.produce_sync().token,
+        lambda b: b.sample(),
+    )
+    for late in lates:
+        b = root(dev_ctx)
+        b.set_grammar('root ::= " yes" | " no"')
+        decodes = dev_ctx.stats()["decode_calls"]
+        text = dev_ctx.detokenize([late(b)])
+        assert dev_ctx.stats()["decode_calls"] - decodes == 1  # the last token, again
+        assert text and (" yes".startswith(text) or " no".startswith(text))
+        assert b.sample() == b.produce_sync().token  # the row is the branch's output now
+        assert dev_ctx.stats()["decode_calls"] - decodes == 1
+        b.commit_sync(b.sample())  # a decode of its own sequence, row asked for
+        assert decodes_to_read(dev_ctx, b) == 0
 
     def biased_fork_steps(c: kvfork.Context) -> tuple[list[list[int]], list[list[float]]]:
         """A fork given a bias against its parent's next token, stepped beside it: each
@@ -486,13 +494,22 @@ def test_speculation_draws_what_plain_generation_draws(dev_ctx: kvfork.Context) 
     assert spec.perplexity == pytest.approx(plain.perplexity, rel=1e-2)
 
 
-def test_the_raw_layer_takes_a_device_draw_over(dev_ctx: kvfork.Context) -> None:
-    """A raw `decode`'s output, and a destroyed branch's, are device draws a branch created
-    over the sequence captures; capturing again after its own decode changes nothing."""
+def test_the_raw_layer_gives_rows_and_takes_a_device_draw_over(
+    ctx: kvfork.Context, dev_ctx: kvfork.Context
+) -> None:
+    """A raw `decode`'s output is a whole row (the raw layer knows no tokens to decode again
+    for a read), which a branch created over the sequence captures; a destroyed branch's
+    device draw is captured as it is, and capturing again after the branch's own decode
+    changes nothing."""
     tokens = dev_ctx.tokenize(PROMPT)
     dev_ctx.decode_sync(tokens, 0, 3)
+    before = dev_ctx.stats()["decode_calls"]
+    ctx.decode_sync(tokens, 0, 3)
+    assert dev_ctx.model_entropy() == pytest.approx(ctx.model_entropy(), rel=1e-4)
     b = kvfork.Branch.create(dev_ctx, len(tokens), GREEDY, seq_id=3)
     b.capture_logits()
+    assert decodes_to_read(dev_ctx, b) == 0
+    assert dev_ctx.stats()["decode_calls"] == before
     reference = root(dev_ctx)
     assert b.sample() == reference.sample()
     b.commit_sync(b.sample())
@@ -503,6 +520,38 @@ def test_the_raw_layer_takes_a_device_draw_over(dev_ctx: kvfork.Context) -> None
     again = kvfork.Branch.create(dev_ctx, position, GREEDY, seq_id=seq)
     again.capture_logits()
     assert (again.sample(), again.top_logprobs(5)) == (drawn, top)
+    with pytest.raises(kvfork.KvforkError, match="destroyed branch"):
+        again.logits()  # no token of its own to decode again
+    again.commit_sync(again.sample())
+    assert decodes_to_read(dev_ctx, again) == 0  # the read asked for rows: this decode's
+
+
+@pytest.mark.parametrize("family", ["mamba", "lfm2"])
+def test_a_recurrent_branch_over_raw_cells_gets_its_rows(
+    family_models: Callable[[str], kvfork.Model], family: str
+) -> None:
+    """A branch taking a recurrent sequence the raw layer decoded over knows none of its
+    tokens: the state it took over is its first checkpoint, so a row the device kept after
+    its own decodes is still decoded again for a read (those tokens replayed), and close to
+    host rows' (the same history, other batches)."""
+    model = family_models(family)
+
+    def run(device_sampling: bool) -> tuple[list[int], npt.NDArray[np.float32]]:
+        with kvfork.create_context_sync(
+            model, n_ctx=512, n_seq_max=2, device_sampling=device_sampling
+        ) as c:
+            tokens = c.tokenize(PROMPT)
+            c.decode_sync(tokens, 0, 1)
+            b = kvfork.Branch.create(c, len(tokens), GREEDY, seq_id=1)
+            b.capture_logits()
+            generated = greedy_tokens(b, 3)
+            row = b.logits()
+            assert row is not None
+            return generated, row
+
+    (host_tokens, host_row), (dev_tokens, dev_row) = run(False), run(True)
+    assert dev_tokens == host_tokens
+    assert_close_logits(dev_row, host_row)
 
 
 def test_device_sampling_is_refused_for_embeddings(model: kvfork.Model) -> None:

@@ -104,10 +104,13 @@ def create_context(
       decode (which then copies every output's row back; switching a sequence costs one
       graph reservation, ~10 ms on a CPU). A chain that comes to need the row after the
       device drew the output it samples (a grammar set after the prefill, a fork given a
-      bias) gets it from `produce`, `step` and `BranchStore.step` the same way (`sample()`
-      reads the output as it is, and raises KvforkError saying so): set such chains before
-      the prefill to spare the decode. With `n_seq_max=256` there is no spare sequence to
-      decode again on, and those calls raise KvforkError instead. Not with
+      bias) gets it from `sample`, `produce`, `step` and `BranchStore.step` the same way:
+      set such chains before the prefill to spare the decode. With `n_seq_max=256` there is
+      no spare sequence to decode again on, and those calls raise KvforkError instead; a
+      full KV cache raises KvCacheFullError (the decode needs free cells).
+      `Context.decode`'s outputs are whole rows (the raw layer keeps no tokens to decode
+      again), so only a device draw captured before its branch decoded anything (a
+      destroyed branch's) stays unreadable (KvforkError). Not with
       `embeddings=True`. Meant for GPUs: on the CPU backend it is slower than host rows.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that

@@ -168,9 +168,23 @@ impl Branch {
     }
 
     /// Sample from the snapshot: grammar → logit bias → steer → chain. Runs on the calling
-    /// thread on the snapshot as it is now (see `produce` for the engine-ordered version).
+    /// thread on the snapshot as it is now (see `produce` for the engine-ordered version),
+    /// except when the chain came to need the row of an output the device drew: the engine
+    /// decodes the last token again first, as for `produce` (`engine/refresh.rs`).
     pub fn sample(&self) -> Result<Token> {
-        self.with_row(|s| s.sample())
+        let sampled = self.with_row(|s| {
+            let drawn = s.logits().drawn().is_some();
+            Ok(s.sample().map_err(|e| (e, drawn)))
+        })?;
+        match sampled {
+            Ok(token) => Ok(token),
+            Err((_, true)) => {
+                let cell = self.cell.clone();
+                self.ctx.run(move |w| w.refresh_for_sample(&cell)).wait()?;
+                self.with_row(|s| s.sample())
+            }
+            Err((e, false)) => Err(e),
+        }
     }
 
     /// Sample and describe the token, on the engine thread after any queued work on this

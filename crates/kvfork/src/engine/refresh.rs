@@ -39,6 +39,14 @@ impl Worker {
             .collect()
     }
 
+    /// `refresh_rows` for one branch about to sample off the engine thread (`Branch::sample`).
+    pub(crate) fn refresh_for_sample(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
+        match self.refresh_rows(std::slice::from_ref(cell)).pop() {
+            Some(Some(e)) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// Give `cell` its row for a reader (`Branch::with_whole_row`) when the device drew its
     /// output; the branch was marked to get rows from now on. Nothing where it cannot (see
     /// the module): the reader reports that.
@@ -59,6 +67,9 @@ impl Worker {
         cell: &Arc<BranchCell>,
         token: Token,
     ) -> Result<()> {
+        if self.ctx().device_candidates().is_none() {
+            return Ok(()); // every output is a row: not a lock more per committed token
+        }
         let outside = {
             let mut st = cell.lock();
             let outside = st
@@ -104,7 +115,14 @@ impl Worker {
             Ok(self.ctx().output_ith(0)?.into_owned())
         });
         self.clear_seq(tmp);
-        let row: Output = decoded?;
+        let row: Output = decoded.map_err(|e| match e {
+            Error::KvCacheFull(why) => Error::KvCacheFull(format!(
+                "{why}: this branch's row stayed on the device (create_context(\
+                 device_sampling=True)), and getting it decodes its last token again, in free \
+                 cells"
+            )),
+            e => e,
+        })?;
         cell.lock().set_output(&row);
         Ok(())
     }

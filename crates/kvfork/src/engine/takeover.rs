@@ -67,6 +67,9 @@ impl Worker {
                 let last = k + 1 == chunks && j + 1 == chunk.len();
                 batch.push(t, at + j as i32, seq, last);
             }
+            // A raw output is a whole row even with device sampling: the raw layer knows no
+            // history to decode its token again from when its row is read.
+            batch.want_row(seq);
             if let Err(e) = self.decode() {
                 let _ = self.ctx_mut().seq_rm(seq, position, -1);
                 return Err(e);
@@ -106,13 +109,25 @@ impl Worker {
                     ),
                 ));
             }
+            self.checkpoint_taken_over(&cell, position);
             return Ok((handle, cell, true));
         }
         let (handle, cell) = self.shared().create_root(state)?;
         let keep = self.ctx().seq_pos_max(cell.seq())? == position - 1;
-        if !keep {
+        if keep {
+            self.checkpoint_taken_over(&cell, position);
+        } else {
             self.empty_seq(cell.seq())?;
         }
         Ok((handle, cell, keep))
+    }
+
+    /// On a recurrent state, keep the state of cells a branch took over as its first
+    /// checkpoint: the branch knows none of their tokens, so it is the only point its state
+    /// can be rebuilt from (a rollback, a fork inside it, a row decoded again for device
+    /// sampling). A no-op elsewhere. Without it those report what they lack, so a failure
+    /// to copy the state here is left to them.
+    fn checkpoint_taken_over(&mut self, cell: &Arc<BranchCell>, position: i32) {
+        let _ = self.take_checkpoint(cell, position);
     }
 }

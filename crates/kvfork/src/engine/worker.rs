@@ -20,6 +20,18 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::{Batch, LlamaCtx};
 use crate::seq::Seq;
 
+/// Which decode `Worker::after_decode` accounts for.
+#[derive(Clone, Copy)]
+pub(super) enum Decoded {
+    /// The main context's, whose output rows are branches' (or the raw layer's) new outputs:
+    /// the outputs tracker follows them.
+    Main,
+    /// The main context's, aside: rows no branch takes as its new output (`decode_unpadded`).
+    Aside,
+    /// The scratch context's (`scratch.rs`).
+    Scratch,
+}
+
 pub(crate) struct Worker {
     ctx: LlamaCtx,
     batch: Batch,
@@ -273,17 +285,18 @@ impl Worker {
                 r = self.ctx.decode(&self.batch); // the padding's cells were the ones missing
             }
         }
-        self.after_decode(t0.elapsed(), r, pad, true)
+        self.after_decode(t0.elapsed(), r, pad, Decoded::Main)
     }
 
-    /// `decode` with no output padding: for a batch on the padding sequence itself
-    /// (`refresh.rs`).
+    /// `decode` with no output padding, for a batch on the padding sequence itself
+    /// (`refresh.rs`) or one with no outputs (`checkpoints.rs`): its rows are no branch's
+    /// new output, so the outputs tracker does not follow them.
     pub(super) fn decode_unpadded(&mut self) -> Result<()> {
         self.loans.give_back_all();
         self.read_load();
         let t0 = Instant::now();
         let r = self.ctx.decode(&self.batch);
-        self.after_decode(t0.elapsed(), r, 0, true)
+        self.after_decode(t0.elapsed(), r, 0, Decoded::Aside)
     }
 
     /// `llama_decode` of the current batch in the scratch context, timed and counted like
@@ -293,24 +306,24 @@ impl Worker {
         let scratch = self.scratch.get(kind).expect("opened before its decodes");
         let t0 = Instant::now();
         let r = scratch.decode(&self.batch);
-        self.after_decode(t0.elapsed(), r, 0, false)
+        self.after_decode(t0.elapsed(), r, 0, Decoded::Scratch)
     }
 
     /// Account for the decode of the current batch that took `elapsed` (`pad` rows padded;
-    /// `main`: in the main context, whose output rows the outputs tracker follows).
+    /// `kind`: which decode, and whether the outputs tracker follows its rows).
     pub(super) fn after_decode(
         &mut self,
         elapsed: Duration,
         mut r: Result<()>,
         pad: usize,
-        main: bool,
+        kind: Decoded,
     ) -> Result<()> {
         self.policy.decoded(elapsed);
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         if self.trace {
-            self.trace_decode(r.is_ok(), pad, main);
+            self.trace_decode(r.is_ok(), pad, kind);
         }
         self.tune_threads(self.batch.len() + pad);
         let stats = &self.shared.stats;
@@ -319,7 +332,8 @@ impl Worker {
         Stats::add(&stats.padded_rows, pad as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
-            if let Some(last) = self.batch.last_output().filter(|_| main) {
+            let tracked = matches!(kind, Decoded::Main);
+            if let Some(last) = self.batch.last_output().filter(|_| tracked) {
                 self.shared
                     .outputs()
                     .decoded(self.batch.output_seqs(), last);
@@ -356,7 +370,7 @@ impl Worker {
         }
     }
 
-    fn trace_decode(&self, ok: bool, pad: usize, main: bool) {
+    fn trace_decode(&self, ok: bool, pad: usize, kind: Decoded) {
         use std::io::Write;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -369,7 +383,11 @@ impl Worker {
             self.batch.len(),
             self.policy.last_decode().as_secs_f64() * 1e3,
             self.threads_batch,
-            if main { "" } else { " scratch" },
+            match kind {
+                Decoded::Main => "",
+                Decoded::Aside => " aside",
+                Decoded::Scratch => " scratch",
+            },
         );
     }
 
