@@ -409,8 +409,8 @@ class Context:
     @property
     def device_sampling(self) -> bool:
         """True when the context samples on the device (`create_context(device_sampling=True)`):
-        a branch's chain needs its grammar, logit bias or steer before the decode whose output
-        it samples.
+        a branch's row is decoded again the first time it is read, and a grammar, logit bias
+        or steer set before the decode whose output it samples spares that decode.
         """
     @property
     def closed(self) -> bool:

@@ -250,8 +250,8 @@ impl PyContext {
     }
 
     /// True when the context samples on the device (`create_context(device_sampling=True)`):
-    /// a branch's chain needs its grammar, logit bias or steer before the decode whose output
-    /// it samples.
+    /// a branch's row is decoded again the first time it is read, and a grammar, logit bias
+    /// or steer set before the decode whose output it samples spares that decode.
     #[getter]
     fn device_sampling(&self) -> bool {
         self.inner.device_sampling()
