@@ -132,15 +132,22 @@ impl Branch {
         f(&mut st)
     }
 
-    /// `with_row` for a reader of the row, `f`. On a device-sampling context the row of an
-    /// output the device drew stayed there: when `f` cannot answer from what came back, the
-    /// branch gets rows from now on (`BranchState::read_rows`) and its last token is decoded
-    /// again for this read (`engine/refresh.rs`). Where that cannot be done (no spare
-    /// sequence) `f`'s error stands.
-    fn with_whole_row<T>(&self, f: impl Fn(&mut BranchState) -> Result<T>) -> Result<T> {
+    /// `with_row` for a call that needs the row, `f`. On a device-sampling context the row
+    /// of an output the device drew stayed there: when `f` cannot answer from what came
+    /// back, the last token is decoded again for it (`engine/refresh.rs`) and `f` runs
+    /// again. A reader (`reads`) also marks the branch to get rows from now on
+    /// (`BranchState::read_rows`). Where no decode can be done (no spare sequence) `f`'s
+    /// error stands.
+    fn with_row_decoded<T>(
+        &self,
+        reads: bool,
+        f: impl Fn(&mut BranchState) -> Result<T>,
+    ) -> Result<T> {
         let answered = self.with_row(|s| match f(s) {
             Err(_) if s.logits().drawn().is_some() => {
-                s.read_rows();
+                if reads {
+                    s.read_rows();
+                }
                 Ok(None)
             }
             r => r.map(Some),
@@ -149,8 +156,13 @@ impl Branch {
             return Ok(value);
         }
         let cell = self.cell.clone();
-        self.ctx.run(move |w| w.refresh_for_reader(&cell)).wait()?;
+        self.ctx.run(move |w| w.refresh_drawn(&cell)).wait()?;
         self.with_row(f)
+    }
+
+    /// `with_row_decoded` for a reader of the row.
+    fn with_whole_row<T>(&self, f: impl Fn(&mut BranchState) -> Result<T>) -> Result<T> {
+        self.with_row_decoded(true, f)
     }
 
     // ---- decoding ----
@@ -172,19 +184,7 @@ impl Branch {
     /// except when the chain came to need the row of an output the device drew: the engine
     /// decodes the last token again first, as for `produce` (`engine/refresh.rs`).
     pub fn sample(&self) -> Result<Token> {
-        let sampled = self.with_row(|s| {
-            let drawn = s.logits().drawn().is_some();
-            Ok(s.sample().map_err(|e| (e, drawn)))
-        })?;
-        match sampled {
-            Ok(token) => Ok(token),
-            Err((_, true)) => {
-                let cell = self.cell.clone();
-                self.ctx.run(move |w| w.refresh_for_sample(&cell)).wait()?;
-                self.with_row(|s| s.sample())
-            }
-            Err((e, false)) => Err(e),
-        }
+        self.with_row_decoded(false, |s| s.sample())
     }
 
     /// Sample and describe the token, on the engine thread after any queued work on this

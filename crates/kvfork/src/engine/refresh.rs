@@ -39,18 +39,10 @@ impl Worker {
             .collect()
     }
 
-    /// `refresh_rows` for one branch about to sample off the engine thread (`Branch::sample`).
-    pub(crate) fn refresh_for_sample(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
-        match self.refresh_rows(std::slice::from_ref(cell)).pop() {
-            Some(Some(e)) => Err(e),
-            _ => Ok(()),
-        }
-    }
-
-    /// Give `cell` its row for a reader (`Branch::with_whole_row`) when the device drew its
-    /// output; the branch was marked to get rows from now on. Nothing where it cannot (see
-    /// the module): the reader reports that.
-    pub(crate) fn refresh_for_reader(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
+    /// Give `cell` its row for a caller off the engine thread (`Branch::with_row_decoded`)
+    /// when the device drew its output. Nothing where it cannot (see the module): the caller
+    /// reports that.
+    pub(crate) fn refresh_drawn(&mut self, cell: &Arc<BranchCell>) -> Result<()> {
         let drawn =
             self.ctx().device_candidates().is_some() && cell.lock().logits().drawn().is_some();
         if drawn {
@@ -82,10 +74,9 @@ impl Worker {
             outside
         };
         if outside {
-            self.refresh_for_reader(cell)
-        } else {
-            Ok(())
+            self.refresh_row(cell)?;
         }
+        Ok(())
     }
 
     /// Decode `cell`'s last token again on the padding sequence, row asked for, and make

@@ -138,16 +138,18 @@ impl Worker {
         rows: &mut [Option<Output>],
     ) -> Result<()> {
         self.open_scratch(kind)?;
-        // Items whose outputs must be rows (none, and no allocation, without device sampling).
-        let whole_rows: Vec<usize> = (0..items.len())
-            .filter(|&i| self.wants_row(&items[i].0))
-            .collect();
+        // The prompts this chunk finishes whose outputs must be rows (none, and no
+        // allocation, without device sampling).
+        let mut whole_rows = Vec::new();
+        for span in chunk.spans.iter().filter(|s| s.is_last) {
+            if self.wants_row(&items[span.item].0) {
+                whole_rows.push(slots.seq_of(span.item)?);
+            }
+        }
         let batch = self.start_batch();
+        whole_rows.into_iter().for_each(|seq| batch.want_row(seq));
         for span in &chunk.spans {
             let seq = slots.seq_of(span.item)?;
-            if whole_rows.contains(&span.item) {
-                batch.want_row(seq);
-            }
             let tokens = &items[span.item].1[span.start..span.start + span.len];
             for (j, &t) in tokens.iter().enumerate() {
                 let wants_logits = span.is_last && j + 1 == span.len;
