@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -359,6 +361,43 @@ def test_chunks_resume_where_the_deadline_stopped_them(tmp_path: Path) -> None:
     assert states == ["passed", "failed", "passed", "timeout", "passed"]
     assert call(now[0] + 400) == 0 and len(ran) == 6  # all done: nothing runs
     assert "5/5 chunks done" in chunks.summary(tmp_path)
+
+
+def test_chunks_run_side_by_side_up_to_jobs_and_stop_at_the_deadline(tmp_path: Path) -> None:
+    plan = chunks.plan_chunks([f"tests/test_{i}.py" for i in range(7)], 1)
+    lock = threading.Lock()
+    running, most, now = [0], [0], [0.0]
+    started: list[list[str]] = []
+
+    def runner(files: list[str], xml: Path, log: Path, limit: float) -> tuple[int, float]:
+        with lock:
+            started.append(files)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)  # long enough for the other workers to start theirs
+        with lock:
+            running[0] -= 1
+            now[0] += 40  # each chunk moves the clock on: the deadline comes within the run
+        return 0, 40.0
+
+    rc = chunks.run(
+        tmp_path,
+        plan,
+        300.0,
+        runner,
+        jobs=3,
+        min_left=150.0,
+        clock=lambda: now[0],
+        log=lambda _: None,
+    )
+    assert most[0] == 3  # three at a time, never more
+    assert rc == 3 and 3 <= len(started) < 7  # no chunk starts with under 150 s left
+    done = [i for i, c in enumerate(plan) if chunks.load_chunk(tmp_path, i, c).done]
+    assert sorted(done) == sorted(plan.index(f) for f in started)
+    assert chunks.run(tmp_path, plan, 1e12, runner, jobs=3, log=lambda _: None) == 0
+    assert sorted(map(tuple, started)) == sorted(map(tuple, plan))  # each chunk ran once
+    with pytest.raises(ValueError):
+        chunks.run(tmp_path, plan, 1e12, runner, jobs=0)
 
 
 def test_a_chunk_runs_in_pytest_and_reports_its_failures(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ hypothesis), so that the GPU image's plugins (xdist, cov, benchmark) stay out of
 
 usage (PYTHONPATH=scripts):
   python -m gpu_check.chunks run --repo R --work DIR [--deadline EPOCH] [--files-per-chunk 6]
+                                   [--jobs 1]
   python -m gpu_check.chunks summary --work DIR
 run exits 0 when every chunk is done (failures included), 3 when chunks remain.
 """
@@ -21,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -122,38 +124,73 @@ def run(
     *,
     min_left: float = 150.0,
     max_attempts: int = 2,
+    jobs: int = 1,
     clock: Callable[[], float] = time.time,
     log: Callable[[str], None] = print,
 ) -> int:
-    """Runs the chunks not done yet while at least `min_left` seconds remain before
-    `deadline`; 0 when all are done, 3 when some remain."""
+    """Runs the chunks not done yet, up to `jobs` at a time, starting each while at least
+    `min_left` seconds remain before `deadline`; 0 when all are done, 3 when some remain.
+    A cut chunk stops new starts (the next call goes on)."""
+    if jobs < 1:
+        raise ValueError("jobs must be >= 1")
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "plan.json").is_file():
         (work / "plan.json").write_text(json.dumps(plan, indent=1))
-    for index, files in enumerate(plan):
-        chunk = load_chunk(work, index, files)
-        if chunk.done:
-            continue
-        left = deadline - clock()
-        if left < min_left:
-            log(f"chunk {index:02d}: {left:.0f} s left, under {min_left:.0f}: next call")
-            return 3
-        xml = chunk_path(work, index, "xml")
-        xml.unlink(missing_ok=True)
-        rc, seconds = runner(files, xml, chunk_path(work, index, "log"), left)
-        chunk.attempts += 1
-        chunk.seconds = seconds
-        chunk.rc = None if rc == CUT else rc
-        if rc == CUT:
-            chunk.status = "timeout" if chunk.attempts >= max_attempts else "cut"
-        else:
-            chunk.status = status_of(rc)
-            read_junit(xml, chunk)
-        chunk_path(work, index, "json").write_text(json.dumps(asdict(chunk), indent=1))
-        log(f"chunk {index:02d}: {chunk.status} in {seconds:.0f} s ({' '.join(files)})")
-        if chunk.status == "cut":
-            return 3
-    return 0
+    todo = [(i, files) for i, files in enumerate(plan) if not load_chunk(work, i, files).done]
+    lock = threading.Lock()
+    remains = False
+
+    def take() -> tuple[int, list[str], float] | None:
+        nonlocal remains
+        with lock:
+            if remains or not todo:
+                return None
+            left = deadline - clock()
+            if left < min_left:
+                log(f"chunk {todo[0][0]:02d}: {left:.0f} s left, under {min_left:.0f}: next call")
+                remains = True
+                return None
+            index, files = todo.pop(0)
+            return index, files, left
+
+    def work_loop() -> None:
+        nonlocal remains
+        while (job := take()) is not None:
+            chunk = run_chunk(work, *job, runner, max_attempts)
+            with lock:
+                log(
+                    f"chunk {chunk.index:02d}: {chunk.status} in {chunk.seconds:.0f} s "
+                    f"({' '.join(chunk.files)})"
+                )
+                if chunk.status == "cut":
+                    remains = True
+
+    threads = [threading.Thread(target=work_loop) for _ in range(min(jobs, max(len(todo), 1)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 3 if remains or todo else 0
+
+
+def run_chunk(
+    work: Path, index: int, files: list[str], left: float, runner: Runner, max_attempts: int
+) -> Chunk:
+    """Runs one chunk with `left` seconds allowed and records its result."""
+    chunk = load_chunk(work, index, files)
+    xml = chunk_path(work, index, "xml")
+    xml.unlink(missing_ok=True)
+    rc, seconds = runner(files, xml, chunk_path(work, index, "log"), left)
+    chunk.attempts += 1
+    chunk.seconds = seconds
+    chunk.rc = None if rc == CUT else rc
+    if rc == CUT:
+        chunk.status = "timeout" if chunk.attempts >= max_attempts else "cut"
+    else:
+        chunk.status = status_of(rc)
+        read_junit(xml, chunk)
+    chunk_path(work, index, "json").write_text(json.dumps(asdict(chunk), indent=1))
+    return chunk
 
 
 def pytest_runner(repo: Path, extra: Sequence[str] = ()) -> Runner:
@@ -225,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=time.time() + 540)
     p.add_argument("--files-per-chunk", type=int, default=6)
     p.add_argument("--min-left", type=float, default=150.0)
+    p.add_argument("--jobs", type=int, default=1, help="chunks run at the same time")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     p = sub.add_parser("summary")
     p.add_argument("--work", type=Path, required=True)
@@ -240,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.deadline,
         pytest_runner(args.repo.resolve(), args.pytest_args),
         min_left=args.min_left,
+        jobs=args.jobs,
     )
     for index in range(len(plan)):
         chunk = load_chunk(args.work, index, plan[index])
