@@ -9,6 +9,7 @@
 // usage: bare_bench MODEL NGL STEPS N1,N2,... [gpu|host]   prints "bare N=.. tok/s=.." lines.
 #include "llama.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -53,7 +54,8 @@ int main(int argc, char **argv) {
     ptoks.resize(np);
     for (int n : ns) {
         llama_context_params cp = llama_context_default_params();
-        cp.n_ctx = 8192; cp.n_batch = 512; cp.n_ubatch = 512;
+        // a cell per sequence per step (each repeat starts again after the prompt)
+        cp.n_ctx = std::max(8192, n * steps + 1024); cp.n_batch = 512; cp.n_ubatch = 512;
         cp.n_seq_max = n; cp.n_outputs_max = n > 512 ? n : 512;
         cp.kv_unified = true; cp.swa_full = true; cp.no_perf = true;
         std::vector<llama_sampler *> chains;

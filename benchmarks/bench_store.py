@@ -107,7 +107,11 @@ def run_step(
     device_sampling: bool = False,
     one_biased: bool = False,
 ) -> tuple[float, float, int]:
-    with make_context(model, n, adaptive=adaptive, device_sampling=device_sampling) as ctx:
+    # Every branch's steps take cells of their own (the unified cache holds them all).
+    n_ctx = max(4096, n * steps + 1024)
+    with make_context(
+        model, n, n_ctx=n_ctx, adaptive=adaptive, device_sampling=device_sampling
+    ) as ctx:
         branches = branches_at_prompt(ctx, n, params, one_biased=one_biased)
         store = kvfork.BranchStore(ctx)
 

@@ -122,8 +122,11 @@ def _step_rate(
     llama_decode), best of 3 after 2 warm-up steps."""
     import kvfork
 
+    # Each branch takes a cell a step (2 warm-up steps, then 3 runs of `steps`), the prompt
+    # shared: at N = 128 and 64 steps, about 25,000 cells.
+    n_ctx = max(8192, n * (2 + 3 * steps) + 1024)
     with kvfork.create_context_sync(
-        model, n_ctx=8192, n_batch=512, n_seq_max=n, device_sampling=device_sampling
+        model, n_ctx=n_ctx, n_batch=512, n_seq_max=n, device_sampling=device_sampling
     ) as ctx:
         root = kvfork.Branch.create(ctx, 0, params)
         root.prefill_sync(ctx.tokenize(PROMPT))

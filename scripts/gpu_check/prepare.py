@@ -368,18 +368,20 @@ def travelling_tree_size(root: Path) -> int:
     return total
 
 
-#: Guesses, in minutes, until a first run measures them: a machine's start; a bundle call
-#: (its ~60 MiB transfer, the sha256 checks, the gap before the next call); the CUDA build for
-#: one architecture on 16 cores (3.5 by hand); install; the suite (660 tests); benchmarks
-#: (with bench_store.py's device section);
-#: llama-server's CUDA build (ggml-cuda, llama, common, mtmd, the server); bench_serve.py's
-#: two workloads.
+#: Minutes each step takes, as measured on an H100 on 2026-11-27 (session time held, from
+#: the device tool's `lease.held_s`): a machine's start with the first bundle (35 s); a bundle
+#: call (its ~60 MiB transfer, the sha256 checks, the gap before the next call: 10 s); the
+#: CUDA build for one architecture on 16 cores (230 s, overlapping the bundle calls); install
+#: (6 s); the suite, 730 tests in 16 chunks three at a time (150 s). Still guesses: the
+#: benchmarks (with bench_store.py's device section; that run stopped at a KV cache too small
+#: for N = 128), llama-server's CUDA build (ggml-cuda, llama, common, mtmd, the server) and
+#: bench_serve.py's two workloads.
 MINUTES = {
-    "start": 1.5,
-    "bundle": 0.5,
-    "build": 3.5,
-    "install": 0.2,
-    "test": 5.0,
+    "start": 0.6,
+    "bundle": 0.2,
+    "build": 3.8,
+    "install": 0.1,
+    "test": 2.5,
     "bench": 3.0,
     "serve_build": 5.0,
     "serve": 1.5,
