@@ -11,6 +11,7 @@ import pytest
 
 from .conftest import (
     GREEDY,
+    SLOW_PREFILL_BATCH,
     Trace,
     assert_close_logits,
     assert_follows,
@@ -27,18 +28,33 @@ def counting(k: int) -> str:
     return ", ".join(str(i) for i in range(k, k + 10)) + ","
 
 
-async def produce_commit(b: kvfork.Branch, steps: int) -> list[int]:
+async def produce_commit(
+    b: kvfork.Branch, steps: int, first: asyncio.Event | None = None
+) -> list[int]:
+    """`steps` greedy tokens produced and committed; `first` is set once the first is in."""
     out = []
     for _ in range(steps):
         t = await b.produce()
         await b.commit(t)
         out.append(t.token)
+        if first is not None:
+            first.set()
     return out
 
 
 @pytest.fixture
 def wide(model: kvfork.Model) -> Iterator[kvfork.Context]:
     ctx = kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=N_TASKS)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def slow(model: kvfork.Model) -> Iterator[kvfork.Context]:
+    """`wide` with prompts that decode for a while on any backend (SLOW_PREFILL_BATCH)."""
+    ctx = kvfork.create_context_sync(
+        model, n_ctx=2048, n_seq_max=N_TASKS, n_batch=SLOW_PREFILL_BATCH
+    )
     yield ctx
     ctx.close()
 
@@ -188,33 +204,33 @@ async def test_a_prompt_is_answered_when_its_own_tokens_are_in_and_steps_meanwhi
     assert b.position == len(long_prompt)
 
 
-async def test_an_eviction_does_not_hold_up_a_running_prefill(wide: kvfork.Context) -> None:
+async def test_an_eviction_does_not_hold_up_a_running_prefill(slow: kvfork.Context) -> None:
     """While prompts decode (a server under steady arrivals), a prefix cache evicts an entry
     (`prune(keep_children=True)`): the prune runs in passing, and a prompt queued after it
     still joins the prompts in flight. (As any other work it stopped the run from pulling
     the queue: the prompt then waited for all of theirs, and decoded alone after them.)"""
-    long_prompt = wide.tokenize(LONG)[:1500]
+    long_prompt = slow.tokenize(LONG)[:1500]
     # A conversation's next turn: it continues its sequence, so it shares the long prompt's
     # decodes (a new prompt could go to a scratch context after them instead).
-    short = wide.tokenize(" 15, 16, 17,", add_special=False)
-    entry = kvfork.Branch.create(wide, 0, GREEDY)
-    entry.prefill_sync(wide.tokenize(counting(7)))
+    short = slow.tokenize(" 15, 16, 17,", add_special=False)
+    entry = kvfork.Branch.create(slow, 0, GREEDY)
+    entry.prefill_sync(slow.tokenize(counting(7)))
     child = entry.fork_sync()
-    a = kvfork.Branch.create(wide, 0, GREEDY)
-    a.prefill_sync(wide.tokenize(counting(5)))
-    b = kvfork.Branch.create(wide, 0, GREEDY)
-    before = wide.stats()
+    a = kvfork.Branch.create(slow, 0, GREEDY)
+    a.prefill_sync(slow.tokenize(counting(5)))
+    b = kvfork.Branch.create(slow, 0, GREEDY)
+    before = slow.stats()
     long_task = asyncio.ensure_future(b.prefill(long_prompt))
-    await asyncio.sleep(0.2)  # its first decode (~0.7 s on 2 cores) is under way
+    await asyncio.sleep(0.2)  # its decodes are under way
     evicted = asyncio.ensure_future(entry.prune(keep_children=True))
     await asyncio.gather(a.prefill(short), long_task, evicted)
-    after = wide.stats()
+    after = slow.stats()
     # The short prompt rode the long one's decodes: ceil(total / n_batch), none of its own.
     assert after["decode_calls"] - before["decode_calls"] == -(
-        -(len(long_prompt) + len(short)) // wide.n_batch
+        -(len(long_prompt) + len(short)) // slow.n_batch
     )
     assert entry.disposed and not child.disposed
-    assert child.position == len(wide.tokenize(counting(7)))
+    assert child.position == len(slow.tokenize(counting(7)))
 
 
 async def test_streams_stepping_while_prompts_arrive_get_their_tokens_alone(
@@ -233,12 +249,15 @@ async def test_streams_stepping_while_prompts_arrive_get_their_tokens_alone(
         b.prune_sync()
     before = wide.stats()
 
+    streaming = [asyncio.Event() for _ in prompts]
+
     async def request(k: int) -> list[int]:
-        await asyncio.sleep(0.25 * k)  # arrivals while the earlier ones step
+        if k:  # arrives once the one before has its first token: while it steps
+            await streaming[k - 1].wait()
         b = kvfork.Branch.create(wide, 0, GREEDY)
         try:
             await b.prefill(prompts[k])
-            return await produce_commit(b, 12)
+            return await produce_commit(b, 12, streaming[k])
         finally:
             await b.prune()
 
@@ -288,19 +307,19 @@ async def test_a_failed_prefill_fails_only_its_task(wide: kvfork.Context) -> Non
     assert [b.position for b in others] == [len(p) for p in prompts[1:]]
 
 
-async def test_cancelling_one_prefill_of_a_packed_group(wide: kvfork.Context) -> None:
+async def test_cancelling_one_prefill_of_a_packed_group(slow: kvfork.Context) -> None:
     """Cancelled while its packed decode runs: the decode is aborted, the cancelled prefill
     is rolled back, and the others run again and complete."""
-    long_prompt = wide.tokenize(" ".join(f"item {i}," for i in range(400)))[:1500]
-    prompts = [wide.tokenize(counting(k)) for k in range(3)]
+    long_prompt = slow.tokenize(" ".join(f"item {i}," for i in range(400)))[:1500]
+    prompts = [slow.tokenize(counting(k)) for k in range(3)]
     alone = []
     for p in prompts:
-        b = kvfork.Branch.create(wide, 0, GREEDY)
+        b = kvfork.Branch.create(slow, 0, GREEDY)
         b.prefill_sync(p)
         alone.append(b.logits())
         b.prune_sync()
-    victim = kvfork.Branch.create(wide, 0, GREEDY)
-    others = [kvfork.Branch.create(wide, 0, GREEDY) for _ in range(3)]
+    victim = kvfork.Branch.create(slow, 0, GREEDY)
+    others = [kvfork.Branch.create(slow, 0, GREEDY) for _ in range(3)]
     victim_task = asyncio.ensure_future(victim.prefill(long_prompt))
     other_tasks = [
         asyncio.ensure_future(b.prefill(p)) for b, p in zip(others, prompts, strict=True)
@@ -311,7 +330,7 @@ async def test_cancelling_one_prefill_of_a_packed_group(wide: kvfork.Context) ->
         await victim_task
     await asyncio.gather(*other_tasks)
     assert victim.position == 0
-    assert wide.kv_seq_pos_max_sync(victim.seq_id) == -1
+    assert slow.kv_seq_pos_max_sync(victim.seq_id) == -1
     assert [b.position for b in others] == [len(p) for p in prompts]
     for b, row in zip(others, alone, strict=True):
         assert_close_logits(b.logits(), row)  # packed, run again: equal up to noise

@@ -23,6 +23,7 @@ from .conftest import (
     LOGIT_NOISE,
     NEAR_TIE,
     ON_CPU,
+    PERPLEXITY_NOISE,
     PROMPT,
     assert_close_logits,
     assert_same_greedy,
@@ -58,6 +59,23 @@ def test_greedy_tokens_and_perplexity_equal_those_of_host_rows(
         assert dev.perplexity == pytest.approx(host.perplexity, rel=1e-4)
         assert dev.sampling_perplexity == pytest.approx(host.sampling_perplexity, rel=1e-4)
         assert dev.perplexity > 1.0
+
+
+def test_the_chat_models_greedy_tokens_equal_those_of_host_rows(
+    chat_ctx: kvfork.Context, chat_model: kvfork.Model
+) -> None:
+    """The same on the chat model, whose vocabulary (49,152) is no power of two, unlike the
+    default model's (262,144): the device's best 64 must be found over all of it. (On an
+    H100, `kvfork serve --device-sampling` on this model answered other than host rows.)"""
+    with kvfork.create_context_sync(
+        chat_model, n_ctx=2048, n_seq_max=4, device_sampling=True
+    ) as dev_ctx:
+        for text in (PROMPT, "What is the capital of France? The capital of France is"):
+            host, dev = root(chat_ctx, text), root(dev_ctx, text)
+            expected, margins = greedy_with_margins(host, 16)
+            assert_same_greedy(greedy_tokens(dev, 16), expected, margins)
+            dev.prune_sync()
+            host.prune_sync()
 
 
 def test_a_store_step_of_forks_is_one_decode_and_draws_what_the_host_draws(
@@ -491,7 +509,7 @@ def test_speculation_draws_what_plain_generation_draws(dev_ctx: kvfork.Context) 
         and stream.rounds < 16
         and dev_ctx.stats()["decode_calls"] - before == stream.rounds
     )
-    assert spec.perplexity == pytest.approx(plain.perplexity, rel=1e-2)
+    assert spec.perplexity == pytest.approx(plain.perplexity, rel=PERPLEXITY_NOISE)
 
 
 def test_the_raw_layer_gives_rows_and_takes_a_device_draw_over(

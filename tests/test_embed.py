@@ -100,7 +100,9 @@ def test_async_embed(emb: kvfork.Context) -> None:
         return await emb.embed(CAT), await emb.embed_batch([CAT, MARKETS])
 
     one, many = asyncio.run(main())
-    assert float(one @ many[0]) > 0.999
+    # Alone against in a batch: as above, up to the noise of other batch shapes (0.9987 on an
+    # H100, where the batch shape moves more than on a CPU).
+    assert float(one @ many[0]) > 0.995
 
 
 @pytest.mark.parametrize(("n_seq_max", "pooling"), [(3, "mean"), (5, "cls"), (6, "last")])

@@ -10,7 +10,14 @@ import contextlib
 import kvfork
 import pytest
 
-from .conftest import COUNTING, GREEDY, PROMPT, assert_same_greedy, greedy_with_margins
+from .conftest import (
+    COUNTING,
+    GREEDY,
+    PROMPT,
+    SLOW_PREFILL_BATCH,
+    assert_same_greedy,
+    greedy_with_margins,
+)
 
 DOC = " ".join(f"Line {i}: the printing press spread across Europe." for i in range(12))
 
@@ -233,7 +240,9 @@ def test_make_room_evicts_least_recently_used_entries_until_n_leases_are_free(
 async def test_a_cancelled_branch_or_fork_is_handed_back_as_an_entry(
     model: kvfork.Model,
 ) -> None:
-    async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=4) as ctx:
+    async with await kvfork.create_context(
+        model, n_ctx=4096, n_seq_max=4, n_batch=SLOW_PREFILL_BATCH
+    ) as ctx:
         cache = kvfork.PrefixCache(ctx)
         tokens = ctx.tokenize(DOC * 4)  # a prefill long enough to be cancelled during it
         task = asyncio.ensure_future(cache.branch(tokens, GREEDY))

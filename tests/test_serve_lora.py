@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from .adapter_files import write_lora
+from .conftest import FIRST_LOGPROB_NOISE, NEAR_TIE, ON_CPU
 from .serving import Server, servers
 
 PROMPT = "The three most useful things to pack for a long hike are"
@@ -78,6 +79,15 @@ def first_logprob(reply: Any) -> float:
     return float(reply.choices[0].logprobs.token_logprobs[0])
 
 
+def first_shift(x: Any, y: Any) -> float:
+    """How far two replies' first rows are apart: the largest difference of the log-probability
+    of a token both list among the first position's best two (inf if they list others)."""
+    tops_x, tops_y = x.choices[0].logprobs.top_logprobs[0], y.choices[0].logprobs.top_logprobs[0]
+    if set(tops_x) != set(tops_y):
+        return float("inf")
+    return float(max(abs(tops_x[t] - tops_y[t]) for t in tops_x))
+
+
 def assert_same_greedy_text(got: Any, reference: Any) -> None:
     """The suite's margin rule (`conftest.assert_same_greedy`) on two replies: their tokens
     are equal up to the reference's first near-tie (a prefix shared from the cache, or decoded
@@ -109,17 +119,20 @@ def test_a_request_decodes_under_the_set_it_names(lora_server: Server, lora_dir:
     # The same adapter chosen by `model`, by id, and at its default scale given explicitly.
     assert_same_greedy_text(complete(lora_server, model="a"), a)
     assert_same_greedy_text(complete(lora_server, lora=[{"id": 0, "scale": 1.0}]), a)
-    # Both whole prefills of the same prompt (nothing cached): any difference is the adapter's.
+    # Both whole prefills of the same prompt (nothing cached): the adapter moves the first
+    # row further than computing it again does (a's prompt found in the cache).
     assert a.usage.prompt_tokens_details.cached_tokens == 0
-    assert abs(first_logprob(a) - first_logprob(base)) > 0.05
-    # Scale 0 is the base model; b's default scale is its --lora one (its first token is a
-    # near-tie: compare the logprob, which the batch shape moves by far less than 0.05).
+    a_again = complete(lora_server, model="a")
+    assert first_shift(a, base) > first_shift(a, a_again)
+    # Scale 0 is the base model; b's default scale is its --lora one, 0.5: its first row is
+    # 0.5's up to the cache's noise, further from 1.0's (its first token is a near-tie, so
+    # the first position's best two log-probabilities are compared).
     assert_same_greedy_text(complete(lora_server, lora=[{"name": "a", "scale": 0}]), base)
     b_default = complete(lora_server, lora=["b"])
     b_half = complete(lora_server, lora=[{"name": "b", "scale": 0.5}])
     b_full = complete(lora_server, lora=[{"name": "b", "scale": 1.0}])
-    assert first_logprob(b_default) == pytest.approx(first_logprob(b_half), abs=0.05)
-    assert abs(first_logprob(b_full) - first_logprob(b_half)) > 0.05
+    assert first_shift(b_default, b_half) <= FIRST_LOGPROB_NOISE
+    assert first_shift(b_default, b_full) > first_shift(b_default, b_half)
     # The library's own branch under adapter a gives the server's first token and logprob.
     model = kvfork.Model.load(kvfork.default_model_path())
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=1) as ctx:
@@ -127,8 +140,14 @@ def test_a_request_decodes_under_the_set_it_names(lora_server: Server, lora_dir:
         branch.set_adapters({model.load_lora(lora_dir / "a.gguf"): 1.0})
         branch.prefill_sync(ctx.tokenize(PROMPT))
         token = branch.produce_sync()
-        assert token.text == a.choices[0].logprobs.tokens[0]
-        assert branch.logprob(token.token) == pytest.approx(first_logprob(a), abs=1e-3)
+        if token.text == a.choices[0].logprobs.tokens[0]:
+            # The same whole prefill: bit for bit on this CPU; on a GPU in other cells.
+            assert branch.logprob(token.token) == pytest.approx(
+                first_logprob(a), abs=1e-3 if ON_CPU else FIRST_LOGPROB_NOISE
+            )
+        else:  # only at a near-tie (the margin rule)
+            best = sorted(a.choices[0].logprobs.top_logprobs[0].values(), reverse=True)
+            assert best[0] - best[1] < NEAR_TIE, (token.text, a.choices[0].logprobs.tokens[0])
         branch.prune_sync()
 
 

@@ -147,7 +147,10 @@ async def test_a_stream_whose_guesses_would_be_refused_decodes_none(
     assert stream.schedule.resting and stream.schedule.shadowing
     assert (spec.position, spec.perplexity, spec.sampling_perplexity) == state
     sync = spec.fork_sync().generate_sync(8, draft=Wrong())
-    assert len(list(sync)) == 8 and sync.drafted == 0
+    # The fork's stream decodes no guess either while it shadows, which it does while the
+    # drafter costs under SHADOW_SHARE (2%) of a one-token round: about 30 us on a GPU,
+    # which a Python drafter on a loaded machine can pass (the policy then probes).
+    assert len(list(sync)) == 8 and (sync.drafted == 0 or not sync.schedule.shadowing)
 
 
 def test_a_dear_drafter_is_not_asked_for_shadow_guesses(ctx: kvfork.Context) -> None:

@@ -18,8 +18,10 @@ import pytest
 
 from ..conftest import (
     COUNTING,
+    GPU_LAYERS,
     GREEDY,
     PROMPT,
+    SLOW_PREFILL_BATCH,
     Trace,
     assert_close_logits,
     assert_follows,
@@ -30,12 +32,14 @@ from ..conftest import (
     root,
 )
 
-LONG = PROMPT * 80  # ~800 tokens: a prefill of about a second on 2 cores
+LONG = PROMPT * 80  # ~800 tokens: a prefill of about a second (SLOW_PREFILL_BATCH)
 
 
 @pytest.fixture
 def big(model: kvfork.Model) -> Iterator[kvfork.Context]:
-    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=8) as c:
+    with kvfork.create_context_sync(
+        model, n_ctx=4096, n_seq_max=8, n_batch=SLOW_PREFILL_BATCH
+    ) as c:
         yield c
 
 
@@ -256,7 +260,7 @@ def test_prefill_past_n_ctx_is_refused(tiny: kvfork.Context) -> None:
 
 
 async def test_close_with_operations_pending(model: kvfork.Model) -> None:
-    ctx = kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=4)
+    ctx = kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=4, n_batch=SLOW_PREFILL_BATCH)
     a = root(ctx)
     b = kvfork.Branch.create(ctx, 0, GREEDY)
     running = b.prefill(ctx.tokenize(LONG * 2))
@@ -331,7 +335,9 @@ def test_keyboard_interrupt_stops_a_long_prefill_promptly() -> None:
         import os, signal, threading, time, kvfork
         # A shell that starts jobs in the background makes them ignore SIGINT (inherited).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        ctx = kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=8192, n_seq_max=1)
+        model = kvfork.Model.load(kvfork.default_model_path(), n_gpu_layers={GPU_LAYERS!r})
+        ctx = kvfork.create_context_sync(model, n_ctx=8192, n_seq_max=1,
+                                         n_batch={SLOW_PREFILL_BATCH})
         b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(temperature=0))
         toks = ctx.tokenize({PROMPT!r} * 400)[:6000]
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
