@@ -37,6 +37,7 @@ import gpu_check.bundles as bundles  # noqa: E402
 import gpu_check.chunks as chunks  # noqa: E402
 import gpu_check.cmake_flags as cmake_flags  # noqa: E402
 import gpu_check.gpu_bench as gpu_bench  # noqa: E402
+import gpu_check.noise as noise  # noqa: E402
 import gpu_check.prepare as prepare  # noqa: E402
 from gpu_check.bundles import MIB, Input, Item  # noqa: E402
 
@@ -914,3 +915,19 @@ def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
     assert set(result["store_step"]) == set(result["store_step_device"]) == {"2"}
     assert min(result["store_step"]["2"], result["store_step_device"]["2"]) > 0
     assert result["generate"] > 0
+
+
+def test_the_noise_measure_stays_within_the_suites_constants_here() -> None:
+    """gpu_check.noise, which a GPU run uses to check the GPU constants, on this backend: its
+    table, and every measure within the constants the suite uses here."""
+    from .conftest import LOGIT_NOISE, LOGPROB_NOISE, MIN_CORRELATION
+
+    text = noise.measure(kvfork.default_model_path(), steps=3, n_forks=3, gpu_layers=None)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| measure") and len(rows) == 3, text
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        pairs, max_diff, _, _, top_logprob, corr = cells[1:]
+        assert int(pairs) > 0
+        assert float(max_diff) <= LOGIT_NOISE and float(top_logprob) <= LOGPROB_NOISE, row
+        assert float(corr) > MIN_CORRELATION, row

@@ -216,6 +216,10 @@ def report(folder: Path) -> str:
             cells += [_ratio(rate, host), _ratio(dev, gpu)]
             lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
+    for path in sorted(folder.glob("noise-*.txt")):
+        lines.append("### gpu_check.noise: the suite's tolerances, measured (tests/conftest.py)")
+        lines.append(path.read_text().strip())
+        lines.append("")
     for pattern, title in (
         ("bench_store-*.txt", "--only throughput"),
         ("device-*.txt", "--only device (device_sampling=True against host rows)"),

@@ -71,6 +71,8 @@ for label in default chat; do
     step "bare-$label-host" 60 "$BN/bare_bench" "$model" 99 64 "$NS" host || { rc=3; break; }
     step "bare-$label-gpu" 60 "$BN/bare_bench" "$model" 99 64 "$NS" gpu || { rc=3; break; }
   fi
+  # The noise behind the suite's GPU tolerances (tests/conftest.py), measured again.
+  step "noise-$label" 90 "$PY" -m gpu_check.noise --model "$model" || { rc=3; break; }
   step "bench_store-$label" 120 env KVFORK_MODEL="$model" "$PY" "$REPO/benchmarks/bench_store.py" \
     --only throughput --skip-peer --ns "$NS" --steps 32 --repeat 1 || { rc=3; break; }
   # Issue 42's item 3: device_sampling=True against host rows, greedy, the default chain
