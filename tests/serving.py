@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -133,6 +133,15 @@ class Server:
         assert "Traceback" not in text, text  # no request may reach an unexpected failure
         assert "ASGI callable" not in text, text  # every response ended properly
         return text
+
+
+def logprob_margin(logprobs: Iterable[float]) -> float:
+    """A reply token's margin from the log-probabilities of its position's best candidates
+    (`top_logprobs`, two or more asked for): the best minus the second best, which is the
+    logits' margin, for the suite's margin rule. 0 when fewer than two were listed (two
+    tokens of one text share a key): no margin can be told, as at a near-tie."""
+    best = sorted(logprobs, reverse=True)
+    return best[0] - best[1] if len(best) > 1 else 0.0
 
 
 def _lower(headers: Any) -> dict[str, str]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from .conftest import ON_CPU, assert_same_text, greedy_with_margins, margin
-from .serving import Server, servers
+from .serving import Server, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -657,10 +657,7 @@ def test_plain_text_accumulates_as_openai_s_own_client_reads_it(chat_server: Ser
     # near-tie of its rows (bit for bit on this CPU, not on a GPU).
     assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content
     entries = plain.choices[0].logprobs.content
-    margins = []
-    for entry in entries:
-        best = sorted((t.logprob for t in entry.top_logprobs), reverse=True)
-        margins.append(best[0] - best[1])
+    margins = [logprob_margin(t.logprob for t in entry.top_logprobs) for entry in entries]
     expected = plain.choices[0].message.content or ""
     assert_same_text(message.content or "", expected, [e.token for e in entries], margins)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import math
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -35,7 +34,7 @@ from kvfork.server.reasoning import (
 from openai.types.responses import ResponseReasoningItem
 
 from .conftest import NEAR_TIE, assert_same_text
-from .serving import Server, servers
+from .serving import Server, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -149,9 +148,8 @@ def _sampled(reply: dict[str, Any]) -> tuple[list[str], list[float]]:
     log-probability, which is the logits' margin)."""
     tokens, margins = [], []
     for entry in reply["choices"][0]["logprobs"]["content"]:
-        best = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
         tokens.append(entry["token"])
-        margins.append(best[0] - best[1] if len(best) > 1 else math.inf)
+        margins.append(logprob_margin(t["logprob"] for t in entry["top_logprobs"]))
     return tokens, margins
 
 
