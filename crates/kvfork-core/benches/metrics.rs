@@ -60,6 +60,15 @@ fn main() {
     time("summary+top40", || {
         black_box(metrics::summarize(black_box(&xs), 40, &mut out));
     });
+    // What the threads of a small step share between them: every part on its own, one thread.
+    for k in [0, 40] {
+        time(&format!("parts+merge{k}"), || {
+            let parts: Vec<_> = (0..metrics::segments(xs.len()))
+                .map(|s| metrics::summarize_part(black_box(&xs), s, k))
+                .collect();
+            black_box(metrics::merge_parts(&xs, &parts, k, &mut out));
+        });
+    }
     time("top_k(40)", || {
         metrics::top_k_indices(black_box(&xs), 40, &mut out);
         black_box(&out);

@@ -257,13 +257,118 @@ pub struct RowSummary {
     pub argmax: usize,
 }
 
+/// Rows are summarized in segments of this many logits, each on its own ([`summarize_part`]),
+/// and the parts merged ([`merge_parts`]): the one or two rows of a small step can then spread
+/// over the cores, and a row's summary is the same bits whichever threads took its parts.
+/// A whole number of blocks.
+pub const SEGMENT: usize = 64 * BLOCK;
+
+/// How many segments a row of `len` logits has (at least one).
+pub fn segments(len: usize) -> usize {
+    len.div_ceil(SEGMENT).max(1)
+}
+
+fn segment_range(len: usize, segment: usize) -> std::ops::Range<usize> {
+    let start = segment * SEGMENT;
+    start..(start + SEGMENT).min(len)
+}
+
+/// One segment's share of a row's summary ([`summarize_part`], [`merge_parts`]).
+#[derive(Clone, Debug, Default)]
+pub struct RowPart {
+    /// The segment's largest logit (`-inf` when none is finite).
+    max: f32,
+    /// `Σ e^(x - max)` over the segment.
+    sum: f64,
+    /// Index in the row of the segment's first largest logit.
+    argmax: usize,
+    /// The segment's best `k` finite logits, best first.
+    top: Vec<u32>,
+}
+
+#[cfg(test)]
+impl RowPart {
+    /// The summary of a row that is this one segment.
+    fn alone(&self) -> RowSummary {
+        merge_sums(std::slice::from_ref(self))
+    }
+}
+
 /// Summarizes a fresh row in one pass over memory: its max, log-sum-exp and argmax, and the
 /// indices of its `k` best finite logits in `top`, best first (as [`top_k_sorted`]).
 /// Each block's max is taken while the block is in L1, the running exp-sum is rescaled
 /// whenever a block raises the max, and a block whose max cannot enter the top `k` is not
 /// looked at again: the top `k` costs next to nothing on top of the log-sum-exp.
+/// Equal to the bit to [`merge_parts`] of every segment's [`summarize_part`].
 pub fn summarize(row: &[f32], k: usize, top: &mut Vec<u32>) -> RowSummary {
-    summarize_dispatch(row, None, k, top)
+    // One top-k over the whole row: its threshold, once high, skips the later segments'
+    // blocks (a part of its own starts again from nothing). The best k are the same.
+    let mut best = TopK::new(k, top);
+    let parts: Vec<RowPart> = (0..segments(row.len()))
+        .map(|s| summarize_dispatch(row, segment_range(row.len(), s), None, &mut best))
+        .collect();
+    best.into_sorted(row);
+    merge_sums(&parts)
+}
+
+/// Segment `segment` of `row` summarized, its best `k` logits kept, for [`merge_parts`].
+/// Segments are independent: any thread may take any of them.
+///
+/// # Panics
+/// If the row has no such segment.
+pub fn summarize_part(row: &[f32], segment: usize, k: usize) -> RowPart {
+    assert!(
+        segment < segments(row.len()),
+        "summarize_part: no segment {segment}"
+    );
+    let mut top = Vec::new();
+    let mut best = TopK::new(k, &mut top);
+    let mut part = summarize_dispatch(row, segment_range(row.len(), segment), None, &mut best);
+    best.into_sorted(row);
+    part.top = top;
+    part
+}
+
+/// The summary of `row` from the parts of its segments, in order, and its best `k` logits in
+/// `top`, best first: equal to [`summarize`]'s.
+///
+/// # Panics
+/// If `parts` is not one part per segment of `row`.
+pub fn merge_parts(row: &[f32], parts: &[RowPart], k: usize, top: &mut Vec<u32>) -> RowSummary {
+    assert_eq!(
+        parts.len(),
+        segments(row.len()),
+        "merge_parts: one part per segment"
+    );
+    top.clear();
+    for part in parts {
+        top.extend_from_slice(&part.top);
+    }
+    // Each segment's best k hold the row's best k; ordered again, as one pass orders them.
+    sort_best_first(row, top);
+    top.truncate(k);
+    merge_sums(parts)
+}
+
+/// Log-sum-exp and argmax of a row from its segments' maxima and sums, in order.
+fn merge_sums(parts: &[RowPart]) -> RowSummary {
+    let m = parts.iter().map(|p| p.max).fold(f32::NEG_INFINITY, max_f32);
+    let Some(first) = parts.iter().find(|p| p.max == m && m > f32::NEG_INFINITY) else {
+        return RowSummary {
+            log_sum_exp: f64::NEG_INFINITY,
+            argmax: 0,
+        };
+    };
+    // Each sum rescaled to the row's max (`e^0` is exactly 1: a lone segment's sum is kept).
+    let total: f64 = parts
+        .iter()
+        .filter(|p| p.max > f32::NEG_INFINITY)
+        .map(|p| p.sum * (f64::from(p.max) - f64::from(m)).exp())
+        .sum();
+    RowSummary {
+        log_sum_exp: f64::from(m) + total.ln(),
+        argmax: first.argmax,
+    }
 }
 
 /// [`summarize`] without the top `k`, also copying `src` into `dst` in the same pass: one
@@ -273,48 +378,62 @@ pub fn summarize(row: &[f32], k: usize, top: &mut Vec<u32>) -> RowSummary {
 /// If the lengths differ.
 pub fn copy_and_summarize(src: &[f32], dst: &mut [f32]) -> RowSummary {
     assert_eq!(src.len(), dst.len(), "copy_and_summarize: lengths differ");
-    summarize_dispatch(src, Some(dst), 0, &mut Vec::new())
+    let parts: Vec<RowPart> = (0..segments(src.len()))
+        .map(|s| {
+            let range = segment_range(src.len(), s);
+            summarize_dispatch(
+                src,
+                range,
+                Some(&mut *dst),
+                &mut TopK::new(0, &mut Vec::new()),
+            )
+        })
+        .collect();
+    merge_sums(&parts)
 }
 
+/// One segment, `range` of `src`, summarized on the widest kernels this CPU runs (copied into
+/// the same range of `dst` when given), its blocks offered to `best`; the part's own `top`
+/// is left empty.
 #[allow(unsafe_code)]
 fn summarize_dispatch(
     src: &[f32],
+    range: std::ops::Range<usize>,
     dst: Option<&mut [f32]>,
-    k: usize,
-    top: &mut Vec<u32>,
-) -> RowSummary {
+    best: &mut TopK<'_>,
+) -> RowPart {
     #[cfg(target_arch = "x86_64")]
     match simd() {
         // SAFETY: `simd` just confirmed at run time that this CPU has avx512f and fma, the
         // only features `summarize_avx512` is compiled with.
-        Simd::Avx512 => return unsafe { summarize_avx512(src, dst, k, top) },
+        Simd::Avx512 => return unsafe { summarize_avx512(src, range, dst, best) },
         // SAFETY: as above, for avx2 and fma.
-        Simd::Avx2 => return unsafe { summarize_avx2(src, dst, k, top) },
+        Simd::Avx2 => return unsafe { summarize_avx2(src, range, dst, best) },
         Simd::Base => {}
     }
-    summarize_lanes::<BASE_FMA>(src, dst, k, top)
+    summarize_lanes::<BASE_FMA>(src, range, dst, best)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn summarize_avx2(
     src: &[f32],
+    range: std::ops::Range<usize>,
     dst: Option<&mut [f32]>,
-    k: usize,
-    top: &mut Vec<u32>,
-) -> RowSummary {
-    summarize_lanes::<true>(src, dst, k, top)
+    best: &mut TopK<'_>,
+) -> RowPart {
+    summarize_lanes::<true>(src, range, dst, best)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 fn summarize_avx512(
     src: &[f32],
+    range: std::ops::Range<usize>,
     dst: Option<&mut [f32]>,
-    k: usize,
-    top: &mut Vec<u32>,
-) -> RowSummary {
-    summarize_with(src, dst, k, top, |block, shift| {
+    best: &mut TopK<'_>,
+) -> RowPart {
+    summarize_with(src, range, dst, best, |block, shift| {
         avx512::exp_sum_and_max(block, shift)
     })
 }
@@ -399,29 +518,29 @@ mod avx512 {
 #[inline(always)]
 fn summarize_lanes<const FMA: bool>(
     src: &[f32],
+    range: std::ops::Range<usize>,
     dst: Option<&mut [f32]>,
-    k: usize,
-    top: &mut Vec<u32>,
-) -> RowSummary {
-    summarize_with(src, dst, k, top, exp_sum_and_max::<FMA>)
+    best: &mut TopK<'_>,
+) -> RowPart {
+    summarize_with(src, range, dst, best, exp_sum_and_max::<FMA>)
 }
 
-/// The one pass of [`summarize`], with `sum_block` giving a block's `(Σ e^(x - shift), max x)`.
+/// The one pass of [`summarize`] over the segment `src[range]`, with `sum_block` giving a
+/// block's `(Σ e^(x - shift), max x)`; its blocks offered to `best`.
 #[inline(always)]
 fn summarize_with(
     src: &[f32],
+    range: std::ops::Range<usize>,
     mut dst: Option<&mut [f32]>,
-    k: usize,
-    top: &mut Vec<u32>,
+    best: &mut TopK<'_>,
     sum_block: impl Fn(&[f32], f32) -> (f64, f32),
-) -> RowSummary {
-    let mut best = TopK::new(k, top);
+) -> RowPart {
     let mut m = f32::NEG_INFINITY;
-    let mut max_block = 0;
+    let mut max_start = range.start;
     // Σ e^(x - m) over the blocks so far.
     let mut total = 0.0f64;
-    for (b, from) in src.chunks(BLOCK).enumerate() {
-        let start = b * BLOCK;
+    for (b, from) in src[range.clone()].chunks(BLOCK).enumerate() {
+        let start = range.start + b * BLOCK;
         let block = match dst.as_deref_mut() {
             Some(dst) => {
                 let to = &mut dst[start..start + from.len()];
@@ -452,7 +571,7 @@ fn summarize_with(
                 total *= (f64::from(m) - f64::from(new_m)).exp();
             }
             m = new_m;
-            max_block = b;
+            max_start = start;
         }
         total += if shift == m {
             sum
@@ -461,21 +580,20 @@ fn summarize_with(
         };
         best.offer(src, start, block.len(), block_max);
     }
-    best.into_sorted(src);
-    if m == f32::NEG_INFINITY {
-        return RowSummary {
-            log_sum_exp: f64::NEG_INFINITY,
-            argmax: 0,
-        };
-    }
-    let start = max_block * BLOCK;
-    let offset = src[start..]
-        .iter()
-        .position(|&x| x == m)
-        .expect("the max block holds the max");
-    RowSummary {
-        log_sum_exp: f64::from(m) + total.ln(),
-        argmax: start + offset,
+    let argmax = if m == f32::NEG_INFINITY {
+        range.start
+    } else {
+        max_start
+            + src[max_start..range.end]
+                .iter()
+                .position(|&x| x == m)
+                .expect("the max block holds the max")
+    };
+    RowPart {
+        max: m,
+        sum: total,
+        argmax,
+        top: Vec::new(),
     }
 }
 
@@ -928,7 +1046,10 @@ mod tests {
             );
             let (mut a, mut b) = (Vec::new(), Vec::new());
             let fast = summarize(&xs, 33, &mut a);
-            let portable = summarize_lanes::<BASE_FMA>(&xs, None, 33, &mut b);
+            let portable =
+                summarize_lanes::<BASE_FMA>(&xs, 0..xs.len(), None, &mut TopK::new(33, &mut b));
+            sort_best_first(&xs, &mut b);
+            let portable = portable.alone();
             assert_eq!((fast.argmax, &a), (portable.argmax, &b));
             assert!(close(fast.log_sum_exp, portable.log_sum_exp, 1e-6));
             assert!(close(fast.log_sum_exp, naive_lse(&xs), 1e-6));
@@ -950,8 +1071,14 @@ mod tests {
             let xs = logits(50_000 + seed as usize * 131, seed, 5);
             let (mut a, mut b) = (Vec::new(), Vec::new());
             // SAFETY: avx2 and fma were detected above.
-            let avx2 = unsafe { summarize_avx2(&xs, None, 17, &mut a) };
-            let portable = summarize_lanes::<false>(&xs, None, 17, &mut b);
+            let avx2 =
+                unsafe { summarize_avx2(&xs, 0..xs.len(), None, &mut TopK::new(17, &mut a)) };
+            sort_best_first(&xs, &mut a);
+            let avx2 = avx2.alone();
+            let portable =
+                summarize_lanes::<false>(&xs, 0..xs.len(), None, &mut TopK::new(17, &mut b));
+            sort_best_first(&xs, &mut b);
+            let portable = portable.alone();
             assert_eq!((avx2.argmax, &a), (portable.argmax, &b));
             assert!(close(avx2.log_sum_exp, portable.log_sum_exp, 1e-6));
             // SAFETY: as above.

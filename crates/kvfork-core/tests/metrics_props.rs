@@ -1,7 +1,8 @@
 //! `summarize` and `copy_and_summarize` against the separate passes they replace.
 
 use kvfork_core::metrics::{
-    argmax, copy_and_summarize, log_sum_exp, summarize, top_k_indices, top_k_sorted,
+    argmax, copy_and_summarize, log_sum_exp, merge_parts, segments, summarize, summarize_part,
+    top_k_indices, top_k_sorted, RowPart, SEGMENT,
 };
 use proptest::prelude::*;
 
@@ -115,4 +116,71 @@ fn fully_masked_row() {
     let s = copy_and_summarize(&src, &mut dst);
     assert_eq!(s.log_sum_exp, f64::NEG_INFINITY);
     assert_eq!(s.argmax, 0);
+}
+
+/// Rows of several segments: runs of one kind (ordinary logits, masked, a repeated maximum)
+/// so whole segments can be masked and the best logit can tie across segments.
+fn long_row() -> impl Strategy<Value = Vec<f32>> {
+    let run = (
+        prop_oneof![
+            4 => (-30.0f32..30.0).prop_map(Some),
+            1 => Just(None),
+            1 => Just(Some(f32::NAN)), // the repeated maximum below
+        ],
+        1usize..SEGMENT,
+    );
+    (prop::collection::vec(run, 1..6), any::<u64>()).prop_map(|(runs, seed)| {
+        let mut s = seed | 1;
+        let mut row = Vec::new();
+        for (kind, len) in runs {
+            for _ in 0..len {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                row.push(match kind {
+                    None => f32::NEG_INFINITY,
+                    Some(x) if x.is_nan() => 31.0,
+                    Some(x) => x + (s >> 40) as f32 / (1u64 << 24) as f32 * 8.0,
+                });
+            }
+        }
+        row
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn parts_taken_in_any_order_merge_to_the_summary_to_the_bit(src in long_row(), k in 0usize..50) {
+        let n = segments(src.len());
+        prop_assert_eq!(n, src.len().div_ceil(SEGMENT));
+        // Parts taken last first, as threads may take them: nothing depends on the order.
+        let mut parts: Vec<RowPart> = (0..n).rev().map(|s| summarize_part(&src, s, k)).collect();
+        parts.reverse();
+        let (mut merged_top, mut top) = (vec![1, 2], Vec::new());
+        let merged = merge_parts(&src, &parts, k, &mut merged_top);
+        let s = summarize(&src, k, &mut top);
+        prop_assert_eq!(merged, s);
+        prop_assert_eq!(&merged_top, &top);
+        let mut dst = vec![0.0f32; src.len()];
+        prop_assert_eq!(copy_and_summarize(&src, &mut dst), s);
+        prop_assert!(dst.iter().zip(&src).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // And the summary is the row's: first argmax, sorted best k, log-sum-exp.
+        prop_assert_eq!(s.argmax, argmax(&src));
+        prop_assert_eq!(&top, &sorted_top(&src, k));
+        let lse = log_sum_exp(&src);
+        if lse == f64::NEG_INFINITY {
+            prop_assert_eq!(s.log_sum_exp, lse);
+        } else {
+            prop_assert!((s.log_sum_exp - lse).abs() <= 1e-6 * lse.abs().max(1.0), "{} vs {}", s.log_sum_exp, lse);
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "one part per segment")]
+fn merging_too_few_parts_is_refused() {
+    let src = vec![0.5f32; SEGMENT + 1];
+    merge_parts(&src, &[summarize_part(&src, 0, 3)], 3, &mut Vec::new());
 }
