@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvfork_core::metrics::Perplexity;
+use kvfork_core::metrics::{Perplexity, RowSummary};
 use kvfork_core::{Biases, Budget, Checkpoints, Utf8Carry};
 
 mod candidates;
@@ -324,6 +324,21 @@ impl BranchState {
     pub unsafe fn lend_output(&mut self, output: OutputRef<'_>, top_k: usize) {
         // SAFETY: the caller keeps the contract of `lend`, which is this function's.
         unsafe { self.logits.lend_output(output, top_k) }
+    }
+
+    /// `lend_output` of a row already summarized (its best `top_k` in `top`).
+    ///
+    /// # Safety
+    /// As for `lend_output`.
+    pub unsafe fn lend_summarized(
+        &mut self,
+        row: &[f32],
+        top_k: usize,
+        summary: RowSummary,
+        top: Vec<u32>,
+    ) {
+        // SAFETY: the caller keeps the contract of `lend`, which is this function's.
+        unsafe { self.logits.lend_summarized(row, top_k, summary, top) }
     }
 
     /// A lent row becomes a copy of its own (before a decode overwrites it).

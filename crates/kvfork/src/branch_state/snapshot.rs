@@ -247,7 +247,26 @@ impl LogitsSnapshot {
     /// dropped. The engine keeps this by giving back every loan before a decode, except those
     /// of the decode's own members, which are in flight until it lands (`engine/loans.rs`).
     pub unsafe fn lend(&mut self, row: &[f32], top_k: usize) {
-        self.summary = metrics::summarize(row, top_k, &mut self.top);
+        let mut top = std::mem::take(&mut self.top);
+        let summary = metrics::summarize(row, top_k, &mut top);
+        // SAFETY: the caller's contract, which is `lend_summarized`'s.
+        unsafe { self.lend_summarized(row, top_k, summary, top) }
+    }
+
+    /// `lend` of a row whose summary and best `top_k` logits (`top`, best first) were found
+    /// elsewhere (`engine/summaries.rs`: a row's segments on several threads).
+    ///
+    /// # Safety
+    /// As for `lend`.
+    pub unsafe fn lend_summarized(
+        &mut self,
+        row: &[f32],
+        top_k: usize,
+        summary: RowSummary,
+        top: Vec<u32>,
+    ) {
+        self.summary = summary;
+        self.top = top;
         self.top_k = top_k;
         self.row = Row::Lent(LentRow {
             ptr: NonNull::from(row).cast(),

@@ -12,11 +12,12 @@ use super::adapters::group_by_adapters;
 use super::continuous::Riding;
 use super::parallel;
 use super::shared::{BranchCell, Stats};
+use super::summaries;
 use super::{CommitItem, CommitRequest, Worker};
 use crate::adapter::Adapters;
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
-use crate::llama_ctx::Output;
+use crate::llama_ctx::{Output, OutputRef};
 use crate::produced::Produced;
 use crate::seq::Seq;
 
@@ -367,6 +368,24 @@ impl Worker {
         for (i, st) in states.iter_mut().enumerate() {
             let top_k = st.top_hint();
             work.push((&mut **st, self.ctx().output_ith(i)?, top_k));
+        }
+        let rows: Vec<(&[f32], usize)> = work
+            .iter()
+            .filter_map(|(_, output, k)| match output {
+                OutputRef::Row(row) => Some((*row, *k)),
+                OutputRef::Drawn(_) => None,
+            })
+            .collect();
+        if rows.len() == work.len() && summaries::in_parts(&rows, self.team_threads()) {
+            // Fewer rows than threads: each row's segments shared by the team.
+            let summaries = summaries::summarize(&rows, self.team_threads());
+            for ((st, _, top_k), ((row, _), (summary, top))) in
+                work.into_iter().zip(rows.into_iter().zip(summaries))
+            {
+                // SAFETY: the loan protocol of the `lend_output` below, for the same rows.
+                unsafe { st.lend_summarized(row, top_k, summary, top) };
+            }
+            return Ok(());
         }
         parallel::for_each_mut(&mut work, self.team_threads(), |(st, output, top_k)| {
             // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or

@@ -39,6 +39,7 @@ mod share;
 pub(crate) mod shared;
 mod speculate;
 mod state_io;
+mod summaries;
 mod takeover;
 mod tree;
 mod worker;
