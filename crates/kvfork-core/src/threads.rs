@@ -257,6 +257,13 @@ pub fn ceiling_for(cores: u32, others: f64) -> u32 {
     (free.round() as u32).max(1)
 }
 
+/// Whether a reading of `others` busy cores, or any lower one, leaves the ceiling at every
+/// core ([`ceiling_for`] rounds the free cores to the nearest): then a second reading that could
+/// only lower it changes nothing and need not be taken.
+pub fn leaves_every_core(others: f64) -> bool {
+    others <= 0.5
+}
+
 /// Runnable tasks of other processes right now, from the kernel's count of running tasks
 /// (`procs_running`) less this process's own running threads: an instant reading for the
 /// first decode, before any window of [`CpuTimes`] exists.
@@ -424,6 +431,21 @@ mod tests {
             ..at(100, 100, 0)
         };
         assert_eq!(others_busy(&at(0, 0, 0), &other), None);
+    }
+
+    #[test]
+    fn below_the_mark_no_lower_reading_changes_the_ceiling() {
+        for cores in 1..=64 {
+            for w in [0.0, 0.1, 0.25, 0.4999, 0.5] {
+                assert!(leaves_every_core(w));
+                for i in [0.0, 0.2, 0.5, 1.0, 7.0] {
+                    assert_eq!(ceiling_for(cores, w.min(i)), cores, "{cores} {w} {i}");
+                }
+            }
+            // Just above, a reading can take a core away (where there is one to take).
+            assert!(!leaves_every_core(0.51));
+            assert_eq!(ceiling_for(cores, 0.51), (cores - 1).max(1));
+        }
     }
 
     #[test]

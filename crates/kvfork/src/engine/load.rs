@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvfork_core::threads::{others_busy, others_running, CpuTimes};
+use kvfork_core::threads::{leaves_every_core, others_busy, others_running, CpuTimes};
 
 /// Readings closer together than this are skipped (a read costs ~20 µs; a decode ~10 ms).
 const READ_EVERY: Duration = Duration::from_millis(25);
@@ -100,6 +100,12 @@ impl LoadMeter {
             // the instant count, and what ran during the idle stretch only in the window.
             let window = self.start.and_then(|start| others_busy(&start, &now));
             self.start = Some(now);
+            if window.is_some_and(leaves_every_core) {
+                // The instant count could only lower this reading, and the ceiling is all
+                // cores already: its ~5 ms of samples would only delay the first decode after
+                // every idle stretch (a server's next request).
+                return window;
+            }
             let instant = self.others_now();
             return match (window, instant) {
                 (Some(w), Some(i)) => Some(w.min(i)),
