@@ -893,6 +893,7 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
         "checks": {"backend": "OK cuda"},
         "store_step": {"8": 3933.0, "64": 7623.0},
         "store_step_device": {"8": 4200.0},
+        "outside_ms": {"8": 0.2345},
     }
     (tmp_path / "kvfork-default.json").write_text(json.dumps(result))
     (tmp_path / "bare-default-host.txt").write_text("bare N=8 tok/s=2409.0 step_ms=3.3\n")
@@ -901,8 +902,8 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
     )
     text = gpu_bench.report(tmp_path)
     assert "| kvfork, device_sampling |" in text and "| device_sampling / bare backend |" in text
-    assert "| 8 | 3,933 | 4,200 | 2,409 | 4,047 | 1.63 | 1.04 |" in text
-    assert "| 64 | 7,623 | - | - | 9,043 | - | - |" in text
+    assert "| 8 | 3,933 | 4,200 | 2,409 | 4,047 | 1.63 | 1.04 | 0.234 |" in text
+    assert "| 64 | 7,623 | - | - | 9,043 | - | - | - |" in text
 
 
 def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
@@ -914,6 +915,7 @@ def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
         gpu_bench._throughput(str(kvfork.default_chat_model_path()), [2], 2, result)
     assert set(result["store_step"]) == set(result["store_step_device"]) == {"2"}
     assert min(result["store_step"]["2"], result["store_step_device"]["2"]) > 0
+    assert 0 < result["outside_ms"]["2"] < 1000 / result["store_step"]["2"] * 2
     assert result["generate"] > 0
 
 

@@ -100,6 +100,9 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
         for key, on_device in (("store_step", False), ("store_step_device", True)):
             rate, step_ms, share = _step_rate(model, n, steps, greedy, on_device)
             result[key][str(n)] = rate
+            if not on_device:
+                # What a step costs beside its decode: issue 42's item 3 gap at small N.
+                result.setdefault("outside_ms", {})[str(n)] = step_ms * (1 - share)
             print(
                 f"PERF kvfork store.step{' device_sampling' if on_device else ''} N={n} "
                 f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f}",
@@ -204,16 +207,19 @@ def report(folder: Path) -> str:
             "",
             (
                 "| N | kvfork store.step | kvfork, device_sampling | bare, host argmax "
-                "| bare, backend sampling | kvfork / bare host | device_sampling / bare backend |"
+                "| bare, backend sampling | kvfork / bare host | device_sampling / bare backend "
+                "| kvfork ms a step outside llama_decode |"
             ),
-            "|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
         ]
         on_device = result.get("store_step_device", {})
+        outside = result.get("outside_ms", {})
         for n_text, rate in result["store_step"].items():
             n = int(n_text)
             host, gpu, dev = bare.get(("host", n)), bare.get(("gpu", n)), on_device.get(n_text)
             cells = [_num(rate), _num(dev), _num(host), _num(gpu)]
             cells += [_ratio(rate, host), _ratio(dev, gpu)]
+            cells.append(f"{outside[n_text]:.3f}" if n_text in outside else "-")
             lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
     for path in sorted(folder.glob("noise-*.txt")):
