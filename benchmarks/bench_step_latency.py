@@ -8,6 +8,8 @@
 2. The first step after an idle stretch: one-token steps back to back and after a 0.7 s
    pause, with kvfork's adaptive thread count (its load meter reads the machine before the
    first decode of a burst) and with both counts fixed (no meter: the floor).
+3. Rows copied aside: N branches under two LoRA adapters (one decode for each, so every row
+   is copied out of llama.cpp's output buffer and summarized), teams of one and two threads.
 
 usage: python benchmarks/bench_step_latency.py [--steps 100] [--rounds 16] [--model PATH]
 """
@@ -16,18 +18,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import kvfork
 from kvfork._models import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' LoRA writer
+from tests.adapter_files import write_lora
 
 PROMPT = "The history of the printing press begins with"
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 IDLE_S = 0.7
 
 
-def outside_decode_ms(model: kvfork.Model, n: int, threads: int, steps: int) -> tuple[float, float]:
-    """(ms a step, ms a step outside llama_decode) for N greedy branches of one prompt."""
+def outside_decode_ms(
+    model: kvfork.Model,
+    n: int,
+    threads: int,
+    steps: int,
+    adapters: tuple[kvfork.LoraAdapter, ...] = (),
+) -> tuple[float, float]:
+    """(ms a step, ms a step outside llama_decode) for N greedy branches of one prompt, taking
+    `adapters` in turn when given."""
     with kvfork.create_context_sync(
         model,
         n_ctx=max(4096, n * (steps + 8) + 256),
@@ -38,6 +53,8 @@ def outside_decode_ms(model: kvfork.Model, n: int, threads: int, steps: int) -> 
         root = kvfork.Branch.create(ctx, 0, GREEDY)
         root.prefill_sync(ctx.tokenize(PROMPT))
         branches = [root] + [root.fork_sync() for _ in range(n - 1)]
+        for i, branch in enumerate(branches if adapters else []):
+            branch.set_adapters({adapters[i % len(adapters)]: 1.0})
         store = kvfork.BranchStore(ctx)
         for _ in range(4):
             store.step_sync(branches)
@@ -96,6 +113,23 @@ def main() -> None:
         busy, idle = first_step_ms(model, adaptive, args.rounds)
         name = "adaptive (load meter)" if adaptive else "fixed at 2 (no meter)"
         print(f"| {name} | {busy:.2f} | {idle:.2f} | {idle - busy:+.2f} |")
+
+    print("\n3. ms a step outside llama_decode, branches under two LoRA adapters (best of 3)")
+    print("| N | team of 1: step | team of 1: outside | team of 2: step | team of 2: outside |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        pair = tuple(
+            model.load_lora(str(write_lora(Path(folder) / f"{i}.gguf", seed=i))) for i in (1, 2)
+        )
+        for n in (2, 8):
+            cells = []
+            for threads in (1, 2):
+                runs = [
+                    outside_decode_ms(model, n, threads, args.steps // 2, pair) for _ in range(3)
+                ]
+                step, outside = min(runs, key=lambda r: r[1])
+                cells += [f"{step:.2f}", f"{outside:.3f}"]
+            print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -259,9 +259,13 @@ impl Worker {
         let landed = match decoded {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
             Ok(kept) => {
-                for (st, output) in states.iter_mut().zip(&kept) {
+                // Each row copied and summarized (1 MiB and ~0.2 ms for Gemma 3's): across
+                // the team, as `lend_rows` does with rows it lends.
+                let mut work: Vec<(&mut BranchState, &Output)> =
+                    states.iter_mut().map(|st| &mut **st).zip(&kept).collect();
+                parallel::for_each_mut(&mut work, self.team_threads(), |(st, output)| {
                     st.set_output(output);
-                }
+                });
                 Ok(())
             }
             Err(e) => Err(e),
