@@ -916,6 +916,7 @@ def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
     assert set(result["store_step"]) == set(result["store_step_device"]) == {"2"}
     assert min(result["store_step"]["2"], result["store_step_device"]["2"]) > 0
     assert 0 < result["outside_ms"]["2"] < 1000 / result["store_step"]["2"] * 2
+    assert result["team_threads"]["2"] >= 1
     assert result["generate"] > 0
 
 

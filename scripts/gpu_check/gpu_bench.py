@@ -98,14 +98,16 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
         # Host rows (the default), then `device_sampling=True` (issue 42's item 3: against
         # the bare loop's backend sampling, the same greedy tokens copied back as ids).
         for key, on_device in (("store_step", False), ("store_step_device", True)):
-            rate, step_ms, share = _step_rate(model, n, steps, greedy, on_device)
+            rate, step_ms, share, team = _step_rate(model, n, steps, greedy, on_device)
             result[key][str(n)] = rate
             if not on_device:
-                # What a step costs beside its decode: issue 42's item 3 gap at small N.
+                # What a step costs beside its decode (issue 42's item 3 gap at small N), and
+                # the team that summarizes the rows between decodes (engine/summaries.rs).
                 result.setdefault("outside_ms", {})[str(n)] = step_ms * (1 - share)
+                result.setdefault("team_threads", {})[str(n)] = team
             print(
                 f"PERF kvfork store.step{' device_sampling' if on_device else ''} N={n} "
-                f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f}",
+                f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f} threads={team}",
                 flush=True,
             )
     with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
@@ -120,9 +122,10 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
 
 def _step_rate(
     model: Any, n: int, steps: int, params: Any, device_sampling: bool
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, int]:
     """`store.step` of a prompt and N - 1 forks: (tokens/s, ms a step, share of the time in
-    llama_decode), best of 3 after 2 warm-up steps."""
+    llama_decode, the batch thread count the context settled on), best of 3 after 2 warm-up
+    steps."""
     import kvfork
 
     # Each branch takes a cell a step (2 warm-up steps, then 3 runs of `steps`), the prompt
@@ -147,7 +150,8 @@ def _step_rate(
             if dt < best:
                 best = dt
                 decode = float(ctx.stats()["decode_seconds"]) - float(s0["decode_seconds"])
-    return n * steps / best, 1000 * best / steps, decode / best
+        team = ctx.n_threads_batch
+    return n * steps / best, 1000 * best / steps, decode / best, team
 
 
 def run(model: str, label: str, ns: Sequence[int], steps: int, out: Path) -> int:
@@ -219,7 +223,9 @@ def report(folder: Path) -> str:
             host, gpu, dev = bare.get(("host", n)), bare.get(("gpu", n)), on_device.get(n_text)
             cells = [_num(rate), _num(dev), _num(host), _num(gpu)]
             cells += [_ratio(rate, host), _ratio(dev, gpu)]
-            cells.append(f"{outside[n_text]:.3f}" if n_text in outside else "-")
+            team = result.get("team_threads", {}).get(n_text)
+            spent = f"{outside[n_text]:.3f}" if n_text in outside else "-"
+            cells.append(f"{spent} ({team} threads)" if team else spent)
             lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
     for path in sorted(folder.glob("noise-*.txt")):
