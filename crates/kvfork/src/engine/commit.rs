@@ -381,7 +381,7 @@ impl Worker {
             })
             .collect();
         if rows.len() == work.len() && summaries::in_parts(&rows, self.team_threads()) {
-            // Fewer rows than threads: each row's segments shared by the team.
+            // Few rows for the team: each row's segments shared by all its threads.
             let summaries = summaries::summarize(&rows, self.team_threads());
             for ((st, _, top_k), ((row, _), (summary, top))) in
                 work.into_iter().zip(rows.into_iter().zip(summaries))

@@ -14,6 +14,11 @@ use std::sync::{Mutex, OnceLock};
 /// Items below which one thread does everything (a spawn costs more than the work).
 const MIN_ITEMS_PER_THREAD: usize = 2;
 
+/// The threads `for_each_mut` and `map_parallel` give `n` items when allowed `threads`.
+pub(crate) fn threads_for(n: usize, threads: usize) -> usize {
+    threads.min(n / MIN_ITEMS_PER_THREAD).max(1)
+}
+
 fn cores() -> usize {
     static CORES: OnceLock<usize> = OnceLock::new();
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -55,7 +60,7 @@ pub(crate) fn map_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + 
 /// `f(i)` for every `i` in `0..n`, each exactly once, on up to `threads` threads; a panic in
 /// `f` is raised again here once every thread is done.
 fn run(n: usize, threads: usize, weight: Weight, f: &(dyn Fn(usize) + Sync)) {
-    let threads = threads.min(n / MIN_ITEMS_PER_THREAD).max(1);
+    let threads = threads_for(n, threads);
     if threads <= 1 {
         return (0..n).for_each(f);
     }

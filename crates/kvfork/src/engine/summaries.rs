@@ -1,31 +1,38 @@
 //! The summaries of a few long rows (`LogitsSnapshot::lend`), each row cut in segments that
 //! the decode's thread team shares (`kvfork_core::metrics::summarize_part`), then merged.
 //!
-//! With fewer rows than threads, one row a thread leaves the team idle, and at N = 1 the
-//! step waits for one core to sweep the row: about 150 µs for Gemma 3's 262,144 logits here,
-//! a tenth of a step on a GPU. The merged summary is the one a single pass gives, to the bit.
+//! With few rows for the team, a row a thread leaves threads idle (at N = 1 the step waits for
+//! one core to sweep the row: about 150 µs for Gemma 3's 262,144 logits here, a tenth of a
+//! step on a GPU). The merged summary is the one a single pass gives, to the bit.
 
 use kvfork_core::metrics::{self, RowPart, RowSummary};
 
 use super::parallel;
 
-/// Threads each row needs before it is cut in parts: a part keeping a top `k` of its own
-/// starts its threshold from nothing, so parts with a top cost about 3× a single pass
-/// (`cargo bench -p kvfork-core --bench metrics`: 500 µs against 165 µs, 16 parts), and
-/// pay from four threads; parts without one cost what the single pass does.
-const THREADS_PER_ROW: usize = 2;
-const THREADS_PER_ROW_WITH_TOP: usize = 4;
+/// What a row's parts cost together when each keeps a top `k` of its own, against one pass:
+/// a part's top starts its threshold from nothing (`cargo bench -p kvfork-core --bench
+/// metrics`, 16 parts of 262,144 logits: 497-524 µs with the best 40 against 159-166 µs for
+/// one pass; without a top k the parts cost what one pass does, 147-153 µs).
+const PARTS_WITH_TOP_COST: f64 = 3.0;
 
-/// Whether `rows` (each a row and the top `k` it keeps) are better summarized in parts on
-/// `threads` threads than a row a thread.
+/// Whether `rows` (each a row and the top `k` it keeps) are sooner summarized in parts on
+/// `threads` threads than a row a thread: in units of one row's pass, a row a thread takes
+/// the rows each thread gets (`parallel` gives a thread two at least), parts take every
+/// row's parts spread evenly.
 pub(super) fn in_parts(rows: &[(&[f32], usize)], threads: usize) -> bool {
-    let long = rows.iter().any(|(row, _)| metrics::segments(row.len()) > 1);
-    let per_row = if rows.iter().any(|&(_, k)| k > 0) {
-        THREADS_PER_ROW_WITH_TOP
+    if !rows.iter().any(|(row, _)| metrics::segments(row.len()) > 1) {
+        return false;
+    }
+    let by_rows = rows
+        .len()
+        .div_ceil(parallel::threads_for(rows.len(), threads)) as f64;
+    let cost = if rows.iter().any(|&(_, k)| k > 0) {
+        PARTS_WITH_TOP_COST
     } else {
-        THREADS_PER_ROW
+        1.0
     };
-    long && !rows.is_empty() && threads >= rows.len() * per_row
+    let by_parts = rows.len() as f64 * cost / threads.max(1) as f64;
+    by_parts < by_rows
 }
 
 /// The summary of each row, and its best `k` logits best first, its segments spread over up
@@ -78,14 +85,21 @@ mod tests {
     }
 
     #[test]
-    fn only_few_long_rows_are_cut() {
+    fn rows_are_cut_where_the_team_would_wait_on_them() {
         let long = vec![0.0f32; 262_144];
         let short = vec![0.0f32; 1_000];
-        assert!(in_parts(&[(&long, 0)], 2));
-        assert!(!in_parts(&[(&long, 40)], 2));
-        assert!(in_parts(&[(&long, 40)], 4));
-        assert!(!in_parts(&[(&long, 0), (&long, 0)], 3));
-        assert!(!in_parts(&[(&short, 0)], 16));
+        let rows = |n: usize, k: usize| vec![(long.as_slice(), k); n];
+        // Two threads: one row, or two or three (a thread takes two rows at least).
+        assert!(in_parts(&rows(1, 0), 2));
+        assert!(in_parts(&rows(2, 0), 2) && in_parts(&rows(3, 0), 2));
+        assert!(!in_parts(&rows(4, 0), 2), "a row a thread already");
+        // A top k makes the parts dearer: one row needs four threads.
+        assert!(!in_parts(&rows(1, 40), 2) && in_parts(&rows(1, 40), 4));
+        // Sixteen threads: N = 8 gets 4 threads a row a thread, parts get all 16.
+        assert!(in_parts(&rows(8, 0), 16) && in_parts(&rows(8, 40), 16));
+        assert!(!in_parts(&rows(32, 0), 16) && !in_parts(&rows(16, 40), 16));
+        assert!(!in_parts(&rows(1, 0), 1), "one thread");
+        assert!(!in_parts(&[(&short, 0)], 16), "a row of one segment");
         assert!(!in_parts(&[], 16));
     }
 }
