@@ -1,4 +1,4 @@
-"""What a small step costs beside its `llama_decode`, two measures side by side in one run
+"""What a small step costs beside its `llama_decode`, three measures side by side in one run
 (recorded in BENCHMARKS.md §23):
 
 1. Between decodes: `store.step` of N = 1, 2, 4 greedy branches, the milliseconds a step
@@ -86,6 +86,26 @@ def first_step_ms(model: kvfork.Model, adaptive: bool, rounds: int) -> tuple[flo
     return statistics.median(busy), statistics.median(idle)
 
 
+def print_outside_table(
+    title: str,
+    model: kvfork.Model,
+    ns: tuple[int, ...],
+    steps: int,
+    adapters: tuple[kvfork.LoraAdapter, ...] = (),
+) -> None:
+    """`outside_decode_ms` for each N with teams of one and two threads, best of 3."""
+    print(f"\n{title} (best of 3)")
+    print("| N | team of 1: step | team of 1: outside | team of 2: step | team of 2: outside |")
+    print("|---|---|---|---|---|")
+    for n in ns:
+        cells = []
+        for threads in (1, 2):
+            runs = [outside_decode_ms(model, n, threads, steps, adapters) for _ in range(3)]
+            step, outside = min(runs, key=lambda r: r[1])
+            cells += [f"{step:.2f}", f"{outside:.3f}"]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -95,16 +115,7 @@ def main() -> None:
     model = kvfork.Model.load(args.model)
     print(f"model {args.model} (vocabulary {model.vocab_size})")
 
-    print("\n1. ms a step outside llama_decode (best of 3 runs)")
-    print("| N | team of 1: step | team of 1: outside | team of 2: step | team of 2: outside |")
-    print("|---|---|---|---|---|")
-    for n in (1, 2, 4):
-        cells = []
-        for threads in (1, 2):
-            runs = [outside_decode_ms(model, n, threads, args.steps) for _ in range(3)]
-            step, outside = min(runs, key=lambda r: r[1])
-            cells += [f"{step:.2f}", f"{outside:.3f}"]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+    print_outside_table("1. ms a step outside llama_decode", model, (1, 2, 4), args.steps)
 
     print(f"\n2. median ms of a one-token step, back to back and after {IDLE_S} s idle")
     print("| threads | back to back | after idle | idle - back to back |")
@@ -114,22 +125,12 @@ def main() -> None:
         name = "adaptive (load meter)" if adaptive else "fixed at 2 (no meter)"
         print(f"| {name} | {busy:.2f} | {idle:.2f} | {idle - busy:+.2f} |")
 
-    print("\n3. ms a step outside llama_decode, branches under two LoRA adapters (best of 3)")
-    print("| N | team of 1: step | team of 1: outside | team of 2: step | team of 2: outside |")
-    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         pair = tuple(
             model.load_lora(str(write_lora(Path(folder) / f"{i}.gguf", seed=i))) for i in (1, 2)
         )
-        for n in (2, 8):
-            cells = []
-            for threads in (1, 2):
-                runs = [
-                    outside_decode_ms(model, n, threads, args.steps // 2, pair) for _ in range(3)
-                ]
-                step, outside = min(runs, key=lambda r: r[1])
-                cells += [f"{step:.2f}", f"{outside:.3f}"]
-            print(f"| {n} | " + " | ".join(cells) + " |")
+        title = "3. ms a step outside llama_decode, branches under two LoRA adapters"
+        print_outside_table(title, model, (2, 8), args.steps // 2, pair)
 
 
 if __name__ == "__main__":

@@ -689,7 +689,7 @@ impl Branch {
     /// Replace the snapshot with an output (`Context::decode`'s, taken over).
     pub(crate) fn set_output(&self, output: &Output) -> Result<()> {
         self.with_row(|s| {
-            s.set_output(output);
+            s.set_output(output.as_ref());
             Ok(())
         })
     }

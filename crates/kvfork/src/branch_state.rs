@@ -292,9 +292,9 @@ impl BranchState {
         self.logits.set(row);
     }
 
-    /// Replace the snapshot with a decode's output kept aside (a row, or a device draw).
-    pub fn set_output(&mut self, output: &Output) {
-        self.logits.set_output(output.as_ref());
+    /// Replace the snapshot with a decode's output (a row, copied, or a device draw).
+    pub fn set_output(&mut self, output: OutputRef<'_>) {
+        self.logits.set_output(output);
     }
 
     /// The snapshot as a buffer of its own (a lent row is copied out first).
@@ -313,24 +313,13 @@ impl BranchState {
         self.logits.land();
     }
 
-    /// Read a decode's output where llama.cpp wrote it instead of copying it: a row is
-    /// summarized, with its best `top_k` logits kept for the sampler; a device draw is taken
-    /// as is.
+    /// Read a decode's row where llama.cpp wrote it instead of copying it, with its summary
+    /// and its best `top_k` logits for the sampler (`top`, best first).
     ///
     /// # Safety
-    /// As for `LogitsSnapshot::lend`, when `output` is a row: it stays valid, and unwritten
-    /// while the snapshot is not in flight, until the engine gives the loan back
-    /// (`engine/loans.rs`).
-    pub unsafe fn lend_output(&mut self, output: OutputRef<'_>, top_k: usize) {
-        // SAFETY: the caller keeps the contract of `lend`, which is this function's.
-        unsafe { self.logits.lend_output(output, top_k) }
-    }
-
-    /// `lend_output` of a row already summarized (its best `top_k` in `top`).
-    ///
-    /// # Safety
-    /// As for `lend_output`.
-    pub unsafe fn lend_summarized(
+    /// As for `LogitsSnapshot::lend`: the row stays valid, and unwritten while the snapshot is
+    /// not in flight, until the engine gives the loan back (`engine/loans.rs`).
+    pub unsafe fn lend_row(
         &mut self,
         row: &[f32],
         top_k: usize,
@@ -338,7 +327,7 @@ impl BranchState {
         top: Vec<u32>,
     ) {
         // SAFETY: the caller keeps the contract of `lend`, which is this function's.
-        unsafe { self.logits.lend_summarized(row, top_k, summary, top) }
+        unsafe { self.logits.lend(row, top_k, summary, top) }
     }
 
     /// A lent row becomes a copy of its own (before a decode overwrites it).

@@ -170,19 +170,6 @@ impl LogitsSnapshot {
         self.version += 1;
     }
 
-    /// Take a decode's output where llama.cpp wrote it: a row is lent (see `lend`), a draw
-    /// copied.
-    ///
-    /// # Safety
-    /// As for `lend`, when `output` is a row.
-    pub unsafe fn lend_output(&mut self, output: OutputRef<'_>, top_k: usize) {
-        match output {
-            // SAFETY: the caller's contract.
-            OutputRef::Row(row) => unsafe { self.lend(row, top_k) },
-            OutputRef::Drawn(d) => self.set_drawn(d),
-        }
-    }
-
     pub fn version(&self) -> u64 {
         self.version
     }
@@ -238,33 +225,16 @@ impl LogitsSnapshot {
         self.version += 1;
     }
 
-    /// Take a new row without copying it: read it where llama.cpp wrote it, summarizing it and
-    /// keeping its best `top_k` logits for the sampler.
+    /// Take a new row without copying it: read it where llama.cpp wrote it, with its summary
+    /// and its best `top_k` logits for the sampler (`top`, best first), found by the engine
+    /// (`engine/summaries.rs`).
     ///
     /// # Safety
     /// `row` must stay valid, and unwritten while this snapshot is not in flight, until this
     /// snapshot (or a clone of it) gives it back (`give_back`), takes another row, or is
     /// dropped. The engine keeps this by giving back every loan before a decode, except those
     /// of the decode's own members, which are in flight until it lands (`engine/loans.rs`).
-    pub unsafe fn lend(&mut self, row: &[f32], top_k: usize) {
-        let mut top = std::mem::take(&mut self.top);
-        let summary = metrics::summarize(row, top_k, &mut top);
-        // SAFETY: the caller's contract, which is `lend_summarized`'s.
-        unsafe { self.lend_summarized(row, top_k, summary, top) }
-    }
-
-    /// `lend` of a row whose summary and best `top_k` logits (`top`, best first) were found
-    /// elsewhere (`engine/summaries.rs`: a row's segments on several threads).
-    ///
-    /// # Safety
-    /// As for `lend`.
-    pub unsafe fn lend_summarized(
-        &mut self,
-        row: &[f32],
-        top_k: usize,
-        summary: RowSummary,
-        top: Vec<u32>,
-    ) {
+    pub unsafe fn lend(&mut self, row: &[f32], top_k: usize, summary: RowSummary, top: Vec<u32>) {
         self.summary = summary;
         self.top = top;
         self.top_k = top_k;

@@ -17,7 +17,7 @@ use super::{CommitItem, CommitRequest, Worker};
 use crate::adapter::Adapters;
 use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
-use crate::llama_ctx::{Output, OutputRef};
+use crate::llama_ctx::Output;
 use crate::produced::Produced;
 use crate::seq::Seq;
 
@@ -264,7 +264,7 @@ impl Worker {
                 let mut work: Vec<(&mut BranchState, &Output)> =
                     states.iter_mut().map(|st| &mut **st).zip(&kept).collect();
                 parallel::for_each_mut(&mut work, self.team_threads(), |(st, output)| {
-                    st.set_output(output);
+                    st.set_output(output.as_ref());
                 });
                 Ok(())
             }
@@ -368,36 +368,15 @@ impl Worker {
     /// Lend each member its row of the decode just run (`states[i]` made output `i`), summaries
     /// computed on the decode's own thread team.
     fn lend_rows(&self, states: &mut [MutexGuard<'_, BranchState>]) -> Result<()> {
-        let mut work = Vec::with_capacity(states.len());
-        for (i, st) in states.iter_mut().enumerate() {
-            let top_k = st.top_hint();
-            work.push((&mut **st, self.ctx().output_ith(i)?, top_k));
-        }
-        let rows: Vec<(&[f32], usize)> = work
-            .iter()
-            .filter_map(|(_, output, k)| match output {
-                OutputRef::Row(row) => Some((*row, *k)),
-                OutputRef::Drawn(_) => None,
-            })
-            .collect();
-        if rows.len() == work.len() && summaries::in_parts(&rows, self.team_threads()) {
-            // Few rows for the team: each row's segments shared by all its threads.
-            let summaries = summaries::summarize(&rows, self.team_threads());
-            for ((st, _, top_k), ((row, _), (summary, top))) in
-                work.into_iter().zip(rows.into_iter().zip(summaries))
-            {
-                // SAFETY: the loan protocol of the `lend_output` below, for the same rows.
-                unsafe { st.lend_summarized(row, top_k, summary, top) };
-            }
-            return Ok(());
-        }
-        parallel::for_each_mut(&mut work, self.team_threads(), |(st, output, top_k)| {
-            // SAFETY: `row` is in llama.cpp's output buffer, which only a decode rewrites or
-            // moves. Before every decode the worker gives back each loan except those of a
-            // commit's members, which are in flight (never read) until the decode lands
-            // (`loans.rs`); `decode_items` records these cells as the holders right after.
-            unsafe { st.lend_output(output.clone(), *top_k) }
-        });
+        let outputs = (0..states.len())
+            .map(|i| self.ctx().output_ith(i))
+            .collect::<Result<Vec<_>>>()?;
+        let mut states: Vec<&mut BranchState> = states.iter_mut().map(|st| &mut **st).collect();
+        // SAFETY: each row is in llama.cpp's output buffer, which only a decode rewrites or
+        // moves. Before every decode the worker gives back each loan except those of a
+        // commit's members, which are in flight (never read) until the decode lands
+        // (`loans.rs`); `decode_items` records these cells as the holders right after.
+        unsafe { summaries::lend(&mut states, outputs, self.team_threads()) };
         Ok(())
     }
 }

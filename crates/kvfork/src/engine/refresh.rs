@@ -114,7 +114,7 @@ impl Worker {
             )),
             e => e,
         })?;
-        cell.lock().set_output(&row);
+        cell.lock().set_output(row.as_ref());
         Ok(())
     }
 }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use super::shared::BranchCell;
+use super::summaries;
 use super::Worker;
 use crate::error::{Error, Result};
 use crate::model::Token;
@@ -94,13 +95,12 @@ impl Worker {
         // Position by position, as plain generation would: snapshot, sample, accept.
         let drawn: Result<Produced> = (|| {
             for i in 0..=draft.len() {
-                let top_k = st.top_hint();
                 let output = self.ctx().output_ith(i)?;
                 // SAFETY: a row is in llama.cpp's output buffer, which only a decode rewrites
                 // or moves; `decode` gave back every loan before this one and gives this one
                 // back before the next (the cell is recorded below). The cell stays locked
                 // meanwhile.
-                unsafe { st.lend_output(output, top_k) };
+                unsafe { summaries::lend(&mut [&mut *st], vec![output], self.team_threads()) };
                 let produced = st.produce(&model)?;
                 let token = produced.token;
                 if i == draft.len() || token != draft[i] || produced.is_stop {

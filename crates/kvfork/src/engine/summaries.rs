@@ -1,5 +1,7 @@
-//! The summaries of a few long rows (`LogitsSnapshot::lend`), each row cut in segments that
-//! the decode's thread team shares (`kvfork_core::metrics::summarize_part`), then merged.
+//! A decode's outputs lent to the branches that made them, the rows' summaries (log-partition,
+//! argmax, best k) computed on the decode's thread team: a row a thread, or, where that would
+//! leave the team waiting on a few rows, each row cut in segments the team shares
+//! (`kvfork_core::metrics::summarize_part`), then merged.
 //!
 //! With few rows for the team, a row a thread leaves threads idle (at N = 1 the step waits for
 //! one core to sweep the row: about 150 µs for Gemma 3's 262,144 logits here, a tenth of a
@@ -8,6 +10,46 @@
 use kvfork_core::metrics::{self, RowPart, RowSummary};
 
 use super::parallel;
+use crate::branch_state::BranchState;
+use crate::llama_ctx::OutputRef;
+
+/// A row and the number of its best logits to keep.
+type Row<'a> = (&'a [f32], usize);
+/// A row's summary and its best logits, best first.
+type Summarized = (RowSummary, Vec<u32>);
+
+/// Lend `outputs[i]` to `states[i]`, each row summarized for the best `top_hint()` logits its
+/// sampler reads, across up to `threads` threads.
+///
+/// # Safety
+/// As for `BranchState::lend_row`, for every row among `outputs`.
+pub(super) unsafe fn lend(
+    states: &mut [&mut BranchState],
+    outputs: Vec<OutputRef<'_>>,
+    threads: usize,
+) {
+    let top_ks: Vec<usize> = states.iter_mut().map(|st| st.top_hint()).collect();
+    let rows: Vec<Row<'_>> = outputs
+        .iter()
+        .zip(&top_ks)
+        .filter_map(|(output, &k)| match output {
+            OutputRef::Row(row) => Some((*row, k)),
+            OutputRef::Drawn(_) => None,
+        })
+        .collect();
+    let mut summaries = summarize(&rows, threads).into_iter();
+    for ((st, output), top_k) in states.iter_mut().zip(outputs).zip(top_ks) {
+        match output {
+            OutputRef::Row(row) => {
+                let (summary, top) = summaries.next().expect("a summary per row");
+                // SAFETY: the caller's contract.
+                unsafe { st.lend_row(row, top_k, summary, top) };
+            }
+            // A device draw: nothing to summarize, nothing lent.
+            drawn => st.set_output(drawn),
+        }
+    }
+}
 
 /// What a row's parts cost together when each keeps a top `k` of its own, against one pass:
 /// a part's top starts its threshold from nothing (`cargo bench -p kvfork-core --bench
@@ -19,7 +61,7 @@ const PARTS_WITH_TOP_COST: f64 = 3.0;
 /// `threads` threads than a row a thread: in units of one row's pass, a row a thread takes
 /// the rows each thread gets (`parallel` gives a thread two at least), parts take every
 /// row's parts spread evenly.
-pub(super) fn in_parts(rows: &[(&[f32], usize)], threads: usize) -> bool {
+fn in_parts(rows: &[Row<'_>], threads: usize) -> bool {
     if !rows.iter().any(|(row, _)| metrics::segments(row.len()) > 1) {
         return false;
     }
@@ -35,9 +77,21 @@ pub(super) fn in_parts(rows: &[(&[f32], usize)], threads: usize) -> bool {
     by_parts < by_rows
 }
 
-/// The summary of each row, and its best `k` logits best first, its segments spread over up
-/// to `threads` threads.
-pub(super) fn summarize(rows: &[(&[f32], usize)], threads: usize) -> Vec<(RowSummary, Vec<u32>)> {
+/// The summary of each row and its best `k` logits, best first, on up to `threads` threads.
+fn summarize(rows: &[Row<'_>], threads: usize) -> Vec<Summarized> {
+    if !in_parts(rows, threads) {
+        // A row a thread.
+        let mut work: Vec<(Row<'_>, Option<Summarized>)> =
+            rows.iter().map(|&row| (row, None)).collect();
+        parallel::for_each_mut(&mut work, threads, |((row, k), out)| {
+            let mut top = Vec::with_capacity(*k);
+            *out = Some((metrics::summarize(row, *k, &mut top), top));
+        });
+        return work
+            .into_iter()
+            .map(|(_, out)| out.expect("every row summarized"))
+            .collect();
+    }
     let mut parts: Vec<(usize, usize, RowPart)> = rows
         .iter()
         .enumerate()
