@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -228,20 +228,25 @@ def greedy_with_margins(b: kvfork.Branch, n: int) -> tuple[list[int], list[float
 
 
 def assert_same_greedy(
-    got: list[int], expected: list[int], margins: list[float], near_tie: float = NEAR_TIE
-) -> None:
+    got: Sequence[object],
+    expected: Sequence[object],
+    margins: list[float],
+    near_tie: float = NEAR_TIE,
+) -> bool:
     """Greedy tokens of another computation than the reference's (other batches, other cells,
     another context) equal the reference's up to their first difference, which must come at
     a near-tie of the reference (`margins[i] < near_tie`): until then both histories are the
     same, so the two rows differ by noise only, and noise cannot flip a clear margin. After
-    it the histories part and nothing more is compared."""
+    it the histories part and nothing more is compared. Returns whether they are equal
+    throughout. Tokens may be ids or their texts."""
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         if g != e:
             assert margins[i] < near_tie, (
-                f"token {i} differs ({g} != {e}) at a clear margin of {margins[i]:.2f}: "
+                f"token {i} differs ({g!r} != {e!r}) at a clear margin of {margins[i]:.2f}: "
                 f"got {got}, expected {expected}"
             )
-            return
+            return False
+    return True
 
 
 def assert_same_text(got: str, expected: str, pieces: list[str], margins: list[float]) -> bool:

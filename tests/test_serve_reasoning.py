@@ -33,7 +33,7 @@ from kvfork.server.reasoning import (
 )
 from openai.types.responses import ResponseReasoningItem
 
-from .conftest import NEAR_TIE, assert_same_text
+from .conftest import assert_same_greedy, assert_same_text
 from .serving import Server, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
@@ -160,14 +160,7 @@ def _same_history(got: list[str], reference: dict[str, Any]) -> bool:
     prompt found in the prefix cache is computed in other batch shapes than a fresh one:
     bit for bit the same on this CPU, not on a GPU.)"""
     tokens, margins = _sampled(reference)
-    for i, (g, e) in enumerate(zip(got, tokens)):
-        if g != e:
-            assert margins[i] < NEAR_TIE, (
-                f"token {i} differs ({g!r} != {e!r}) at a clear margin of {margins[i]:.2f}"
-            )
-            return False
-    assert len(got) == len(tokens), (got, tokens)
-    return True
+    return assert_same_greedy(got, tokens, margins)
 
 
 def _same_text(reasoning: str, answer: str, reference: dict[str, Any], budget: int) -> bool:
