@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import kvfork
 import pytest
 
-from .conftest import COUNTING
+from .conftest import COUNTING, assert_same_greedy, greedy_with_margins
 
 PROMPT = "Chapter one. It was a cold morning in the village, and"
 
@@ -199,3 +199,52 @@ def test_a_chat_shifts_and_keeps_its_system_message(chat_model: kvfork.Model) ->
         assert chat.branch.position < ctx.n_ctx
         # The system message's tokens were kept, not 4 sink tokens.
         assert chat._keep > 4
+
+
+def test_a_failed_reseed_puts_the_branch_back_from_a_host_copy(
+    model: kvfork.Model,
+) -> None:
+    """Sinks of its own plus a long tail need more cells than emptying the branch frees (an
+    unrelated branch holds the rest): the re-prefill fails and the branch's cells come back
+    as they were — same tokens, same logits, the same next token."""
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2) as ctx:
+        words = ctx.tokenize("The history of the printing press begins with " * 30)
+        other = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+        other.prefill_sync(words[:40])
+        b = kvfork.Branch.create(ctx, 0, {"temperature": 0.0})
+        b.prefill_sync(words[:200])
+        history, logits = b.history, b.logits()
+        with pytest.raises(kvfork.KvCacheFullError, match="the branch is unchanged"):
+            b.reseed_context_sync(words[-50:], 200)  # 250 tokens, 216 cells free
+        assert b.history == history and b.position == 200
+        assert ctx.kv_seq_pos_max_sync(b.seq_id) == 199
+        assert (b.logits() == logits).all()
+        went_on = [t.token for t in b.generate_sync(8)]
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as fresh:
+        alone = kvfork.Branch.create(fresh, 0, {"temperature": 0.0})
+        alone.prefill_sync(words[:200])
+        assert_same_greedy(went_on, *greedy_with_margins(alone, 8))
+
+
+def test_a_shift_whose_cells_are_shared_fails_to_an_empty_branch(
+    model: kvfork.Model,
+) -> None:
+    """A fork holds the branch's prompt cells: at n_ctx, emptying the branch frees only what
+    it generated, too few for the kept tokens, and its cells cannot come back as copies
+    either. The stream raises; the branch is empty, without logits (never generating from
+    logits its cache no longer holds), and takes a prefill again; the fork is untouched."""
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2) as ctx:
+        assert ctx.n_ctx == 256
+        b, prompt = prompted(ctx, {"temperature": 0.0})
+        b.prefill_sync(ctx.tokenize(" It was a long winter." * 40)[: 200 - len(prompt)])
+        fork = b.fork_sync()
+        stream = b.generate_sync(80, on_context_full="shift")
+        with pytest.raises(kvfork.KvCacheFullError, match="now empty"):
+            for _ in stream:
+                pass
+        assert b.history == [] and b.position == 0 and ctx.kv_seq_pos_max_sync(b.seq_id) == -1
+        with pytest.raises(kvfork.KvforkError, match="no logits"):
+            b.produce_sync()
+        assert fork.position == 200 and ctx.kv_seq_pos_max_sync(fork.seq_id) == 199
+        b.prefill_sync(prompt)
+        assert not b.produce_sync().is_stop

@@ -228,8 +228,9 @@ impl Branch {
     /// Infinite context: empty the branch's KV sequence, then prefill `sinks` followed by the
     /// last `tail` tokens of its sequence (prompt included; a sequence that begins with
     /// `sinks` gives its tail from after them), from position 0, so generation can go on past
-    /// `n_ctx`. Sampler, grammar, biases and metrics carry on. If the prefill fails the branch
-    /// is left empty at position 0 and the error is raised.
+    /// `n_ctx`. Sampler, grammar, biases and metrics carry on. If the prefill fails the
+    /// branch's cells come back from a host copy, or, when they no longer fit, it is left
+    /// empty with no logits (`engine/reseed.rs`).
     pub fn reseed_context(&self, sinks: Vec<Token>, tail: usize) -> Pending<()> {
         if let Err(e) = self
             .check_live()
@@ -243,8 +244,8 @@ impl Branch {
 
     /// Context shift (llama.cpp's `--context-shift`): empty the branch's KV sequence, then
     /// prefill its first `keep` tokens and the most recent half of the rest from position 0.
-    /// Sampler, grammar, biases and metrics carry on; a failed prefill leaves the branch
-    /// empty at position 0. `keep` must leave room: at most `n_ctx - 2`.
+    /// Sampler, grammar, biases and metrics carry on; a failed prefill is undone as
+    /// `reseed_context`'s. `keep` must leave room: at most `n_ctx - 2`.
     pub fn shift_context(&self, keep: usize) -> Pending<()> {
         if let Err(e) = self.check_live().and_then(|_| check_keep(&self.ctx, keep)) {
             return Pending::ready(Err(e));

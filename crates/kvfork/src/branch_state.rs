@@ -75,6 +75,13 @@ pub(crate) struct BranchState {
     reads_rows: bool,
 }
 
+/// A branch's record of its sequence while the sequence is re-prefilled (`engine/reseed.rs`).
+pub(crate) struct SequenceRecord {
+    position: i32,
+    history: Vec<Token>,
+    checkpoints: Checkpoints<Arc<[u8]>>,
+}
+
 /// What `commit` restores when the decode fails.
 pub(crate) struct Snapshot {
     sampler: SamplerChain,
@@ -239,11 +246,27 @@ impl BranchState {
     }
 
     /// The branch's KV sequence was emptied: it starts again at position 0 (sampler,
-    /// grammar, biases and metrics carry on).
-    pub fn sequence_emptied(&mut self) {
-        self.position = 0;
-        self.history.clear();
-        self.checkpoints.clear();
+    /// grammar, biases and metrics carry on). Returns the record of what it held, for
+    /// `sequence_restored` should the sequence's cells be put back.
+    pub fn sequence_emptied(&mut self) -> SequenceRecord {
+        SequenceRecord {
+            position: std::mem::replace(&mut self.position, 0),
+            history: std::mem::take(&mut self.history),
+            checkpoints: std::mem::take(&mut self.checkpoints),
+        }
+    }
+
+    /// The cells `sequence_emptied` removed are back (a failed re-prefill undone).
+    pub fn sequence_restored(&mut self, record: SequenceRecord) {
+        self.position = record.position;
+        self.history = record.history;
+        self.checkpoints = record.checkpoints;
+    }
+
+    /// The sequence's cells are gone for good, and the logits read from them with them: the
+    /// branch has none until its next prefill.
+    pub fn forget_logits(&mut self) {
+        self.logits.forget();
     }
 
     // ---- recurrent-state checkpoints (engine thread) ----

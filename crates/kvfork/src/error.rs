@@ -89,6 +89,18 @@ impl Error {
 }
 
 impl Error {
+    /// The same error with `note` after its message, for the kinds whose message is free
+    /// text (what a failure left behind); others as they are.
+    pub(crate) fn noted(self, note: &str) -> Self {
+        match self {
+            Error::KvCacheFull(m) => Error::KvCacheFull(format!("{m}; {note}")),
+            Error::Decode(m) => Error::Decode(format!("{m}; {note}")),
+            Error::Cancelled(m) => Error::Cancelled(format!("{m}; {note}")),
+            Error::Other(m) => Error::Other(format!("{m}; {note}")),
+            other => other,
+        }
+    }
+
     pub(crate) fn io(path: &std::path::Path, err: std::io::Error) -> Self {
         Error::Io {
             path: path.to_path_buf(),

@@ -257,6 +257,14 @@ impl LogitsSnapshot {
         }
     }
 
+    /// Forget the row, whatever it is (the sequence it was read from is gone): no logits
+    /// until the next decode.
+    pub fn forget(&mut self) {
+        let version = self.version + 1;
+        *self = LogitsSnapshot::empty();
+        self.version = version;
+    }
+
     /// Forget a lent row that is no longer valid (llama.cpp moved its output buffer): the
     /// branch has no logits until its next decode.
     pub fn forget_loan(&mut self) {

@@ -11,6 +11,7 @@ use super::{CancelPolicy, CommitReply, CommitRequest, Pending, Ticket, Worker};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::produced::Produced;
+use crate::seq::Seq;
 
 /// The branch's tokens in sequence order: its history, and a token `accept`ed but not yet
 /// decoded (a re-prefill decodes it).
@@ -43,7 +44,7 @@ pub(crate) fn shifted(tokens: &[Token], keep: usize) -> Vec<Token> {
 
 impl Worker {
     /// Empty the sequence, then prefill the sinks and the last `tail` tokens of the
-    /// sequence from position 0. If the prefill fails the branch is left empty at position 0.
+    /// sequence from position 0; a failure is undone (`reprefill`).
     pub(crate) fn reseed_context(
         &mut self,
         cell: &Arc<BranchCell>,
@@ -84,6 +85,12 @@ impl Worker {
         step.wait()
     }
 
+    /// Empty `cell`'s sequence and prefill `tokens` into it from position 0. When the prefill
+    /// fails (no room for it, most often: cells the branch shared with others stay theirs),
+    /// the old cells come back from a host copy taken first, and the branch is as it was;
+    /// the copy is skipped when room is certain. Cells shared with other sequences come back
+    /// as copies of their own, so they may not fit again: the branch is then left empty and
+    /// without logits, never with logits its cache no longer holds.
     fn reprefill(
         &mut self,
         cell: &Arc<BranchCell>,
@@ -109,10 +116,41 @@ impl Worker {
         self.give_leases(&[cell])?;
         // Parked branches anchored on the cells about to go move off them first.
         self.before_cells_go(cell)?;
-        self.empty_seq(cell.seq())?;
+        let seq = cell.seq();
+        let undo = if self.room_is_certain(seq, tokens.len()) {
+            None
+        } else {
+            Some(self.ctx().kv_state(Some(seq))?)
+        };
+        self.empty_seq(seq)?;
         self.sever(cell);
-        cell.lock().sequence_emptied();
-        self.prefill(&[&(cell.clone(), tokens)])
+        let record = cell.lock().sequence_emptied();
+        let Err(e) = self.prefill(&[&(cell.clone(), tokens)]) else {
+            return Ok(());
+        };
+        let restored = undo.is_some_and(|cells| {
+            self.empty_seq(seq).is_ok() && self.ctx_mut().set_kv_state(Some(seq), &cells).is_ok()
+        });
+        let mut st = cell.lock();
+        if restored {
+            st.sequence_restored(record);
+            Err(e.noted("the branch is unchanged"))
+        } else {
+            st.forget_logits();
+            Err(e.noted("the branch is now empty, at position 0: prefill it again"))
+        }
+    }
+
+    /// Whether `n` tokens surely find cells once `seq` is emptied: the other sequences'
+    /// cells (counted per sequence, shared ones more than once: an upper bound) leave room,
+    /// and no sliding-window layer places cells by rules of its own.
+    fn room_is_certain(&self, seq: Seq, n: usize) -> bool {
+        let own = self
+            .ctx()
+            .seq_pos_max(seq)
+            .map_or(0, |max| (max + 1).max(0) as usize);
+        let others = self.cells_in_use().saturating_sub(own);
+        self.shared().model.n_swa() == 0 && others + n <= self.shared().n_ctx as usize
     }
 }
 

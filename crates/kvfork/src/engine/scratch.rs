@@ -96,7 +96,7 @@ impl Worker {
 
     /// Cells of the main cache in use before the plan, counted per sequence (shared cells
     /// more than once: an upper bound, which is all `scratch_pays` needs).
-    fn cells_in_use(&self) -> usize {
+    pub(super) fn cells_in_use(&self) -> usize {
         (0..self.shared().n_seq_max)
             .filter_map(|s| self.ctx().seq_pos_max(Seq::new(s)).ok())
             .map(|max| (max + 1).max(0) as usize)
