@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import kvfork
 import numpy as np
@@ -82,6 +83,35 @@ async def test_async_iter_protocol_and_sync_twin(ctx: kvfork.Context) -> None:
 def test_max_tokens_reason(ctx: kvfork.Context) -> None:
     stream = root(ctx).generate_sync(3)
     assert len(list(stream)) == 3 and stream.stop_reason == "max_tokens"
+
+
+async def drain(stream: kvfork.TokenStream, into: list[int]) -> None:
+    async for tok in stream:
+        into.append(tok.token)
+
+
+async def test_two_consumers_of_one_stream_share_its_max_tokens(ctx: kvfork.Context) -> None:
+    """Steps asked for at once each take one of the stream's tokens: together the consumers
+    get `max_tokens`, in the branch's order, and no more are committed."""
+    for max_tokens in (1, 7):
+        b = root(ctx)
+        start = b.position
+        stream = b.generate(max_tokens)
+        got: list[int] = []
+        await asyncio.gather(*(drain(stream, got) for _ in range(3)))
+        assert len(got) == max_tokens and b.position == start + max_tokens
+        assert stream.stop_reason == "max_tokens"
+        assert sorted(got) == sorted(b.history[start:])
+        await b.prune()
+    b = root(ctx)
+    start = b.position
+    sync_stream = b.generate_sync(6)
+    threads = [threading.Thread(target=lambda: list(sync_stream)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert b.position == start + 6 and sync_stream.stop_reason == "max_tokens"
 
 
 def test_generate_ends_cleanly_at_the_context_limit(model: kvfork.Model) -> None:

@@ -90,11 +90,15 @@ fn room(branch: &Branch) -> Result<usize> {
 
 /// Plain generation over one branch: commit-before-yield, ending at a stop token (not
 /// committed), after `max_tokens`, or when the context is full. Shared by reference between
-/// the steps of one iteration (the first stop reason set wins).
+/// the steps of one iteration (the first stop reason set wins); steps asked for at once (two
+/// consumers of one stream) each take one of the `max_tokens`, so no more are committed.
 pub struct TokenStream {
     branch: Branch,
     max_tokens: Option<usize>,
     on_full: OnContextFull,
+    /// Steps queued: each may commit a token (one whose await is cancelled before it runs
+    /// still counts, so the stream may end a token early after a cancellation).
+    queued: AtomicUsize,
     produced: AtomicUsize,
     shifts: AtomicUsize,
     stop: OnceLock<StopReason>,
@@ -108,6 +112,7 @@ impl TokenStream {
             branch,
             max_tokens,
             on_full: OnContextFull::Stop,
+            queued: AtomicUsize::new(0),
             produced: AtomicUsize::new(0),
             shifts: AtomicUsize::new(0),
             stop: OnceLock::new(),
@@ -132,10 +137,20 @@ impl TokenStream {
         if self.stop.get().is_some() {
             return None;
         }
-        let produced = self.produced.load(Ordering::Relaxed);
-        if self.max_tokens.is_some_and(|m| produced >= m) {
-            self.finish(StopReason::MaxTokens);
-            return None;
+        if let Some(max) = self.max_tokens {
+            let take = |queued: usize| (queued < max).then_some(queued + 1);
+            if self
+                .queued
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, take)
+                .is_err()
+            {
+                // Every token is taken; the reason is known once the last step is recorded
+                // (it may still draw a stop token).
+                if self.produced.load(Ordering::Acquire) >= max {
+                    self.finish(StopReason::MaxTokens);
+                }
+                return None;
+            }
         }
         match (room(&self.branch), self.on_full) {
             (Err(e), _) => Some(Pending::ready(Err(e))), // pruned: the step says so
@@ -157,7 +172,7 @@ impl TokenStream {
             self.finish(StopReason::StopToken);
             return None;
         }
-        self.produced.fetch_add(1, Ordering::Relaxed);
+        self.produced.fetch_add(1, Ordering::AcqRel);
         Some(produced)
     }
 
