@@ -526,6 +526,36 @@ def test_n_choices_on_a_full_prefix_cache_evict_entries_instead_of_failing(
     assert small_server.metric("kvfork_prefix_cache_evictions_total") > 0
 
 
+def test_replies_outgrowing_the_cells_left_by_entries_evict_them_as_they_go(
+    serve: Any, chat_model: kvfork.Model
+) -> None:
+    """A reply needs a KV cell a token: when the prefix cache's entries hold the rest, it
+    evicts them as it goes; with none left (its own `n` choices hold every cell) its choices
+    end with "length". Never a 500, and every sequence comes back."""
+    server: Server = serve("chat", "--n-ctx", "1024", "--n-seq-max", "4")
+    client = server.client()
+    with kvfork.create_context_sync(chat_model, n_ctx=256, n_seq_max=1) as ctx:
+        no_stop = {str(t): -100 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+    words = [1000 + (i * 7919) % 30000 for i in range(1200)]  # prompts sharing nothing
+    first = client.completions.create(model="x", prompt=words[:400], max_tokens=4)
+    assert first.usage is not None and first.usage.completion_tokens == 4
+    # 404 + 400 + 300 cells > 1,024: its last ~80 tokens need the first request's entry gone.
+    reply = client.completions.create(
+        model="x", prompt=words[400:800], max_tokens=300, logit_bias=no_stop
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 300
+    assert reply.choices[0].finish_reason == "length"
+    assert server.metric("kvfork_prefix_cache_evictions_total") >= 1
+    # Three choices of 300 after a 400-token prompt cannot all fit: they end at the cells left.
+    crowded = client.completions.create(
+        model="x", prompt=words[800:1200], max_tokens=300, n=3, logit_bias=no_stop
+    )
+    assert crowded.usage is not None
+    assert 3 <= crowded.usage.completion_tokens <= 1024 - 400
+    assert [c.finish_reason for c in crowded.choices] == ["length"] * 3
+    server.assert_at_rest()
+
+
 def test_a_crowd_gets_answers_or_503_with_retry_after_never_500(small_server: Server) -> None:
     def call(i: int) -> tuple[int, dict[str, str]]:
         body = json.dumps(

@@ -1229,6 +1229,15 @@ class PrefixCache:
         """Blocking twin of `make_room`: returns how many entries were evicted. Waits without the
         GIL; evictions always complete, even on Ctrl-C.
         """
+    def evict_oldest(self) -> Operation[bool]:
+        """Evict the least recently used entry: its cells that no other branch shares go back to
+        the KV (room for the next decode of a branch handed out, which raised
+        KvCacheFullError); resolves to False when no entry is left.
+        """
+    def evict_oldest_sync(self) -> bool:
+        """Blocking twin of `evict_oldest`: returns whether an entry was evicted. Waits without
+        the GIL; the eviction always completes, even on Ctrl-C.
+        """
     def shared_tokens(self, branch: Branch) -> int | None:
         """How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
         not prefilled); None for a branch the cache did not make or no longer holds.

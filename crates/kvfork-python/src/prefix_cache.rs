@@ -147,6 +147,20 @@ impl PyPrefixCache {
         convert::wait(py, self.inner.make_room(n.u32("n", 0)?))
     }
 
+    /// Evict the least recently used entry: its cells that no other branch shares go back to
+    /// the KV (room for the next decode of a branch handed out, which raised
+    /// KvCacheFullError); resolves to False when no entry is left.
+    fn evict_oldest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.inner.evict_oldest();
+        convert::awaitable(py, Call("PrefixCache", "evict_oldest"), pending, Ok)
+    }
+
+    /// Blocking twin of `evict_oldest`: returns whether an entry was evicted. Waits without
+    /// the GIL; the eviction always completes, even on Ctrl-C.
+    fn evict_oldest_sync(&self, py: Python<'_>) -> PyResult<bool> {
+        convert::wait(py, self.inner.evict_oldest())
+    }
+
     /// How many of `branch`'s prompt tokens came from the KV cache when it was made (shared,
     /// not prefilled); None for a branch the cache did not make or no longer holds.
     fn shared_tokens(&self, branch: Arg<Bound<'_, PyBranch>>) -> Option<usize> {

@@ -334,6 +334,19 @@ impl PrefixCache {
         })
     }
 
+    /// Evict the least recently used entry: the cells no other branch shares go back to the
+    /// KV (room for a decode of a branch handed out that found none). False when no entry is
+    /// left.
+    pub fn evict_oldest(&self) -> Pending<bool> {
+        let cache = self.clone();
+        Pending::spawn("kvfork-prefix", move || {
+            match cache.take_victim(None, true) {
+                Some(holder) => cache.evict(Some(holder)).map(|()| true),
+                None => Ok(false),
+            }
+        })
+    }
+
     /// Refuse a branch of another context (its handle could equal one of ours).
     fn check_ours(&self, branch: &Branch) -> Result<()> {
         if branch.context().shared().id != self.ctx.shared().id {

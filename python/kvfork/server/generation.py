@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -505,14 +506,16 @@ class Generation:
         per step; a choice with logprobs, or whose thinking may be ended, a token at a time;
         one with nothing to look at between its tokens, in the engine's own loop."""
         ctx, sampling, out = self.generator.ctx, self.sampling, self._out
+        cache = self.generator.cache
         plan, choices, branches = sampling.reasoning, self.choices, self.branches
         if plan is not None and plan.shared and len(choices) > 1:
             return [self._share_reasoning()]
         if len(branches) > 1 and not sampling.logprobs:
-            return [_run_together(ctx, branches, choices, out)]
+            return [_run_together(ctx, cache, branches, choices, out)]
         if sampling.logprobs or (plan is not None and plan.steered):
-            return [_steered(ctx, b, c, sampling, out) for b, c in zip(branches, choices)]
-        return [_generate_choice(b, c, out) for b, c in zip(branches, choices)]
+            together = zip(branches, choices)
+            return [_steered(ctx, cache, b, c, sampling, out) for b, c in together]
+        return [_generate_choice(cache, b, c, out) for b, c in zip(branches, choices)]
 
     async def _share_reasoning(self) -> None:
         """`reasoning_shared`: the first choice thinks alone, its events going to every
@@ -521,7 +524,7 @@ class Generation:
         g, sampling, out = self.generator, self.sampling, self._out
         first, branch = self.choices[0], self.branches[0]
         fanout = _Fanout(out, len(self.choices))
-        await _steered(g.ctx, branch, first, sampling, fanout, until_answer=True)
+        await _steered(g.ctx, g.cache, branch, first, sampling, fanout, until_answer=True)
         if first.finish_reason is not None:  # it ended thinking: so did every choice
             self.choices[1:] = [_ended_copy(first, i) for i in range(1, len(self.choices))]
             return
@@ -529,9 +532,11 @@ class Generation:
         await self._fork(branch, len(self.choices))
         if sampling.logprobs:
             together = zip(self.branches, self.choices)
-            await asyncio.gather(*(_steered(g.ctx, b, c, sampling, out) for b, c in together))
+            await asyncio.gather(
+                *(_steered(g.ctx, g.cache, b, c, sampling, out) for b, c in together)
+            )
         else:
-            await _run_together(g.ctx, self.branches, self.choices, out)
+            await _run_together(g.ctx, g.cache, self.branches, self.choices, out)
 
     async def _fork(self, first: Branch, n: int) -> None:
         """Forks of `first` until there are `n` branches, each seeded as its choice asks."""
@@ -560,6 +565,8 @@ class Generation:
             first = await g.cache.branch(prompt, sampling.params(0), adapters=self.adapters or None)
         except LeaseExhaustedError:
             raise _no_free_sequence() from None
+        except KvCacheFullError:  # every entry evicted: requests in progress hold the cells
+            raise _no_free_cell() from None
         except ValueError as exc:  # raced
             raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
         self.branches.append(first)
@@ -576,9 +583,9 @@ class Generation:
                 ) from None
         if last:
             try:
-                await first.prefill(self.tokens[-1:])
-            except KvCacheFullError as exc:
-                raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
+                await _with_room(g.cache, lambda: first.prefill(self.tokens[-1:]))
+            except _NoRoom:
+                raise _no_free_cell() from None
         plan = sampling.reasoning
         if plan is None or not plan.shared:
             await self._fork(first, sampling.n)
@@ -617,12 +624,43 @@ def _no_free_sequence() -> APIError:
     return APIError(503, "no free sequence", type="server_error", headers={"Retry-After": "1"})
 
 
+def _no_free_cell() -> APIError:
+    """Requests in progress hold every KV cell the prompt needs (the cache evicted all its
+    entries): try again."""
+    return APIError(503, "no free KV cell", type="server_error", headers={"Retry-After": "1"})
+
+
 async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseException]) -> None:
     """Run `work`; the error that ends it goes on `out` for the request's task to raise."""
     try:
         await work
     except Exception as exc:  # noqa: BLE001 - handed to the request's task, which raises it
         out.put_nowait(exc)
+
+
+T = TypeVar("T")
+
+
+class _NoRoom(Exception):
+    """The KV has no cell left for a choice's next tokens, and no prefix-cache entry is left
+    to evict: the choices that asked end there ("length")."""
+
+
+async def _with_room(
+    cache: PrefixCache, decode: Callable[[], Awaitable[T]], started: Awaitable[T] | None = None
+) -> T:
+    """`decode()` (or the attempt already `started`), again after each eviction while the KV
+    is full: the cache's entries give their cells to live requests (docs/serve.md). A failed
+    decode changes nothing (commits and prefills are all or nothing), so it is simply tried
+    again. _NoRoom when no entry is left: live requests hold every cell."""
+    attempt = started if started is not None else decode()
+    while True:
+        try:
+            return await attempt
+        except KvCacheFullError:
+            if not await cache.evict_oldest():
+                raise _NoRoom from None
+        attempt = decode()
 
 
 def _tell(out: Sink, event: Event | None) -> None:
@@ -636,7 +674,7 @@ def _finish(out: Sink, choice: Choice, reason: str) -> None:
 
 
 async def _end_thinking(
-    ctx: Context, active: list[tuple[Branch, Choice]], out: Sink
+    ctx: Context, cache: PrefixCache, active: list[tuple[Branch, Choice]], out: Sink
 ) -> list[tuple[Branch, Choice]]:
     """Force the end of the block of every choice whose budget is spent or whose end was asked:
     the budget message, the end marker and the answer's lead, committed as tokens of its
@@ -658,7 +696,14 @@ async def _end_thinking(
         else:
             runs.append((branch, choice, text, tokens))
     if runs:
-        await BranchStore(ctx).prefill([(b, tokens) for b, _, _, tokens in runs])
+        forced = [(b, tokens) for b, _, _, tokens in runs]
+        try:
+            await _with_room(cache, lambda: BranchStore(ctx).prefill(forced))
+        except _NoRoom:
+            for _, choice, _, _ in runs:
+                _finish(out, choice, "length")
+                ended.add(choice.index)
+            runs = []
     for _, choice, text, tokens in runs:
         if choice.add_forced(text, len(tokens)):
             _finish(out, choice, "stop")
@@ -680,17 +725,23 @@ def _within_limit(active: list[tuple[Branch, Choice]], out: Sink) -> list[tuple[
 
 
 async def _run_together(
-    ctx: Context, branches: list[Branch], choices: list[Choice], out: Sink
+    ctx: Context, cache: PrefixCache, branches: list[Branch], choices: list[Choice], out: Sink
 ) -> None:
     """Every choice advanced by `BranchStore.step`: one decode per step for all (a forced end
     of thinking in between)."""
     store = BranchStore(ctx)
     active = list(zip(branches, choices))
     while active:
-        active = _within_limit(await _end_thinking(ctx, active, out), out)
+        active = _within_limit(await _end_thinking(ctx, cache, active, out), out)
         if not active:
             break
-        tokens = await store.step([b for b, _ in active])
+        stepped = [b for b, _ in active]
+        try:
+            tokens = await _with_room(cache, functools.partial(store.step, stepped))
+        except _NoRoom:
+            for _, choice in active:
+                _finish(out, choice, "length")
+            return
         still = []
         for (branch, choice), tok in zip(active, tokens):
             if tok.is_stop or choice.add(tok.text):
@@ -703,6 +754,7 @@ async def _run_together(
 
 async def _steered(
     ctx: Context,
+    cache: PrefixCache,
     branch: Branch,
     choice: Choice,
     sampling: Sampling,
@@ -716,18 +768,20 @@ async def _steered(
     forked). Once it answers, with nothing more to look at, the engine's own loop takes over.
     Each token goes out before its own decode: the time to first token is the prefill's
     alone."""
-    while await _end_thinking(ctx, [(branch, choice)], out):
+    while await _end_thinking(ctx, cache, [(branch, choice)], out):
         if choice.thought is not None and choice.thought.answering:
             if until_answer:
                 return
             if not sampling.logprobs:  # nothing more to look at: the engine's own loop
-                await _generate_choice(branch, choice, out)
+                await _generate_choice(cache, branch, choice, out)
                 return
-        if not await _next_token(branch, choice, sampling, out):
+        if not await _next_token(cache, branch, choice, sampling, out):
             return
 
 
-async def _next_token(branch: Branch, choice: Choice, sampling: Sampling, out: Sink) -> bool:
+async def _next_token(
+    cache: PrefixCache, branch: Branch, choice: Choice, sampling: Sampling, out: Sink
+) -> bool:
     """Draw `choice`'s next token (with its logprobs when asked), hand it out, decode it;
     False when the choice has ended (a stop token or string, its limit)."""
     if choice.tokens >= choice.limit:
@@ -747,7 +801,11 @@ async def _next_token(branch: Branch, choice: Choice, sampling: Sampling, out: S
         committed.close()  # the generation is over, the commit not awaited
         return False
     _tell(out, choice.event([entry] if entry else None))
-    await committed
+    try:
+        await _with_room(cache, lambda: branch.commit(tok), committed)
+    except _NoRoom:
+        _finish(out, choice, "length")  # its token went out; the branch ends without it
+        return False
     return True
 
 
@@ -765,25 +823,30 @@ def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
     }
 
 
-async def _generate_choice(branch: Branch, choice: Choice, out: Sink) -> None:
+async def _generate_choice(cache: PrefixCache, branch: Branch, choice: Choice, out: Sink) -> None:
     """One choice on its own branch (the rest of it, up to its limit), in the engine's
     generation loop (its tokens' decodes gather with the other requests')."""
     finish = "length"
-    async with contextlib.aclosing(_plain(branch, choice.limit - choice.tokens)) as stream:
-        async for text in stream:
-            if choice.add(text):
-                finish = "stop"
-                break
-            _tell(out, choice.event())
-        else:
-            if choice.tokens < choice.limit:
-                finish = "stop"  # a stop token
+    stream = _plain(cache, branch, choice.limit - choice.tokens)
+    async with contextlib.aclosing(stream):
+        try:
+            async for text in stream:
+                if choice.add(text):
+                    finish = "stop"
+                    break
+                _tell(out, choice.event())
+            else:
+                if choice.tokens < choice.limit:
+                    finish = "stop"  # a stop token
+        except _NoRoom:
+            pass  # out of cells: "length"
     _finish(out, choice, finish)
 
 
-async def _plain(branch: Branch, limit: int) -> AsyncGenerator[str, None]:
+async def _plain(cache: PrefixCache, branch: Branch, limit: int) -> AsyncGenerator[str, None]:
     """The branch's tokens. The first goes out as soon as it is drawn from the prompt's
-    logits, before its own decode: the time to first token is the prefill's alone."""
+    logits, before its own decode: the time to first token is the prefill's alone. A decode
+    that finds the KV full evicts cache entries and goes on (_NoRoom when none is left)."""
     if limit < 1:
         return
     first = await branch.produce()
@@ -797,7 +860,14 @@ async def _plain(branch: Branch, limit: int) -> AsyncGenerator[str, None]:
     except BaseException:
         committed.close()  # closed early: the generation is over, the commit not awaited
         raise
-    await committed
-    if limit > 1:
-        async for tok in branch.generate(max_tokens=limit - 1):
-            yield tok.text
+    await _with_room(cache, lambda: branch.commit(first), committed)
+    left = limit - 1
+    while left > 0:
+        try:
+            async for tok in branch.generate(max_tokens=left):
+                left -= 1
+                yield tok.text
+            return
+        except KvCacheFullError:  # its step changed nothing: a new stream takes over
+            if not await cache.evict_oldest():
+                raise _NoRoom from None
