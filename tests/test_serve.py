@@ -325,6 +325,30 @@ BAD = [
     ("/v1/completions", b'{"prompt": [1, -3]}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "stop": [1]}', "stop"),
     ("/v1/embeddings", b'{"input": 5}', "input"),
+    # Valid JSON that is not text: a lone UTF-16 surrogate, in a value or a key, anywhere.
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "messages",
+    ),
+    ("/v1/completions", b'{"prompt": "x\\udfff"}', "prompt"),
+    ("/tokenize", b'{"content": "\\udc00"}', "content"),
+    ("/v1/responses", b'{"input": "hi", "metadata": {"k": "\\ud83d"}}', "metadata"),
+    (
+        "/v1/responses",
+        b'{"input": "hi", "text": {"format": {"type": "text", "n\\ud800": 1}}}',
+        "text",
+    ),
+    # An assistant's tool calls that are not OpenAI's shape.
+    *(
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}, '
+            b'{"role": "assistant", "tool_calls": ' + calls + b"}]}",
+            "messages[1]",
+        )
+        for calls in (b'"abc"', b"[1]", b'[{"function": "f"}]', b'{"a": 1}', b'[{"function": {}}]')
+    ),
 ]
 
 

@@ -474,6 +474,16 @@ def test_a_body_that_is_not_json_is_a_400_in_anthropic_s_shape(server: Server) -
     assert json.loads(raw)["error"]["type"] == "invalid_request_error"
 
 
+def test_a_lone_surrogate_is_a_400_in_anthropic_s_shape(server: Server) -> None:
+    """Valid JSON, but not text: refused before it reaches the template or the tokenizer."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = b'{"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800"}]}'
+        status, _, raw = _raw(server, path, body, {"x-api-key": KEY})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["type"] == "invalid_request_error"
+        assert "surrogate" in error["message"], error
+
+
 def test_the_key_comes_as_x_api_key_or_a_bearer_token(server: Server) -> None:
     with _client(server, "wrong") as wrong, pytest.raises(anthropic.AuthenticationError) as caught:
         wrong.messages.create(model="x", max_tokens=4, messages=_user())

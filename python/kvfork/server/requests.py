@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,40 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request("the body must be a JSON object")
     if _nesting(body) > MAX_NESTING:
         raise bad_request(f"the body is nested deeper than {MAX_NESTING} levels")
+    if SURROGATE_ESCAPE.search(raw):  # rare: only then are the strings looked at
+        _refuse_lone_surrogates(body)
     return body
+
+
+#: A `\uD800`-`\uDFFF` escape: half of a pair (one character once parsed), or alone.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """A 400 naming the first string (key or value) holding an unpaired UTF-16 surrogate:
+    valid JSON, but not text (it cannot be encoded as UTF-8, tokenized, or sent back)."""
+
+    def refuse(where: str, path: str, text: str) -> None:
+        found = _SURROGATE.search(text)
+        if found is not None:
+            raise bad_request(
+                f"{where} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x}): "
+                "not text",
+                re.split(r"[.\[]", path, maxsplit=1)[0] or None,
+            )
+
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            refuse(path, path, item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                refuse(f"a key of {path or 'the body'}", path, key)
+                stack.append((value, f"{path}.{key}" if path else key))
+        elif isinstance(item, list):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(item))
 
 
 def _nesting(value: Any) -> int:
@@ -307,11 +341,35 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.content must be a string", where)
         message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
         message["content"] = content or ""
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], where)
         for key in ("name", "tool_call_id", "tool_calls"):
             if key in m and m[key] is not None:
                 message[key] = m[key]
         out.append(message)
     return out
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's `tool_calls` as OpenAI's own: a list of
+    `{"id", "type": "function", "function": {"name", "arguments"}}` (arguments a JSON string,
+    or the object itself); else a 400 naming the message."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list", where)
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not (
+            isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(args, str | dict)
+            and isinstance(call.get("id", ""), str)
+        ):
+            raise bad_request(
+                f"{where}.tool_calls[{j}] must be {{'id': str, 'type': 'function', "
+                "'function': {'name': str, 'arguments': str}}",
+                where,
+            )
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
