@@ -339,6 +339,20 @@ BAD = [
         b'{"input": "hi", "text": {"format": {"type": "text", "n\\ud800": 1}}}',
         "text",
     ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": ['
+            b'{"type": "function", "function": {"name": "f"}}, '
+            b'{"type": "function", "function": {"name": "f"}}]}'
+        ),
+        "tools",
+    ),
     # An assistant's tool calls that are not OpenAI's shape.
     *(
         (

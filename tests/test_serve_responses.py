@@ -393,6 +393,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": "x", "tools": [{**FUNCTION, "parameters": "no"}]}, "tools[0].parameters"),
     ({"input": "x", "tools": [{**FUNCTION, "description": 1}]}, "tools[0].description"),
     ({"input": "x", "tools": [{**FUNCTION, "strict": "yes"}]}, "tools[0].strict"),
+    ({"input": "x", "tools": [FUNCTION, FUNCTION]}, "tools[1]"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "tools": [FUNCTION], "tool_choice": "sometimes"}, "tool_choice"),
     (

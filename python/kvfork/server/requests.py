@@ -271,7 +271,10 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         top, logprobs = logprobs, True
     elif logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs must be a boolean", "logprobs")
-    top = int_field(body, "top_logprobs", top, 0, 20) or 0
+    asked = int_field(body, "top_logprobs", None, 0, 20)
+    if asked and logprobs is not True:  # as OpenAI: silently ignored otherwise
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    top = asked if asked is not None else top
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
@@ -393,6 +396,8 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema", "tools")
+        if fn["name"] in names:
+            raise bad_request(f"tools[{i}]: a second function named {fn['name']!r}", "tools")
         names.append(fn["name"])
     if choice is None:
         choice = "auto"

@@ -334,6 +334,8 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f"{where} must be a function tool (type 'function')", where)
         name = _required_str(tool, "name", where)
+        if any(t["name"] == name for t in echoed):
+            raise bad_request(f"{where}: a second function named {name!r}", where)
         description = _optional_str(tool, "description", where)
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
