@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._native import Branch, Context, SamplingParams, TokenStream, TokenStreamSync
@@ -14,6 +15,18 @@ HELPFUL_ASSISTANT = "You are a helpful assistant."
 
 #: Tokens a context shift keeps when there is no system message (attention sinks).
 DEFAULT_KEEP = 4
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A user turn about to be prefilled: its message, the rendered prompt ending with it,
+    the tokens to prefill, the reply's stop strings, whether it starts a fresh branch."""
+
+    message: dict[str, Any]
+    prompt: str
+    tokens: list[int]
+    reply: StopStrings
+    restart: bool
 
 
 class Chat:
@@ -68,28 +81,53 @@ class Chat:
         self.cold_restarts = 0
         self._text = ""  # the rendered text whose tokens are in the branch's KV cache
 
-    def _begin(self, content: str) -> tuple[StopStrings, list[int]]:
-        """Add the user turn; the tokens to prefill so the branch holds the new prompt (on a
-        fresh branch when the prompt no longer extends what it holds)."""
-        self.messages.append({"role": "user", "content": content})
+    def _begin(self, content: str) -> _Turn:
+        """The user turn, rendered: what to prefill so the branch holds the new prompt (all of
+        it on a fresh branch when the prompt no longer extends what the branch holds).
+        Nothing changes until the prefill succeeds (`_opened`)."""
+        message = {"role": "user", "content": content}
         chat = self.ctx.format_chat(
-            self.messages,
+            [*self.messages, message],
             add_generation_prompt=True,
             template=self.template,
             **self.template_kwargs,
         )
-        if self.branch is None or not chat.prompt.startswith(self._text):
+        restart = self.branch is None or not chat.prompt.startswith(self._text)
+        held = "" if restart else self._text
+        tokens = self.ctx.tokenize(
+            chat.prompt[len(held) :], add_special=not held, parse_special=True
+        )
+        return _Turn(message, chat.prompt, tokens, StopStrings(chat.stop), restart)
+
+    def _branch_for(self, turn: _Turn) -> Branch:
+        """The branch the turn is prefilled on: a fresh one when it restarts."""
+        if turn.restart:
             if self.branch is not None:
                 self.branch.prune_sync()
                 self.cold_restarts += 1
-            self.branch = Branch.create(self.ctx, 0, self.params)
+            self.branch = None
             self._text = ""
-            self._keep = self._system_tokens(chat.prompt)
-        delta = chat.prompt[len(self._text) :]
-        tokens = self.ctx.tokenize(delta, add_special=not self._text, parse_special=True)
-        self._text = chat.prompt
-        self.prefilled_tokens += len(tokens)
-        return StopStrings(chat.stop), tokens
+            self.branch = Branch.create(self.ctx, 0, self.params)
+            self._keep = self._system_tokens(turn.prompt)
+        assert self.branch is not None
+        return self.branch
+
+    def _opened(self, turn: _Turn) -> None:
+        """The turn's tokens are in the branch: it joins the conversation."""
+        self.messages.append(turn.message)
+        self._text = turn.prompt
+        self.prefilled_tokens += len(turn.tokens)
+
+    def _failed(self, turn: _Turn, base: int | None) -> None:
+        """The turn's prefill raised (or was cancelled): the conversation stays as it was.
+        Unless the prefill completed before a cancel landed (the branch is at ``base`` plus
+        the turn's tokens: the turn joins), or the branch is empty (a fresh one, or one a
+        failed shift emptied): the next turn then prefills the whole conversation."""
+        assert self.branch is not None
+        if base is not None and self.branch.position == base + len(turn.tokens):
+            self._opened(turn)
+        elif self.branch.position == 0:
+            self._text = ""
 
     def _system_tokens(self, prompt: str) -> int:
         """How many tokens a context shift keeps: those of the rendered system message (when
@@ -120,46 +158,69 @@ class Chat:
             return None  # the turn alone does not fit: the prefill says so
         return self.branch.history[:keep], tail
 
-    async def _prefill(self, tokens: list[int]) -> None:
-        assert self.branch is not None
-        if (room := self._room_for(tokens)) is not None:
-            await self.branch.reseed_context(*room)
-            self.shifts += 1
-        await self.branch.prefill(tokens)
+    async def _open(self, turn: _Turn) -> Branch:
+        """Prefill the turn (after a reseed that makes room, with "shift"): all or nothing."""
+        branch, base = self._branch_for(turn), None
+        try:
+            if (room := self._room_for(turn.tokens)) is not None:
+                await branch.reseed_context(*room)
+                self.shifts += 1
+            base = branch.position
+            await branch.prefill(turn.tokens)
+        except BaseException:
+            self._failed(turn, base)
+            raise
+        self._opened(turn)
+        return branch
 
-    def _prefill_sync(self, tokens: list[int]) -> None:
-        assert self.branch is not None
-        if (room := self._room_for(tokens)) is not None:
-            self.branch.reseed_context_sync(*room)
-            self.shifts += 1
-        self.branch.prefill_sync(tokens)
+    def _open_sync(self, turn: _Turn) -> Branch:
+        """Blocking twin of ``_open``."""
+        branch, base = self._branch_for(turn), None
+        try:
+            if (room := self._room_for(turn.tokens)) is not None:
+                branch.reseed_context_sync(*room)
+                self.shifts += 1
+            base = branch.position
+            branch.prefill_sync(turn.tokens)
+        except BaseException:
+            self._failed(turn, base)
+            raise
+        self._opened(turn)
+        return branch
 
-    def _end(self, reply: StopStrings) -> str:
-        self._text += reply.text  # every generated token was committed (a stop string too)
+    def _end(self, reply: StopStrings, stream: TokenStream | TokenStreamSync) -> None:
+        """The reply joins the conversation (however its generation ended)."""
+        assert self.branch is not None
+        self.shifts += stream.shifts
         self.messages.append({"role": "assistant", "content": reply.content})
-        return reply.content
+        if self.branch.position == 0:  # a failed shift emptied the branch
+            self._text = ""
+        else:  # every generated token was committed (a stop string too)
+            self._text += reply.text
 
     async def send(self, content: str, *, max_tokens: int = 256) -> str:
-        """Add a user turn, generate the assistant's reply (also appended to ``messages``)."""
-        reply, tokens = self._begin(content)
-        assert self.branch is not None
-        await self._prefill(tokens)
-        stream = self._generate(max_tokens)
-        async for tok in stream:
-            if reply.add(tok.text):
-                break
-        self.shifts += stream.shifts
-        return self._end(reply)
+        """Add a user turn, generate the assistant's reply (also appended to ``messages``). A
+        turn whose prefill fails (or is cancelled) is not added: the conversation is as it
+        was. A reply cut short by an error is added as far as it went."""
+        turn = self._begin(content)
+        await self._open(turn)
+        reply, stream = turn.reply, self._generate(max_tokens)
+        try:
+            async for tok in stream:
+                if reply.add(tok.text):
+                    break
+        finally:
+            self._end(reply, stream)
+        return reply.content
 
     async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
         """Like ``send``, yielding the reply's text as it is generated. Text that could be
         the start of a stop string is held back until it is not; the whole reply is
         appended to ``messages`` when the stream ends (also when it is closed early)."""
-        reply, tokens = self._begin(content)
-        assert self.branch is not None
-        stream = self._generate(max_tokens)
+        turn = self._begin(content)
+        await self._open(turn)
+        reply, stream = turn.reply, self._generate(max_tokens)
         try:
-            await self._prefill(tokens)
             async for tok in stream:
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
@@ -169,16 +230,14 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
-            self.shifts += stream.shifts
-            self._end(reply)
+            self._end(reply, stream)
 
     def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
         """Blocking twin of ``stream``."""
-        reply, tokens = self._begin(content)
-        assert self.branch is not None
-        stream = self._generate_sync(max_tokens)
+        turn = self._begin(content)
+        self._open_sync(turn)
+        reply, stream = turn.reply, self._generate_sync(max_tokens)
         try:
-            self._prefill_sync(tokens)
             for tok in stream:
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
@@ -188,20 +247,20 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
-            self.shifts += stream.shifts
-            self._end(reply)
+            self._end(reply, stream)
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
-        reply, tokens = self._begin(content)
-        assert self.branch is not None
-        self._prefill_sync(tokens)
-        stream = self._generate_sync(max_tokens)
-        for tok in stream:
-            if reply.add(tok.text):
-                break
-        self.shifts += stream.shifts
-        return self._end(reply)
+        turn = self._begin(content)
+        self._open_sync(turn)
+        reply, stream = turn.reply, self._generate_sync(max_tokens)
+        try:
+            for tok in stream:
+                if reply.add(tok.text):
+                    break
+        finally:
+            self._end(reply, stream)
+        return reply.content
 
     def _generate(self, max_tokens: int) -> TokenStream:
         assert self.branch is not None
