@@ -136,6 +136,9 @@ def test_a_control_vector_steers_and_zero_does_nothing(
     rows = (rng.standard_normal(shape) * 0.5).astype(np.float32)
     cv = model.load_control_vector(rows)
     assert cv.shape == shape
+    for wrong in (object(), ["a", "b"]):
+        with pytest.raises(TypeError, match="path or an array of numbers, not"):
+            model.load_control_vector(wrong)  # type: ignore[arg-type]
     base = logits_with(ctx)
     assert np.array_equal(logits_with(ctx, lambda b: b.set_control_vector(zero)), base)
     small = logits_with(ctx, lambda b: b.set_control_vector(cv, 0.5))

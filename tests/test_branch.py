@@ -47,6 +47,25 @@ def test_numpy_tokens(ctx: kvfork.Context) -> None:
     assert np.array_equal(b.logits(), expected)
 
 
+def test_numpy_tokens_of_the_other_byte_order_are_read_as_their_values(
+    ctx: kvfork.Context,
+) -> None:
+    """A big-endian array's values are its tokens (not its bytes read natively): in-range ids
+    prefill, out-of-range ones are refused naming the id."""
+    toks = ctx.tokenize(PROMPT)
+    for dtype in (">i4", ">i8", "<i4", ">u2"):
+        b = kvfork.Branch.create(ctx, 0, GREEDY)
+        b.prefill_sync(np.array(toks, dtype=dtype))
+        assert b.history == toks
+        assert ctx.detokenize(np.array(toks, dtype=dtype)) == ctx.detokenize(toks)
+        b.prune_sync()
+    b = kvfork.Branch.create(ctx, 0, GREEDY)
+    with pytest.raises(ValueError, match="33554432 is out of range"):
+        b.prefill_sync(np.array([2, 33554432], dtype=">i4"))
+    assert b.position == 0
+    b.prune_sync()
+
+
 def test_sample_accept_low_level(ctx: kvfork.Context) -> None:
     b = root(ctx)
     t = b.sample()

@@ -153,6 +153,23 @@ def test_bad_files_raise_and_never_crash(
     assert len(ctx.load_state_sync(tmp_path / "ctx.kvfork")) == 1  # the good file still loads
 
 
+def test_a_context_state_needing_more_sequences_names_this_context_s_n_seq_max(
+    model: kvfork.Model,
+) -> None:
+    """Sequences above the leases are the engine's own (padding): a file's branch on one of
+    them is refused like any sequence past n_seq_max, and the message says the user's count."""
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=3) as source:
+        for _ in range(3):
+            kvfork.Branch.create(source, 0).prefill_sync([2, 5])
+        state = source.snapshot_sync()
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=1) as small:
+        with pytest.raises(kvfork.StateFileError, match="needs sequence 1: .*n_seq_max = 1$"):
+            small.restore_sync(state)
+        assert kvfork.BranchStore(small).available == 1
+    closed = kvfork.BranchStore(small)
+    assert closed.available == 0  # a closed context has no lease to give
+
+
 def test_a_load_that_llama_cpp_refuses_leaves_nothing_behind(
     ctx: kvfork.Context, model: kvfork.Model, tmp_path: Path
 ) -> None:

@@ -53,6 +53,18 @@ def test_a_released_entry_is_shared_and_the_tokens_equal_a_fresh_prefill(
     assert stats["prefilled_tokens"] == len(first_prompt) + len(second_prompt) - common
 
 
+def test_releasing_a_pruned_branch_is_a_value_error_and_forgets_it(ctx: kvfork.Context) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    tokens = ctx.tokenize(COUNTING)
+    b = cache.branch_sync(tokens, GREEDY)
+    b.prune_sync()
+    with pytest.raises(ValueError, match="pruned already"):
+        cache.release(b)
+    with pytest.raises(ValueError, match="not a live branch"):
+        cache.release(b)
+    assert cache.stats()["live"] == 0 and cache.stats()["entries"] == 0
+
+
 def test_the_same_prompt_twice_prefills_only_its_last_token(ctx: kvfork.Context) -> None:
     cache = kvfork.PrefixCache(ctx)
     tokens = ctx.tokenize(COUNTING)

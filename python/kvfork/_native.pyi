@@ -1207,7 +1207,8 @@ class PrefixCache:
     def release(self, branch: Branch) -> None:
         """Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
         (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
-        cancelled task. ValueError for a branch the cache did not make or already has.
+        cancelled task. ValueError for a branch the cache did not make or already has, and for
+        one pruned already (the cache forgets it: it holds no KV to keep).
         """
     def fork(self, branch: Branch, *, seed: int | None = None) -> Operation[Branch]:
         """A fork of `branch` (a branch of the cache's context, usually one it handed out) on a
@@ -1269,7 +1270,7 @@ class BranchStore:
     def __new__(cls, ctx: Context) -> BranchStore: ...
     @property
     def available(self) -> int:
-        """Leases free now."""
+        """Leases free now (0 once the context is closed)."""
     def commit(self, entries: Iterable[tuple[Branch, int | Token]]) -> Operation[None]:
         """Accept every `(branch, token)` then ONE llama_decode; all rolled back if it fails.
         Over more than n_batch branches it takes ceil(N / n_batch) decodes, one rollback

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert;
-use crate::errors::IntoPyResult;
+use crate::errors::{type_error, IntoPyResult};
 
 /// A LoRA adapter (GGUF) loaded for one model: `model.load_lora(path)`. Apply it to branches
 /// with `branch.set_adapters({adapter: scale})`; it lives as long as its model.
@@ -127,6 +127,13 @@ pub fn load_control_vector(
     let array = np
         .call_method1("asarray", (source,))
         .map_err(|_| PyValueError::new_err("source must be a path or an array of numbers"))?;
+    let kind: String = array.getattr("dtype")?.getattr("kind")?.extract()?;
+    if !matches!(kind.as_str(), "b" | "i" | "u" | "f") {
+        return Err(type_error(format!(
+            "source must be a path or an array of numbers, not {}",
+            source.get_type().name()?
+        )));
+    }
     let shape: Vec<usize> = array.getattr("shape")?.extract()?;
     let want = (model.n_layer(), model.n_embd());
     if shape != [want.0, want.1] {

@@ -625,7 +625,11 @@ twins! {
         /// Infinite context: empty the branch's KV, then prefill `sinks` (e.g. the prompt's
         /// first tokens) followed by the last `tail` tokens of its sequence (prompt included;
         /// a sequence that begins with `sinks` gives its tail from after them), from position
-        /// 0. Sampler, grammar, biases and metrics carry on.
+        /// 0. Sampler, grammar, biases and metrics carry on. When the prefill fails
+        /// (KvCacheFullError, e.g. when cells this branch shares with its forks stay theirs and
+        /// leave no room), the branch's own cells come back from a host copy: it keeps its
+        /// tokens and logits. Only when the cache cannot hold them again either is it left
+        /// empty at position 0, with no logits (prefill it again); the error says which.
         #[sync_doc = "returns None once `sinks` and the tail are prefilled. Waits without the \
                       GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises \
                       KeyboardInterrupt."]
@@ -643,7 +647,8 @@ twins! {
         /// Context shift (llama.cpp's --context-shift): empty the branch's KV, then prefill
         /// the first `keep` tokens of its sequence and the most recent half of the rest, from
         /// position 0. Sampler, grammar, biases and metrics carry on. `keep` is at most
-        /// n_ctx - 2 (ValueError). `generate(on_context_full="shift")` calls it at n_ctx.
+        /// n_ctx - 2 (ValueError). `generate(on_context_full="shift")` calls it at n_ctx. A
+        /// failed prefill puts the branch back as `reseed_context` does.
         #[sync_doc = "returns None once the kept tokens are prefilled. Waits without the GIL; \
                       Ctrl-C cancels it all-or-nothing, as an await would, and raises \
                       KeyboardInterrupt."]

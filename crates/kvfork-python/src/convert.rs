@@ -47,11 +47,22 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
         let py = obj.py();
         if let Ok(buf) = PyBuffer::<i64>::get(obj) {
             check_1d(buf.dimensions(), name)?;
-            return narrow(buf.to_vec(py)?);
-        }
-        if let Ok(buf) = PyBuffer::<i32>::get(obj) {
+            if native_order(buf.format()) {
+                return narrow(buf.to_vec(py)?);
+            }
+        } else if let Ok(buf) = PyBuffer::<i32>::get(obj) {
             check_1d(buf.dimensions(), name)?;
-            return buf.to_vec(py);
+            if native_order(buf.format()) {
+                return buf.to_vec(py);
+            }
+        }
+        // Another byte order (numpy's ">i4"): the buffer's bytes are not our ints, the
+        // array's own values are.
+        if let Ok(v) = obj
+            .call_method0("tolist")
+            .and_then(|l| l.extract::<Vec<i64>>())
+        {
+            return narrow(v);
         }
     }
     // The stable ABI of Python 3.10 has no buffer protocol: read an array through `tolist`.
@@ -68,6 +79,17 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
         ))
     })?;
     narrow(v)
+}
+
+/// Whether a buffer's struct format reads in this machine's byte order (pyo3's element check
+/// takes "<", ">" and "!" alike).
+#[cfg(not(feature = "abi3"))]
+fn native_order(format: &std::ffi::CStr) -> bool {
+    match format.to_bytes().first() {
+        Some(b'>' | b'!') => cfg!(target_endian = "big"),
+        Some(b'<') => cfg!(target_endian = "little"),
+        _ => true,
+    }
 }
 
 fn check_1d(ndim: usize, name: &str) -> PyResult<()> {

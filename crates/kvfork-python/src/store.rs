@@ -83,9 +83,12 @@ impl PyBranchStore {
         }
     }
 
-    /// Leases free now.
+    /// Leases free now (0 once the context is closed).
     #[getter]
     fn available(&self) -> u32 {
+        if self.inner.context().is_closed() {
+            return 0;
+        }
         self.inner.available()
     }
 }

@@ -742,6 +742,14 @@ impl PrefixCache {
             if !holder.live {
                 return Err(Error::invalid("branch", "already released"));
             }
+            if branch.disposed() {
+                st.holders.remove(&handle);
+                st.trie.remove(handle);
+                return Err(Error::invalid(
+                    "branch",
+                    "pruned already: it holds no KV to keep",
+                ));
+            }
             let sentinel = holder.sentinel;
             let adapters = branch
                 .adapters()

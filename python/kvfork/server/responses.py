@@ -328,7 +328,8 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         return [], None
     if not isinstance(value, list):
         raise bad_request("tools must be a list of function tools", "tools")
-    echoed, chat = [], []
+    echoed: list[dict[str, Any]] = []
+    chat: list[dict[str, Any]] = []
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":

@@ -312,10 +312,11 @@ impl Worker {
             if parent >= i as i32 || parent < -1 {
                 return Err(Error::State("a branch's parent comes after it".into()));
             }
-            if seq >= self.ctx().n_seq_max || !seqs.insert(seq) {
+            // The leases' ids only: those above are the engine's own (park, padding).
+            let n_seq_max = self.shared().n_seq_max;
+            if seq >= n_seq_max || !seqs.insert(seq) {
                 return Err(Error::State(format!(
-                    "the file needs sequence {seq}: this context has n_seq_max = {}",
-                    self.ctx().n_seq_max
+                    "the file needs sequence {seq}: this context has n_seq_max = {n_seq_max}"
                 )));
             }
             let state = BranchState::read(&mut r, &model)?;
