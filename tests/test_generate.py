@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections.abc import AsyncIterator
 
 import kvfork
 import numpy as np
@@ -85,7 +86,7 @@ def test_max_tokens_reason(ctx: kvfork.Context) -> None:
     assert len(list(stream)) == 3 and stream.stop_reason == "max_tokens"
 
 
-async def drain(stream: kvfork.TokenStream, into: list[int]) -> None:
+async def drain(stream: AsyncIterator[kvfork.Token], into: list[int]) -> None:
     async for tok in stream:
         into.append(tok.token)
 
@@ -103,6 +104,16 @@ async def test_two_consumers_of_one_stream_share_its_max_tokens(ctx: kvfork.Cont
         assert stream.stop_reason == "max_tokens"
         assert sorted(got) == sorted(b.history[start:])
         await b.prune()
+    # A speculative stream's consumers take its tokens in turn: the one stream's tokens.
+    alone = root(ctx)
+    expected = [t.token for t in alone.generate_sync(9, draft=kvfork.PromptLookup())]
+    await alone.prune()
+    b = root(ctx)
+    shared = b.generate(9, draft=kvfork.PromptLookup())
+    got = []
+    await asyncio.gather(*(drain(shared, got) for _ in range(3)))
+    assert got == expected == b.history[-9:] and shared.stop_reason == "max_tokens"
+    await b.prune()
     b = root(ctx)
     start = b.position
     sync_stream = b.generate_sync(6)

@@ -11,6 +11,8 @@ nothing still asks a cheap drafter, and checks its guess against the tokens draw
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -163,6 +165,10 @@ class _Rounds:
         self.schedule = SpeculativeSchedule(max_tokens, on_context_full=on_context_full, keep=keep)
         self.queue: deque[Token] = deque()
         self.pending: Token | None = None
+        # Consumers of one stream (tasks, or threads for the sync twin) take its tokens in
+        # turn: a round reads and moves the pending token, so two at once would share it.
+        self._task_turn = asyncio.Lock()
+        self._thread_turn = threading.Lock()
 
     def pop(self) -> Token:
         self.schedule.yielded_one()
@@ -229,6 +235,10 @@ class SpeculativeStream(_Rounds):
         return self
 
     async def __anext__(self) -> Token:
+        async with self._task_turn:
+            return await self._next()
+
+    async def _next(self) -> Token:
         if self.queue:
             return self.pop()
         if self.schedule.ended():
@@ -259,6 +269,10 @@ class SpeculativeStreamSync(_Rounds):
         return self
 
     def __next__(self) -> Token:
+        with self._thread_turn:
+            return self._next()
+
+    def _next(self) -> Token:
         if self.queue:
             return self.pop()
         if self.schedule.ended():
