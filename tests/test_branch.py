@@ -66,6 +66,22 @@ def test_numpy_tokens_of_the_other_byte_order_are_read_as_their_values(
     b.prune_sync()
 
 
+def test_a_token_is_its_tuple() -> None:
+    """As a NamedTuple: indexes, slices, compares and hashes as `(token, text, is_stop)`."""
+    t = kvfork.Token(5, "a", False)
+    reverse = (5, "a", False).__eq__(t)  # the tuple defers: NotImplemented, then Token's
+    assert t == (5, "a", False) and reverse is NotImplemented and t != (5, "a", True)
+    assert (5, "a", False) in [t, t]  # membership asks the tuple first, then the Token
+    assert t == kvfork.Token(5, "a", False) and t < (6, "", False) and t >= (5, "a", False)
+    assert t[0:2] == (5, "a") and t[::-1] == (False, "a", 5) and t[-1] is False
+    assert hash(t) == hash((5, "a", False)) and {t} == {(5, "a", False)}
+    assert t != 5 and t != [5, "a", False]
+    with pytest.raises(IndexError):
+        t[3]
+    with pytest.raises(TypeError):
+        t["x"]  # type: ignore[call-overload]
+
+
 def test_sample_accept_low_level(ctx: kvfork.Context) -> None:
     b = root(ctx)
     t = b.sample()

@@ -4,7 +4,17 @@ from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Itera
 from os import PathLike
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeAlias, TypedDict, TypeVar, final, overload
+from typing import (
+    Any,
+    Generic,
+    Literal,
+    SupportsIndex,
+    TypeAlias,
+    TypedDict,
+    TypeVar,
+    final,
+    overload,
+)
 
 import numpy as np
 import numpy.typing as npt
@@ -346,8 +356,9 @@ _Params: TypeAlias = SamplingParams | dict[str, Any] | None
 
 @final
 class Token:
-    """A sampled token: immutable `(token, text, is_stop)` that unpacks and indexes like a tuple
-    (`tok, text, stop = t`). Returned by `produce`, `generate` and `BranchStore.step`, and
+    """A sampled token: immutable `(token, text, is_stop)` that unpacks, indexes, slices,
+    compares and hashes like that tuple, as a NamedTuple does (`tok, text, stop = t`;
+    `t == (tok, text, stop)`). Returned by `produce`, `generate` and `BranchStore.step`, and
     accepted wherever a token id is.
     """
     def __new__(cls, token: int, text: str, is_stop: bool) -> Token: ...
@@ -365,8 +376,18 @@ class Token:
     def __getnewargs__(self) -> tuple[int, str, bool]:
         """Pickling (Ray jobs return tokens): `Token(token, text, is_stop)` again."""
     def __len__(self) -> int: ...
-    def __getitem__(self, key: int, /) -> int | str | bool: ...
+    @overload
+    def __getitem__(self, key: SupportsIndex, /) -> int | str | bool: ...
+    @overload
+    def __getitem__(self, key: slice, /) -> tuple[int | str | bool, ...]: ...
     def __iter__(self) -> Iterator[Any]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __lt__(self, other: Token | tuple[Any, ...], /) -> bool: ...
+    def __le__(self, other: Token | tuple[Any, ...], /) -> bool: ...
+    def __gt__(self, other: Token | tuple[Any, ...], /) -> bool: ...
+    def __ge__(self, other: Token | tuple[Any, ...], /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class FormattedChat:

@@ -1,15 +1,16 @@
 //! `Token`: an immutable `(token, text, is_stop)` that unpacks like a tuple.
 
-use pyo3::exceptions::PyIndexError;
+use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::convert::Arg;
 
-/// A sampled token: immutable `(token, text, is_stop)` that unpacks and indexes like a tuple
-/// (`tok, text, stop = t`). Returned by `produce`, `generate` and `BranchStore.step`, and
+/// A sampled token: immutable `(token, text, is_stop)` that unpacks, indexes, slices,
+/// compares and hashes like that tuple, as a NamedTuple does (`tok, text, stop = t`;
+/// `t == (tok, text, stop)`). Returned by `produce`, `generate` and `BranchStore.step`, and
 /// accepted wherever a token id is.
-#[pyclass(frozen, eq, hash, module = "kvfork", name = "Token")]
+#[pyclass(frozen, module = "kvfork", name = "Token")]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct PyToken {
     /// The token id.
@@ -25,6 +26,11 @@ pub struct PyToken {
 }
 
 impl PyToken {
+    /// `(token, text, is_stop)`.
+    fn as_tuple<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        (self.token, self.text.as_str(), self.is_stop).into_pyobject(py)
+    }
+
     /// The engine's view of this token.
     pub fn produced(&self) -> kvfork::Produced {
         kvfork::Produced {
@@ -65,28 +71,33 @@ impl PyToken {
         (self.token, self.text.clone(), self.is_stop)
     }
 
-    fn __getitem__(&self, py: Python<'_>, index: isize) -> PyResult<Py<PyAny>> {
-        use pyo3::IntoPyObjectExt;
-        match index {
-            0 | -3 => self.token.into_py_any(py),
-            1 | -2 => self.text.clone().into_py_any(py),
-            2 | -1 => self.is_stop.into_py_any(py),
-            _ => Err(PyIndexError::new_err("Token index out of range")),
-        }
+    /// An index or a slice, as of the tuple (`tuple`'s own errors for anything else).
+    fn __getitem__<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        self.as_tuple(key.py())?.as_any().get_item(key)
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let t = PyTuple::new(
-            py,
-            [
-                self.token.into_pyobject(py)?.into_any(),
-                self.text.clone().into_pyobject(py)?.into_any(),
-                pyo3::types::PyBool::new(py, self.is_stop)
-                    .to_owned()
-                    .into_any(),
-            ],
-        )?;
-        Ok(t.as_any().try_iter()?.into_any())
+        Ok(self.as_tuple(py)?.as_any().try_iter()?.into_any())
+    }
+
+    /// Compared as the tuple, with another Token or a tuple (NotImplemented otherwise).
+    fn __richcmp__<'py>(
+        &self,
+        other: &Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = other.py();
+        let other = match other.cast::<PyToken>() {
+            Ok(token) => token.get().as_tuple(py)?.into_any(),
+            Err(_) if other.is_instance_of::<PyTuple>() => other.clone(),
+            Err(_) => return Ok(py.NotImplemented().into_bound(py)),
+        };
+        self.as_tuple(py)?.as_any().rich_compare(other, op)
+    }
+
+    /// The tuple's hash: equal tokens and tuples hash alike.
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        self.as_tuple(py)?.hash()
     }
 
     fn __repr__(&self) -> String {
