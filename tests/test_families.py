@@ -410,6 +410,21 @@ def test_parked_branches_come_back_exactly(tiny: kvfork.Model) -> None:
         assert stats["parks"] >= 2 and stats["unparks"] >= 2
 
 
+def test_a_fork_born_parked_keeps_its_state_as_its_parent_goes_on(tiny: kvfork.Model) -> None:
+    """A fork made with no lease free starts parked on its parent's cells; the parent then
+    generates past the fork point, and the fork still continues as a fresh prefill of the
+    prompt: on a recurrent model it kept the parent's state of that moment (the parent's
+    cells bring the parent's later state along), on the others it only needs the cells."""
+    with open_ctx(tiny, n_seq_max=1, park=True) as ctx:
+        prompt = ctx.tokenize(DOC)
+        a = prefilled(ctx, prompt)
+        b = a.fork_sync()
+        assert not b.is_active
+        reference = fresh(tiny, prompt)
+        assert_continues(a, reference)  # the parent goes on: b waits on the host
+        assert_continues(b, reference)
+
+
 def test_snapshots_restore_exactly(tiny: kvfork.Model) -> None:
     """A branch's snapshot restored (same context) continues as the branch did; a context
     snapshot restored over its live branches brings back both of them, which continue as

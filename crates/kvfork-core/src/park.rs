@@ -53,12 +53,16 @@ pub struct Parked {
     pub segments: Vec<Segment>,
     /// Cells at or after this position are not the branch's (a rolled-back decode).
     pub end: Option<u32>,
+    /// A recurrent model's state after the branch's last token (its own: the anchor's moves
+    /// on with the anchor, and copying the anchor's cells brings the anchor's state along).
+    pub state: Option<Vec<u8>>,
 }
 
 impl Parked {
     /// Bytes held in host memory.
     pub fn bytes(&self) -> usize {
-        self.segments.iter().map(|s| s.data.len()).sum()
+        let state = self.state.as_ref().map_or(0, Vec::len);
+        self.segments.iter().map(|s| s.data.len()).sum::<usize>() + state
     }
 }
 
@@ -154,11 +158,7 @@ impl ParkLedger {
     fn insert(&mut self, h: Handle, parent: Option<Handle>, head: u32) -> Option<u32> {
         let place = match self.leases.acquire() {
             Ok(seq) => Place::Active(seq),
-            Err(_) => Place::Parked(Parked {
-                anchor: None,
-                segments: Vec::new(),
-                end: None,
-            }),
+            Err(_) => Place::Parked(Parked::default()),
         };
         let last_used = self.tick();
         self.entries.insert(
@@ -247,6 +247,14 @@ impl ParkLedger {
             if let Some(s) = front {
                 p.segments.insert(0, s);
             }
+        }
+    }
+
+    /// Keep `state` as parked `h`'s own recurrent state (a fork born parked: its parent's
+    /// state now, which the parent leaves behind as it goes on).
+    pub fn keep_state(&mut self, h: Handle, state: Vec<u8>) {
+        if let Some(p) = self.parked_mut(h) {
+            p.state = Some(state);
         }
     }
 
@@ -456,9 +464,8 @@ mod tests {
         l.add_root(h[0]);
         l.add_root(h[1]);
         let rec = Parked {
-            anchor: None,
             segments: vec![seg(0, 4)],
-            end: None,
+            ..Parked::default()
         };
         assert_eq!(l.park(h[0], rec.clone()), Ok(0));
         assert_eq!(l.parked_totals(), (2, 4));
@@ -576,7 +583,7 @@ mod tests {
                             }
                             let anchor = l.anchor_for(v, None);
                             let lo = anchor.map_or(0, |(_, k)| k);
-                            l.park(v, Parked { anchor, segments: vec![seg(lo, lo + 1)], end: None }).unwrap();
+                            l.park(v, Parked { anchor, segments: vec![seg(lo, lo + 1)], ..Parked::default() }).unwrap();
                         }
                     }
                     Op::Unpark(i) if !live.is_empty() => {

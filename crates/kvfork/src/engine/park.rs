@@ -120,6 +120,12 @@ impl Worker {
         let anchor = self.ledger_anchor(v, None);
         let k = anchor.map_or(0, |(_, k)| k);
         let hi = self.ctx().seq_pos_max(seq)? + 1;
+        // Taken first: the anchor's cells come with the anchor's state (see `Parked::state`).
+        let state = if self.keeps_checkpoints() {
+            Some(self.ctx().recurrent_state(seq)?)
+        } else {
+            None
+        };
         let mut segments = Vec::new();
         if hi > k as i32 {
             if k > 0 {
@@ -137,6 +143,7 @@ impl Worker {
             anchor,
             segments,
             end: None,
+            state,
         };
         self.with_ledger(|l| l.park(v, record).map_err(Error::from))?;
         cell.set_seq(None);
@@ -182,6 +189,10 @@ impl Worker {
         if let Some((a, k)) = record.anchor {
             let holder = self.cell_of(a)?.seq();
             self.ctx_mut().seq_cp(holder, seq, 0, k as i32)?;
+        }
+        if let Some(state) = &record.state {
+            // After the anchor's cells, which bring the anchor's own state along.
+            self.ctx_mut().set_recurrent_state(seq, state)?;
         }
         if let Some(end) = record.end {
             self.ctx_mut().seq_rm(seq, end as i32, -1)?;
@@ -246,6 +257,26 @@ impl Worker {
             .ledger()
             .ok_or_else(|| Error::Internal("no ledger on this context".into()))?;
         f(&mut l)
+    }
+
+    /// A fork `child` was born parked on `parent`'s cells: on a recurrent model it keeps the
+    /// parent's state now, which the parent's cells no longer hold once it goes on.
+    pub(super) fn born_parked(
+        &mut self,
+        parent: &Arc<BranchCell>,
+        child: &Arc<BranchCell>,
+    ) -> Result<()> {
+        let Some(h) = child.handle() else {
+            return Ok(());
+        };
+        if self.keeps_checkpoints() {
+            let state = self.ctx().recurrent_state(parent.seq())?;
+            self.with_ledger(|l| {
+                l.keep_state(h, state);
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 
     /// Before `cell` (active) loses its cells (`prune_keep_children`, `reseed_context`):

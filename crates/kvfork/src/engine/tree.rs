@@ -57,6 +57,7 @@ impl Worker {
         }
         if cell.is_parked() {
             // No lease free (`park`): the child starts parked on its parent's cells.
+            self.born_parked(parent_cell, &cell)?;
             return Ok((handle, cell));
         }
         self.empty_seq(cell.seq())?;
