@@ -822,11 +822,11 @@ impl PrefixCache {
             None => return Ok(0),
         };
         self.write_out(writes);
-        Ok(self
-            .lock()
-            .spill
-            .as_ref()
-            .map_or(0, |s| s.stats().1.entries))
+        let mut st = self.lock();
+        Ok(st.spill.as_mut().map_or(0, |s| {
+            s.forget_missing_files(); // what is on disk, not what was once written
+            s.stats().1.entries
+        }))
     }
 
     /// Counts so far, and the entries now.

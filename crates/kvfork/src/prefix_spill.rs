@@ -136,6 +136,9 @@ impl DiskWrite {
 /// A spilled entry taken out of its level, to read (outside the cache's lock) and restore.
 pub(crate) struct Taking {
     tokens: Vec<Token>,
+    anchor: usize,
+    /// The cache's layout: with the anchor and tokens, the header its file must begin with.
+    layout: u64,
     /// Where it was.
     place: Place,
 }
@@ -151,11 +154,19 @@ impl Taking {
                 let read = fs::read(&path).map_err(|e| Error::io(&path, e));
                 let _ = fs::remove_file(&path);
                 let file = read?;
-                let at = header_len(&self.tokens);
-                if file.len() < at {
+                let header = header(self.layout, self.anchor, &self.tokens);
+                if file.len() < header.len() {
                     return Err(Error::State(format!("{} is truncated", path.display())));
                 }
-                Arc::new(file[at..].to_vec())
+                if file[..header.len()] != header[..] {
+                    // Rewritten since it was indexed (another process on the same directory):
+                    // its cells are another prompt's.
+                    return Err(Error::State(format!(
+                        "{} no longer holds the tokens it was written with",
+                        path.display()
+                    )));
+                }
+                Arc::new(file[header.len()..].to_vec())
             }
         };
         Ok(Taken {
@@ -428,6 +439,19 @@ impl Spill {
         }
     }
 
+    /// Forget the entries whose file is gone (removed by another hand): they are not on disk.
+    pub fn forget_missing_files(&mut self) {
+        let missing: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(&e.place, Place::Disk(path) if !path.exists()))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in missing {
+            self.remove(id);
+        }
+    }
+
     fn drop_entry(&mut self, id: u64) {
         if let Some(Entry {
             place: Place::Disk(path),
@@ -474,6 +498,8 @@ impl Spill {
         let entry = self.remove(id)?;
         Some(Taking {
             tokens: entry.tokens,
+            anchor: entry.anchor,
+            layout: self.layout,
             place: entry.place,
         })
     }
@@ -496,15 +522,9 @@ fn header_len(tokens: &[Token]) -> usize {
     4 + 4 + 8 + 4 + 4 + 4 * tokens.len()
 }
 
-fn write_file(
-    path: &Path,
-    layout: u64,
-    anchor: usize,
-    tokens: &[Token],
-    snapshot: &[u8],
-) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut out = Vec::with_capacity(header_len(tokens) + snapshot.len());
+/// The header of an entry's file (`header_len` bytes).
+fn header(layout: u64, anchor: usize, tokens: &[Token]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(header_len(tokens));
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&layout.to_le_bytes());
@@ -513,6 +533,22 @@ fn write_file(
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
+    out
+}
+
+fn write_file(
+    path: &Path,
+    layout: u64,
+    anchor: usize,
+    tokens: &[Token],
+    snapshot: &[u8],
+) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?; // removed while the cache ran: made again
+    }
+    let tmp = path.with_extension("tmp");
+    let mut out = header(layout, anchor, tokens);
+    out.reserve_exact(snapshot.len());
     out.extend_from_slice(snapshot);
     let mut file = fs::File::create(&tmp)?;
     file.write_all(&out)?;
@@ -599,6 +635,43 @@ mod tests {
         let taken = take(&mut s, id);
         assert!(taken.from_disk);
         assert_eq!(*taken.entry, vec![0u8; 100]);
+        assert_eq!(s.stats().1.entries, 1);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_file_rewritten_with_other_tokens_is_refused_not_restored() {
+        // Two caches on one directory number their files alike: the second's entry replaces
+        // the first's file, whose index still says the first's tokens.
+        let d = dir("rewritten");
+        let mut first = Spill::open(config(0, &d, 10_000), 1).unwrap();
+        let mut second = Spill::open(config(0, &d, 10_000), 1).unwrap();
+        first.keep(vec![1, 2, 3], vec![1; 40], 0);
+        settle(&mut first);
+        let ours = first.best(&[1, 2, 3]).unwrap().0;
+        second.keep(vec![7, 8, 9], vec![2; 40], 0);
+        settle(&mut second);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1, "the same file name");
+        let err = first.take(ours).unwrap().read().err().unwrap();
+        assert!(
+            err.to_string().contains("no longer holds the tokens"),
+            "{err}"
+        );
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_directory_removed_while_running_is_made_again_and_its_lost_files_forgotten() {
+        let d = dir("removed");
+        let mut s = Spill::open(config(0, &d, 10_000), 1).unwrap();
+        s.keep(vec![1, 2], vec![1; 30], 0);
+        settle(&mut s);
+        fs::remove_dir_all(&d).unwrap();
+        s.forget_missing_files();
+        assert_eq!(s.stats().1.entries, 0);
+        s.keep(vec![3, 4], vec![2; 30], 0);
+        settle(&mut s);
         assert_eq!(s.stats().1.entries, 1);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
         let _ = fs::remove_dir_all(&d);
