@@ -361,6 +361,24 @@ def test_prefix_cache_forks_at_an_entrys_end_and_inside_entries_and_live_branche
         assert_continues(a, fresh(tiny, a_tokens + generated))
 
 
+def test_prefix_cache_forks_far_inside_an_entry_decoded_in_small_batches(
+    tiny: kvfork.Model,
+) -> None:
+    """An entry decoded in batches smaller than its length, a prompt parting from it ten
+    tokens before its end: on a model with sliding-window layers llama.cpp has reused
+    there the cells a window behind the entry's end, so the cells the new branch attends to
+    may be gone: then it shares nothing rather than attend to missing cells. Every family
+    generates what a fresh prefill of the prompt does."""
+    with open_ctx(tiny, n_batch=16) as ctx:
+        text = ctx.tokenize(DOC * 6, add_special=False)
+        cache = kvfork.PrefixCache(ctx)
+        cache.release(cache.branch_sync(text[:64], GREEDY))
+        prompt = text[:54] + ctx.tokenize(" and then", add_special=False)
+        b = cache.branch_sync(prompt, GREEDY)
+        assert cache.shared_tokens(b) in range(55)
+        assert_continues(b, fresh(tiny, prompt))
+
+
 def test_prefix_cache_reuses_a_preamble_shared_by_three_prompts(
     tiny: kvfork.Model, family: str
 ) -> None:

@@ -454,6 +454,14 @@ impl LlamaCtx {
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.mem, seq) })
     }
 
+    /// The smallest position `seq` holds (-1 when empty); on a model with sliding-window
+    /// layers, the smallest those hold (they drop cells a window behind the sequence's end).
+    pub fn seq_pos_min(&self, seq: Seq) -> Result<i32> {
+        let seq = self.check_seq(seq)?;
+        // SAFETY: `mem` belongs to the live context; the id is checked above.
+        Ok(unsafe { sys::llama_memory_seq_pos_min(self.mem, seq) })
+    }
+
     pub fn clear(&mut self) {
         // SAFETY: `mem` belongs to the live context.
         unsafe { sys::llama_memory_clear(self.mem, true) }

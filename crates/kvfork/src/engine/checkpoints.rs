@@ -169,6 +169,19 @@ impl Worker {
         Ok(())
     }
 
+    /// Whether `seq`'s cells still hold what a branch of its first `n` tokens attends to. On
+    /// a model with sliding-window layers llama.cpp may have reused, in those layers, the
+    /// cells a window behind the sequence's end (dropping every older one with them), and
+    /// the token at position `n` attends to positions from `n - n_swa + 1` on.
+    fn window_holds(&self, seq: Seq, n: usize) -> Result<bool> {
+        let n_swa = self.shared().model.n_swa() as i64;
+        if n_swa == 0 {
+            return Ok(true);
+        }
+        let first_needed = (n as i64 - n_swa + 1).max(0);
+        Ok(self.ctx().seq_pos_min(seq)? as i64 <= first_needed)
+    }
+
     /// Give `target` (empty) `source`'s cells and state for the first `n` tokens of
     /// `prefix`, where `n` is `prefix.len()` on a KV cache and, on a recurrent state, the
     /// last point where it is known: the source's end when the prefix is all of it, else its
@@ -181,6 +194,9 @@ impl Worker {
     ) -> Result<usize> {
         let (src_seq, dst_seq) = (source.seq(), target.seq());
         if !self.keeps_checkpoints() {
+            if !self.window_holds(src_seq, prefix.len())? {
+                return Ok(0);
+            }
             self.ctx_mut()
                 .seq_cp(src_seq, dst_seq, 0, prefix.len() as i32)?;
             return Ok(prefix.len());
