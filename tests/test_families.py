@@ -377,6 +377,16 @@ def test_prefix_cache_forks_far_inside_an_entry_decoded_in_small_batches(
         b = cache.branch_sync(prompt, GREEDY)
         assert cache.shared_tokens(b) in range(55)
         assert_continues(b, fresh(tiny, prompt))
+        cache.release(b)
+    # The same entry evicted to host memory and restored for the prompt: cut at the prompt's
+    # part, its window's cells must all be in the snapshot, or it is prefilled instead.
+    with open_ctx(tiny, n_batch=16, n_seq_max=2) as ctx:
+        cache = kvfork.PrefixCache(ctx, host_bytes=64 << 20)
+        cache.release(cache.branch_sync(text[:64], GREEDY))
+        cache.make_room_sync(2)
+        assert cache.stats()["host"]["entries"] == 1
+        b = cache.branch_sync(prompt, GREEDY)
+        assert_continues(b, fresh(tiny, prompt))
 
 
 def test_prefix_cache_reuses_a_preamble_shared_by_three_prompts(

@@ -212,6 +212,10 @@ impl Worker {
                 history.len()
             )));
         }
+        if !self.window_restored(seq, at, anchor, anchor_cell.as_ref())? {
+            self.empty_seq(seq)?;
+            return Ok(0);
+        }
         if let Some(a) = &anchor_cell {
             if let Err(e) = self.ctx_mut().seq_cp(a.seq(), seq, 0, anchor as i32) {
                 self.empty_seq(seq)?;
@@ -241,6 +245,30 @@ impl Worker {
             st.set_checkpoints(kept);
         }
         Ok(at)
+    }
+
+    /// Whether a restored entry cut at `len` has every cell its sliding window attends to
+    /// (positions from `len - n_swa + 1`): `seq` holds the snapshot's (from `anchor` on, once
+    /// restored), the anchor branch the first `anchor` tokens'. Either may lack the oldest
+    /// ones there: llama.cpp reuses the cells a window behind a sequence's end.
+    fn window_restored(
+        &self,
+        seq: Seq,
+        len: usize,
+        anchor: usize,
+        anchor_cell: Option<&Arc<BranchCell>>,
+    ) -> Result<bool> {
+        let n_swa = self.shared().model.n_swa() as i64;
+        if n_swa == 0 {
+            return Ok(true);
+        }
+        let lo = (len as i64 - n_swa + 1).max(0);
+        let own = self.ctx().seq_pos_min(seq)? as i64 <= lo.max(anchor as i64);
+        let shared = match anchor_cell {
+            Some(a) if lo < anchor as i64 => self.ctx().seq_pos_min(a.seq())? as i64 <= lo,
+            _ => true,
+        };
+        Ok(own && shared)
     }
 
     /// Whole-context files record each branch's sequence: a `park` context's branches have
