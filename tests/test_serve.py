@@ -346,6 +346,11 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
         (
             b'{"messages": [{"role": "user", "content": "x"}], "tools": ['
             b'{"type": "function", "function": {"name": "f"}}, '

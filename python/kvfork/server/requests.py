@@ -278,6 +278,9 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
+    stream = bool_field(body, "stream")
+    if options is not None and not stream:  # as OpenAI: it would be silently ignored
+        raise bad_request("stream_options needs stream: true", "stream_options")
     seed = int_field(body, "seed", None, -(2**63), 2**63 - 1)
     return Sampling(
         max_tokens=max_tokens,
@@ -293,7 +296,7 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         n=n,
         logprobs=bool(logprobs),
         top_logprobs=top,
-        stream=bool_field(body, "stream"),
+        stream=stream,
         include_usage=bool(options and options.get("include_usage") is True),
         json_schema=_response_format(body),
         lora=parse_lora(body),
