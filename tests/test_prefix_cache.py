@@ -53,6 +53,23 @@ def test_a_released_entry_is_shared_and_the_tokens_equal_a_fresh_prefill(
     assert stats["prefilled_tokens"] == len(first_prompt) + len(second_prompt) - common
 
 
+async def test_evict_oldest_gives_back_the_least_recently_used_entry_s_cells(
+    ctx: kvfork.Context,
+) -> None:
+    cache = kvfork.PrefixCache(ctx)
+    first, second = ctx.tokenize(COUNTING), ctx.tokenize("The printing press came first.")
+    cache.release(cache.branch_sync(first, GREEDY))
+    cache.release(cache.branch_sync(second, GREEDY))
+    assert await cache.evict_oldest() is True
+    assert cache.stats()["entries"] == 1 and cache.stats()["evictions"] == 1
+    again = cache.branch_sync(second, GREEDY)  # the newer entry stayed
+    assert cache.shared_tokens(again) == len(second) - 1  # all but the last, prefilled
+    cache.release(again)
+    left = cache.stats()["entries"]  # the older entry and the one released after it
+    assert [cache.evict_oldest_sync() for _ in range(left + 1)] == [True] * left + [False]
+    assert cache.stats()["entries"] == 0
+
+
 def test_releasing_a_pruned_branch_is_a_value_error_and_forgets_it(ctx: kvfork.Context) -> None:
     cache = kvfork.PrefixCache(ctx)
     tokens = ctx.tokenize(COUNTING)

@@ -658,9 +658,15 @@ async def _with_room(
         try:
             return await attempt
         except KvCacheFullError:
-            if not await cache.evict_oldest():
-                raise _NoRoom from None
+            await _evict_one(cache)
         attempt = decode()
+
+
+async def _evict_one(cache: PrefixCache) -> None:
+    """Give a decode that found the KV full the cells of the oldest entry; _NoRoom when
+    none is left."""
+    if not await cache.evict_oldest():
+        raise _NoRoom from None
 
 
 def _tell(out: Sink, event: Event | None) -> None:
@@ -869,5 +875,4 @@ async def _plain(cache: PrefixCache, branch: Branch, limit: int) -> AsyncGenerat
                 yield tok.text
             return
         except KvCacheFullError:  # its step changed nothing: a new stream takes over
-            if not await cache.evict_oldest():
-                raise _NoRoom from None
+            await _evict_one(cache)

@@ -169,17 +169,24 @@ impl Worker {
         Ok(())
     }
 
-    /// Whether `seq`'s cells still hold what a branch of its first `n` tokens attends to. On
-    /// a model with sliding-window layers llama.cpp may have reused, in those layers, the
-    /// cells a window behind the sequence's end (dropping every older one with them), and
-    /// the token at position `n` attends to positions from `n - n_swa + 1` on.
-    fn window_holds(&self, seq: Seq, n: usize) -> Result<bool> {
+    /// The first position the token at position `n` attends to in sliding-window layers
+    /// (`n - n_swa + 1`, at least 0); None on a model without them.
+    pub(super) fn window_start(&self, n: usize) -> Option<i64> {
         let n_swa = self.shared().model.n_swa() as i64;
-        if n_swa == 0 {
-            return Ok(true);
-        }
-        let first_needed = (n as i64 - n_swa + 1).max(0);
-        Ok(self.ctx().seq_pos_min(seq)? as i64 <= first_needed)
+        (n_swa > 0).then(|| (n as i64 - n_swa + 1).max(0))
+    }
+
+    /// Whether `seq` still holds its cells from position `pos` on. In sliding-window layers
+    /// llama.cpp may have reused the cells a window behind the sequence's end, dropping every
+    /// older one with them (so what it holds there starts at its least position).
+    pub(super) fn holds_from(&self, seq: Seq, pos: i64) -> Result<bool> {
+        Ok(self.ctx().seq_pos_min(seq)? as i64 <= pos)
+    }
+
+    /// Whether `seq`'s cells still hold what a branch of its first `n` tokens attends to.
+    fn window_holds(&self, seq: Seq, n: usize) -> Result<bool> {
+        self.window_start(n)
+            .map_or(Ok(true), |start| self.holds_from(seq, start))
     }
 
     /// Give `target` (empty) `source`'s cells and state for the first `n` tokens of

@@ -248,9 +248,8 @@ impl Worker {
     }
 
     /// Whether a restored entry cut at `len` has every cell its sliding window attends to
-    /// (positions from `len - n_swa + 1`): `seq` holds the snapshot's (from `anchor` on, once
-    /// restored), the anchor branch the first `anchor` tokens'. Either may lack the oldest
-    /// ones there: llama.cpp reuses the cells a window behind a sequence's end.
+    /// (`window_start`): `seq` holds the snapshot's (from `anchor` on, once restored), the
+    /// anchor branch the first `anchor` tokens'. Either may lack the oldest ones there.
     fn window_restored(
         &self,
         seq: Seq,
@@ -258,17 +257,14 @@ impl Worker {
         anchor: usize,
         anchor_cell: Option<&Arc<BranchCell>>,
     ) -> Result<bool> {
-        let n_swa = self.shared().model.n_swa() as i64;
-        if n_swa == 0 {
+        let Some(start) = self.window_start(len) else {
             return Ok(true);
-        }
-        let lo = (len as i64 - n_swa + 1).max(0);
-        let own = self.ctx().seq_pos_min(seq)? as i64 <= lo.max(anchor as i64);
+        };
         let shared = match anchor_cell {
-            Some(a) if lo < anchor as i64 => self.ctx().seq_pos_min(a.seq())? as i64 <= lo,
+            Some(a) if start < anchor as i64 => self.holds_from(a.seq(), start)?,
             _ => true,
         };
-        Ok(own && shared)
+        Ok(shared && self.holds_from(seq, start.max(anchor as i64))?)
     }
 
     /// Whole-context files record each branch's sequence: a `park` context's branches have
