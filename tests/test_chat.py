@@ -16,7 +16,7 @@ import kvfork
 import pytest
 from kvfork._chat import HELPFUL_ASSISTANT
 
-from .conftest import assert_same_text, margin
+from .conftest import SLOW_PREFILL_BATCH, assert_same_text, margin
 
 GREEDY = kvfork.SamplingParams(temperature=0.0)
 
@@ -264,11 +264,15 @@ async def test_a_forked_chat_continues_like_the_original(chat_ctx: kvfork.Contex
 
 
 async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_was(
-    chat_ctx: kvfork.Context,
+    chat_model: kvfork.Model,
 ) -> None:
     """A turn joins the conversation only once its prefill is in the branch: one too long
     for the context, or cancelled mid-way, leaves the messages and the branch as they were,
     and the next turn prefills only itself, as if the failed one had never been sent."""
+    # Small decodes on a GPU, where 1,500 tokens in one would be done before the cancel.
+    chat_ctx = kvfork.create_context_sync(
+        chat_model, n_ctx=2048, n_seq_max=4, n_batch=SLOW_PREFILL_BATCH
+    )
     chat = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
     await chat.send(QUESTIONS[0], max_tokens=12)
 
@@ -296,6 +300,7 @@ async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_w
     assert [m["role"] for m in chat.messages] == roles
     assert chat.cold_restarts == 0 and chat.prefilled_tokens == straight.prefilled_tokens
     assert chat.messages[:3] == straight.messages[:3]
+    chat_ctx.close()
 
 
 def test_warm_turn_is_faster_than_cold(chat_ctx: kvfork.Context) -> None:

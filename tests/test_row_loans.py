@@ -188,14 +188,16 @@ def test_only_row_reads_wait_for_a_decode_of_their_branch(model: kvfork.Model) -
         busy = [first, *(first.fork_sync(seed=s) for s in range(1, 16))]
         store = kvfork.BranchStore(c)
         store.step_sync(busy)
-        slowest = [0.0]
+        slow_reads: list[float] = []  # over 0.1 ms; every step takes more than 1 ms
         done = threading.Event()
 
         def reader() -> None:
             while not done.is_set():
                 t0 = time.perf_counter()
                 _ = busy[0].position, busy[0].perplexity, busy[0].sampling_perplexity
-                slowest[0] = max(slowest[0], time.perf_counter() - t0)
+                took = time.perf_counter() - t0
+                if took > 1e-4:
+                    slow_reads.append(took)
 
         # Nor may the reader wait for the GIL: Python hands it over every 5 ms by default,
         # half a step on a GPU (9 ms on an H100 at N = 16).
@@ -213,4 +215,9 @@ def test_only_row_reads_wait_for_a_decode_of_their_branch(model: kvfork.Model) -
             done.set()
             thread.join()
             sys.setswitchinterval(interval)
-        assert slowest[0] < 0.5 * sorted(steps)[len(steps) // 2], (slowest, steps)
+        # The reader reads without pause, so a read that waited for the decode would show in
+        # nearly every step; one or two slow reads are the machine's hiccups (an H200 step is
+        # 4 ms, and a thread switch or a page fault can take most of one).
+        half_a_step = 0.5 * sorted(steps)[len(steps) // 2]
+        waited = [t for t in slow_reads if t >= half_a_step]
+        assert len(waited) <= 2, (waited, steps)

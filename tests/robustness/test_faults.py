@@ -264,14 +264,22 @@ async def test_close_with_operations_pending(model: kvfork.Model) -> None:
     a = root(ctx)
     b = kvfork.Branch.create(ctx, 0, GREEDY)
     running = b.prefill(ctx.tokenize(LONG * 2))
-    queued = [a.commit(a.sample()), a.fork(), b.produce()]
+    behind_it = b.produce()  # needs the prefill's logits
+    beside_it = [a.commit(a.sample()), a.fork()]
     await asyncio.sleep(0.2)
     t0 = time.perf_counter()
     ctx.close()
     assert time.perf_counter() - t0 < 1.0  # the running prefill was aborted
-    for op in [running, *queued]:
-        with pytest.raises(kvfork.KvforkError):
-            await asyncio.wait_for(op, 2.0)
+    ops = [running, behind_it, *beside_it]
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(op, 2.0) for op in ops), return_exceptions=True
+    )
+    assert all(isinstance(o, kvfork.KvforkError) for o in outcomes[:2]), outcomes
+    # The engine may run another branch's work between the prefill's decodes (a GPU does
+    # both before the close): each either finished or failed with the library's error.
+    assert not any(
+        isinstance(o, BaseException) and not isinstance(o, kvfork.KvforkError) for o in outcomes
+    ), outcomes
     assert ctx.closed and a.disposed and b.disposed
     with pytest.raises(kvfork.KvforkError, match="closed"):
         await a.commit(1)
