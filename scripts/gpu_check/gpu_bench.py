@@ -211,10 +211,11 @@ def report(folder: Path) -> str:
             "",
             (
                 "| N | kvfork store.step | kvfork, device_sampling | bare, host argmax "
-                "| bare, backend sampling | kvfork / bare host | device_sampling / bare backend "
-                "| kvfork ms a step outside llama_decode |"
+                "| bare, backend sampling | kvfork / bare backend (target >= 1.0) "
+                "| kvfork / bare host | device_sampling / bare backend "
+                "| kvfork ms a step outside llama_decode (on a GPU, with the wait for it) |"
             ),
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         on_device = result.get("store_step_device", {})
         outside = result.get("outside_ms", {})
@@ -222,7 +223,7 @@ def report(folder: Path) -> str:
             n = int(n_text)
             host, gpu, dev = bare.get(("host", n)), bare.get(("gpu", n)), on_device.get(n_text)
             cells = [_num(rate), _num(dev), _num(host), _num(gpu)]
-            cells += [_ratio(rate, host), _ratio(dev, gpu)]
+            cells += [_ratio(rate, gpu), _ratio(rate, host), _ratio(dev, gpu)]
             team = result.get("team_threads", {}).get(n_text)
             spent = f"{outside[n_text]:.3f}" if n_text in outside else "-"
             cells.append(f"{spent} ({team} threads)" if team else spent)

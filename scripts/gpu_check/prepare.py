@@ -372,19 +372,19 @@ def travelling_tree_size(root: Path) -> int:
 #: the device tool's `lease.held_s`): a machine's start with the first bundle (35 s); a bundle
 #: call (its ~60 MiB transfer, the sha256 checks, the gap before the next call: 10 s); the
 #: CUDA build for one architecture on 16 cores (230 s, overlapping the bundle calls); install
-#: (6 s); the suite, 730 tests in 16 chunks three at a time (150 s). Still guesses: the
-#: benchmarks (with bench_store.py's device section; that run stopped at a KV cache too small
-#: for N = 128), llama-server's CUDA build (ggml-cuda, llama, common, mtmd, the server) and
-#: bench_serve.py's two workloads.
+#: (6 s); the suite, 730 tests in 16 chunks three at a time (150 s). On an H200 on
+#: 2026-11-28: the suite again (757 tests, ~170 s), llama-server's CUDA build (278 s),
+#: bench_serve.py's two workloads at 2 rounds (~40 s), and half the benchmark steps in 177 s
+#: (the whole stage is a guess from that).
 MINUTES = {
     "start": 0.6,
     "bundle": 0.2,
     "build": 3.8,
     "install": 0.1,
-    "test": 2.5,
-    "bench": 3.0,
-    "serve_build": 5.0,
-    "serve": 1.5,
+    "test": 2.8,
+    "bench": 6.0,
+    "serve_build": 4.6,
+    "serve": 1.0,
 }
 
 
