@@ -12,7 +12,8 @@ tasks' speed as a fraction of the store loop's (generated tokens per second, bes
 `--repeat`). The table is recorded in BENCHMARKS.md §8.
 
 usage: python benchmarks/bench_tasks.py [--ns 4,8,16,32,64] [--steps 32] [--repeat 3]
-                                        [--style produce|generate]
+                                        [--style produce|generate] [--model GGUF]
+                                        [--per-token-us 0]
 """
 
 from __future__ import annotations
@@ -42,10 +43,18 @@ def prompts(ctx: kvfork.Context, n: int) -> list[list[int]]:
     return [ctx.tokenize(f"{PROMPTS[i % len(PROMPTS)]} ({i})") for i in range(n)]
 
 
+def busy(seconds: float) -> None:
+    """Hold the event loop as a server does sending a token to its client."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 async def run_tasks(
-    ctx: kvfork.Context, n: int, steps: int, chain: str, style: str
+    ctx: kvfork.Context, n: int, steps: int, chain: str, style: str, per_token: float = 0.0
 ) -> tuple[float, int, int]:
-    """(seconds, decodes, tokens generated) for N independent tasks."""
+    """(seconds, decodes, tokens generated) for N independent tasks, each holding the event
+    loop `per_token` seconds after each token."""
     toks = prompts(ctx, n)
 
     async def one(i: int) -> int:
@@ -54,6 +63,7 @@ async def run_tasks(
         made = 0
         if style == "generate":
             async for _ in b.generate(max_tokens=steps):
+                busy(per_token)
                 made += 1
         else:
             for _ in range(steps):
@@ -61,6 +71,7 @@ async def run_tasks(
                 if t.is_stop:
                     break
                 await b.commit(t)
+                busy(per_token)
                 made += 1
         await b.prune()
         return made
@@ -103,8 +114,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--style", choices=["produce", "generate"], default="produce")
+    # A tiny model's decodes take about what a GPU's do: the regime where callers coming back
+    # late split a step in two.
+    ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
+    ap.add_argument(
+        "--per-token-us", type=float, default=0.0, help="each task's own work after a token"
+    )
     args = ap.parse_args()
-    model = kvfork.Model.load(kvfork.default_model_path())
+    model = kvfork.Model.load(args.model or kvfork.default_model_path())
     print(f"## tasks vs store loop ({args.style}, steps={args.steps}, best of {args.repeat})")
     print(
         "| tasks | chain | tasks: decodes/step | store: decodes/step "
@@ -119,7 +136,9 @@ def main() -> None:
                 best_t: tuple[float, int, int] | None = None
                 best_s: tuple[float, int, int] | None = None
                 for _ in range(args.repeat):
-                    t = asyncio.run(run_tasks(ctx, n, args.steps, chain, args.style))
+                    t = asyncio.run(
+                        run_tasks(ctx, n, args.steps, chain, args.style, args.per_token_us / 1e6)
+                    )
                     s = run_store(ctx, n, args.steps, chain)
                     if best_t is None or t[2] / t[0] > best_t[2] / best_t[0]:
                         best_t = t
