@@ -421,6 +421,19 @@ def test_a_client_that_disconnects_gives_its_lease_back(chat_server: Server) -> 
         time.sleep(0.1)
 
 
+def test_the_event_loop_is_uvloop_where_installed(serve: Any) -> None:
+    """`--loop auto` (the default) runs uvloop, which the server extra installs (less time
+    on each streamed token); `--loop asyncio` asyncio's own. Both stream, and stop cleanly."""
+    pytest.importorskip("uvloop")
+    for loop, name in (("auto", "uvloop"), ("asyncio", "asyncio")):
+        server: Server = serve("chat", "--n-ctx", "512", "--n-seq-max", "2", "--loop", loop)
+        stream = server.client().completions.create(
+            model="x", prompt="Hello", max_tokens=4, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+        assert f"; loop {name})" in server.stop()
+
+
 def test_api_key_and_a_full_queue(serve: Any, chat_ctx: kvfork.Context) -> None:
     server: Server = serve(
         "chat", "--n-ctx", "2048", "--n-seq-max", "1", "--max-queue", "1", "--api-key", "secret"

@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        result: int = asyncio.run(args.run(args))
+        run = _runner(getattr(args, "loop", "asyncio"))
+        result: int = run(args.run(args))
         return result
     except CliError as exc:
         parser.exit(2, f"kvfork: error: {exc}\n")
@@ -68,6 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(1, f"kvfork: {type(exc).__name__}: {exc}\n")
     except KeyboardInterrupt:
         return 130
+
+
+def _runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
+    """`asyncio.run`, or uvloop's (`--loop`; `auto`: uvloop where it is installed, as the
+    `server` extra does): its C event loop spends less time on each streamed token."""
+    if loop == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise CliError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return asyncio.run
+    return uvloop.run
 
 
 def resolve_model(name: str | None, fallback: str = "default") -> Path:
@@ -429,8 +444,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("kvfork serve: %(levelname)s %(message)s"))
     logging.getLogger("kvfork.server").addHandler(handler)
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     print(
-        f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 ({where})",
+        f"kvfork serve: {path.name} on http://{args.host}:{args.port}/v1 ({where}; loop {loop})",
         file=sys.stderr,
         flush=True,
     )
@@ -637,6 +653,13 @@ def _parser() -> argparse.ArgumentParser:
         "response_format) get whole rows as without it (create_context(device_sampling=))",
     )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="the event loop: uvloop where installed (auto; kvfork[server] installs it), "
+        "else asyncio's",
+    )
     serve.add_argument(
         "--chat-template",
         default=None,
