@@ -324,6 +324,9 @@ BAD = [
     ("/v1/completions", b'{"prompt": 5}', "prompt"),
     ("/v1/completions", b'{"prompt": [1, -3]}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "stop": [1]}', "stop"),
+    ("/v1/completions", b'{"prompt": "x", "suffix": "y"}', "suffix"),
+    ("/v1/completions", b'{"prompt": "x", "best_of": 3}', "best_of"),
+    ("/v1/completions", b'{"prompt": "x", "n": 2, "best_of": 1}', "best_of"),
     ("/v1/embeddings", b'{"input": 5}', "input"),
     # Valid JSON that is not text: a lone UTF-16 surrogate, in a value or a key, anywhere.
     (

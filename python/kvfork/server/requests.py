@@ -316,11 +316,15 @@ def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> Compl
             raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise bad_request("prompt must be a non-empty string (one prompt per request)", "prompt")
-    return CompletionRequest(
-        prompt=prompt,
-        sampling=parse_sampling(body, vocab_size, max_n),
-        echo=bool_field(body, "echo"),
-    )
+    # Refused rather than ignored: a reply that silently left them out would look like theirs.
+    if body.get("suffix") not in (None, ""):
+        raise bad_request("suffix (text to insert before) is not supported", "suffix")
+    sampling = parse_sampling(body, vocab_size, max_n)
+    if body.get("best_of") not in (None, sampling.n):
+        raise bad_request(
+            "best_of is not supported: ask for n choices (with logprobs to rank them)", "best_of"
+        )
+    return CompletionRequest(prompt=prompt, sampling=sampling, echo=bool_field(body, "echo"))
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
