@@ -70,6 +70,20 @@ async def test_evict_oldest_gives_back_the_least_recently_used_entry_s_cells(
     assert cache.stats()["entries"] == 0
 
 
+async def test_evicting_on_a_closed_context_says_it_is_closed(model: kvfork.Model) -> None:
+    """Not False or 0, which would read as a cache with nothing left to evict."""
+    ctx = kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=2)
+    cache = kvfork.PrefixCache(ctx)
+    cache.release(cache.branch_sync(ctx.tokenize(COUNTING), GREEDY))
+    ctx.close()
+    with pytest.raises(kvfork.KvforkError, match="closed"):
+        await cache.evict_oldest()
+    with pytest.raises(kvfork.KvforkError, match="closed"):
+        cache.evict_oldest_sync()
+    with pytest.raises(kvfork.KvforkError, match="closed"):
+        cache.make_room_sync(1)
+
+
 def test_releasing_a_pruned_branch_is_a_value_error_and_forgets_it(ctx: kvfork.Context) -> None:
     cache = kvfork.PrefixCache(ctx)
     tokens = ctx.tokenize(COUNTING)

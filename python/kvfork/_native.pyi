@@ -1245,7 +1245,8 @@ class PrefixCache:
     def make_room(self, n: int) -> Operation[int]:
         """Evict entries, least recently used first, until `n` leases are free (room for a
         request's `n` branches); resolves to how many were evicted. LeaseExhaustedError when
-        the entries are not enough (branches handed out hold the rest).
+        the entries are not enough (branches handed out hold the rest); KvforkError once the
+        context is closed.
         """
     def make_room_sync(self, n: int) -> int:
         """Blocking twin of `make_room`: returns how many entries were evicted. Waits without the
@@ -1254,7 +1255,8 @@ class PrefixCache:
     def evict_oldest(self) -> Operation[bool]:
         """Evict the least recently used entry: its cells that no other branch shares go back to
         the KV (room for the next decode of a branch handed out, which raised
-        KvCacheFullError); resolves to False when no entry is left.
+        KvCacheFullError); resolves to False when no entry is left. KvforkError once the
+        context is closed.
         """
     def evict_oldest_sync(self) -> bool:
         """Blocking twin of `evict_oldest`: returns whether an entry was evicted. Waits without

@@ -136,7 +136,8 @@ impl PyPrefixCache {
 
     /// Evict entries, least recently used first, until `n` leases are free (room for a
     /// request's `n` branches); resolves to how many were evicted. LeaseExhaustedError when
-    /// the entries are not enough (branches handed out hold the rest).
+    /// the entries are not enough (branches handed out hold the rest); KvforkError once the
+    /// context is closed.
     fn make_room<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyAny>> {
         let pending = self.inner.make_room(n.u32("n", 0)?);
         convert::awaitable(py, Call("PrefixCache", "make_room"), pending, Ok)
@@ -150,7 +151,8 @@ impl PyPrefixCache {
 
     /// Evict the least recently used entry: its cells that no other branch shares go back to
     /// the KV (room for the next decode of a branch handed out, which raised
-    /// KvCacheFullError); resolves to False when no entry is left.
+    /// KvCacheFullError); resolves to False when no entry is left. KvforkError once the
+    /// context is closed.
     fn evict_oldest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let pending = self.inner.evict_oldest();
         convert::awaitable(py, Call("PrefixCache", "evict_oldest"), pending, Ok)
