@@ -270,37 +270,36 @@ async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_w
     for the context, or cancelled mid-way, leaves the messages and the branch as they were,
     and the next turn prefills only itself, as if the failed one had never been sent."""
     # Small decodes on a GPU, where 1,500 tokens in one would be done before the cancel.
-    chat_ctx = kvfork.create_context_sync(
+    with kvfork.create_context_sync(
         chat_model, n_ctx=2048, n_seq_max=4, n_batch=SLOW_PREFILL_BATCH
-    )
-    chat = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
-    await chat.send(QUESTIONS[0], max_tokens=12)
+    ) as chat_ctx:
+        chat = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
+        await chat.send(QUESTIONS[0], max_tokens=12)
 
-    def state() -> tuple[object, ...]:
+        def state() -> tuple[object, ...]:
+            assert chat.branch is not None
+            return [dict(m) for m in chat.messages], chat.branch.position, chat.prefilled_tokens
+
+        before = state()
+        with pytest.raises(kvfork.KvCacheFullError):
+            chat.send_sync("word " * 2500, max_tokens=8)  # more tokens than n_ctx = 2048
+        assert state() == before
+        task = asyncio.create_task(chat.send("word " * 1500, max_tokens=8))
+        await asyncio.sleep(0.3)  # in the middle of its ~1,500-token prefill
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert state() == before
+        await chat.send(QUESTIONS[1], max_tokens=12)
         assert chat.branch is not None
-        return [dict(m) for m in chat.messages], chat.branch.position, chat.prefilled_tokens
-
-    before = state()
-    with pytest.raises(kvfork.KvCacheFullError):
-        chat.send_sync("word " * 2500, max_tokens=8)  # more tokens than n_ctx = 2048
-    assert state() == before
-    task = asyncio.create_task(chat.send("word " * 1500, max_tokens=8))
-    await asyncio.sleep(0.3)  # in the middle of its ~1,500-token prefill
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert state() == before
-    await chat.send(QUESTIONS[1], max_tokens=12)
-    assert chat.branch is not None
-    await chat.branch.prune()
-    straight = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
-    for question in QUESTIONS[:2]:
-        await straight.send(question, max_tokens=12)
-    roles = ["system", "user", "assistant", "user", "assistant"]
-    assert [m["role"] for m in chat.messages] == roles
-    assert chat.cold_restarts == 0 and chat.prefilled_tokens == straight.prefilled_tokens
-    assert chat.messages[:3] == straight.messages[:3]
-    chat_ctx.close()
+        await chat.branch.prune()
+        straight = kvfork.Chat(chat_ctx, params=GREEDY, system="Answer briefly.")
+        for question in QUESTIONS[:2]:
+            await straight.send(question, max_tokens=12)
+        roles = ["system", "user", "assistant", "user", "assistant"]
+        assert [m["role"] for m in chat.messages] == roles
+        assert chat.cold_restarts == 0 and chat.prefilled_tokens == straight.prefilled_tokens
+        assert chat.messages[:3] == straight.messages[:3]
 
 
 def test_warm_turn_is_faster_than_cold(chat_ctx: kvfork.Context) -> None:

@@ -56,6 +56,12 @@ def base_server(serve: Any) -> Server:
     return server
 
 
+def _no_stop(ctx: kvfork.Context) -> dict[str, int]:
+    """A request's `logit_bias` that bans every end-of-generation token (the reply runs to
+    `max_tokens`)."""
+    return {str(t): -100 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+
+
 def _messages(question: str = QUESTION) -> list[Any]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
@@ -447,14 +453,13 @@ def test_api_key_and_a_full_queue(serve: Any, chat_ctx: kvfork.Context) -> None:
         server.client("wrong").models.list()
     # A stream holds the one sequence until the test drops it (its stop tokens banned, more
     # tokens than the rest takes on any machine: on a GPU 64 would be done in 0.1 s).
-    stops = [t for t in range(chat_ctx.model.vocab_size) if chat_ctx.is_stop_token(t)]
     holder = server.client("secret").chat.completions.create(
         model="x",
         messages=_messages(),
         max_tokens=1500,
         temperature=0,
         stream=True,
-        logit_bias={str(t): -100 for t in stops},
+        logit_bias=_no_stop(chat_ctx),
     )
     next(iter(holder))
     body = json.dumps({"messages": _messages(), "max_tokens": 16, "temperature": 0}).encode()
@@ -613,7 +618,7 @@ def test_replies_outgrowing_the_cells_left_by_entries_evict_them_as_they_go(
     server: Server = serve("chat", "--n-ctx", "1024", "--n-seq-max", "4")
     client = server.client()
     with kvfork.create_context_sync(chat_model, n_ctx=256, n_seq_max=1) as ctx:
-        no_stop = {str(t): -100 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+        no_stop = _no_stop(ctx)
     words = [1000 + (i * 7919) % 30000 for i in range(1200)]  # prompts sharing nothing
     first = client.completions.create(model="x", prompt=words[:400], max_tokens=4)
     assert first.usage is not None and first.usage.completion_tokens == 4

@@ -325,7 +325,7 @@ impl PrefixCache {
         }
         let cache = self.clone();
         Pending::spawn("kvfork-prefix", move || {
-            cache.check_open()?;
+            cache.ctx.shared().check_open()?; // Closed: not "nothing left"
             let mut evicted = 0;
             while cache.ctx.available() < n {
                 cache.evict_one_but(None)?;
@@ -341,21 +341,12 @@ impl PrefixCache {
     pub fn evict_oldest(&self) -> Pending<bool> {
         let cache = self.clone();
         Pending::spawn("kvfork-prefix", move || {
-            cache.check_open()?;
+            cache.ctx.shared().check_open()?; // Closed: not "nothing left"
             match cache.take_victim(None, true) {
                 Some(holder) => cache.evict(Some(holder)).map(|()| true),
                 None => Ok(false),
             }
         })
-    }
-
-    /// Error::Closed once the context is closed: nothing is left to evict, and saying "none"
-    /// (0, false) would read as a cache with no entries.
-    fn check_open(&self) -> Result<()> {
-        if self.ctx.is_closed() {
-            return Err(Error::Closed);
-        }
-        Ok(())
     }
 
     /// Refuse a branch of another context (its handle could equal one of ours).
