@@ -19,6 +19,7 @@ to the warm server (the "warm" column). Wall time of all requests, median time t
         [--example-server .peer-server/src/examples/server/server.py]  # same sdist; '': none
         [--adaptive]            # kvfork with its default adaptive thread count, not 2
         [--gpu-layers N]        # llama-server -ngl N; kvfork serve offloads every layer on a GPU
+        [--kvfork-variant NAME=ARGS ...]  # also kvfork serve with these options, as NAME
         [--only shared|disjoint|steady] [--rate 2] [--requests 64]
         [--only conversations] [--conversations 32] [--turns 2]
 - conversations (`--only conversations`): many ~1,500-token conversations taking turns in a
@@ -35,6 +36,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -349,6 +351,10 @@ def conversation_servers(args: argparse.Namespace, model: Path) -> list[ServerSp
 def servers(args: argparse.Namespace, model: Path, clients: int) -> list[ServerSpec]:
     n_ctx = clients * 1400
     specs = [ServerSpec("kvfork", kvfork_serve(model, n_ctx, 2 * clients, args.adaptive, []))]
+    for variant in args.kvfork_variant:
+        name, _, options = variant.partition("=")
+        serve = kvfork_serve(model, n_ctx, 2 * clients, args.adaptive, shlex.split(options))
+        specs.append(ServerSpec(name, serve))
     server = Path(args.llama_server)
     if server.exists():
         ngl = gpu_layers(args)
@@ -406,7 +412,17 @@ def main() -> None:
         help="llama-server's -ngl N (default: its own); kvfork serve offloads every layer when "
         "its backend is a GPU, and N must agree (0 on the CPU, else every layer)",
     )
+    ap.add_argument(
+        "--kvfork-variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="also run kvfork serve with these options, named NAME (e.g. "
+        "'no-warmup=--warmup off'), interleaved with the others",
+    )
     args = ap.parse_args()
+    if any("=" not in v or not v.partition("=")[0] for v in args.kvfork_variant):
+        ap.error("--kvfork-variant takes NAME=ARGS")
     model = kvfork.default_model_path()
     if args.only == "conversations":
         run_conversations(args, model)

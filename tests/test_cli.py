@@ -145,6 +145,7 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["generate", "default", "x", "--json-schema", "/no/such.json"], 2, "cannot read"),
         (["embed", "default"], 2, "nothing to embed"),
         (["serve", "default", "--ray", "local", "--n-batch", "64"], 2, "--n-batch"),
+        (["serve", "default", "--ray", "local", "--warmup", "on"], 2, "--warmup on"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(

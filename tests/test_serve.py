@@ -443,6 +443,31 @@ def test_the_event_loop_is_uvloop_where_installed(serve: Any) -> None:
         assert f"; loop {name})" in server.stop()
 
 
+def test_a_warmup_runs_each_shape_once_and_gives_everything_back(serve: Any) -> None:
+    """`--warmup on` prefills a batch, steps forks together and one branch alone before the
+    first request (on a GPU the first use of each shape loads its kernels); afterwards every
+    sequence is free and replies are as without it. `auto` (the default) warms only when layers
+    are on a GPU, so not on the CPU."""
+    replies = []
+    for choice in ("on", "auto"):
+        server: Server = serve(
+            "chat", "--n-ctx", "512", "--n-seq-max", "4", "--n-batch", "32", "--warmup", choice
+        )
+        decodes = server.metric("kvfork_decode_calls_total")
+        assert server.metric("kvfork_leases_in_use") == 0
+        assert server.get("/health")[1]["free_sequences"] == 4
+        reply = server.client().completions.create(
+            model="x", prompt="Hello", max_tokens=6, temperature=0
+        )
+        replies.append(reply.choices[0].text)
+        log = server.stop()
+        if choice == "on" or kvfork.system_info()["gpu_offload"]:
+            assert decodes == 3 and ", warm-up " in log
+        else:
+            assert decodes == 0 and "warm-up" not in log
+    assert replies[0] == replies[1]
+
+
 def test_api_key_and_a_full_queue(serve: Any, chat_ctx: kvfork.Context) -> None:
     server: Server = serve(
         "chat", "--n-ctx", "2048", "--n-seq-max", "1", "--max-queue", "1", "--api-key", "secret"

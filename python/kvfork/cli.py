@@ -354,6 +354,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         from .server.metrics import Metrics
         from .server.process import run
         from .server.reasoning import Defaults
+        from .server.warmup import wanted, warm_up
     except ImportError as exc:
         raise CliError(
             f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
@@ -374,6 +375,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
     if args.ray is not None and args.lora:
         raise CliError("--lora applies to a local server, not --ray")
+    if args.ray is not None and args.warmup == "on":
+        raise CliError("--warmup on applies to a local server, not --ray")
     if args.ray is not None and args.device_sampling:
         raise CliError("--device-sampling applies to a local server, not --ray")
     try:
@@ -399,6 +402,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         options["device_sampling"] = True
     cluster = None
     adapters = None
+    warmed: float | None = None
     if args.ray is None:
         ctx = await open_context(path, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, **options)
         try:
@@ -406,6 +410,12 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         except (ValueError, KvforkError) as exc:
             ctx.close()
             raise CliError(f"--lora: {exc}") from None
+        if wanted(args.warmup):
+            try:
+                warmed = await warm_up(ctx)
+            except KvforkError as exc:
+                ctx.close()
+                raise CliError(f"the warm-up failed (--warmup off skips it): {exc}") from None
     else:
         ctx = await open_context(path, n_ctx=512, n_seq_max=1)  # the front's tokenizer
     embed_ctx = None
@@ -422,6 +432,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         where = f"n_ctx {ctx.n_ctx}, {ctx.n_seq_max} sequences"
         if adapters:
             where += ", LoRA " + ", ".join(spec.name for spec in adapters)
+        if warmed is not None:
+            where += f", warm-up {warmed:.2f} s"
     else:
         generator = None
         cluster = await _open_cluster(args, path, prompts, metrics)
@@ -659,6 +671,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="the event loop: uvloop where installed (auto; kvfork[server] installs it), "
         "else asyncio's",
+    )
+    serve.add_argument(
+        "--warmup",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run each decode shape once before serving, so the first requests do not load "
+        "the device's kernels (auto: only when layers are on a GPU)",
     )
     serve.add_argument(
         "--chat-template",

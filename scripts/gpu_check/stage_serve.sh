@@ -5,7 +5,8 @@
 # sdist, trimmed by prepare.py), then benchmarks/bench_serve.py's shared and disjoint
 # workloads: `kvfork serve` (the installed wheel with its kvfork_cuda module) against it, every
 # layer offloaded in both (llama-server -ngl 99; kvfork serve offloads them all whenever its
-# backend is a GPU), the default model, KVFORK_GPU_SERVE_ROUNDS rounds each (3). The summary
+# backend is a GPU), the default model, KVFORK_GPU_SERVE_ROUNDS rounds each (3), and any
+# KVFORK_GPU_SERVE_VARIANTS (kvfork serve with other options, in the same rounds). The summary
 # gives kvfork's throughput as a multiple of llama-server's against the CPU run's targets
 # (shared >= 4x, disjoint >= 1.0x; gpu_check/serve.py) and bench_serve.py's tables.
 #
@@ -165,10 +166,15 @@ step() {
   return 0
 }
 cd "$WORK" || exit 1
+# KVFORK_GPU_SERVE_VARIANTS: more kvfork servers to compare in the same rounds, each NAME=ARGS,
+# separated by ';' (e.g. "no-warmup=--warmup off").
+variants=()
+IFS=';' read -ra named <<<"${KVFORK_GPU_SERVE_VARIANTS:-}"
+for v in "${named[@]}"; do [ -n "$v" ] && variants+=(--kvfork-variant "$v"); done
 rc=0
 for load in shared disjoint; do
   step "$load" 150 "$PY" "$REPO/benchmarks/bench_serve.py" --only "$load" --rounds "$ROUNDS" \
-    --llama-server "$BIN" --example-server "" --gpu-layers 99 || { rc=3; break; }
+    --llama-server "$BIN" --example-server "" --gpu-layers 99 "${variants[@]}" || { rc=3; break; }
 done
 failed=""
 for load in shared disjoint; do
