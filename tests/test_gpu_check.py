@@ -733,7 +733,12 @@ def test_bench_serve_offloads_llama_servers_layers_only_as_kvfork_does(
     server = tmp_path / "llama-server"
     server.touch()
     args = argparse.Namespace(
-        gpu_layers=None, llama_server=str(server), adaptive=False, example_server="", peer_python=""
+        gpu_layers=None,
+        llama_server=str(server),
+        adaptive=False,
+        example_server="",
+        peer_python="",
+        kvfork_variant=[],
     )
 
     def llama_command() -> list[str]:
@@ -749,6 +754,11 @@ def test_bench_serve_offloads_llama_servers_layers_only_as_kvfork_does(
     args.gpu_layers = 0 if on_gpu else 99
     with pytest.raises(SystemExit, match="llama-server would not match"):
         llama_command()
+    # --kvfork-variant NAME=ARGS: kvfork serve again, with those options, under NAME.
+    args.gpu_layers, args.kvfork_variant = None, ["no-warmup=--warmup off --loop asyncio"]
+    specs = {s.name: s for s in bench.servers(args, Path("m.gguf"), 16)}
+    base, variant = specs["kvfork"].command(8080), specs["no-warmup"].command(8080)
+    assert variant == [*base, "--warmup", "off", "--loop", "asyncio"]
 
 
 FAKE_BUILD = """#!/usr/bin/env bash

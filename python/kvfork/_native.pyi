@@ -602,7 +602,8 @@ class Context:
         - `decode_calls`: `llama_decode` invocations (one per BranchStore step or coalesced
           group of commits, ceil(tokens / n_batch) per prefill, one per embed group);
         - `decoded_tokens`: tokens those decodes wrote (failed decodes not counted);
-        - `decode_seconds`: wall time spent inside `llama_decode`;
+        - `decode_seconds`: wall time spent in `llama_decode` (on a GPU, until its outputs
+          are ready);
         - `padded_rows`: rows added to decodes (their logits unread) so that the outputs fill
           whole tiles of the CPU's output matmul, where that is cheaper (x86 with AVX-512 and
           Q8_0/Q4_0/Q5_0/IQ4_NL output weights; `KVFORK_NO_OUTPUT_PADDING` turns it off);

@@ -213,7 +213,7 @@ def report(folder: Path) -> str:
                 "| N | kvfork store.step | kvfork, device_sampling | bare, host argmax "
                 "| bare, backend sampling | kvfork / bare backend (target >= 1.0) "
                 "| kvfork / bare host | device_sampling / bare backend "
-                "| kvfork ms a step outside llama_decode (on a GPU, with the wait for it) |"
+                "| kvfork ms a step of its own (outside llama_decode and the wait for its outputs) |"
             ),
             "|---|---|---|---|---|---|---|---|---|",
         ]

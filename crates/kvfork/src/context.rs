@@ -16,7 +16,7 @@ pub struct ContextStats {
     pub decode_calls: u64,
     /// Tokens decoded successfully.
     pub decoded_tokens: u64,
-    /// Time spent inside `llama_decode`, nanoseconds.
+    /// Time spent in `llama_decode` (on a GPU, until its outputs are ready), nanoseconds.
     pub decode_ns: u64,
     /// Rows of the padding sequence added to decodes so that their outputs fill whole tiles
     /// of the CPU's output matmul (see `kvfork_core::output_tile`); not in `decoded_tokens`.

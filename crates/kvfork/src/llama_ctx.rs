@@ -220,6 +220,14 @@ impl LlamaCtx {
         // written by `Batch::push` into buffers of its capacity; llama.cpp checks token ids,
         // positions and sequence ids itself and returns -1 instead of reading out of range.
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw) };
+        if code == 0 && batch.n_outputs() > 0 {
+            // On a GPU `llama_decode` returns once the graph is queued, and the first read of
+            // an output waits for it. Wait here instead, before the caller locks the branches
+            // whose rows these are: reads of their other state must not wait for the device
+            // (`test_row_loans`). On the CPU the decode is done already: nothing to wait for.
+            // SAFETY: the context is live and used by this thread only.
+            unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
+        }
         match code {
             0 => Ok(()),
             1 => Err(Error::KvCacheFull(format!(
