@@ -789,7 +789,7 @@ print("\\n16 clients, 32 greedy tokens each, streamed; median of 2 cold starts\\
 for _ in range(2):
     for name, wall in zip(("kvfork", "llama-server"), walls):
         print(f"  {load:8} {name:15} wall {wall:6.2f} s  TTFT {wall / 2:6.2f} s  "
-              f"warm {wall / 3:6.2f} s", file=sys.stderr)
+              f"warm {wall / 3:6.2f} s  (client CPU 0.04 s)", file=sys.stderr)
 print("| workload | server | wall (s) | median TTFT (s) | same requests again, warm (s) |")
 print("|---|---|---|---|---|")
 for name, wall in zip(("kvfork", "llama-server"), walls):
@@ -869,9 +869,10 @@ def test_run_stage_serve_builds_then_runs_each_workload_once(tmp_path: Path) -> 
     # The stand-in prints what bench_serve.py prints, which gpu_check/serve.py reads.
     real = (ROOT / "benchmarks" / "bench_serve.py").read_text()
     assert 'wall {wall:6.2f} s  TTFT {ttft:6.2f} s  "' in real
+    assert 'f"warm {warm:6.2f} s  (client CPU {cpu:4.2f} s)"' in real
     assert 'print(f"| {load} | {name} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")' in real
     benches = [line for line in fake_log.read_text().splitlines() if line.startswith("bench")]
-    assert len(benches) == 2 and all("--gpu-layers 99" in b for b in benches)
+    assert len(benches) == 2 and all("--gpu-layers 99 --client raw" in b for b in benches)
     assert all("--example-server  --gpu" in b for b in benches)  # none: '' passed
     rc, text = call("serve")  # done: nothing runs again
     assert rc == 0 and len(fake_log.read_text().splitlines()) == 3

@@ -468,6 +468,35 @@ def test_a_warmup_runs_each_shape_once_and_gives_everything_back(serve: Any) -> 
     assert replies[0] == replies[1]
 
 
+def test_the_benchmarks_bare_client_reads_what_the_openai_client_reads(serve: Any) -> None:
+    """bench_serve.py's bursts through the openai client and through bare connections (`--client
+    raw`, chunked transfer decoded by hand) against a real server: both read every stream to
+    its [DONE] and time a first token; the raw one fails loudly on an error status."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bench  # for its dataclasses
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["bench_serve"]
+    server: Server = serve("chat", "--n-ctx", "2048", "--n-seq-max", "8")
+    prompts = [
+        f"The history of {topic} begins with" for topic in ("rivers", "salt", "trains", "music")
+    ]
+    for raw in (False, True):
+        wall, ttft, cpu = asyncio.run(bench.burst(server.url, prompts, raw))
+        assert 0 < ttft <= wall and cpu > 0
+    locked: Server = serve("chat", "--n-ctx", "512", "--n-seq-max", "1", "--api-key", "k")
+    with pytest.raises(RuntimeError, match="401"):
+        asyncio.run(bench.burst(locked.url, prompts[:1], True))
+
+
 def test_api_key_and_a_full_queue(serve: Any, chat_ctx: kvfork.Context) -> None:
     server: Server = serve(
         "chat", "--n-ctx", "2048", "--n-seq-max", "1", "--max-queue", "1", "--api-key", "secret"

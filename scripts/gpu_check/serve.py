@@ -25,7 +25,7 @@ TARGETS = {"shared": 4.0, "disjoint": 1.0}
 KVFORK, PEER = "kvfork", "llama-server"
 #: bench_serve.py's line per server and round (stderr) and its table's rows (stdout).
 _ROUND = re.compile(
-    r"^\s*(\w+)\s+(\S+)\s+wall\s+(\S+) s\s+TTFT\s+(\S+) s\s+warm\s+(\S+) s\s*$", re.MULTILINE
+    r"^\s*(\w+)\s+(\S+)\s+wall\s+(\S+) s\s+TTFT\s+(\S+) s\s+warm\s+(\S+) s\b.*$", re.MULTILINE
 )
 _ROW = re.compile(r"^\| (\w+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$", re.MULTILINE)
 

@@ -168,13 +168,17 @@ step() {
 cd "$WORK" || exit 1
 # KVFORK_GPU_SERVE_VARIANTS: more kvfork servers to compare in the same rounds, each NAME=ARGS,
 # separated by ';' (e.g. "no-warmup=--warmup off").
+# KVFORK_GPU_SERVE_CLIENT: the bursts' client, raw (bare connections: default) or openai (whose
+# parsing of the chunks takes longer than a GPU server's steps; BENCHMARKS §26).
+CLIENT=${KVFORK_GPU_SERVE_CLIENT:-raw}
 variants=()
 IFS=';' read -ra named <<<"${KVFORK_GPU_SERVE_VARIANTS:-}"
 for v in "${named[@]}"; do [ -n "$v" ] && variants+=(--kvfork-variant "$v"); done
 rc=0
 for load in shared disjoint; do
   step "$load" 150 "$PY" "$REPO/benchmarks/bench_serve.py" --only "$load" --rounds "$ROUNDS" \
-    --llama-server "$BIN" --example-server "" --gpu-layers 99 "${variants[@]}" || { rc=3; break; }
+    --llama-server "$BIN" --example-server "" --gpu-layers 99 --client "$CLIENT" "${variants[@]}" \
+    || { rc=3; break; }
 done
 failed=""
 for load in shared disjoint; do
