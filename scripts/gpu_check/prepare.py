@@ -384,7 +384,7 @@ MINUTES = {
     "test": 2.8,
     "bench": 6.0,
     "serve_build": 4.6,
-    "serve": 1.0,
+    "serve": 2.0,
 }
 
 
