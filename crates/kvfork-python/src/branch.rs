@@ -10,8 +10,8 @@ use pyo3::IntoPyObjectExt;
 
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
 use crate::awaitable::Call;
-use crate::convert::token_id;
 use crate::convert::{self, awaitable, draft_tokens, wait, Arg, Int};
+use crate::convert::{token_id, token_int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::handles::{wrap, PyBranch, PyContext};
@@ -29,6 +29,9 @@ pub(crate) fn log_base(base: &str) -> PyResult<kvfork::LogBase> {
 pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     if let Ok(t) = obj.cast::<PyToken>() {
         return Ok(t.get().token);
+    }
+    if let Ok(id) = obj.extract::<Int>() {
+        return token_int(&id);
     }
     let id: i64 = obj.extract().map_err(|_| {
         crate::errors::type_error(format!(
@@ -420,18 +423,25 @@ impl PyBranch {
         &self,
         cv: Option<PyRef<'_, PyControlVector>>,
         scale: Arg<f32>,
-        layers: Option<Arg<(i64, i64)>>,
+        layers: Option<Arg<(Int, Int)>>,
     ) -> PyResult<()> {
         let layers = match layers {
             None => None,
-            Some(Arg((start, end))) => match (u32::try_from(start), u32::try_from(end)) {
-                (Ok(start), Ok(end)) => Some((start, end)),
-                _ => {
-                    return Err(PyValueError::new_err(format!(
-                        "invalid layers: ({start}, {end}) is not a range of layers"
-                    )))
+            Some(Arg((start, end))) => {
+                let layer = |i: &Int| i.0.and_then(|v| u32::try_from(v).ok());
+                match (layer(&start), layer(&end)) {
+                    (Some(start), Some(end)) => Some((start, end)),
+                    _ => {
+                        let show =
+                            |i: &Int| i.0.map_or("an int past 64 bits".into(), |v| v.to_string());
+                        return Err(PyValueError::new_err(format!(
+                            "invalid layers: ({}, {}) is not a range of layers",
+                            show(&start),
+                            show(&end)
+                        )));
+                    }
                 }
-            },
+            }
         };
         self.inner
             .set_control_vector(cv.map(|c| c.inner.clone()), scale.0, layers)
@@ -487,16 +497,16 @@ impl PyBranch {
     /// inf for a masked token. Raises KvforkError before the first prefill or commit,
     /// ValueError for a token id out of range or another `base`.
     #[pyo3(signature = (token, base=Arg("nats")), text_signature = "($self, token, base='nats')")]
-    fn surprisal(&self, py: Python<'_>, token: Arg<i64>, base: Arg<&str>) -> PyResult<f64> {
-        let (token, base) = (token_id(token.0)?, log_base(base.0)?);
+    fn surprisal(&self, py: Python<'_>, token: Int, base: Arg<&str>) -> PyResult<f64> {
+        let (token, base) = (token_int(&token)?, log_base(base.0)?);
         py.detach(|| self.inner.surprisal(token, base)).py()
     }
 
     /// Natural-log probability of `token` under the raw snapshot: log-softmax of the logits,
     /// computed in Rust (no copy of the row). -inf for a masked token. Raises KvforkError
     /// before the first prefill or commit (no snapshot yet).
-    fn logprob(&self, py: Python<'_>, token: Arg<i64>) -> PyResult<f64> {
-        let token = token_id(token.0)?;
+    fn logprob(&self, py: Python<'_>, token: Int) -> PyResult<f64> {
+        let token = token_int(&token)?;
         py.detach(|| self.inner.logprob(token)).py()
     }
 

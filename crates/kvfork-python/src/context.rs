@@ -9,7 +9,7 @@ use pyo3::types::PyBytes;
 use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
-use crate::convert::{self, token_id, wait, Arg, Int};
+use crate::convert::{self, token_int, wait, Arg, Int};
 use crate::embed;
 use crate::errors::IntoPyResult;
 use crate::handles::{PyBranch, PyContext};
@@ -303,30 +303,26 @@ impl PyContext {
 
     /// The text piece of one token (special tokens rendered, invalid UTF-8 replaced). Raises
     /// KvforkError when the context is closed, ValueError for a token id out of range.
-    fn token_to_text(&self, token: Arg<i64>) -> PyResult<String> {
-        self.open()?.token_to_text(token_id(token.0)?).py()
+    fn token_to_text(&self, token: Int) -> PyResult<String> {
+        self.open()?.token_to_text(token_int(&token)?).py()
     }
 
     /// The raw bytes of one token's piece (special tokens rendered): a piece may be part of a
     /// UTF-8 character, which `token_to_text` replaces. Raises KvforkError when the context is
     /// closed, ValueError for a token id out of range.
-    fn token_to_bytes<'py>(
-        &self,
-        py: Python<'py>,
-        token: Arg<i64>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    fn token_to_bytes<'py>(&self, py: Python<'py>, token: Int) -> PyResult<Bound<'py, PyBytes>> {
         let bytes = self
             .open()?
             .model()
-            .token_to_bytes(token_id(token.0)?, true)
+            .token_to_bytes(token_int(&token)?, true)
             .py()?;
         Ok(PyBytes::new(py, &bytes))
     }
 
     /// True when `token` ends generation in this vocabulary (EOS, end-of-turn and the other
     /// end-of-generation tokens). ValueError for a token id out of range.
-    fn is_stop_token(&self, token: Arg<i64>) -> PyResult<bool> {
-        self.inner.is_stop_token(token_id(token.0)?).py()
+    fn is_stop_token(&self, token: Int) -> PyResult<bool> {
+        self.inner.is_stop_token(token_int(&token)?).py()
     }
 
     /// The model's end-of-sequence token id, or None if the vocabulary has none. Other tokens

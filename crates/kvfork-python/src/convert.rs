@@ -309,6 +309,17 @@ pub(crate) fn token_id(token: i64) -> PyResult<i32> {
         .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
 }
 
+/// A token id argument taken as any int (`Int`): out of the engine's range, even past 64 bits,
+/// a ValueError naming it (an i64 argument would raise an OverflowError that names nothing).
+pub(crate) fn token_int(token: &Int) -> PyResult<i32> {
+    match token.0 {
+        Some(v) => token_id(v),
+        None => Err(PyValueError::new_err(
+            "token: token id is out of range (an int past 64 bits)",
+        )),
+    }
+}
+
 /// A guess of draft tokens, each in range of the engine's token type.
 pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
     draft

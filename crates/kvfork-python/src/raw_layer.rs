@@ -8,7 +8,7 @@ use pyo3::types::PyType;
 
 use crate::awaitable::Call;
 use crate::branch::{log_base, token_arg};
-use crate::convert::token_id;
+use crate::convert::token_int;
 use crate::convert::{self, awaitable, wait, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::handles::PyContext;
@@ -35,8 +35,8 @@ impl PyContext {
     /// bits with `base="bits"`); inf for a masked token. KvforkError before any decode;
     /// ValueError for a token id out of range or another `base`.
     #[pyo3(signature = (token, base=Arg("nats")), text_signature = "($self, token, base='nats')")]
-    fn model_surprisal(&self, py: Python<'_>, token: Arg<i64>, base: Arg<&str>) -> PyResult<f64> {
-        let (token, base) = (token_id(token.0)?, log_base(base.0)?);
+    fn model_surprisal(&self, py: Python<'_>, token: Int, base: Arg<&str>) -> PyResult<f64> {
+        let (token, base) = (token_int(&token)?, log_base(base.0)?);
         py.detach(|| self.inner.model_surprisal(token, base)).py()
     }
 }

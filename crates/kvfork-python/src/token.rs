@@ -4,7 +4,7 @@ use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::Arg;
+use crate::convert::{token_int, Arg, Int};
 
 /// A sampled token: immutable `(token, text, is_stop)` that unpacks, indexes, slices,
 /// compares and hashes like that tuple, as a NamedTuple does (`tok, text, stop = t`;
@@ -54,12 +54,12 @@ impl From<kvfork::Produced> for PyToken {
 #[pymethods]
 impl PyToken {
     #[new]
-    fn new(token: Arg<i32>, text: Arg<String>, is_stop: Arg<bool>) -> Self {
-        PyToken {
-            token: token.0,
+    fn new(token: Int, text: Arg<String>, is_stop: Arg<bool>) -> PyResult<Self> {
+        Ok(PyToken {
+            token: token_int(&token)?,
             text: text.0,
             is_stop: is_stop.0,
-        }
+        })
     }
 
     fn __len__(&self) -> usize {
