@@ -615,3 +615,30 @@ def test_a_saved_branch_keeps_what_the_device_kept(
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True) as c:
         moved = kvfork.Branch.load_sync(c, tmp_path / "b.kvfork")
         assert [t.token for t in moved.generate_sync(8)] == expected
+
+
+def test_one_candidate_keeps_greedy_on_the_device_and_gives_rows_to_the_rest(
+    model: kvfork.Model, ctx: kvfork.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVFORK_DEVICE_CANDIDATES=1`: the stage keeps each row's best alone (an argmax, cheaper
+    on a GPU than the top-k's sort). Greedy draws on the device what it draws from host rows,
+    in one decode a step; the device's best and log-partition give the host's log-probability;
+    a chain that cuts to a larger top-k gets its rows and draws what it draws from them; asking
+    for more than the best decodes the row again, as for any row kept on the device."""
+    monkeypatch.setenv("KVFORK_DEVICE_CANDIDATES", "1")
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=4, device_sampling=True) as one:
+        host, dev = root(ctx), root(one)
+        drawn = dev.sample()
+        assert drawn == host.sample()
+        assert dev.logprob(drawn) == pytest.approx(host.logprob(drawn), abs=LOGPROB_ROUNDING)
+        expected, margins = greedy_with_margins(host, 16)
+        before = one.stats()["decode_calls"]
+        got = greedy_tokens(dev, 16)
+        assert_same_greedy(got, expected, margins)
+        assert one.stats()["decode_calls"] - before == 16  # no decode again for a row
+        before = one.stats()["decode_calls"]
+        best_two = dev.top_logprobs(2)
+        assert one.stats()["decode_calls"] - before == 1 and len(best_two) == 2
+        seeded = kvfork.SamplingParams(temperature=1.2, top_k=20, seed=3)
+        draws = [[t.token for t in root(c, PROMPT, seeded).generate_sync(8)] for c in (ctx, one)]
+        assert draws[1] == draws[0]

@@ -11,7 +11,7 @@ use crate::adapter::LoraAdapter;
 use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
-use crate::sampling::device::{DeviceChains, Drawn, CANDIDATES};
+use crate::sampling::device::{DeviceChains, Drawn};
 use crate::seq::Seq;
 
 /// One output of the last decode: its logits row, or what device sampling drew from it.
@@ -291,7 +291,7 @@ impl LlamaCtx {
         if self.device.as_ref().is_some_and(|d| !d.gave_row(i)) {
             // SAFETY: the context is live, created with the chains, and used by this thread.
             return Ok(OutputRef::Drawn(unsafe {
-                Drawn::read(self.ptr.as_ptr(), i, self.n_vocab)
+                Drawn::read(self.ptr.as_ptr(), i, self.n_vocab, self.device_kept())
             }?));
         }
         self.logits_ith(i).map(OutputRef::Row)
@@ -300,7 +300,12 @@ impl LlamaCtx {
     /// With device sampling, how many of each row's best logits the device keeps (a branch
     /// whose chain draws from more wants its row: `Batch::want_row`); None without.
     pub fn device_candidates(&self) -> Option<usize> {
-        self.device.as_ref().map(|_| CANDIDATES.min(self.n_vocab))
+        self.device.as_ref().map(|d| d.kept().min(self.n_vocab))
+    }
+
+    /// The candidates the device keeps of each row (0 without device sampling).
+    fn device_kept(&self) -> usize {
+        self.device_candidates().unwrap_or(0)
     }
 
     /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs

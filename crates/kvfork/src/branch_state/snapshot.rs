@@ -28,7 +28,8 @@ enum Row {
 /// Why a device-sampled branch has no row to read.
 const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
     (create_context(device_sampling=True)): the logits row of this output stayed there, and \
-    only its best 64 logits and its log-partition came back. A branch's row is decoded again \
+    only its best logits (64, or KVFORK_DEVICE_CANDIDATES) and its log-partition came back. \
+    A branch's row is decoded again \
     when it is read (and the branch gets rows from then on), except with n_seq_max 256 (no \
     spare sequence) and for a draw captured before the branch decoded anything (a \
     destroyed branch's); create the context with device_sampling=False to read rows there";
@@ -36,7 +37,7 @@ const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
 /// Why a branch whose chain came to need the row cannot draw from a device's output.
 const DRAWN_BEFORE_NEEDED: &str = "this output was drawn on the device \
     (create_context(device_sampling=True)) before the branch's chain needed its whole row \
-    (a grammar, logit bias, steer, or a sampler that draws from more than the top 64). \
+    (a grammar, logit bias, steer, or a sampler that draws from more than the device keeps). \
     sample(), produce(), step() and BranchStore.step decode the last token again for it, \
     except with n_seq_max 256 (no spare sequence to decode on): set those before the prefill \
     or step whose output the branch samples";

@@ -23,8 +23,19 @@ use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::seq::Seq;
 
-/// How many of each row's best logits come back from the device.
+/// How many of each row's best logits come back from the device, at most and by default.
 pub(crate) const CANDIDATES: usize = 64;
+
+/// The candidates a context's stage keeps: `KVFORK_DEVICE_CANDIDATES` (1 to 64; other values
+/// are clamped, anything unreadable is the default), else [`CANDIDATES`]. With 1 the stage is
+/// an argmax, cheaper on a GPU than a top-k (a sort of the row there): greedy chains draw on
+/// the device, every other chain gets its rows (BENCHMARKS §26).
+pub(crate) fn candidates_from_env() -> usize {
+    std::env::var("KVFORK_DEVICE_CANDIDATES")
+        .ok()
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .map_or(CANDIDATES, |k| k.clamp(1, CANDIDATES as i64) as usize)
+}
 
 /// What the device kept of one output row: its best logits with their tokens, best first (on
 /// ties the lower token first, as the host's `top_k_sorted`), and the row's log-partition
@@ -50,12 +61,17 @@ impl Drawn {
     }
 
     /// Read output `i` of the last decode of `ctx` (a vocabulary of `n_vocab`), whose
-    /// sequence carried a chain of [`DeviceChains`] in that decode.
+    /// sequence carried a chain of [`DeviceChains`] keeping `k` candidates (at most `n_vocab`)
+    /// in that decode.
     ///
     /// # Safety
     /// `ctx` is a live context created with those chains, used by this thread only.
-    pub unsafe fn read(ctx: *mut sys::llama_context, i: usize, n_vocab: usize) -> Result<Self> {
-        let k = CANDIDATES.min(n_vocab);
+    pub unsafe fn read(
+        ctx: *mut sys::llama_context,
+        i: usize,
+        n_vocab: usize,
+        k: usize,
+    ) -> Result<Self> {
         let i = i as i32;
         // SAFETY: the caller's contract; llama.cpp checks `i` against the last decode's
         // outputs (NULL pointers for one that was not an output).
@@ -130,9 +146,19 @@ unsafe extern "C" fn apply(_: *mut sys::llama_sampler, cur: *mut sys::llama_toke
     cur.selected = best as i64;
 }
 
-/// A copy (the stage has no state).
-unsafe extern "C" fn clone(_: *const sys::llama_sampler) -> *mut sys::llama_sampler {
-    new_stage()
+/// A copy (the stage's only setting is its count of candidates).
+unsafe extern "C" fn clone(stage: *const sys::llama_sampler) -> *mut sys::llama_sampler {
+    // SAFETY: llama.cpp passes a live stage of ours.
+    new_stage(unsafe { kept(stage) })
+}
+
+/// The candidates `stage` keeps, stored in its context pointer (`new_stage`).
+///
+/// # Safety
+/// `stage` is a live stage made by `new_stage`.
+unsafe fn kept(stage: *const sys::llama_sampler) -> usize {
+    // SAFETY: the caller's contract.
+    unsafe { (*stage).ctx as usize }
 }
 
 /// Every backend kvfork loads runs the stage's ops (top_k, get_rows, argmax, sub, exp, sum,
@@ -146,7 +172,7 @@ unsafe extern "C" fn backend_init(
 }
 
 /// The graph, for a row of `n` logits:
-/// - its best `k` (`ggml_top_k`, unordered) and their logits;
+/// - its best `k` (`ggml_top_k`, unordered; `ggml_argmax` for one) and their logits;
 /// - the best logit's log-probability, `-ln Σ e^(x - max)`, over the row cut into up to 64
 ///   pieces (a CPU backend splits each op by rows, so the pieces spread the pass over its
 ///   threads).
@@ -157,7 +183,7 @@ unsafe extern "C" fn backend_init(
 /// reserving the graph of a stage with twice as many for 512 outputs ran out of the graph
 /// allocator's free blocks, which aborts; this one passes up to 8,192 outputs, checked.)
 unsafe extern "C" fn backend_apply(
-    _: *mut sys::llama_sampler,
+    stage: *mut sys::llama_sampler,
     ctx: *mut sys::ggml_context,
     _: *mut sys::ggml_cgraph,
     data: *mut sys::llama_sampler_data,
@@ -168,9 +194,13 @@ unsafe extern "C" fn backend_apply(
     unsafe {
         let data = &mut *data;
         let n = sys::ggml_nelements(data.logits);
-        let k = (CANDIDATES as i64).min(n);
+        let k = (kept(stage) as i64).min(n);
         let row = sys::ggml_reshape_1d(ctx, data.logits, n);
-        let ids = sys::ggml_top_k(ctx, row, k as i32);
+        let ids = if k == 1 {
+            sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, row, n, 1))
+        } else {
+            sys::ggml_top_k(ctx, row, k as i32)
+        };
         let logits = sys::ggml_get_rows(ctx, sys::ggml_reshape_2d(ctx, row, 1, n), ids);
         let best = sys::ggml_argmax(ctx, sys::ggml_reshape_1d(ctx, logits, k));
         let max = sys::ggml_get_rows(ctx, logits, best);
@@ -216,18 +246,25 @@ static METHODS: Methods = Methods(sys::llama_sampler_i {
     copy_state: None,
 });
 
-fn new_stage() -> *mut sys::llama_sampler {
+/// A stage keeping `k` candidates of each row (`k` rides in the context pointer: nothing to
+/// free, as the methods have no `free`).
+fn new_stage(k: usize) -> *mut sys::llama_sampler {
     // SAFETY: `METHODS` lives forever and llama.cpp never writes through the pointer (the
-    // `*mut` is the C signature's); a NULL `ctx` is allowed with no `free`.
-    unsafe { sys::llama_sampler_init(ptr::addr_of!(METHODS.0).cast_mut(), ptr::null_mut()) }
+    // `*mut` is the C signature's); it never dereferences `ctx`, only our methods read it.
+    unsafe {
+        sys::llama_sampler_init(
+            ptr::addr_of!(METHODS.0).cast_mut(),
+            k as *mut std::ffi::c_void,
+        )
+    }
 }
 
-/// A chain of one stage, as llama.cpp takes backend samplers.
-fn new_chain() -> *mut sys::llama_sampler {
+/// A chain of one stage keeping `k` candidates, as llama.cpp takes backend samplers.
+fn new_chain(k: usize) -> *mut sys::llama_sampler {
     // SAFETY: plain values in; the chain takes ownership of the stage added.
     unsafe {
         let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
-        sys::llama_sampler_chain_add(chain, new_stage());
+        sys::llama_sampler_chain_add(chain, new_stage(k));
         chain
     }
 }
@@ -246,11 +283,14 @@ pub(crate) struct DeviceChains {
     configs: Vec<sys::llama_sampler_seq_config>,
     /// Batch entries of the last decode whose output is a row (their sequence gives rows).
     row_entries: Vec<usize>,
+    /// The candidates each stage keeps ([`candidates_from_env`]).
+    kept: usize,
 }
 
 impl DeviceChains {
     pub fn new(n_seqs: u32) -> Self {
-        let chains: Vec<_> = (0..n_seqs).map(|_| NonNull::new(new_chain())).collect();
+        let kept = candidates_from_env();
+        let chains: Vec<_> = (0..n_seqs).map(|_| NonNull::new(new_chain(kept))).collect();
         let configs = chains
             .iter()
             .enumerate()
@@ -265,7 +305,13 @@ impl DeviceChains {
             chains,
             configs,
             row_entries: Vec::new(),
+            kept,
         }
+    }
+
+    /// How many of each row's best logits the stages keep (before the vocabulary's size).
+    pub fn kept(&self) -> usize {
+        self.kept
     }
 
     /// Hand the chains to the context parameters (valid while `self` is).
@@ -308,7 +354,7 @@ impl DeviceChains {
                 }
                 (false, false) => {
                     // A fresh chain: llama.cpp initialises a chain once.
-                    let fresh = new_chain();
+                    let fresh = new_chain(self.kept);
                     // SAFETY: the caller's contract; `fresh` is a chain of the stage, owned
                     // here from now on (llama.cpp keeps a pointer while it is attached).
                     if unsafe { sys::llama_set_sampler(ctx, seq.id(), fresh) } {
