@@ -904,6 +904,7 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
         "checks": {"backend": "OK cuda"},
         "store_step": {"8": 3933.0, "64": 7623.0},
         "store_step_device": {"8": 4200.0},
+        "store_step_device_k1": {"8": 4400.0},
         "outside_ms": {"8": 0.2345},
     }
     (tmp_path / "kvfork-default.json").write_text(json.dumps(result))
@@ -913,20 +914,24 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
     )
     text = gpu_bench.report(tmp_path)
     assert "| kvfork, device_sampling |" in text and "| device_sampling / bare backend |" in text
+    assert "| device_sampling, K=1 |" in text and "| K=1 / bare backend |" in text
     assert "| kvfork / bare backend (target >= 1.0) |" in text
-    assert "| 8 | 3,933 | 4,200 | 2,409 | 4,047 | 0.97 | 1.63 | 1.04 | 0.234 |" in text
-    assert "| 64 | 7,623 | - | - | 9,043 | 0.84 | - | - | - |" in text
+    assert (
+        "| 8 | 3,933 | 4,200 | 4,400 | 2,409 | 4,047 | 0.97 | 1.63 | 1.04 | 1.09 | 0.234 |" in text
+    )
+    assert "| 64 | 7,623 | - | - | - | 9,043 | 0.84 | - | - | - | - |" in text
 
 
 def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
     """`gpu_bench`'s throughput on the CPU backend (what runs on the GPU with every layer
-    offloaded): both modes measured for each N."""
+    offloaded): host rows, device sampling, and device sampling of one candidate, each N."""
     result: dict[str, Any] = {"store_step": {}, "store_step_device": {}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kvfork.KvforkWarning)  # no GPU here: the CPU runs it
         gpu_bench._throughput(str(kvfork.default_chat_model_path()), [2], 2, result)
-    assert set(result["store_step"]) == set(result["store_step_device"]) == {"2"}
-    assert min(result["store_step"]["2"], result["store_step_device"]["2"]) > 0
+    modes = ("store_step", "store_step_device", "store_step_device_k1")
+    assert all(set(result[m]) == {"2"} and result[m]["2"] > 0 for m in modes)
+    assert "KVFORK_DEVICE_CANDIDATES" not in os.environ  # set only while a context opened
     assert 0 < result["outside_ms"]["2"] < 1000 / result["store_step"]["2"] * 2
     assert result["team_threads"]["2"] >= 1
     assert result["generate"] > 0

@@ -19,12 +19,14 @@ usage (PYTHONPATH=site:scripts):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +96,27 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
 
     greedy = kvfork.SamplingParams(temperature=0.0)
     model = kvfork.Model.load(model_path, n_gpu_layers=ALL_LAYERS)
+    modes = (
+        ("store_step", False, None),
+        ("store_step_device", True, None),
+        ("store_step_device_k1", True, "1"),
+    )
     for n in ns:
         # Host rows (the default), then `device_sampling=True` (issue 42's item 3: against
-        # the bare loop's backend sampling, the same greedy tokens copied back as ids).
-        for key, on_device in (("store_step", False), ("store_step_device", True)):
-            rate, step_ms, share, team = _step_rate(model, n, steps, greedy, on_device)
-            result[key][str(n)] = rate
+        # the bare loop's backend sampling, the same greedy tokens copied back as ids), with
+        # the 64 candidates, then with one (an argmax on the device: KVFORK_DEVICE_CANDIDATES).
+        for key, on_device, kept in modes:
+            with _candidates(kept):
+                rate, step_ms, share, team = _step_rate(model, n, steps, greedy, on_device)
+            result.setdefault(key, {})[str(n)] = rate
             if not on_device:
                 # What a step costs beside its decode (issue 42's item 3 gap at small N), and
                 # the team that summarizes the rows between decodes (engine/summaries.rs).
                 result.setdefault("outside_ms", {})[str(n)] = step_ms * (1 - share)
                 result.setdefault("team_threads", {})[str(n)] = team
+            mode = f" device_sampling{f' K={kept}' if kept else ''}" if on_device else ""
             print(
-                f"PERF kvfork store.step{' device_sampling' if on_device else ''} N={n} "
+                f"PERF kvfork store.step{mode} N={n} "
                 f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f} threads={team}",
                 flush=True,
             )
@@ -118,6 +128,20 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
         count = len(list(b.generate_sync(steps * 2)))
         result["generate"] = count / (time.perf_counter() - t0)
     print(f"PERF kvfork generate N=1 tok/s={result['generate']:.1f}", flush=True)
+
+
+@contextlib.contextmanager
+def _candidates(kept: str | None) -> Iterator[None]:
+    """KVFORK_DEVICE_CANDIDATES set to `kept` (read when a context is created) for the block."""
+    before = os.environ.pop("KVFORK_DEVICE_CANDIDATES", None)
+    if kept is not None:
+        os.environ["KVFORK_DEVICE_CANDIDATES"] = kept
+    try:
+        yield
+    finally:
+        os.environ.pop("KVFORK_DEVICE_CANDIDATES", None)
+        if before is not None:
+            os.environ["KVFORK_DEVICE_CANDIDATES"] = before
 
 
 def _step_rate(
@@ -210,20 +234,23 @@ def report(folder: Path) -> str:
         lines += [
             "",
             (
-                "| N | kvfork store.step | kvfork, device_sampling | bare, host argmax "
-                "| bare, backend sampling | kvfork / bare backend (target >= 1.0) "
-                "| kvfork / bare host | device_sampling / bare backend "
+                "| N | kvfork store.step | kvfork, device_sampling | device_sampling, K=1 "
+                "| bare, host argmax | bare, backend sampling "
+                "| kvfork / bare backend (target >= 1.0) | kvfork / bare host "
+                "| device_sampling / bare backend | K=1 / bare backend "
                 "| kvfork ms a step of its own (outside llama_decode and the wait for its outputs) |"
             ),
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         on_device = result.get("store_step_device", {})
+        argmax = result.get("store_step_device_k1", {})
         outside = result.get("outside_ms", {})
         for n_text, rate in result["store_step"].items():
             n = int(n_text)
             host, gpu, dev = bare.get(("host", n)), bare.get(("gpu", n)), on_device.get(n_text)
-            cells = [_num(rate), _num(dev), _num(host), _num(gpu)]
-            cells += [_ratio(rate, gpu), _ratio(rate, host), _ratio(dev, gpu)]
+            k1 = argmax.get(n_text)
+            cells = [_num(rate), _num(dev), _num(k1), _num(host), _num(gpu)]
+            cells += [_ratio(rate, gpu), _ratio(rate, host), _ratio(dev, gpu), _ratio(k1, gpu)]
             team = result.get("team_threads", {}).get(n_text)
             spent = f"{outside[n_text]:.3f}" if n_text in outside else "-"
             cells.append(f"{spent} ({team} threads)" if team else spent)
