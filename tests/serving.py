@@ -4,6 +4,7 @@ the log, every sequence back)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 import openai
@@ -133,6 +135,21 @@ class Server:
         assert "Traceback" not in text, text  # no request may reach an unexpected failure
         assert "ASGI callable" not in text, text  # every response ended properly
         return text
+
+
+def bench_serve_module() -> ModuleType:
+    """`benchmarks/bench_serve.py` as a module (named in `sys.modules` while it loads: its
+    dataclasses look their module up)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bench
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["bench_serve"]
+    return bench
 
 
 def logprob_margin(logprobs: Iterable[float]) -> float:

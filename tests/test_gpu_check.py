@@ -7,7 +7,6 @@ machine's entry script (receive and status) end to end on small inputs."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import lzma
@@ -40,6 +39,8 @@ import gpu_check.gpu_bench as gpu_bench  # noqa: E402
 import gpu_check.noise as noise  # noqa: E402
 import gpu_check.prepare as prepare  # noqa: E402
 from gpu_check.bundles import MIB, Input, Item  # noqa: E402
+
+from .serving import bench_serve_module  # noqa: E402
 
 SCRIPTS = ROOT / "scripts" / "gpu_check"
 
@@ -716,20 +717,12 @@ def test_prepare_plans_the_server_source_only_for_stage_serve(
     assert full["meta"]["stages"] == ["build", "install", "test", "bench"]
 
 
-def test_bench_serve_offloads_llama_servers_layers_only_as_kvfork_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bench_serve_offloads_llama_servers_layers_only_as_kvfork_does(tmp_path: Path) -> None:
     """bench_serve.py --gpu-layers N: llama-server gets -ngl N when kvfork serve offloads the
     same (every layer on a GPU backend, none on the CPU); no -ngl when not given."""
     import kvfork
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_serve", ROOT / "benchmarks" / "bench_serve.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_serve", bench)  # for its dataclasses
-    spec.loader.exec_module(bench)
+    bench = bench_serve_module()
     server = tmp_path / "llama-server"
     server.touch()
     args = argparse.Namespace(

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from .conftest import ON_CPU, assert_same_text, greedy_with_margins, margin
-from .serving import Server, logprob_margin, servers
+from .serving import Server, bench_serve_module, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -472,19 +472,7 @@ def test_the_benchmarks_bare_client_reads_what_the_openai_client_reads(serve: An
     """bench_serve.py's bursts through the openai client and through bare connections (`--client
     raw`, chunked transfer decoded by hand) against a real server: both read every stream to
     its [DONE] and time a first token; the raw one fails loudly on an error status."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = bench  # for its dataclasses
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules["bench_serve"]
+    bench = bench_serve_module()
     server: Server = serve("chat", "--n-ctx", "2048", "--n-seq-max", "8")
     prompts = [
         f"The history of {topic} begins with" for topic in ("rivers", "salt", "trains", "music")

@@ -709,3 +709,18 @@ def test_every_badly_typed_argument_is_named_in_the_message(ctx: kvfork.Context)
 def test_the_readme_example_names_n_ctx() -> None:
     with pytest.raises(TypeError, match="argument 'n_ctx': expected an int, got str"):
         kvfork.create_context_sync(kvfork.default_model_path(), n_ctx="big")
+
+
+def test_numpy_integers_are_taken_wherever_an_int_is(ctx: kvfork.Context) -> None:
+    """Anything with `__index__` is an int argument, as `operator.index` takes it (token ids
+    read from NumPy arrays); a float still is not."""
+    b = root(ctx)
+    token = int(np.argmax(b.logits()))
+    assert ctx.token_to_text(np.int64(token)) == ctx.token_to_text(token)
+    assert ctx.is_stop_token(np.int32(token)) == ctx.is_stop_token(token)
+    assert b.surprisal(np.int64(token)) == b.surprisal(token)
+    assert kvfork.Token(np.int16(3), "x", False).token == 3
+    with kvfork.create_context_sync(ctx.model, n_ctx=np.int64(256), n_seq_max=1) as small:
+        assert small.n_ctx == 256
+    with pytest.raises(TypeError, match="argument 'token': expected an int, got float"):
+        ctx.token_to_text(np.float64(token))

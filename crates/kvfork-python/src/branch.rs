@@ -10,8 +10,8 @@ use pyo3::IntoPyObjectExt;
 
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
 use crate::awaitable::Call;
+use crate::convert::token_int;
 use crate::convert::{self, awaitable, draft_tokens, wait, Arg, Int};
-use crate::convert::{token_id, token_int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::handles::{wrap, PyBranch, PyContext};
@@ -30,10 +30,7 @@ pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     if let Ok(t) = obj.cast::<PyToken>() {
         return Ok(t.get().token);
     }
-    if let Ok(id) = obj.extract::<Int>() {
-        return token_int(&id);
-    }
-    let id: i64 = obj.extract().map_err(|_| {
+    let id: Int = obj.extract().map_err(|_| {
         crate::errors::type_error(format!(
             "token must be an int or a kvfork.Token, got {}",
             obj.get_type()
@@ -42,7 +39,7 @@ pub fn token_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
                 .unwrap_or_default()
         ))
     })?;
-    token_id(id)
+    token_int(&id)
 }
 
 /// `max_tokens`: None (no limit) or an int >= 0.
@@ -375,7 +372,7 @@ impl PyBranch {
             if let Ok(w) = t.extract::<String>() {
                 words.push(w);
             } else {
-                tokens.push(token_id(t.extract::<i64>().map_err(|_| {
+                tokens.push(token_int(&t.extract::<Int>().map_err(|_| {
                     crate::errors::type_error(
                         "triggers must be strings (words) or ints (token ids)",
                     )
@@ -427,21 +424,7 @@ impl PyBranch {
     ) -> PyResult<()> {
         let layers = match layers {
             None => None,
-            Some(Arg((start, end))) => {
-                let layer = |i: &Int| i.0.and_then(|v| u32::try_from(v).ok());
-                match (layer(&start), layer(&end)) {
-                    (Some(start), Some(end)) => Some((start, end)),
-                    _ => {
-                        let show =
-                            |i: &Int| i.0.map_or("an int past 64 bits".into(), |v| v.to_string());
-                        return Err(PyValueError::new_err(format!(
-                            "invalid layers: ({}, {}) is not a range of layers",
-                            show(&start),
-                            show(&end)
-                        )));
-                    }
-                }
-            }
+            Some(Arg((start, end))) => Some((start.u32("layers", 0)?, end.u32("layers", 0)?)),
         };
         self.inner
             .set_control_vector(cv.map(|c| c.inner.clone()), scale.0, layers)

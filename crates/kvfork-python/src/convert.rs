@@ -261,7 +261,8 @@ where
     }
 }
 
-/// An int argument of any size: a non-int is a TypeError naming the argument, an int beyond
+/// An int argument of any size: an int or anything with `__index__` (a NumPy integer), as
+/// `operator.index` takes; anything else is a TypeError naming the argument. An int beyond
 /// i64 is kept as `None` so range checks can name the argument.
 pub struct Int(pub Option<i64>);
 
@@ -269,13 +270,21 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if !obj.is_instance_of::<PyInt>() {
-            return Err(type_error(format!(
+        if obj.is_instance_of::<PyInt>() {
+            return Ok(Int(obj.extract::<i64>().ok()));
+        }
+        // SAFETY: `obj` is a live object; PyNumber_Index returns a new reference or NULL with
+        // an exception set, which `from_owned_ptr_or_err` takes.
+        let index = unsafe {
+            Bound::from_owned_ptr_or_err(obj.py(), pyo3::ffi::PyNumber_Index(obj.as_ptr()))
+        };
+        match index {
+            Ok(int) => Ok(Int(int.extract::<i64>().ok())),
+            Err(_) => Err(type_error(format!(
                 "expected an int, got {}",
                 obj.get_type().name()?
-            )));
+            ))),
         }
-        Ok(Int(obj.extract::<i64>().ok()))
     }
 }
 
@@ -302,18 +311,12 @@ impl Int {
     }
 }
 
-/// A token id argument: in range of the engine's token type (the vocabulary check is the
-/// engine's).
-pub(crate) fn token_id(token: i64) -> PyResult<i32> {
-    i32::try_from(token)
-        .map_err(|_| PyValueError::new_err(format!("token: token id {token} is out of range")))
-}
-
-/// A token id argument taken as any int (`Int`): out of the engine's range, even past 64 bits,
-/// a ValueError naming it (an i64 argument would raise an OverflowError that names nothing).
+/// A token id argument taken as any int (`Int`): out of the engine's token type's range, even
+/// past 64 bits, a ValueError naming it (the vocabulary check is the engine's).
 pub(crate) fn token_int(token: &Int) -> PyResult<i32> {
     match token.0 {
-        Some(v) => token_id(v),
+        Some(v) => i32::try_from(v)
+            .map_err(|_| PyValueError::new_err(format!("token: token id {v} is out of range"))),
         None => Err(PyValueError::new_err(
             "token: token id is out of range (an int past 64 bits)",
         )),

@@ -288,10 +288,11 @@ impl LlamaCtx {
     /// device sampling what the device drew from it (unless its sequence gave the row:
     /// `Batch::want_row`).
     pub fn output_ith(&self, i: usize) -> Result<OutputRef<'_>> {
-        if self.device.as_ref().is_some_and(|d| !d.gave_row(i)) {
+        if let Some(device) = self.device.as_ref().filter(|d| !d.gave_row(i)) {
+            let kept = device.kept().min(self.n_vocab);
             // SAFETY: the context is live, created with the chains, and used by this thread.
             return Ok(OutputRef::Drawn(unsafe {
-                Drawn::read(self.ptr.as_ptr(), i, self.n_vocab, self.device_kept())
+                Drawn::read(self.ptr.as_ptr(), i, self.n_vocab, kept)
             }?));
         }
         self.logits_ith(i).map(OutputRef::Row)
@@ -301,11 +302,6 @@ impl LlamaCtx {
     /// whose chain draws from more wants its row: `Batch::want_row`); None without.
     pub fn device_candidates(&self) -> Option<usize> {
         self.device.as_ref().map(|d| d.kept().min(self.n_vocab))
-    }
-
-    /// The candidates the device keeps of each row (0 without device sampling).
-    fn device_kept(&self) -> usize {
-        self.device_candidates().unwrap_or(0)
     }
 
     /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs
