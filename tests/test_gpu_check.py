@@ -899,6 +899,10 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
         "store_step_device": {"8": 4200.0},
         "store_step_device_k1": {"8": 4400.0},
         "outside_ms": {"8": 0.2345},
+        "split_ms": {
+            "store_step": {"8": [1.8, 0.2, 0.034], "64": [7.5, 0.5, 0.1]},
+            "store_step_device_k1": {"8": [1.7, 0.05, 0.03]},
+        },
     }
     (tmp_path / "kvfork-default.json").write_text(json.dumps(result))
     (tmp_path / "bare-default-host.txt").write_text("bare N=8 tok/s=2409.0 step_ms=3.3\n")
@@ -913,6 +917,10 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
         "| 8 | 3,933 | 4,200 | 4,400 | 2,409 | 4,047 | 0.97 | 1.63 | 1.04 | 1.09 | 0.234 |" in text
     )
     assert "| 64 | 7,623 | - | - | - | 9,043 | 0.84 | - | - | - | - |" in text
+    # Where a step's time goes, for the modes that ran.
+    assert "| N | host rows | device_sampling, K=1 |" in text
+    assert "| 8 | 1.800 + 0.200 + 0.034 | 1.700 + 0.050 + 0.030 |" in text
+    assert "| 64 | 7.500 + 0.500 + 0.100 | - |" in text
 
 
 def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
@@ -926,6 +934,10 @@ def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
     assert all(set(result[m]) == {"2"} and result[m]["2"] > 0 for m in modes)
     assert "KVFORK_DEVICE_CANDIDATES" not in os.environ  # set only while a context opened
     assert 0 < result["outside_ms"]["2"] < 1000 / result["store_step"]["2"] * 2
+    for mode in modes:  # decode, the engine's own, the rest: each measured, none negative
+        decode, engine, caller = result["split_ms"][mode]["2"]
+        assert decode > 0 and engine > 0 and caller > 0, result["split_ms"]
+        assert decode + engine + caller == pytest.approx(1000 * 2 / result[mode]["2"])
     assert result["team_threads"]["2"] >= 1
     assert result["generate"] > 0
 

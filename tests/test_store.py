@@ -290,6 +290,33 @@ def test_store_refuses_bad_entries(ctx: kvfork.Context, model: kvfork.Model) -> 
     assert ctx.stats()["decode_calls"] == before
 
 
+def test_stats_split_a_steps_time_into_the_decode_and_the_engines_own(
+    ctx: kvfork.Context,
+) -> None:
+    """`commit_seconds` times the engine's commit groups, decodes included: it grows with
+    steps by at least their decode time and at most the caller's wall time, and not with a
+    prefill (decodes that are no commit)."""
+    import time
+
+    a = root(ctx)
+    b = a.fork_sync()
+    store = kvfork.BranchStore(ctx)
+    s0 = ctx.stats()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        store.step_sync([a, b])
+    wall = time.perf_counter() - t0
+    s1 = ctx.stats()
+    decode = float(s1["decode_seconds"]) - float(s0["decode_seconds"])
+    engine = float(s1["commit_seconds"]) - float(s0["commit_seconds"])
+    assert s1["decode_calls"] - s0["decode_calls"] == 4
+    assert decode <= engine <= wall
+    a.prefill_sync(ctx.tokenize(" and then"))
+    s2 = ctx.stats()
+    assert s2["decode_seconds"] > s1["decode_seconds"]
+    assert s2["commit_seconds"] == s1["commit_seconds"]
+
+
 async def test_concurrent_tasks_are_coalesced(ctx: kvfork.Context) -> None:
     base = root(ctx)
     kids = [await base.fork() for _ in range(6)]

@@ -616,6 +616,10 @@ class Context:
         - `commit_requests`: commit requests served — each `commit` or generation step, and
           each `store.commit` / `store.step` (one request for all its branches); concurrent
           requests coalesced into one decode each count;
+        - `commit_seconds`: wall time the engine thread spent on groups of those requests,
+          from a group's start until its replies go out, their decodes included: with
+          `decode_seconds`, the engine's own time per step, and what a caller's step takes
+          besides (the hand-over to the engine thread and back, Python);
         - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
           of KV cells they hold there (`park=True` contexts; 0 otherwise);
         - `parks`, `unparks`: times a branch was moved to host memory and brought back;

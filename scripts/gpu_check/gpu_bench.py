@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -107,17 +108,23 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
         # the 64 candidates, then with one (an argmax on the device: KVFORK_DEVICE_CANDIDATES).
         for key, on_device, kept in modes:
             with _candidates(kept):
-                rate, step_ms, share, team = _step_rate(model, n, steps, greedy, on_device)
-            result.setdefault(key, {})[str(n)] = rate
+                got = _step_rate(model, n, steps, greedy, on_device)
+            result.setdefault(key, {})[str(n)] = got.rate
+            # Where a step's time goes (issue 42's item 3 gap at small N): the decode, the
+            # engine's own, the hand-over and Python.
+            split = [got.decode_ms, got.engine_ms, got.caller_ms]
+            result.setdefault("split_ms", {}).setdefault(key, {})[str(n)] = split
             if not on_device:
-                # What a step costs beside its decode (issue 42's item 3 gap at small N), and
-                # the team that summarizes the rows between decodes (engine/summaries.rs).
-                result.setdefault("outside_ms", {})[str(n)] = step_ms * (1 - share)
-                result.setdefault("team_threads", {})[str(n)] = team
+                # The team that summarizes the rows between decodes (engine/summaries.rs).
+                outside = got.step_ms - got.decode_ms
+                result.setdefault("outside_ms", {})[str(n)] = outside
+                result.setdefault("team_threads", {})[str(n)] = got.team
             mode = f" device_sampling{f' K={kept}' if kept else ''}" if on_device else ""
             print(
-                f"PERF kvfork store.step{mode} N={n} "
-                f"tok/s={rate:.1f} step_ms={step_ms:.3f} decode_share={share:.3f} threads={team}",
+                f"PERF kvfork store.step{mode} N={n} tok/s={got.rate:.1f} "
+                f"step_ms={got.step_ms:.3f} decode_ms={got.decode_ms:.3f} "
+                f"engine_ms={got.engine_ms:.3f} caller_ms={got.caller_ms:.3f} "
+                f"threads={got.team}",
                 flush=True,
             )
     with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
@@ -144,12 +151,27 @@ def _candidates(kept: str | None) -> Iterator[None]:
             os.environ["KVFORK_DEVICE_CANDIDATES"] = before
 
 
-def _step_rate(
-    model: Any, n: int, steps: int, params: Any, device_sampling: bool
-) -> tuple[float, float, float, int]:
-    """`store.step` of a prompt and N - 1 forks: (tokens/s, ms a step, share of the time in
-    llama_decode, the batch thread count the context settled on), best of 3 after 2 warm-up
-    steps."""
+@dataclasses.dataclass
+class StepRate:
+    """`store.step`'s best run: tokens/s, and where a step's milliseconds went."""
+
+    rate: float
+    step_ms: float
+    #: In `llama_decode` and the wait for its outputs.
+    decode_ms: float
+    #: The engine's own, around the decode (sampling, accepting, bookkeeping).
+    engine_ms: float
+    #: The batch thread count the context settled on.
+    team: int
+
+    @property
+    def caller_ms(self) -> float:
+        """The rest: the hand-over to the engine thread and back, and Python."""
+        return self.step_ms - self.decode_ms - self.engine_ms
+
+
+def _step_rate(model: Any, n: int, steps: int, params: Any, device_sampling: bool) -> StepRate:
+    """`store.step` of a prompt and N - 1 forks, best of 3 after 2 warm-up steps."""
     import kvfork
 
     # Each branch takes a cell a step (2 warm-up steps, then 3 runs of `steps`), the prompt
@@ -164,7 +186,7 @@ def _step_rate(
         store = kvfork.BranchStore(ctx)
         for _ in range(2):
             store.step_sync(branches)
-        best, decode = float("inf"), 0.0
+        best, decode, engine = float("inf"), 0.0, 0.0
         for _ in range(3):
             s0 = ctx.stats()
             t0 = time.perf_counter()
@@ -172,10 +194,12 @@ def _step_rate(
                 store.step_sync(branches)
             dt = time.perf_counter() - t0
             if dt < best:
+                s1 = ctx.stats()
                 best = dt
-                decode = float(ctx.stats()["decode_seconds"]) - float(s0["decode_seconds"])
-        team = ctx.n_threads_batch
-    return n * steps / best, 1000 * best / steps, decode / best, team
+                decode = float(s1["decode_seconds"]) - float(s0["decode_seconds"])
+                engine = float(s1["commit_seconds"]) - float(s0["commit_seconds"]) - decode
+        ms = 1000 / steps
+        return StepRate(n * steps / best, best * ms, decode * ms, engine * ms, ctx.n_threads_batch)
 
 
 def run(model: str, label: str, ns: Sequence[int], steps: int, out: Path) -> int:
@@ -212,6 +236,35 @@ def _num(rate: float | None) -> str:
 
 def _ratio(rate: float | None, anchor: float | None) -> str:
     return f"{rate / anchor:.2f}" if rate and anchor else "-"
+
+
+_MODES = (
+    ("store_step", "host rows"),
+    ("store_step_device", "device_sampling"),
+    ("store_step_device_k1", "device_sampling, K=1"),
+)
+
+
+def _split_table(split: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Where a step's time went, N by N and mode by mode: in the decode (and the wait for
+    its outputs), the engine's own around it, and the rest (the hand-over to the engine
+    thread and back, Python). Nothing when the run predates the split."""
+    modes = [(key, name) for key, name in _MODES if key in split]
+    if not modes:
+        return []
+    lines = [
+        "Where a step's time goes, ms: decode + the engine's own + hand-over and Python",
+        "",
+        "| N | " + " | ".join(name for _, name in modes) + " |",
+        "|---|" + "---|" * len(modes),
+    ]
+    for n_text in sorted({n for key, _ in modes for n in split[key]}, key=int):
+        cells = []
+        for key, _ in modes:
+            parts = split[key].get(n_text)
+            cells.append(" + ".join(f"{p:.3f}" for p in parts) if parts else "-")
+        lines.append(f"| {n_text} | {' | '.join(cells)} |")
+    return [*lines, ""]
 
 
 def report(folder: Path) -> str:
@@ -256,6 +309,7 @@ def report(folder: Path) -> str:
             cells.append(f"{spent} ({team} threads)" if team else spent)
             lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
+        lines += _split_table(result.get("split_ms", {}))
     for path in sorted(folder.glob("noise-*.txt")):
         lines.append("### gpu_check.noise: the suite's tolerances, measured (tests/conftest.py)")
         lines.append(path.read_text().strip())

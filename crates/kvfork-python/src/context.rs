@@ -522,6 +522,10 @@ impl PyContext {
     /// - `commit_requests`: commit requests served — each `commit` or generation step, and
     ///   each `store.commit` / `store.step` (one request for all its branches); concurrent
     ///   requests coalesced into one decode each count;
+    /// - `commit_seconds`: wall time the engine thread spent on groups of those requests,
+    ///   from a group's start until its replies go out, their decodes included: with
+    ///   `decode_seconds`, the engine's own time per step, and what a caller's step takes
+    ///   besides (the hand-over to the engine thread and back, Python);
     /// - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
     ///   of KV cells they hold there (`park=True` contexts; 0 otherwise);
     /// - `parks`, `unparks`: times a branch was moved to host memory and brought back;
@@ -545,6 +549,10 @@ impl PyContext {
         d.insert("scratch_tokens", s.scratch_tokens.into_py_any(py)?);
         d.insert("mixed_decodes", s.mixed_decodes.into_py_any(py)?);
         d.insert("commit_requests", s.commit_requests.into_py_any(py)?);
+        d.insert(
+            "commit_seconds",
+            (s.commit_ns as f64 / 1e9).into_py_any(py)?,
+        );
         d.insert("parked_branches", s.parked_branches.into_py_any(py)?);
         d.insert("parked_bytes", s.parked_bytes.into_py_any(py)?);
         d.insert("checkpoints", s.checkpoints.into_py_any(py)?);

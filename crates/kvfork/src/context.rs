@@ -29,6 +29,10 @@ pub struct ContextStats {
     pub mixed_decodes: u64,
     /// Commit requests served (several may share one decode).
     pub commit_requests: u64,
+    /// Wall time of the engine's commit groups (steps and commits), from a group's start
+    /// until its replies go out, their decodes included: with `decode_ns`, where a step's
+    /// time goes.
+    pub commit_ns: u64,
     /// Recurrent-state checkpoints taken (recurrent and hybrid models; see
     /// `engine/checkpoints.rs`).
     pub checkpoints_taken: u64,
@@ -200,6 +204,7 @@ impl Context {
             scratch_tokens: Stats::get(&s.scratch_tokens),
             mixed_decodes: Stats::get(&s.mixed_decodes),
             commit_requests: Stats::get(&s.commit_requests),
+            commit_ns: Stats::get(&s.commit_ns),
             checkpoints_taken: Stats::get(&s.checkpoints_taken),
             checkpoint_bytes_taken: Stats::get(&s.checkpoint_bytes_taken),
             checkpoint_ns: Stats::get(&s.checkpoint_ns),

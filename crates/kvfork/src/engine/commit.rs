@@ -7,6 +7,7 @@
 
 use std::borrow::Cow;
 use std::sync::{Arc, MutexGuard};
+use std::time::Instant;
 
 use super::adapters::group_by_adapters;
 use super::continuous::Riding;
@@ -39,7 +40,11 @@ impl Worker {
     /// One decode for every request of the group (more when a failure must be narrowed
     /// down); each request succeeds or fails as a whole.
     pub(super) fn run_commits(&mut self, mut group: Vec<CommitRequest>) {
+        let started = Instant::now();
         let results = self.guarded(group.len(), |w| w.commit_group(&mut group));
+        // Counted before the replies: a caller reading the stats after its step sees it.
+        let elapsed = started.elapsed().as_nanos() as u64;
+        Stats::add(&self.shared().stats.commit_ns, elapsed);
         for (req, result) in group.into_iter().zip(results) {
             req.ticket.finish();
             req.reply.send(result);

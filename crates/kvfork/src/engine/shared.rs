@@ -94,6 +94,8 @@ pub(crate) struct Stats {
     /// Decodes that held prompt tokens and streams' steps together (`engine/continuous.rs`).
     pub mixed_decodes: AtomicU64,
     pub commit_requests: AtomicU64,
+    /// Wall time of commit groups on the engine thread, up to their replies (decodes in).
+    pub commit_ns: AtomicU64,
     /// Recurrent-state checkpoints taken, and their bytes (`engine/checkpoints.rs`).
     pub checkpoints_taken: AtomicU64,
     pub checkpoint_bytes_taken: AtomicU64,
