@@ -609,6 +609,66 @@ def test_hostile_logits_and_huge_inputs_do_not_crash() -> None:
     assert "huge prefill refused" in out and out.strip().endswith("DONE")
 
 
+def test_an_operation_dropped_while_an_exception_propagates_does_not_crash() -> None:
+    """An awaitable never awaited because the expression that made it raised: its warning
+    runs with the exception set aside, which then goes on (a segfault before)."""
+    out = run_isolated(
+        """
+        import asyncio, warnings
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=256, n_seq_max=2)
+        b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams())
+        b.prefill_sync(ctx.tokenize("Hello"))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                print(ctx.snapshot(), 1 / 0)
+            except ZeroDivisionError:
+                print("caught")
+
+            async def main():
+                try:
+                    await asyncio.gather(b.produce(), asyncio.sleep(-1, 1 / 0))
+                except ZeroDivisionError:
+                    print("caught in gather")
+            asyncio.run(main())
+        assert any("never awaited" in str(w.message) for w in seen), seen
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warnings as errors: unraisable, no crash
+            try:
+                print(b.produce(), 1 / 0)
+            except ZeroDivisionError:
+                print("caught with warnings as errors")
+        print("DONE")
+        """
+    )
+    assert out.count("caught") == 3 and out.strip().endswith("DONE")
+
+
+def test_chat_values_that_nest_too_deep_or_contain_themselves_are_value_errors(
+    ctx: kvfork.Context,
+) -> None:
+    """Values for a chat template are bounded in depth: one that contains itself, or nests
+    deeper than JSON parsers go, is a ValueError naming its path (a stack overflow before)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    loop: dict[str, object] = {}
+    loop["d"] = loop
+    deep: list[object] = []
+    for _ in range(20_000):
+        deep = [deep]
+    looped_message: dict[str, object] = {"role": "user", "content": "x"}
+    looped_message["extra"] = looped_message
+    with pytest.raises(ValueError, match=r'kwargs\["d"\]\["d"\].*nested deeper than 128'):
+        ctx.format_chat(msgs, template="chatml", d=loop)
+    with pytest.raises(ValueError, match=r"contains itself"):
+        ctx.format_chat(msgs, template="chatml", d=deep)
+    with pytest.raises(ValueError, match=r'messages\[0\]\["extra"\]'):
+        ctx.format_chat([looped_message], template="chatml")
+    nested: list[object] = ["leaf"]
+    for _ in range(100):  # deep, but within the bound: rendered
+        nested = [nested]
+    assert "hi" in ctx.format_chat(msgs, template="chatml", d=nested).prompt
+
+
 @pytest.mark.skipif(os.environ.get("CI") == "true" and sys.platform != "linux", reason="linux")
 def test_kv_ops_that_bypass_tenancy_cannot_crash() -> None:
     out = run_isolated(

@@ -378,12 +378,43 @@ impl Drop for Operation {
         ))
         .unwrap_or_default();
         Python::attach(|py| {
+            // Dropped while an exception propagates (a temporary of an expression that
+            // raised): the warning must not run with it set, and it goes on after, as
+            // CPython does for a coroutine.
+            let raising = RaisedException::set_aside();
             let category = py.get_type::<PyRuntimeWarning>();
             if let Err(err) = PyErr::warn(py, &category, &message, 1) {
                 // Warnings as errors: reported as an unraisable error, as for a coroutine.
                 err.write_unraisable(py, None);
             }
+            raising.restore();
         });
+    }
+}
+
+/// The exception being raised, if any, taken out of the thread's error indicator (not
+/// through `PyErr::take`, which resumes a PanicException's panic).
+struct RaisedException([*mut pyo3::ffi::PyObject; 3]);
+
+impl RaisedException {
+    /// Take it out (the GIL is held).
+    #[allow(deprecated)] // PyErr_Fetch: in every version the crate builds for
+    fn set_aside() -> Self {
+        let mut parts = [std::ptr::null_mut(); 3];
+        let [t, v, tb] = &mut parts;
+        // SAFETY: the GIL is held; PyErr_Fetch moves the indicator's references to us.
+        unsafe { pyo3::ffi::PyErr_Fetch(t, v, tb) };
+        RaisedException(parts)
+    }
+
+    /// Put it back (the GIL is held), replacing any error set meanwhile.
+    #[allow(deprecated)]
+    fn restore(self) {
+        let [t, v, tb] = self.0;
+        if !t.is_null() {
+            // SAFETY: the GIL is held; PyErr_Restore takes back the references fetched.
+            unsafe { pyo3::ffi::PyErr_Restore(t, v, tb) };
+        }
     }
 }
 

@@ -38,8 +38,21 @@ impl PyFormattedChat {
     }
 }
 
+/// How deep a value for a chat template may nest (serde_json's own limit when it parses):
+/// deeper, or a value that contains itself, is a ValueError, not a stack overflow.
+const MAX_DEPTH: usize = 128;
+
 /// A Python value (dicts, lists, strings, numbers, bools, None) as JSON, dict order kept.
 pub fn json(obj: &Bound<'_, PyAny>, path: &str) -> PyResult<Json> {
+    json_within(obj, path, MAX_DEPTH)
+}
+
+fn json_within(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Json> {
+    if depth == 0 {
+        return Err(PyValueError::new_err(format!(
+            "{path}: nested deeper than {MAX_DEPTH} levels (or a value that contains itself)"
+        )));
+    }
     if obj.is_none() {
         return Ok(Json::Null);
     }
@@ -68,7 +81,7 @@ pub fn json(obj: &Bound<'_, PyAny>, path: &str) -> PyResult<Json> {
         let mut map = serde_json::Map::with_capacity(d.len());
         for (k, v) in d.iter() {
             let key = k.str()?.to_str()?.to_owned();
-            let value = json(&v, &format!("{path}[{key:?}]"))?;
+            let value = json_within(&v, &format!("{path}[{key:?}]"), depth - 1)?;
             map.insert(key, value);
         }
         return Ok(Json::Object(map));
@@ -77,7 +90,7 @@ pub fn json(obj: &Bound<'_, PyAny>, path: &str) -> PyResult<Json> {
         return obj
             .try_iter()?
             .enumerate()
-            .map(|(i, x)| json(&x?, &format!("{path}[{i}]")))
+            .map(|(i, x)| json_within(&x?, &format!("{path}[{i}]"), depth - 1))
             .collect::<PyResult<Vec<_>>>()
             .map(Json::Array);
     }
