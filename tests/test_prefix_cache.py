@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import kvfork
 import pytest
@@ -280,7 +281,7 @@ def test_make_room_evicts_least_recently_used_entries_until_n_leases_are_free(
         cache.release(live)
 
 
-async def test_a_cancelled_branch_or_fork_is_handed_back_as_an_entry(
+async def test_a_cancelled_branch_aborts_its_prefill_and_a_finished_one_becomes_an_entry(
     model: kvfork.Model,
 ) -> None:
     async with await kvfork.create_context(
@@ -290,13 +291,19 @@ async def test_a_cancelled_branch_or_fork_is_handed_back_as_an_entry(
         tokens = ctx.tokenize(DOC * 4)  # a prefill long enough to be cancelled during it
         task = asyncio.ensure_future(cache.branch(tokens, GREEDY))
         await asyncio.sleep(0.05)
+        started = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        # The work completed (a cache prefill is not aborted); nobody holds the branch.
-        assert cache.stats()["live"] == 0 and cache.stats()["entries"] == 1
+        # The prefill was aborted and rolled back (a client gone frees the engine at once):
+        # nobody holds a branch, nothing was kept, every lease is free.
+        aborted_in = time.monotonic() - started
+        assert cache.stats()["live"] == 0 and cache.stats()["entries"] == 0
+        assert kvfork.BranchStore(ctx).available == 4
+        started = time.monotonic()
         first = await cache.branch(tokens, GREEDY)
-        assert cache.shared_tokens(first) == len(tokens) - 1
+        assert aborted_in < (time.monotonic() - started) / 2  # not a whole prefill's wait
+        assert cache.shared_tokens(first) == 0
         task = asyncio.ensure_future(cache.fork(first))
         await asyncio.sleep(0)
         task.cancel()
@@ -305,7 +312,7 @@ async def test_a_cancelled_branch_or_fork_is_handed_back_as_an_entry(
         with contextlib.suppress(asyncio.CancelledError):
             cache.release(await task)
         stats = cache.stats()
-        assert stats["live"] == 1 and stats["entries"] == 2
+        assert stats["live"] == 1 and stats["entries"] == 1
         cache.release(first)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import re
 import socket
 import struct
 import threading
@@ -300,6 +301,20 @@ BAD = [
         "max_tokens",
     ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 99}', "n"),
+    # Integers too large for a float (valid JSON): compared, never converted first.
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1' + b"0" * 400 + b"}",
+        "temperature",
+    ),
+    ("/v1/completions", b'{"prompt": "x", "min_p": -1' + b"0" * 400 + b"}", "min_p"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "lora": [{"id": 0, "scale": 1'
+        + b"0" * 400
+        + b"}]}",
+        "lora",
+    ),
     (
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}',
@@ -824,6 +839,96 @@ def _timed_chat(server: Server) -> float:
     start = time.monotonic()
     _answers_at_once(server)
     return time.monotonic() - start
+
+
+def test_a_client_gone_before_its_body_is_read_counts_as_gone_not_as_an_error(
+    small_server: Server,
+) -> None:
+    """A body announced longer than what the client sends before it closes: a 499 in the
+    metrics, as any client that went away, not a 500."""
+
+    def disconnects() -> float:
+        found = re.findall(
+            r"^kvfork_client_disconnects_total\{.*\} (\S+)$",
+            small_server.metrics_text(),
+            re.MULTILINE,
+        )
+        return sum(map(float, found))
+
+    gone = disconnects()
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        with socket.create_connection(small_server.address, timeout=30) as sock:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n".encode()
+                + b'{"messages": ['
+            )
+            time.sleep(0.2)  # its handler is reading the body
+    deadline = time.monotonic() + 10
+    while disconnects() < gone + 3:
+        assert time.monotonic() < deadline, small_server.metrics_text()
+        time.sleep(0.1)
+    assert 'status="500"' not in small_server.metrics_text()
+
+
+def test_a_client_gone_during_a_long_prefill_aborts_it_and_frees_its_sequences_at_once(
+    small_server: Server,
+) -> None:
+    """A prompt of thousands of tokens takes seconds to prefill here: its client closing
+    aborts the prefill (rolled back) and its sequences come back at once, so the request
+    after it does not wait for the abandoned work."""
+    alone = min(_timed_chat(small_server) for _ in range(2))
+    body = json.dumps(
+        {"prompt": "word " * 3000, "max_tokens": 8, "n": 3, "temperature": 0.8}
+    ).encode()
+    with socket.create_connection(small_server.address, timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 20
+        while small_server.metric("kvfork_sequences_admitted") != 3:  # prefilling
+            assert time.monotonic() < deadline, small_server.metrics_text()
+            time.sleep(0.05)
+        time.sleep(0.3)
+    left = time.monotonic()
+    while small_server.metric("kvfork_sequences_admitted") != 0:
+        assert time.monotonic() - left < 2.0, "the sequences stayed with the abandoned prefill"
+        time.sleep(0.05)
+    after = _timed_chat(small_server)
+    assert after < alone + 2.0, (alone, after)
+
+
+def test_sigterm_during_a_prefill_answers_503_in_json(serve: Any) -> None:
+    """A shutdown's grace ending while requests still prefill: they are aborted and answered
+    with the documented 503 (JSON, `shutting_down`), not uvicorn's plain 500."""
+    server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "2", "--shutdown-seconds", "1")
+    socks = []
+    for stream in (True, False):
+        body = json.dumps({"prompt": "word " * 3000, "max_tokens": 8, "stream": stream}).encode()
+        sock = socket.create_connection(server.address, timeout=60)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        socks.append(sock)
+    deadline = time.monotonic() + 20
+    while server.metric("kvfork_sequences_admitted") != 2:  # both prefilling
+        assert time.monotonic() < deadline, server.metrics_text()
+        time.sleep(0.05)
+    server.process.terminate()
+    for sock in socks:
+        with sock:
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), reply[:300]
+        assert json.loads(body)["error"]["code"] == "shutting_down", reply[:300]
+    assert server.process.wait(timeout=30) == 0
+    assert "Exception in ASGI application" not in server.stop()
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(small_server: Server) -> None:

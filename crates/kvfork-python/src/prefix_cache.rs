@@ -27,8 +27,10 @@ use crate::params;
 /// other choices), making room the same way. The branches it hands out and its entries are the
 /// account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
 ///
-/// Nothing leaks when an await is cancelled: a `branch` or `fork` whose work completed anyway
-/// is handed back as an entry, and `release` never waits (call it from any clean-up).
+/// Nothing leaks when an await is cancelled: a `branch` cancelled while its prompt is being
+/// prefilled aborts the prefill (rolled back: nothing is kept), a `branch` or `fork` whose
+/// work completed anyway is handed back as an entry, and `release` never waits (call it from
+/// any clean-up).
 #[pyclass(frozen, module = "kvfork", name = "PrefixCache")]
 pub struct PyPrefixCache {
     inner: kvfork::PrefixCache,
@@ -66,8 +68,9 @@ impl PyPrefixCache {
     /// longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
     /// every lease is held by branches handed out; ValueError for tokens that leave no room
     /// in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
-    /// and shares only prefixes computed under the same set. Cancelled after the branch was
-    /// made, it is handed back as an entry.
+    /// and shares only prefixes computed under the same set. Cancelled during its prefill, the
+    /// prefill is aborted and rolled back (the engine is free at once); cancelled after the
+    /// branch was made, it is handed back as an entry.
     #[pyo3(signature = (tokens, params=None, *, adapters=None))]
     fn branch<'py>(
         &self,

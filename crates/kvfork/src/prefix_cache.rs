@@ -21,7 +21,7 @@ use kvfork_core::Handle;
 use crate::adapter::{AdapterKey, Adapters};
 use crate::branch::Branch;
 use crate::context::Context;
-use crate::engine::{CancelPolicy, Pending};
+use crate::engine::{CancelPolicy, Pending, Relay};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::prefix_spill::{
@@ -202,8 +202,10 @@ impl PrefixCache {
             return Pending::ready(Err(e));
         }
         let cache = self.clone();
-        Pending::spawn("kvfork-prefix", move || {
-            cache.branch_blocking(&tokens, &params, &adapters)
+        // Cancelled (a client gone), it stops: its prefill aborted and rolled back, or before
+        // its next step.
+        Pending::spawn_relayed("kvfork-prefix", move |relay| {
+            cache.branch_blocking(&tokens, &params, &adapters, relay)
         })
     }
 
@@ -212,11 +214,13 @@ impl PrefixCache {
         tokens: &[Token],
         params: &SamplingParams,
         adapters: &Adapters,
+        relay: &Relay,
     ) -> Result<Branch> {
         let sentinel = self.lock().sentinel(adapters.key());
         // A spilled entry being brought back: kept across a retry for room.
         let mut restoring: Option<(Taken, usize)> = None;
         loop {
+            relay.check()?;
             let (source, shared) = self.lookup(sentinel, tokens)?;
             if self.ctx.available() == 0 {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
@@ -225,7 +229,7 @@ impl PrefixCache {
             let done = match self.turn_to_prefill(sentinel, tokens, shared) {
                 Turn::Mine(done) => done,
                 Turn::WaitFor(other) => {
-                    wait_done(&other);
+                    wait_done_unless_cancelled(&other, relay)?;
                     continue;
                 }
             };
@@ -235,12 +239,12 @@ impl PrefixCache {
                 restoring = self.take_spilled(tokens, shared);
             }
             let made = self.make(
-                source.as_ref(),
-                shared,
+                (source.as_ref(), shared),
                 restoring.as_ref(),
                 tokens,
                 params,
                 adapters,
+                relay,
             );
             // Out of cells, or another request took the lease seen free above (requests
             // woken together by one prefill race for it): evict an entry and look again. A
@@ -438,17 +442,19 @@ impl PrefixCache {
         Ok((st.holders.get(&found.key).map(|h| h.branch.clone()), shared))
     }
 
-    /// A branch at the end of `tokens`: `shared` tokens from `source`'s cells, the rest
-    /// prefilled (everything when the source lost its cells meanwhile).
+    /// A branch at the end of `tokens`: `shared` tokens from `source`'s cells (`found`), the
+    /// rest prefilled (everything when the source lost its cells meanwhile); its prefill is
+    /// aborted if `relay` is cancelled.
     fn make(
         &self,
-        source: Option<&Branch>,
-        shared: usize,
+        found: (Option<&Branch>, usize),
         spilled: Option<&(Taken, usize)>,
         tokens: &[Token],
         params: &SamplingParams,
         adapters: &Adapters,
+        relay: &Relay,
     ) -> Result<(Branch, usize)> {
+        let (source, shared) = found;
         let branch = Branch::create(&self.ctx, 0, params, None)?;
         if let Err(e) = branch.set_all_adapters(adapters.clone()) {
             let _ = branch.prune().wait();
@@ -493,12 +499,11 @@ impl PrefixCache {
             _ => None,
         };
         let prefilled = match split {
-            Some((source, at)) => branch
-                .prefill(tokens[shared..at].to_vec())
-                .wait()
+            Some((source, at)) => relay
+                .wait(branch.prefill(tokens[shared..at].to_vec()))
                 .map(|()| share_checkpoint(&branch, source, &tokens[..at]))
-                .and_then(|()| branch.prefill(tokens[at..].to_vec()).wait()),
-            None => branch.prefill(tokens[shared..].to_vec()).wait(),
+                .and_then(|()| relay.wait(branch.prefill(tokens[at..].to_vec()))),
+            None => relay.wait(branch.prefill(tokens[shared..].to_vec())),
         };
         if let Err(e) = prefilled {
             let _ = branch.prune().wait();
@@ -891,6 +896,20 @@ fn wait_done(done: &(Mutex<bool>, Condvar)) {
     while !*finished {
         finished = done.1.wait(finished).unwrap_or_else(|e| e.into_inner());
     }
+}
+
+/// [`wait_done`], looking every few milliseconds whether the waiting work was cancelled.
+fn wait_done_unless_cancelled(done: &(Mutex<bool>, Condvar), relay: &Relay) -> Result<()> {
+    let mut finished = done.0.lock().unwrap_or_else(|e| e.into_inner());
+    while !*finished {
+        relay.check()?;
+        let tick = std::time::Duration::from_millis(10);
+        (finished, _) = done
+            .1
+            .wait_timeout(finished, tick)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+    Ok(())
 }
 
 impl Branch {

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._native import LoraAdapter, Model
-from .errors import bad_request
+from .errors import bad_request, is_finite_number
 
 #: The largest |scale| a request or `--lora` may give (llama.cpp takes any float; past this it
 #: is a typo, and the logits would be noise).
@@ -123,12 +123,7 @@ def parse_lora(body: dict[str, Any]) -> Choice:
         if not isinstance(key, str | int) or isinstance(key, bool):
             raise bad_request("lora items need a name (a string) or an id (an integer)", "lora")
         scale = item.get("scale")
-        if scale is not None and (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float)
-            or not math.isfinite(scale)
-            or abs(scale) > MAX_SCALE
-        ):
+        if scale is not None and (not is_finite_number(scale) or abs(scale) > MAX_SCALE):
             raise bad_request(f"lora scale must be a number of at most {MAX_SCALE}", "lora")
         choice.append((key, None if scale is None else float(scale)))
     return choice

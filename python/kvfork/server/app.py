@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -234,6 +234,8 @@ class Endpoints:
                 response = await handler(request)
             except APIError as exc:
                 response = _error_response(exc, dialect)
+            except ClientDisconnect:  # gone before its body was read: nobody to answer
+                response = Response(status_code=CLIENT_GONE)
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
                 error = APIError(500, "internal error", type="server_error")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -42,6 +43,14 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 naming the field at fault."""
     return APIError(400, message, param=param, code=code)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A JSON number that is no bool, NaN nor infinity. An integer of any size is one (JSON
+    allows 400 digits): compare it before any float() of it, which would overflow."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def shutting_down() -> APIError:

@@ -393,7 +393,8 @@ class Generation:
     cut short and leak the sequences. Call it in a `finally`; iterating calls it at the end.
 
     `end(error)` ends it from outside (a shutdown): the iteration raises `error` at its next
-    step, so a stream ends with an error event instead of being cut.
+    step, so a stream ends with an error event instead of being cut; a prefill in progress is
+    aborted.
 
     A request that reasons (`sampling.reasoning`) is followed through its thinking: a budget
     or `end_reasoning` forces the end of a block; with shared reasoning its first choice
@@ -421,6 +422,8 @@ class Generation:
         self._closed = False
         self._ended: APIError | None = None
         self._end_reasoning = False  # asked before its choices began
+        #: The prompt's prefill while it runs (`_prefilled`).
+        self._prefill: asyncio.Future[int] | None = None
         self._out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         generator.generations.add(self)
         plan = sampling.reasoning
@@ -432,9 +435,12 @@ class Generation:
         return self._events()
 
     def end(self, error: APIError) -> None:
-        """Make the iteration raise `error` at its next step (after a prefill in progress)."""
+        """Make the iteration raise `error` at its next step (a prefill in progress is aborted
+        first)."""
         self._ended = error
         self._out.put_nowait(error)
+        if self._prefill is not None:
+            self._prefill.cancel()
 
     def end_reasoning(self) -> bool:
         """End the reasoning of every choice still thinking, at its next token (or at once
@@ -474,7 +480,7 @@ class Generation:
             self._check_ended()
             await g.admission.acquire(sampling.n)
             self._admitted = sampling.n
-            cached = await self._choices()
+            cached = await self._prefilled()
             self._check_ended()
             self.choices = choices = self._start_choices()
             self._tasks = [asyncio.create_task(_reporting(w, self._out)) for w in self._work()]
@@ -490,6 +496,19 @@ class Generation:
             yield outcome
         finally:
             self.close()
+
+    async def _prefilled(self) -> int:
+        """`_choices` in a task of its own, which `end` cancels: a shutdown's end of grace
+        aborts a prefill in progress (rolled back) instead of waiting for it."""
+        self._prefill = prefill = asyncio.ensure_future(self._choices())
+        try:
+            return await prefill
+        except asyncio.CancelledError:
+            if self._ended is not None and prefill.cancelled():
+                raise self._ended from None
+            raise
+        finally:
+            self._prefill = None
 
     def _start_choices(self) -> list[Choice]:
         """Every choice, about to start (a control request that came first applies)."""

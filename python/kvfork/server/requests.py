@@ -4,13 +4,12 @@ and a bad one is a 400 naming it (never the framework's 422 shape)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .adapters import Choice, parse_lora
-from .errors import bad_request
+from .errors import bad_request, is_finite_number
 from .reasoning import EFFORTS, FORMATS, Asked, Plan
 
 #: Default completion length when a request names none (llama.cpp's server uses the context).
@@ -170,7 +169,7 @@ def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise bad_request(f"{name} must be a number", name)
     if not lo <= value <= hi:
         raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}", name)

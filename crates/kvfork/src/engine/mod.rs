@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub(crate) use outputs::LastOutput;
-pub(crate) use pending::{next_run_id, CancelPolicy, Reply, Ticket};
+pub(crate) use pending::{next_run_id, CancelPolicy, Relay, Reply, Ticket};
 pub use pending::{Cancel, Canceller, Pending};
 pub(crate) use shared::{BranchCell, Shared};
 pub(crate) use takeover::check_unleased;

@@ -166,6 +166,60 @@ impl Ticket {
     }
 }
 
+/// The cancelling of work that runs on a thread of its own and waits for engine jobs one
+/// after another (the prefix cache's `branch`: evictions, a prefill): a cancel marks it
+/// abandoned and cancels the job it waits for now (a prefill is aborted and rolled back);
+/// the work checks [`Relay::check`] between its jobs and fails with `Error::Cancelled`.
+#[derive(Default)]
+pub struct Relay {
+    state: Mutex<RelayState>,
+}
+
+#[derive(Default)]
+struct RelayState {
+    /// Cancelled: the work stops at its next check.
+    abandoned: bool,
+    /// The engine job the work waits for now.
+    waiting_for: Option<Canceller>,
+}
+
+impl Relay {
+    fn lock(&self) -> MutexGuard<'_, RelayState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Err(Cancelled)` once the work was cancelled: it stops here.
+    pub fn check(&self) -> Result<()> {
+        if self.lock().abandoned {
+            return Err(Error::Cancelled("cancelled by its caller".into()));
+        }
+        Ok(())
+    }
+
+    /// Wait for `pending`, cancelling it if the work is (or gets) cancelled meanwhile.
+    pub fn wait<T>(&self, pending: Pending<T>) -> Result<T> {
+        {
+            let mut st = self.lock();
+            if st.abandoned {
+                let _ = pending.cancel();
+            }
+            st.waiting_for = Some(pending.canceller());
+        }
+        let result = pending.wait();
+        self.lock().waiting_for = None;
+        result
+    }
+
+    fn cancel(&self) -> Cancel {
+        let mut st = self.lock();
+        st.abandoned = true;
+        if let Some(job) = &st.waiting_for {
+            let _ = job.cancel();
+        }
+        Cancel::Aborting
+    }
+}
+
 /// What [`Pending::cancel`] achieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cancel {
@@ -185,7 +239,18 @@ pub enum Cancel {
 #[must_use = "a Pending does nothing unless waited for or awaited"]
 pub struct Pending<T> {
     slot: Arc<Slot<T>>,
-    ticket: Option<Arc<Ticket>>,
+    cancels: Cancels,
+}
+
+/// What a Pending's cancel reaches.
+#[derive(Clone)]
+enum Cancels {
+    /// Nothing: the work cannot be cancelled.
+    Nothing,
+    /// An engine job.
+    Job(Arc<Ticket>),
+    /// Work on a thread of its own (see [`Relay`]).
+    Relay(Arc<Relay>),
 }
 
 impl<T> Pending<T> {
@@ -198,7 +263,8 @@ impl<T> Pending<T> {
             }),
             ready: Condvar::new(),
         });
-        (Reply(Some(slot.clone())), Pending { slot, ticket })
+        let cancels = ticket.map_or(Cancels::Nothing, Cancels::Job);
+        (Reply(Some(slot.clone())), Pending { slot, cancels })
     }
 
     /// A Pending that is already resolved (errors found before any work was queued).
@@ -206,6 +272,19 @@ impl<T> Pending<T> {
         let (tx, p) = Self::channel(None);
         tx.send(result);
         p
+    }
+
+    /// [`Pending::spawn`] for work that waits for engine jobs through `relay`: cancelling the
+    /// Pending cancels the job it waits for and fails the work at its next check.
+    pub fn spawn_relayed(name: &str, f: impl FnOnce(&Relay) -> Result<T> + Send + 'static) -> Self
+    where
+        T: Send + 'static,
+    {
+        let relay = Arc::new(Relay::default());
+        let theirs = relay.clone();
+        let mut pending = Self::spawn(name, move || f(&theirs));
+        pending.cancels = Cancels::Relay(relay);
+        pending
     }
 
     /// A Pending resolved by a thread of the caller's choosing (work that is not engine work,
@@ -270,21 +349,22 @@ impl<T> Pending<T> {
 
     /// A handle that cancels this job from elsewhere (e.g. while the Pending is awaited).
     pub fn canceller(&self) -> Canceller {
-        Canceller(self.ticket.clone())
+        Canceller(self.cancels.clone())
     }
 }
 
 /// Cancels one job; see [`Pending::cancel`].
 #[derive(Clone)]
-pub struct Canceller(Option<Arc<Ticket>>);
+pub struct Canceller(Cancels);
 
 impl Canceller {
     /// Cancel the job: it never starts if still queued, and a running decode is aborted
     /// and rolled back where its policy allows (see [`Cancel`]).
     pub fn cancel(&self) -> Cancel {
         match &self.0 {
-            Some(t) => t.cancel(),
-            None => Cancel::Completing,
+            Cancels::Job(t) => t.cancel(),
+            Cancels::Relay(r) => r.cancel(),
+            Cancels::Nothing => Cancel::Completing,
         }
     }
 }
@@ -370,5 +450,47 @@ mod tests {
         let (_tx, p) = Pending::<()>::channel(Some(t.clone()));
         assert_eq!(p.cancel(), Cancel::Completing);
         assert!(t.start());
+    }
+
+    #[test]
+    fn a_relayed_cancel_aborts_the_job_waited_for_and_stops_the_work() {
+        let t = ticket(CancelPolicy::DropOrAbort);
+        let job = t.clone();
+        let (tx, inner) = Pending::<()>::channel(Some(t.clone()));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let work = Pending::spawn_relayed("test", move |relay| {
+            started_tx.send(()).unwrap();
+            let waited = relay.wait(inner); // the engine answers once it saw the abort
+            relay.check()?;
+            waited
+        });
+        started.recv().unwrap();
+        assert!(t.start());
+        t.signal.set_running(t.id());
+        // Until the relay has the job, a cancel marks the work; once it has, it reaches it.
+        while !job.abort_requested() {
+            assert_eq!(work.cancel(), Cancel::Aborting);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(t.signal.should_abort());
+        tx.send(Err(Error::Cancelled("aborted".into())));
+        assert!(matches!(work.wait(), Err(Error::Cancelled(_))));
+    }
+
+    #[test]
+    fn a_relay_cancelled_first_cancels_what_it_then_waits_for() {
+        let relay = Relay::default();
+        assert!(relay.check().is_ok());
+        assert_eq!(relay.cancel(), Cancel::Aborting);
+        assert!(matches!(relay.check(), Err(Error::Cancelled(_))));
+        let t = ticket(CancelPolicy::Drop);
+        let (tx, p) = Pending::<u32>::channel(Some(t.clone()));
+        let waiting = std::thread::spawn(move || relay.wait(p));
+        while t.state.load(Ordering::Acquire) != CANCELLED {
+            std::thread::sleep(Duration::from_millis(1)); // the wait cancels it
+        }
+        assert!(!t.start()); // cancelled while queued: never runs
+        drop(tx); // the engine drops a cancelled job's reply
+        assert!(waiting.join().unwrap().is_err());
     }
 }
