@@ -85,9 +85,17 @@ def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
 
 def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
     b = root(ctx)
-    for kwargs in ({"width": 0}, {"max_tokens": 0}, {"groups": 3}, {"diversity": -1.0}):
+    bad: list[dict[str, Any]] = [
+        {"width": 0},
+        {"max_tokens": 0},
+        {"groups": 3},
+        {"diversity": -1.0},
+        {"length_penalty": float("nan")},
+        {"length_penalty": float("inf")},
+    ]
+    for kwargs in bad:
         args: dict[str, Any] = {"width": 2, "max_tokens": 2, **kwargs}
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
             beam_search_sync(b, args.pop("width"), args.pop("max_tokens"), **args)
     with pytest.raises(kvfork.KvforkError, match="no logits"):
         beam_search_sync(kvfork.Branch.create(ctx), 2, 2)

@@ -129,3 +129,30 @@ def test_snapshots_need_a_live_branch_and_an_open_context(small: kvfork.Context)
         small.snapshot_sync()
     with pytest.raises(kvfork.KvforkError, match="closed"):
         small.restore_sync(data)
+
+
+def test_a_snapshot_without_room_in_the_cache_is_kv_cache_full_not_a_bad_file(
+    model: kvfork.Model,
+) -> None:
+    """Restoring into a cache whose free cells are too few is KvCacheFullError, as a prefill of
+    as many tokens is (the bytes are fine: they restore once a branch is pruned); a state
+    larger than the whole cache stays StateFileError."""
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=3) as ctx:
+        b = root(ctx)
+        b.prefill_sync([b.sample()] * (150 - b.position))
+        snap = b.snapshot_sync()
+        with pytest.raises(kvfork.KvCacheFullError, match="prune branches"):
+            kvfork.Branch.restore_sync(ctx, snap)
+        assert kvfork.BranchStore(ctx).available == 2  # the failed restore's lease came back
+        b.prune_sync()
+        again = kvfork.Branch.restore_sync(ctx, snap)
+        assert again.position == 150
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=1) as big:
+        b = root(big)
+        b.prefill_sync([b.sample()] * (300 - b.position))
+        larger = b.snapshot_sync()
+    with (
+        kvfork.create_context_sync(model, n_ctx=256, n_seq_max=1) as small,
+        pytest.raises(kvfork.StateFileError, match="beyond this context"),
+    ):
+        kvfork.Branch.restore_sync(small, larger)

@@ -305,7 +305,8 @@ class SamplingParams:
     @property
     def penalty_last_n(self) -> int:
         """The penalty window: how many recently accepted tokens the repeat, frequency and
-        presence penalties look at; -1 = the whole context, 0 disables them. Default 64.
+        presence penalties look at; -1 = the whole context, 0 disables them. Default 64. A
+        window longer than the model's training context is that long.
         """
     @property
     def mirostat(self) -> int:
@@ -333,7 +334,8 @@ class SamplingParams:
         """Repeats up to this many tokens long go unpenalised by DRY. Default 2."""
     @property
     def dry_penalty_last_n(self) -> int:
-        """How many recent tokens DRY scans for repeats; -1 = the whole context (the default),
+        """How many recent tokens DRY scans for repeats (at most the model's training context);
+        -1 = the whole context (the default),
         0 disables DRY.
         """
     @property
@@ -1035,7 +1037,7 @@ class Branch:
     def disposed(self) -> bool:
         """True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
         context's `close`), from the moment the call is made; any use then raises
-        BranchDisposedError.
+        BranchDisposedError (KvforkError "the context is closed" after a close).
         """
     @property
     def fork_head(self) -> int:
@@ -1193,8 +1195,10 @@ class PrefixCache:
     other choices), making room the same way. The branches it hands out and its entries are the
     account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
 
-    Nothing leaks when an await is cancelled: a `branch` or `fork` whose work completed anyway
-    is handed back as an entry, and `release` never waits (call it from any clean-up).
+    Nothing leaks when an await is cancelled: a `branch` cancelled while its prompt is being
+    prefilled aborts the prefill (rolled back: nothing is kept), a `branch` or `fork` whose
+    work completed anyway is handed back as an entry, and `release` never waits (call it from
+    any clean-up).
     """
     def __new__(
         cls,
@@ -1216,8 +1220,9 @@ class PrefixCache:
         longest prefix the cache's branches hold (see the class). LeaseExhaustedError when
         every lease is held by branches handed out; ValueError for tokens that leave no room
         in the context. `adapters` (`{LoraAdapter: scale}`): the branch decodes under them,
-        and shares only prefixes computed under the same set. Cancelled after the branch was
-        made, it is handed back as an entry.
+        and shares only prefixes computed under the same set. Cancelled during its prefill, the
+        prefill is aborted and rolled back (the engine is free at once); cancelled after the
+        branch was made, it is handed back as an entry.
         """
     def branch_sync(
         self,

@@ -45,7 +45,9 @@ def _score(logprob: float, length: int, length_penalty: float) -> float:
     return logprob / math.pow(max(length, 1), length_penalty)
 
 
-def _check(width: int, max_tokens: int, groups: int, diversity: float) -> None:
+def _check(
+    width: int, max_tokens: int, groups: int, diversity: float, length_penalty: float
+) -> None:
     if width < 1:
         raise ValueError(f"width must be at least 1, not {width}")
     if max_tokens < 1:
@@ -54,6 +56,8 @@ def _check(width: int, max_tokens: int, groups: int, diversity: float) -> None:
         raise ValueError(f"groups must divide width ({width}), not {groups}")
     if diversity < 0 or not math.isfinite(diversity):
         raise ValueError(f"diversity must be finite and >= 0, not {diversity}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be finite, not {length_penalty}")
 
 
 async def beam_search(
@@ -79,7 +83,7 @@ async def beam_search(
     from the same step costs `diversity` nats per choice, so the groups spread out.
     Needs `width + 1` free leases.
     """
-    _check(width, max_tokens, groups, diversity)
+    _check(width, max_tokens, groups, diversity, length_penalty)
     store = BranchStore(branch.context)
     per_group = width // groups
     root = await branch.fork()

@@ -644,6 +644,28 @@ def test_an_operation_dropped_while_an_exception_propagates_does_not_crash() -> 
     assert out.count("caught") == 3 and out.strip().endswith("DONE")
 
 
+def test_penalty_windows_past_the_training_context_cannot_exhaust_memory() -> None:
+    """llama.cpp's penalty and DRY samplers allocate their whole window up front: a window of
+    2**31 - 1 is clamped to the model's training context (gigabytes a branch before, and an
+    abort when the allocation failed), here under a 3 GiB address-space limit."""
+    out = run_isolated(
+        """
+        import resource
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=256, n_seq_max=4, n_threads=1)
+        b = kvfork.Branch.create(ctx, 0, kvfork.SamplingParams(seed=1))
+        b.prefill_sync(ctx.tokenize("Once upon a time"))
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        b.set_sampler_params({"dry_multiplier": 1.0, "dry_penalty_last_n": 2**31 - 1,
+                              "repeat_penalty": 1.1, "penalty_last_n": 2**31 - 1})
+        kids = [b.fork_sync() for _ in range(3)]
+        for branch in [b, *kids]:
+            branch.produce_sync()
+        print("DONE")
+        """
+    )
+    assert out.strip().endswith("DONE")
+
+
 def test_chat_values_that_nest_too_deep_or_contain_themselves_are_value_errors(
     ctx: kvfork.Context,
 ) -> None:
@@ -784,3 +806,42 @@ def test_numpy_integers_are_taken_wherever_an_int_is(ctx: kvfork.Context) -> Non
         assert small.n_ctx == 256
     with pytest.raises(TypeError, match="argument 'token': expected an int, got float"):
         ctx.token_to_text(np.float64(token))
+
+
+def test_save_writes_through_a_link_and_refuses_what_is_no_file(
+    ctx: kvfork.Context, tmp_path: Path
+) -> None:
+    """`save` replaces a file by rename: through a symbolic link it writes the link's target
+    (the link stays), and a path that is no regular file (a directory, a device) is refused,
+    not replaced."""
+    b = root(ctx)
+    target = tmp_path / "target.kvfork"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.kvfork"
+    link.symlink_to(target)
+    b.save_sync(link)
+    assert link.is_symlink() and target.read_bytes() != b"old"
+    assert kvfork.Branch.load_sync(ctx, target).position == b.position
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(OSError, match="not a regular file"):
+        b.save_sync(folder)
+    assert folder.is_dir() and not list(tmp_path.glob("*.kvfork-tmp"))
+
+
+def test_reprs_read_back_as_python(ctx: kvfork.Context) -> None:
+    """Reprs escape text as Python does (not Rust's `\\u{7f}`), so they read back."""
+    for text in ["\x7f", "naïve", "tab\there", 'quote"s', "\U0001f600"]:
+        token = kvfork.Token(1, text, False)
+        assert eval(repr(token), {"Token": kvfork.Token}) == token, repr(token)
+    assert "closed=False" in repr(ctx)
+
+
+def test_draft_tokens_past_64_bits_are_value_errors_naming_the_draft(
+    ctx: kvfork.Context,
+) -> None:
+    b = root(ctx)
+    pending = b.produce_sync()
+    for draft in ([2**64], [-(2**70)], [2**40]):
+        with pytest.raises(ValueError, match="draft"):
+            b.speculate_sync(pending, draft)

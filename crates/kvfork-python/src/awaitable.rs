@@ -372,9 +372,15 @@ impl Drop for Operation {
             return;
         }
         let Call(owner, method) = self.call;
+        // A dunder has no twin (a stream's `__anext__`: `generate_sync` iterates).
+        let twin = if method.starts_with("__") {
+            "the blocking twin".to_string()
+        } else {
+            format!("{method}_sync")
+        };
         let message = CString::new(format!(
-            "kvfork operation {owner}.{method}() was never awaited (await it, or call \
-             {method}_sync in blocking code)"
+            "kvfork operation {owner}.{method}() was never awaited (await it, or call {twin} \
+             in blocking code)"
         ))
         .unwrap_or_default();
         Python::attach(|py| {

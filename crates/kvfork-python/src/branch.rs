@@ -252,7 +252,7 @@ impl PyBranch {
 
     /// True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
     /// context's `close`), from the moment the call is made; any use then raises
-    /// BranchDisposedError.
+    /// BranchDisposedError (KvforkError "the context is closed" after a close).
     #[getter]
     fn disposed(&self) -> bool {
         self.inner.disposed()
@@ -584,9 +584,9 @@ twins! {
             &self,
             py,
             pending: &Bound<'_, PyAny>,
-            draft: Arg<Vec<i64>>,
+            draft: Arg<Vec<Int>>,
         ) -> (Vec<PyToken>, PyToken) {
-            self.inner.speculate(token_arg(pending)?, draft_tokens(draft.0)?)
+            self.inner.speculate(token_arg(pending)?, draft_tokens(&draft.0)?)
         } => speculated;
 
         /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),

@@ -30,11 +30,12 @@ impl From<kvfork::FormattedChat> for PyFormattedChat {
 
 #[pymethods]
 impl PyFormattedChat {
-    fn __repr__(&self) -> String {
-        format!(
-            "FormattedChat(prompt={:?}, stop={:?})",
-            self.prompt, self.stop
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "FormattedChat(prompt={}, stop={})",
+            crate::convert::py_repr(py, &self.prompt)?,
+            crate::convert::py_repr(py, &self.stop)?
+        ))
     }
 }
 

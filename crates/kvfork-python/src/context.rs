@@ -619,14 +619,18 @@ impl PyContext {
         convert::awaitable(py, Call("Context", "__aexit__"), closing, |()| Ok(false))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Context(model={:?}, n_ctx={}, n_seq_max={}, closed={})",
-            self.inner.model().name(),
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Context(model={}, n_ctx={}, n_seq_max={}, closed={})",
+            crate::convert::py_repr(py, self.inner.model().name())?,
             self.inner.n_ctx(),
             self.inner.n_seq_max(),
-            self.inner.is_closed()
-        )
+            if self.inner.is_closed() {
+                "True"
+            } else {
+                "False"
+            }
+        ))
     }
 }
 

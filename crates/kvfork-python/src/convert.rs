@@ -323,13 +323,21 @@ pub(crate) fn token_int(token: &Int) -> PyResult<i32> {
     }
 }
 
-/// A guess of draft tokens, each in range of the engine's token type.
-pub(crate) fn draft_tokens(draft: Vec<i64>) -> PyResult<Vec<kvfork::Token>> {
+/// A guess of draft tokens, each in range of the engine's token type (a ValueError naming
+/// `draft` otherwise, even past 64 bits).
+pub(crate) fn draft_tokens(draft: &[Int]) -> PyResult<Vec<kvfork::Token>> {
     draft
-        .into_iter()
+        .iter()
         .map(|t| {
-            kvfork::Token::try_from(t)
-                .map_err(|_| PyValueError::new_err(format!("draft token {t} is out of range")))
+            t.0.and_then(|v| kvfork::Token::try_from(v).ok())
+                .ok_or_else(|| match t.0 {
+                    Some(v) => {
+                        PyValueError::new_err(format!("draft: token id {v} is out of range"))
+                    }
+                    None => PyValueError::new_err(
+                        "draft: a token id is out of range (an int past 64 bits)",
+                    ),
+                })
         })
         .collect()
 }
@@ -343,4 +351,10 @@ pub(crate) fn on_full_arg(name: &str, keep: Int) -> PyResult<kvfork::OnContextFu
             "on_context_full must be \"stop\" or \"shift\", not {name:?}"
         ))
     })
+}
+
+/// `value` as Python's `repr` writes it (a repr that reads back), with Python's escapes, not
+/// Rust's `{:?}` ones (`\\u{7f}` is no Python).
+pub fn py_repr<'py>(py: Python<'py>, value: impl IntoPyObject<'py>) -> PyResult<String> {
+    Ok(value.into_bound_py_any(py)?.repr()?.to_string())
 }

@@ -232,15 +232,15 @@ impl PySpeculativeSchedule {
     /// records the drafter's time, keeps the tokens after the draft for shadow checks, and
     /// starts timing the decode. Returns the draft: `guess` cut to `len` (ValueError for a
     /// token in it out of range).
-    fn proposed(&self, guess: Vec<i64>, len: Int) -> PyResult<Vec<kvfork::Token>> {
+    fn proposed(&self, guess: Vec<Int>, len: Int) -> PyResult<Vec<kvfork::Token>> {
         let len = len.within("len", 0, i64::MAX)? as usize;
         let cut = len.min(guess.len());
-        let mut tokens = crate::convert::draft_tokens(guess[..cut].to_vec())?;
+        let mut tokens = crate::convert::draft_tokens(&guess[..cut])?;
         // After the draft, a number that is no token is never drawn: the checks stop there.
         tokens.extend(
             guess[cut..]
                 .iter()
-                .map_while(|&t| kvfork::Token::try_from(t).ok()),
+                .map_while(|t| t.0.and_then(|v| kvfork::Token::try_from(v).ok())),
         );
         Ok(self.with(|s| s.proposed(tokens, len)))
     }

@@ -162,11 +162,11 @@ impl PyModel {
         adapter::load_control_vector(py, &self.inner, source)
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Model(name={:?}, path={:?})",
-            self.inner.name(),
-            self.inner.path()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Model(name={}, path={})",
+            crate::convert::py_repr(py, self.inner.name())?,
+            crate::convert::py_repr(py, self.inner.path())?
+        ))
     }
 }

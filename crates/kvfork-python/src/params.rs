@@ -137,7 +137,8 @@ sampling_params! {
     /// (the default).
     presence_penalty: f32,
     /// The penalty window: how many recently accepted tokens the repeat, frequency and
-    /// presence penalties look at; -1 = the whole context, 0 disables them. Default 64.
+    /// presence penalties look at; -1 = the whole context, 0 disables them. Default 64. A
+    /// window longer than the model's training context is that long.
     penalty_last_n: i32,
     /// Mirostat: 0 off (the default), 1 Mirostat, 2 Mirostat 2.0. When on it replaces the
     /// truncation filters (top-k, typical, top-p, min-p) and XTC, and aims at a steady surprise.
@@ -154,7 +155,8 @@ sampling_params! {
     dry_base: f32,
     /// Repeats up to this many tokens long go unpenalised by DRY. Default 2.
     dry_allowed_length: i32,
-    /// How many recent tokens DRY scans for repeats; -1 = the whole context (the default),
+    /// How many recent tokens DRY scans for repeats (at most the model's training context);
+    /// -1 = the whole context (the default),
     /// 0 disables DRY.
     dry_penalty_last_n: i32,
     /// XTC: the chance, per draw, that it removes the top choices; 0 disables (the default).

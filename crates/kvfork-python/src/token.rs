@@ -100,12 +100,12 @@ impl PyToken {
         self.as_tuple(py)?.hash()
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Token(token={}, text={:?}, is_stop={})",
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Token(token={}, text={}, is_stop={})",
             self.token,
-            self.text,
+            crate::convert::py_repr(py, &self.text)?,
             if self.is_stop { "True" } else { "False" }
-        )
+        ))
     }
 }

@@ -32,6 +32,20 @@ static LOG_MIN_LEVEL: AtomicI32 = AtomicI32::new(LogLevel::Warn as i32);
 /// llama.cpp sends lines in pieces (CONT); they are joined here until the newline.
 static LOG_PENDING: Mutex<(i32, String)> = Mutex::new((0, String::new()));
 
+std::thread_local! {
+    /// What llama.cpp logs on this thread during [`logged_during`], if it is running.
+    static CAPTURED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// `f()`, with what llama.cpp logged on this thread meanwhile (every level): the reason a
+/// call that only returns a failure failed.
+pub(crate) fn logged_during<R>(f: impl FnOnce() -> R) -> (R, String) {
+    let outer = CAPTURED.with(|c| c.borrow_mut().replace(String::new()));
+    let result = f();
+    let logged = CAPTURED.with(|c| std::mem::replace(&mut *c.borrow_mut(), outer));
+    (result, logged.unwrap_or_default())
+}
+
 /// Route llama.cpp's log to `sink` (replacing any previous sink).
 pub fn set_log_sink(sink: impl Fn(LogLevel, &str) + Send + Sync + 'static) {
     *LOG_SINK.write().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(sink));
@@ -53,6 +67,11 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
     // SAFETY: not NULL, so a NUL-terminated string llama.cpp keeps alive for the call; it is
     // copied out before the callback returns.
     let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    CAPTURED.with(|c| {
+        if let Some(log) = c.borrow_mut().as_mut() {
+            log.push_str(&text);
+        }
+    });
     let mut pending = LOG_PENDING.lock().unwrap_or_else(|e| e.into_inner());
     if level != sys::GGML_LOG_LEVEL_CONT {
         pending.0 = level as i32;

@@ -156,7 +156,7 @@ impl LlamaCtx {
         // chains `cp` points to live in `device`, which the context owns from here on.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
-            Error::Decode(
+            Error::Other(
                 "llama.cpp could not create the context (out of memory? see the kvfork log)".into(),
             )
         })?;
@@ -505,7 +505,9 @@ impl LlamaCtx {
         // SAFETY: the context is live and `seq` checked (or -1); `data` is readable for the
         // `data.len()` bytes passed, and llama.cpp bounds every read by that length (a short
         // buffer fails the restore). Its contents passed kvfork's framing checks first.
-        let read = unsafe { sys::llama_state_seq_set_data(ctx, data.as_ptr(), data.len(), seq) };
+        let (read, logged) = crate::backend::logged_during(|| unsafe {
+            sys::llama_state_seq_set_data(ctx, data.as_ptr(), data.len(), seq)
+        });
         if read == data.len() {
             return Ok(());
         }
@@ -515,6 +517,14 @@ impl LlamaCtx {
             Some(seq) => {
                 self.seq_rm(seq, -1, -1)?;
             }
+        }
+        // Cells taken by other sequences are not the bytes' fault: the same state restores
+        // once some are free (a state larger than the whole cache is, below).
+        if logged.contains("available cells in kv cache") {
+            return Err(Error::KvCacheFull(format!(
+                "no free KV cells for the saved state (n_ctx = {}): prune branches and retry",
+                self.n_ctx
+            )));
         }
         Err(Error::State(
             "llama.cpp refused the saved KV cells (saved from a context with other cache \

@@ -25,7 +25,24 @@ use crate::prefix_spill::SpilledCheckpoints;
 use crate::seq::Seq;
 
 /// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
+/// Through a symbolic link its target is replaced, not the link; a path that exists and is no
+/// regular file (a device, a directory) is refused, not replaced by the rename.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let resolved;
+    let path = match std::fs::metadata(path) {
+        Ok(meta) if !meta.is_file() => {
+            let refused = std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file: a state file is only written over another",
+            );
+            return Err(Error::io(path, refused));
+        }
+        Ok(_) => {
+            resolved = std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?;
+            resolved.as_path()
+        }
+        Err(_) => path, // a new file
+    };
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".kvfork-tmp");
     let tmp = PathBuf::from(tmp);

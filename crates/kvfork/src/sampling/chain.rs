@@ -41,11 +41,17 @@ pub(crate) struct DrawState {
 }
 
 /// A penalty window: -1 means the whole context (`whole` tokens).
+/// The longest penalty window: 8 MiB of DRY's ring buffer a branch.
+const MAX_WINDOW: u32 = 1 << 20;
+
+/// A penalty window for llama.cpp: -1 is `whole` (the training context), and so is anything
+/// longer (its samplers allocate their whole window up front: 2**31 would be gigabytes per
+/// branch, and an allocation failure aborts the process).
 fn resolve_window(last_n: i32, whole: i32) -> i32 {
     if last_n < 0 {
         whole
     } else {
-        last_n
+        last_n.min(whole)
     }
 }
 
@@ -70,8 +76,9 @@ impl SamplerChain {
 
     fn build(p: &SamplingParams, seed: u32, model: &Model) -> Self {
         let n_vocab = model.vocab_size() as i32;
-        // llama.cpp clamps a window of -1 to 0 (disabled); we mean "the whole context".
-        let whole = model.n_ctx_train().max(1) as i32;
+        // llama.cpp clamps a window of -1 to 0 (disabled); we mean "the whole context" (what
+        // the model was trained on, which a GGUF could make absurd: bounded).
+        let whole = model.n_ctx_train().clamp(1, MAX_WINDOW) as i32;
         let mut stages: Vec<*mut sys::llama_sampler> = Vec::new();
         // SAFETY: each init takes plain values (`validate` checked them) and returns a new
         // sampler that `stages` owns until the chain below takes it. DRY reads the live

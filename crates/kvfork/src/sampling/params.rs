@@ -27,7 +27,8 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Subtracted from every token present in the penalty window; 0 disables.
     pub presence_penalty: f32,
-    /// Recent tokens the three penalties look at; -1 the whole context, 0 disables them.
+    /// Recent tokens the three penalties look at; -1 the whole context, 0 disables them
+    /// (at most the model's training context: see `chain::resolve_window`).
     pub penalty_last_n: i32,
     /// 0 off, 1 Mirostat, 2 Mirostat 2.0 (replaces the truncation filters and XTC).
     pub mirostat: i32,
@@ -41,7 +42,8 @@ pub struct SamplingParams {
     pub dry_base: f32,
     /// Repeats up to this many tokens go unpenalised by DRY.
     pub dry_allowed_length: i32,
-    /// Recent tokens DRY scans for repeats; -1 the whole context, 0 disables DRY.
+    /// Recent tokens DRY scans for repeats; -1 the whole context, 0 disables DRY (at most
+    /// the model's training context).
     pub dry_penalty_last_n: i32,
     /// XTC: the chance per draw that it removes the top choices; 0 disables.
     pub xtc_probability: f32,
