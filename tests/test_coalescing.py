@@ -207,8 +207,9 @@ async def test_a_prompt_is_answered_when_its_own_tokens_are_in_and_steps_meanwhi
 async def test_an_eviction_does_not_hold_up_a_running_prefill(slow: kvfork.Context) -> None:
     """While prompts decode (a server under steady arrivals), a prefix cache evicts an entry
     (`prune(keep_children=True)`): the prune runs in passing, and a prompt queued after it
-    still joins the prompts in flight. (As any other work it stopped the run from pulling
-    the queue: the prompt then waited for all of theirs, and decoded alone after them.)"""
+    still joins the prompts in flight: short, it goes ahead of the long one cut between two
+    decodes, in one decode of its own. (As any other work the prune stopped the run from
+    pulling the queue: the prompt then waited for all of theirs, and decoded alone after.)"""
     long_prompt = slow.tokenize(LONG)[:1500]
     # A conversation's next turn: it continues its sequence, so it shares the long prompt's
     # decodes (a new prompt could go to a scratch context after them instead).
@@ -223,11 +224,13 @@ async def test_an_eviction_does_not_hold_up_a_running_prefill(slow: kvfork.Conte
     long_task = asyncio.ensure_future(b.prefill(long_prompt))
     await asyncio.sleep(0.2)  # its decodes are under way
     evicted = asyncio.ensure_future(entry.prune(keep_children=True))
-    await asyncio.gather(a.prefill(short), long_task, evicted)
+    await asyncio.gather(a.prefill(short), evicted)
+    assert not long_task.done()  # answered while the long prompt's decodes go on
+    await long_task
     after = slow.stats()
-    # The short prompt rode the long one's decodes: ceil(total / n_batch), none of its own.
-    assert after["decode_calls"] - before["decode_calls"] == -(
-        -(len(long_prompt) + len(short)) // slow.n_batch
+    # The long prompt's ceil(len / n_batch) decodes and the short one's own between two.
+    assert after["decode_calls"] - before["decode_calls"] <= 1 + -(
+        -len(long_prompt) // slow.n_batch
     )
     assert entry.disposed and not child.disposed
     assert child.position == len(slow.tokenize(counting(7)))

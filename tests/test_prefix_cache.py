@@ -154,6 +154,33 @@ async def test_concurrent_requests_prefill_a_shared_preamble_once(
         assert cache.stats()["entries"] == 8
 
 
+async def test_a_short_prompt_does_not_wait_for_a_long_prefill_it_shares_a_few_tokens_with(
+    model: kvfork.Model,
+) -> None:
+    """A request waits for another's prefill only to share at least half of what that
+    prefill decodes: a chat template's first tokens are not worth a long document's prefill
+    (the short request after it waited for all of it). It is answered first."""
+    async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=4) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        template = ctx.tokenize("<start_of_turn>user\nYou are a careful assistant. " * 4)
+        long = template + ctx.tokenize(DOC * 16, add_special=False)[:2000]
+        short = template + ctx.tokenize(" What is 2 + 2?", add_special=False)
+        done: list[str] = []
+
+        async def branch(tokens: list[int], name: str) -> kvfork.Branch:
+            b = await cache.branch(tokens, GREEDY)
+            done.append(name)
+            return b
+
+        first = asyncio.ensure_future(branch(long, "long"))
+        await asyncio.sleep(0.05)  # its prefill is announced, its decodes under way
+        b = await branch(short, "short")
+        assert done == ["short"] and not first.done()
+        assert len(template) >= 40  # a prefix that was worth waiting for, by length alone
+        cache.release(b)
+        cache.release(await first)
+
+
 def test_entries_are_evicted_least_recently_used_when_leases_run_out(
     model: kvfork.Model,
 ) -> None:

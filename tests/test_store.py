@@ -213,6 +213,44 @@ async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_scratch(
         assert_same_greedy(tokens, expected, margins)
 
 
+async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_main_context(
+    model: kvfork.Model,
+) -> None:
+    """Beside an idle cache a long new prompt decodes in the main context, chunk after chunk;
+    a short new request that comes meanwhile is decoded between two of those chunks and
+    answered first (it waited for all of them: 26 s behind a 3,000-token prompt on this
+    CPU). Both continue exactly as when each runs alone (up to near-ties)."""
+
+    async def run(together: bool) -> tuple[list[str], list[tuple[list[int], list[float]]]]:
+        async with await kvfork.create_context(model, n_ctx=4096, n_seq_max=4) as c:
+            text = c.tokenize(PROMPT * 300, add_special=False)
+            long = kvfork.Branch.create(c, 0, GREEDY)
+            long_prompt = c.tokenize("Notes:") + text[:2000]
+            short = kvfork.Branch.create(c, 0, GREEDY)
+            turn = c.tokenize("Count: 1, 2, 3,")
+            done: list[str] = []
+
+            async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:
+                await b.prefill(tokens)
+                done.append(name)
+
+            if together:
+                await asyncio.gather(
+                    prefill(long, long_prompt, "long"), prefill(short, turn, "short")
+                )
+                assert c.stats()["scratch_tokens"] == 0  # the main context's decodes
+            else:
+                await prefill(long, long_prompt, "long")
+                await prefill(short, turn, "short")
+            return done, [greedy_with_margins(b, 6) for b in (short, long)]
+
+    order, got = await run(together=True)
+    _, reference = await run(together=False)
+    assert order == ["short", "long"], order
+    for (tokens, _), (expected, margins) in zip(got, reference, strict=True):
+        assert_same_greedy(tokens, expected, margins)
+
+
 def test_new_prompts_that_do_not_fit_beside_a_busy_cache_roll_back_from_the_scratch(
     model: kvfork.Model,
 ) -> None:

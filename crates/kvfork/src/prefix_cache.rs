@@ -84,7 +84,9 @@ enum Turn {
 }
 
 /// A shared prefix worth waiting for another request's prefill: this many tokens, or half
-/// the prompt (a system prompt or document, not a common first word).
+/// the prompt (a system prompt or document, not a common first word) — and at least half of
+/// what that prefill decodes (a chat template's first tokens are not worth waiting for a
+/// long document's prefill: the short prompt after it would wait all of it).
 const WORTH_WAITING: usize = 64;
 
 /// The shortest prefix worth sharing, unless it is half the prompt: a few common first
@@ -400,7 +402,10 @@ impl PrefixCache {
                     p,
                 )
             })
-            .filter(|&(len, _)| len > shared && len - shared >= worth)
+            .filter(|&(len, p)| {
+                let gain = len.saturating_sub(shared);
+                gain >= worth && 2 * gain >= p.tokens.len().saturating_sub(skip + shared)
+            })
             .max_by_key(|&(len, _)| len)
             .map(|(_, p)| p.done.clone());
         if let Some(other) = other {

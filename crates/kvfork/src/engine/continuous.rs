@@ -18,9 +18,10 @@
 //! The steps that came meanwhile decode apart, once every [`STEP_EVERY`] prompt tokens. Each
 //! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
 //! between two decodes, the next decode is its context's, except that short prompts
-//! ([`SHORT_PROMPT`]) may go ahead of a scratch prompt: those for the main context (with the
-//! steps riding their decode), or new ones the shared scratch takes while a long prompt is cut
-//! in the scratch it has alone; one decode of them between two of the scratch's.
+//! ([`SHORT_PROMPT`]) may go ahead of it: those for the main context (with the steps riding
+//! their decode; new ones too while the prompt cut is in the main context), or new ones the
+//! shared scratch takes while a long prompt is cut in the scratch it has alone; one decode of
+//! them between two of the cut prompt's.
 //!
 //! A failed decode ends the run: the prompts not yet answered lose what they wrote and go
 //! through the packed path (`prefill.rs`), which narrows the failure down to its request.
@@ -58,8 +59,8 @@ const MOST_PROMPTS: usize = 256;
 /// tokens at a decode's length (p95 0.32 s against llama-server's 0.10 s).
 const STEP_EVERY: usize = 2048;
 
-/// A prompt with at most this many tokens left goes before a scratch prompt cut between two
-/// decodes (one decode of them between two of the scratch's): a conversation's next turn
+/// A prompt with at most this many tokens left goes before a prompt cut between two decodes
+/// (one decode of them between two of the cut one's): a conversation's next turn
 /// after its entry came back, a question on a fork, or a short new request would otherwise
 /// wait for all of a prompt of up to [`LONG_SCRATCH_PROMPT`] tokens (~3 s on a CPU), a short
 /// job behind a long one (a 46-token request waited 2.2 s in the steady workload of
@@ -125,8 +126,8 @@ struct Prompt {
 enum Take {
     /// From those before this item (exclusive), in queue order.
     UpTo(usize),
-    /// Only the short prompts going ahead of a scratch prompt ([`short_prompts`]) to the
-    /// decode's context.
+    /// Only the short prompts going ahead of a prompt cut between two decodes
+    /// ([`short_prompts`]) to the decode's context.
     Ahead,
 }
 
@@ -163,8 +164,8 @@ struct Run {
     held: Vec<CommitRequest>,
     /// Prompt tokens decoded in a scratch since the streams last stepped.
     since_steps: usize,
-    /// The last decode took short prompts ahead of a scratch prompt cut between two decodes
-    /// ([`SHORT_PROMPT`]): the scratch's turn now.
+    /// The last decode took short prompts ahead of a prompt cut between two decodes
+    /// ([`SHORT_PROMPT`]): the cut prompt's turn now.
     went_ahead: bool,
 }
 
@@ -232,8 +233,8 @@ impl Worker {
     }
 
     /// Where the next decode goes, and which prompts it takes. A prompt cut between two
-    /// decodes finishes where it started (short prompts may go ahead of a scratch one in
-    /// between, every other decode at most: [`Worker::short_prompts`]). A new prompt goes to
+    /// decodes finishes where it started (short prompts may go ahead of it in between, every
+    /// other decode at most: [`Worker::short_prompts`]). A new prompt goes to
     /// the scratch when it fits there (`scratch.rs`: it starts its sequence, within one
     /// decode and the sliding window, or up to `LONG_SCRATCH_PROMPT` tokens alone) and the
     /// scratch pays for it and the new prompts after it; a decode in the main context then
@@ -308,6 +309,11 @@ impl Worker {
                 (Place::Scratch, Take::Ahead)
             }
             Place::Scratch => (Place::Scratch, Take::UpTo(scratch_end(first))),
+            // Cut in the main context, as in the scratch: a short request waits one decode,
+            // not all of a long prompt's (26 s behind a 3,000-token prompt on this CPU).
+            Place::Main if !run.went_ahead && short_goes_ahead(Place::Main) => {
+                (Place::Main, Take::Ahead)
+            }
             Place::Unplaced if fits(first) && scratch_pays_from(first) => {
                 (Place::Scratch, Take::UpTo(scratch_end(first)))
             }
@@ -670,7 +676,7 @@ impl Worker {
 }
 
 impl Worker {
-    /// The next decode of the short prompts going ahead of a scratch prompt into `place`
+    /// The next decode of the short prompts going ahead of a prompt cut into `place`
     /// ([`Worker::short_prompts`]): the other items count as done for this plan.
     fn plan_ahead(&self, run: &Run, room: ChunkRoom, place: Place) -> Chunk {
         let mut progress: Vec<Progress> = run
@@ -687,19 +693,23 @@ impl Worker {
         plan_chunk(&progress, room)
     }
 
-    /// The items that may go ahead of a scratch prompt cut between two decodes, into
-    /// `place`: prompts of one item (a request of several keeps its packing) with at most
-    /// [`SHORT_PROMPT`] tokens left. For the main context, those placed there or continuing
-    /// a sequence (which the scratch never takes); for the scratch, new prompts that start
-    /// their sequence and fit the shared scratch.
+    /// The items that may go ahead of a prompt cut between two decodes, into `place`: prompts
+    /// of one item (a request of several keeps its packing) with at most [`SHORT_PROMPT`]
+    /// tokens left. For the main context, those placed there or continuing a sequence (which
+    /// the scratch never takes), and new ones too when the prompt cut is in the main context
+    /// (then it is the main context's turn); for the scratch, new prompts that start their
+    /// sequence and fit the shared scratch.
     fn short_prompts<'r>(&'r self, run: &'r Run, place: Place) -> impl Iterator<Item = usize> + 'r {
+        let cut_in_main = (0..run.items.len())
+            .find(|&k| run.progress[k].done < run.progress[k].len)
+            .is_some_and(|k| run.place[k] == Place::Main);
         (0..run.items.len()).filter(move |&k| {
             let (p, i) = run.items[k];
             let Progress { done, len } = run.progress[k];
             let continues = run.prompts[p].starts[i] > 0;
             let goes = match (place, run.place[k]) {
                 (Place::Main, Place::Main) => true,
-                (Place::Main, Place::Unplaced) => continues,
+                (Place::Main, Place::Unplaced) => continues || cut_in_main,
                 (Place::Scratch, Place::Unplaced) => !continues && self.fits_scratch(len),
                 _ => false,
             };
