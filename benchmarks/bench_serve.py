@@ -23,6 +23,10 @@ to the warm server (the "warm" column). Wall time of all requests, median time t
         [--client openai|raw]   # bursts: the openai client, or bare connections reading SSE
         [--only shared|disjoint|steady] [--rate 2] [--requests 64]
         [--only conversations] [--conversations 32] [--turns 2]
+        [--only beside]         # short requests arriving while a long prompt is prefilled
+- beside (`--only beside`): one ~1,300-token prompt, then 4 short questions arriving 0.5–2 s
+  later, while it is prefilled: the long one's TTFT, the short ones' median and worst TTFT
+  (a short job behind a long one shows there), the wall time.
 - conversations (`--only conversations`): many ~1,500-token conversations taking turns in a
   random order against 8 sequences and a KV for ~12 of them: kvfork with `--cache-ram` (its
   evicted prefix-cache entries kept in host memory), kvfork without, llama-server with its
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -45,7 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +114,18 @@ def start(
     raise RuntimeError(f"{spec.name} did not start")
 
 
+@contextlib.contextmanager
+def running(spec: ServerSpec) -> Iterator[str]:
+    """`spec`'s server, started (its URL) and stopped however the block ends."""
+    proc, url, log = start(spec)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 async def one(client: openai.AsyncOpenAI, prompt: str, t0: float) -> float:
     """Stream one completion; the time to its first token."""
     ttft = float("nan")
@@ -162,8 +179,10 @@ async def timed_stream(
     return times[0] - start, [b - a for a, b in itertools.pairwise(times)], len(times)
 
 
-async def steady(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
-    """Requests sent at their arrival times; TTFT and between-token quantiles, throughput."""
+async def sent_at(
+    url: str, plan: list[tuple[float, str]]
+) -> tuple[list[tuple[float, list[float], int]], float]:
+    """Each of `plan`'s prompts streamed from its time on (`timed_stream`), and the wall time."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     t0 = time.perf_counter()
 
@@ -174,6 +193,12 @@ async def steady(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
     results = await asyncio.gather(*(at(w, p) for w, p in plan))
     wall = time.perf_counter() - t0
     await client.close()
+    return list(results), wall
+
+
+async def steady(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
+    """Requests sent at their arrival times; TTFT and between-token quantiles, throughput."""
+    results, wall = await sent_at(url, plan)
     ttfts = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
     return {
@@ -182,6 +207,30 @@ async def steady(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
         "tbt_p50": quantile(gaps, 0.5),
         "tbt_p95": quantile(gaps, 0.95),
         "tokens_per_s": sum(r[2] for r in results) / wall,
+        "wall": wall,
+    }
+
+
+#: `--only beside`: when the short requests arrive, seconds after the long one.
+BESIDE_AT = (0.5, 1.0, 1.5, 2.0)
+
+
+def beside_requests() -> list[tuple[float, str]]:
+    """One ~1,300-token prompt at 0 s, then short questions arriving while it is prefilled."""
+    long = preamble(820, 9) + " Summary:"  # within llama-server's 1,400 cells a slot
+    shorts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(len(BESIDE_AT))]
+    return [(0.0, long), *zip(BESIDE_AT, shorts, strict=True)]
+
+
+async def beside(url: str, plan: list[tuple[float, str]]) -> dict[str, float]:
+    """`plan`'s requests sent at their times: the long one's TTFT, the short ones' median and
+    worst TTFT (a short job behind a long one shows there), the wall time."""
+    results, wall = await sent_at(url, plan)
+    shorts = [r[0] for r in results[1:]]
+    return {
+        "long_ttft": results[0][0],
+        "short_ttft_p50": statistics.median(shorts),
+        "short_ttft_max": max(shorts),
         "wall": wall,
     }
 
@@ -444,7 +493,9 @@ def main() -> None:
         "--example-server", default=str(ROOT / ".peer-server/src/examples/server/server.py")
     )
     ap.add_argument(
-        "--only", choices=["shared", "disjoint", "steady", "conversations"], default=None
+        "--only",
+        choices=["shared", "disjoint", "steady", "conversations", "beside"],
+        default=None,
     )
     ap.add_argument("--conversations", type=int, default=32, help="conversations: how many")
     ap.add_argument("--turns", type=int, default=2, help="conversations: turns of each")
@@ -481,6 +532,9 @@ def main() -> None:
     if args.only == "conversations":
         run_conversations(args, model)
         return
+    if args.only == "beside":
+        run_beside(args, model)
+        return
     loads = workloads(args.clients)
     if args.only in ("shared", "disjoint"):
         loads = {args.only: loads[args.only]}
@@ -493,13 +547,8 @@ def main() -> None:
     for _ in range(args.rounds):
         if args.only in (None, "steady"):
             for spec in specs:
-                proc, url, log = start(spec)
-                try:
+                with running(spec) as url:
                     row = asyncio.run(steady(url, plan))
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
-                    log.close()
                 steady_rows.setdefault(spec.name, []).append(row)
                 print(
                     f"  steady   {spec.name:15} TTFT p50 {row['ttft_p50']:5.2f} p95 "
@@ -510,14 +559,9 @@ def main() -> None:
                 )
         for load, prompts in loads.items():
             for spec in specs:
-                proc, url, log = start(spec)
-                try:
+                with running(spec) as url:
                     wall, ttft, cpu = asyncio.run(burst(url, prompts, args.client == "raw"))
                     warm, _, _ = asyncio.run(burst(url, prompts, args.client == "raw"))
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
-                    log.close()
                 results.setdefault((load, spec.name), []).append((wall, ttft, warm))
                 print(
                     f"  {load:8} {spec.name:15} wall {wall:6.2f} s  TTFT {ttft:6.2f} s  "
@@ -550,6 +594,38 @@ def main() -> None:
                 f"| {name} | {m['ttft_p50']:.2f} | {m['ttft_p95']:.2f} | {m['tbt_p50'] * 1e3:.0f} "
                 f"| {m['tbt_p95'] * 1e3:.0f} | {m['tokens_per_s']:.1f} |"
             )
+
+
+def run_beside(args: argparse.Namespace, model: Path) -> None:
+    """`--only beside`: short requests arriving while a long prompt is prefilled, each
+    server cold each round, interleaved; medians over the rounds."""
+    plan = beside_requests()
+    rows: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for spec in servers(args, model, args.clients):
+            with running(spec) as url:
+                row = asyncio.run(beside(url, plan))
+            rows.setdefault(spec.name, []).append(row)
+            print(
+                f"  beside   {spec.name:15} long TTFT {row['long_ttft']:6.2f} s  short TTFT "
+                f"p50 {row['short_ttft_p50']:6.2f} max {row['short_ttft_max']:6.2f} s  "
+                f"wall {row['wall']:6.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"\nbeside: one ~1,300-token prompt, then {len(BESIDE_AT)} short ones arriving "
+        f"{BESIDE_AT[0]:g}–{BESIDE_AT[-1]:g} s later, {STEADY_TOKENS} tokens each; median of "
+        f"{args.rounds} cold starts\n"
+    )
+    print("| server | long TTFT (s) | short TTFT p50 (s) | short TTFT max (s) | wall (s) |")
+    print("|---|---|---|---|---|")
+    for name, runs in rows.items():
+        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(
+            f"| {name} | {m['long_ttft']:.2f} | {m['short_ttft_p50']:.2f} "
+            f"| {m['short_ttft_max']:.2f} | {m['wall']:.2f} |"
+        )
 
 
 def run_conversations(args: argparse.Namespace, model: Path) -> None:

@@ -167,6 +167,25 @@ def test_a_long_prompt_goes_through_the_scratch_alone_and_forks_inside_it_read_i
         assert_same_greedy(tokens, expected, margins)
 
 
+async def _prefilled(
+    prompts: list[tuple[kvfork.Branch, list[int], str]], together: bool
+) -> list[str]:
+    """Each `(branch, tokens, name)` prefilled, all at once or one after the other: the names
+    in the order their prefills returned."""
+    done: list[str] = []
+
+    async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:
+        await b.prefill(tokens)
+        done.append(name)
+
+    if together:
+        await asyncio.gather(*(prefill(*p) for p in prompts))
+    else:
+        for p in prompts:
+            await prefill(*p)
+    return done
+
+
 @pytest.mark.parametrize("turn_kind", ["continuation", "new"])
 async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_scratch(
     model: kvfork.Model, turn_kind: str
@@ -191,19 +210,8 @@ async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_scratch(
             else:
                 talk = kvfork.Branch.create(c, 0, GREEDY)
                 turn = c.tokenize("Count: 1, 2, 3,")
-            done: list[str] = []
-
-            async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:
-                await b.prefill(tokens)
-                done.append(name)
-
-            if together:
-                await asyncio.gather(
-                    prefill(long, long_prompt, "long"), prefill(talk, turn, "turn")
-                )
-            else:
-                await prefill(long, long_prompt, "long")
-                await prefill(talk, turn, "turn")
+            prompts = [(long, long_prompt, "long"), (talk, turn, "turn")]
+            done = await _prefilled(prompts, together)
             return done, [greedy_with_margins(b, 6) for b in (talk, long)]
 
     order, got = await run(together=True)
@@ -228,20 +236,8 @@ async def test_a_short_prompt_goes_ahead_of_a_long_prompt_in_the_main_context(
             long_prompt = c.tokenize("Notes:") + text[:2000]
             short = kvfork.Branch.create(c, 0, GREEDY)
             turn = c.tokenize("Count: 1, 2, 3,")
-            done: list[str] = []
-
-            async def prefill(b: kvfork.Branch, tokens: list[int], name: str) -> None:
-                await b.prefill(tokens)
-                done.append(name)
-
-            if together:
-                await asyncio.gather(
-                    prefill(long, long_prompt, "long"), prefill(short, turn, "short")
-                )
-                assert c.stats()["scratch_tokens"] == 0  # the main context's decodes
-            else:
-                await prefill(long, long_prompt, "long")
-                await prefill(short, turn, "short")
+            done = await _prefilled([(long, long_prompt, "long"), (short, turn, "short")], together)
+            assert c.stats()["scratch_tokens"] == 0  # the main context's decodes
             return done, [greedy_with_margins(b, 6) for b in (short, long)]
 
     order, got = await run(together=True)
