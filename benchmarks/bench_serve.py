@@ -155,6 +155,11 @@ def steady_requests(n: int, rate: float) -> list[tuple[float, str]]:
     return out
 
 
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each measure's median over the rounds' rows."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def quantile(xs: list[float], q: float) -> float:
     xs = sorted(x for x in xs if x == x)
     if not xs:
@@ -589,7 +594,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         for name, runs in steady_rows.items():
-            m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            m = medians(runs)
             print(
                 f"| {name} | {m['ttft_p50']:.2f} | {m['ttft_p95']:.2f} | {m['tbt_p50'] * 1e3:.0f} "
                 f"| {m['tbt_p95'] * 1e3:.0f} | {m['tokens_per_s']:.1f} |"
@@ -621,7 +626,7 @@ def run_beside(args: argparse.Namespace, model: Path) -> None:
     print("| server | long TTFT (s) | short TTFT p50 (s) | short TTFT max (s) | wall (s) |")
     print("|---|---|---|---|---|")
     for name, runs in rows.items():
-        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        m = medians(runs)
         print(
             f"| {name} | {m['long_ttft']:.2f} | {m['short_ttft_p50']:.2f} "
             f"| {m['short_ttft_max']:.2f} | {m['wall']:.2f} |"
@@ -660,7 +665,7 @@ def run_conversations(args: argparse.Namespace, model: Path) -> None:
     print("| server | wall (s) | median TTFT (s) | prompt tokens prefilled |")
     print("|---|---|---|---|")
     for name, runs in rows.items():
-        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        m = medians(runs)
         print(
             f"| {name} | {m['wall']:.1f} | {m['ttft']:.2f} | {m['prefilled']:.0f} of {m['prompt']:.0f} |"
         )
