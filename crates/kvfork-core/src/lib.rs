@@ -19,6 +19,7 @@ pub mod park;
 pub mod prefix_trie;
 pub mod speculation;
 pub mod state_file;
+pub mod steps_apart;
 pub mod text;
 pub mod threads;
 pub mod tree;
@@ -34,5 +35,6 @@ pub use packer::{logits_index, plan_chunk, plan_prefill, Chunk, ChunkRoom, Progr
 pub use park::{ParkLedger, Parked, Place, Segment};
 pub use prefix_trie::PrefixTrie;
 pub use speculation::GuessPolicy;
+pub use steps_apart::StepsApart;
 pub use text::Utf8Carry;
 pub use tree::{Node, Pruned, Registry};

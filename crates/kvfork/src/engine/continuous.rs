@@ -15,7 +15,7 @@
 //! a 512-token decode stays at the empty cache's speed, where in the main context it slowed
 //! from ~0.7 s to 1.0–1.5 s with a server's cache full of finished requests (measured: the
 //! steady workload of `bench_serve.py`), far more than a separate decode of the steps costs.
-//! The steps that came meanwhile decode apart, once every [`STEP_EVERY`] prompt tokens. Each
+//! The steps that came meanwhile decode apart, now and then ([`StepsApart`]). Each
 //! prompt is decoded wholly in one context, chosen at its first chunk; while one is cut
 //! between two decodes, the next decode is its context's, except that short prompts
 //! ([`SHORT_PROMPT`]) may go ahead of it: those for the main context (with the steps riding
@@ -36,6 +36,7 @@ use std::time::Instant;
 
 use kvfork_core::gather::{max_riders, Behind, Fate, NextChunk};
 use kvfork_core::packer::{plan_chunk, plan_prefill, Chunk, ChunkRoom, Progress};
+use kvfork_core::StepsApart;
 
 use super::gather::{start_run, view};
 use super::pending::Reply;
@@ -50,14 +51,6 @@ use crate::seq::Seq;
 
 /// Prompts a run takes in all: then it drains and ends (its bookkeeping stays small).
 const MOST_PROMPTS: usize = 256;
-
-/// Prompt tokens decoded in a scratch between two steps of the streams that wait meanwhile
-/// (they cannot ride those decodes): llama.cpp's server decodes up to 2,048 prompt tokens
-/// (its default `n_batch`) between two of a stream's tokens. Fewer, longer waits cost the
-/// streams no more time in all, and save the steps' own decodes: on the steady workload of
-/// `bench_serve.py`, stepping them after every 512-token decode put 6 % of the gaps between
-/// tokens at a decode's length (p95 0.32 s against llama-server's 0.10 s).
-const STEP_EVERY: usize = 2048;
 
 /// A prompt with at most this many tokens left goes before a prompt cut between two decodes
 /// (one decode of them between two of the cut one's): a conversation's next turn
@@ -160,10 +153,10 @@ struct Run {
     stepping: HashSet<u32>,
     /// Streams' steps worth waiting for before the next decode.
     expected: usize,
-    /// Streams' steps held while prompts decode in a scratch (see [`STEP_EVERY`]).
+    /// Streams' steps held while prompts decode in a scratch (see [`StepsApart`]).
     held: Vec<CommitRequest>,
-    /// Prompt tokens decoded in a scratch since the streams last stepped.
-    since_steps: usize,
+    /// When the held steps decode apart.
+    steps_apart: StepsApart,
     /// The last decode took short prompts ahead of a prompt cut between two decodes
     /// ([`SHORT_PROMPT`]): the cut prompt's turn now.
     went_ahead: bool,
@@ -213,7 +206,7 @@ impl Worker {
             stepping: HashSet::new(),
             expected: 0,
             held: Vec::new(),
-            since_steps: STEP_EVERY,
+            steps_apart: StepsApart::new(Instant::now()),
             went_ahead: false,
         };
         for req in group {
@@ -403,19 +396,19 @@ impl Worker {
             );
             run.expected = rider_tokens;
             let rows = if place == Place::Scratch {
-                // The streams cannot share the scratch's decode: they step apart, once
-                // every `STEP_EVERY` prompt tokens.
-                if run.since_steps >= STEP_EVERY && !riders.is_empty() {
+                // The streams cannot share the scratch's decode: they step apart, now and
+                // then (`StepsApart`).
+                if run.steps_apart.due(Instant::now()) && !riders.is_empty() {
                     self.run_commits(riders);
-                    run.since_steps = 0;
+                    run.steps_apart.stepped(Instant::now());
                 } else {
                     run.held = riders;
                     run.expected = 0;
                 }
-                run.since_steps += chunk.n_tokens();
+                run.steps_apart.decoded(chunk.n_tokens());
                 self.scratch_decode(run, &chunk)?
             } else {
-                run.since_steps = STEP_EVERY;
+                run.steps_apart.rode(Instant::now());
                 self.main_decode(run, &chunk, riders)?
             };
             let mut rows = rows.into_iter();
