@@ -97,6 +97,36 @@ def test_releasing_a_pruned_branch_is_a_value_error_and_forgets_it(ctx: kvfork.C
     assert cache.stats()["live"] == 0 and cache.stats()["entries"] == 0
 
 
+def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
+    ctx: kvfork.Context,
+) -> None:
+    """A use after `release` would write into an entry later requests share (their tokens
+    would change): the handle raises as a pruned one, and its prune does nothing."""
+    cache = kvfork.PrefixCache(ctx)
+    tokens = ctx.tokenize(COUNTING)
+    b = cache.branch_sync(tokens, GREEDY)
+    token = b.produce_sync().token
+    cache.release(b)
+    assert b.disposed and not b.is_active
+    spent = kvfork.BranchDisposedError
+    for use in (
+        lambda: b.commit_sync(token),
+        lambda: b.prefill_sync([token]),
+        lambda: b.sample(),
+        lambda: b.fork_sync(),
+        lambda: cache.fork_sync(b),
+        lambda: kvfork.BranchStore(ctx).step_sync([b]),
+    ):
+        with pytest.raises(spent, match="handed back to its prefix cache"):
+            use()
+    b.prune_sync()  # a no-op, as on a pruned branch: the entry stays
+    assert cache.stats()["entries"] == 1
+    again = cache.branch_sync(tokens, GREEDY)
+    assert cache.shared_tokens(again) == len(tokens) - 1 and again != b
+    expected, margins = scratch(ctx, tokens, 4)
+    assert_same_greedy([t.token for t in again.generate_sync(4)], expected, margins)
+
+
 def test_the_same_prompt_twice_prefills_only_its_last_token(ctx: kvfork.Context) -> None:
     cache = kvfork.PrefixCache(ctx)
     tokens = ctx.tokenize(COUNTING)

@@ -1036,8 +1036,9 @@ class Branch:
     @property
     def disposed(self) -> bool:
         """True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
-        context's `close`), from the moment the call is made; any use then raises
-        BranchDisposedError (KvforkError "the context is closed" after a close).
+        context's `close`, or this handle by `PrefixCache.release`), from the moment the call
+        is made; any use then raises BranchDisposedError (KvforkError "the context is closed"
+        after a close).
         """
     @property
     def fork_head(self) -> int:
@@ -1237,9 +1238,10 @@ class PrefixCache:
         """
     def release(self, branch: Branch) -> None:
         """Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
-        (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
-        cancelled task. ValueError for a branch the cache did not make or already has, and for
-        one pruned already (the cache forgets it: it holds no KV to keep).
+        (the caller's handle is spent: it raises BranchDisposedError as a pruned one, and its
+        `prune` does nothing). Never waits: safe in the clean-up of a cancelled task.
+        ValueError for a branch the cache did not make or already has, and for one pruned
+        already (the cache forgets it: it holds no KV to keep).
         """
     def fork(self, branch: Branch, *, seed: int | None = None) -> Operation[Branch]:
         """A fork of `branch` (a branch of the cache's context, usually one it handed out) on a

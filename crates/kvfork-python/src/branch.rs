@@ -251,8 +251,9 @@ impl PyBranch {
     }
 
     /// True once the branch is disposed (by `prune`, `prune_subtree`, `retain_only` or the
-    /// context's `close`), from the moment the call is made; any use then raises
-    /// BranchDisposedError (KvforkError "the context is closed" after a close).
+    /// context's `close`, or this handle by `PrefixCache.release`), from the moment the call
+    /// is made; any use then raises BranchDisposedError (KvforkError "the context is closed"
+    /// after a close).
     #[getter]
     fn disposed(&self) -> bool {
         self.inner.disposed()

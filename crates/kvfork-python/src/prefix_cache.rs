@@ -99,9 +99,10 @@ impl PyPrefixCache {
     }
 
     /// Hand back a branch `branch` or `fork` made: its KV stays as an entry for later requests
-    /// (the caller's handle is spent: use it no more). Never waits: safe in the clean-up of a
-    /// cancelled task. ValueError for a branch the cache did not make or already has, and for
-    /// one pruned already (the cache forgets it: it holds no KV to keep).
+    /// (the caller's handle is spent: it raises BranchDisposedError as a pruned one, and its
+    /// `prune` does nothing). Never waits: safe in the clean-up of a cancelled task.
+    /// ValueError for a branch the cache did not make or already has, and for one pruned
+    /// already (the cache forgets it: it holds no KV to keep).
     fn release(&self, branch: Arg<Bound<'_, PyBranch>>) -> PyResult<()> {
         self.inner.release(&branch.0.get().inner).py()
     }

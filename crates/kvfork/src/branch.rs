@@ -1,6 +1,7 @@
 //! `Branch`: one decode sequence (a KV lease) with its own sampler, grammar, biases and metrics.
 
 use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
@@ -23,6 +24,10 @@ pub struct Branch {
     ctx: Context,
     handle: Handle,
     cell: Arc<BranchCell>,
+    /// Set on a handle a prefix cache handed out once it is handed back
+    /// (`PrefixCache::release`): the handle is spent, as a pruned one, while the branch lives
+    /// on in the cache (None on every other handle).
+    handed_back: Option<Arc<AtomicBool>>,
 }
 
 impl PartialEq for Branch {
@@ -73,15 +78,32 @@ impl Branch {
         } else {
             ctx.engine().clear_seq(cell.seq());
         }
-        Ok(Branch {
-            ctx: ctx.clone(),
-            handle,
-            cell,
-        })
+        Ok(Branch::from_parts(ctx.clone(), handle, cell))
     }
 
     pub(crate) fn from_parts(ctx: Context, handle: Handle, cell: Arc<BranchCell>) -> Branch {
-        Branch { ctx, handle, cell }
+        Branch {
+            ctx,
+            handle,
+            cell,
+            handed_back: None,
+        }
+    }
+
+    /// A handle to the same branch that `spent` spends (set: it is disposed to its holder):
+    /// the handle a prefix cache hands out, see [`Branch::handed_back`].
+    pub(crate) fn spent_by(&self, spent: Arc<AtomicBool>) -> Branch {
+        Branch {
+            handed_back: Some(spent),
+            ..self.clone()
+        }
+    }
+
+    /// Whether this handle was handed back to the prefix cache that made it.
+    fn handed_back(&self) -> bool {
+        self.handed_back
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
     }
 
     pub(crate) fn cell(&self) -> &Arc<BranchCell> {
@@ -103,6 +125,12 @@ impl Branch {
         self.ctx.shared().check_open()?;
         if self.cell.is_disposed() {
             return Err(Error::BranchDisposed(self.handle.to_string()));
+        }
+        if self.handed_back() {
+            return Err(Error::BranchDisposed(format!(
+                "{} (handed back to its prefix cache)",
+                self.handle
+            )));
         }
         Ok(())
     }
@@ -293,7 +321,7 @@ impl Branch {
 
     /// Ready when a prune has nothing to do (already pruned) or cannot run (closed context).
     fn prune_settled(&self) -> Option<Pending<()>> {
-        if self.cell.is_disposed() {
+        if self.disposed() {
             return Some(Pending::ready(Ok(())));
         }
         self.ctx
@@ -425,14 +453,15 @@ impl Branch {
     /// True while the branch holds a KV lease (false once pruned, and while parked in host
     /// memory on a `park` context).
     pub fn is_active(&self) -> bool {
-        !self.cell.is_disposed()
+        !self.disposed()
             && !self.cell.is_parked()
             && self.ctx.shared().registry().contains(self.handle)
     }
 
-    /// Whether the branch was pruned (true as soon as `prune` is called).
+    /// Whether the branch was pruned (true as soon as `prune` is called), or this handle was
+    /// handed back to the prefix cache that made it.
     pub fn disposed(&self) -> bool {
-        self.cell.is_disposed()
+        self.cell.is_disposed() || self.handed_back()
     }
 
     /// Position at which this branch was forked (0 for a root).
@@ -705,7 +734,7 @@ impl Branch {
 /// `n_ctx - 2` (a shift keeps `keep` plus the larger half of the rest).
 pub(crate) fn check_keep(ctx: &Context, keep: usize) -> Result<()> {
     let n_ctx = ctx.n_ctx() as usize;
-    if keep + 2 > n_ctx {
+    if keep.saturating_add(2) > n_ctx {
         return Err(Error::invalid(
             "keep",
             format!("keep = {keep} leaves no room to shift in n_ctx = {n_ctx}: at most n_ctx - 2"),

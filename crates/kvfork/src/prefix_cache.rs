@@ -13,6 +13,7 @@
 //! of one request, or a user's own) keep their cells and become roots.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use kvfork_core::prefix_trie::PrefixTrie;
@@ -55,6 +56,8 @@ pub struct PrefixCacheStats {
 /// One branch the cache made: handed out (`live`) or handed back (an entry).
 struct Holder {
     branch: Branch,
+    /// Spends the handle handed out once it comes back (its user may keep a copy).
+    handed_back: Arc<AtomicBool>,
     /// Its adapter set's token in the trie (None: no adapter), see [`State::sentinel`].
     sentinel: Option<Token>,
     /// The tokens its KV holds, as far as the cache has seen (refreshed from its history).
@@ -260,9 +263,8 @@ impl PrefixCache {
                 }
                 _ => false,
             };
-            if let Ok((branch, shared)) = &made {
-                self.hold(branch, sentinel, tokens, *shared);
-            }
+            let made =
+                made.map(|(branch, shared)| (self.hold(branch, sentinel, tokens, shared), shared));
             if !retry {
                 restoring = None;
             }
@@ -309,8 +311,7 @@ impl PrefixCache {
                         }
                     };
                     let sentinel = self.lock().sentinel(adapters.key());
-                    self.hold(&branch, sentinel, &tokens, tokens.len());
-                    return Ok(branch);
+                    return Ok(self.hold(branch, sentinel, &tokens, tokens.len()));
                 }
             }
         }
@@ -366,15 +367,25 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Record a branch just made as a live holder of `tokens`.
-    fn hold(&self, branch: &Branch, sentinel: Option<Token>, tokens: &[Token], shared: usize) {
+    /// Record a branch just made as a live holder of `tokens`; the handle to hand out (spent
+    /// once handed back, see [`PrefixCache::release`]).
+    fn hold(
+        &self,
+        branch: Branch,
+        sentinel: Option<Token>,
+        tokens: &[Token],
+        shared: usize,
+    ) -> Branch {
         let mut st = self.lock();
         let handle = branch.handle();
+        let handed_back = Arc::new(AtomicBool::new(false));
+        let handed_out = branch.spent_by(handed_back.clone());
         st.trie.insert(handle, &keyed(sentinel, tokens));
         st.holders.insert(
             handle,
             Holder {
-                branch: branch.clone(),
+                branch,
+                handed_back,
                 sentinel,
                 tokens: tokens.to_vec(),
                 live: true,
@@ -382,6 +393,7 @@ impl PrefixCache {
             },
         );
         st.stats.branches += 1;
+        handed_out
     }
 
     /// Whether to prefill `tokens` now (announced, for others to wait for) or to wait for
@@ -737,9 +749,10 @@ impl PrefixCache {
     }
 
     /// Hand a branch the cache made back: its KV stays as an entry for later requests
-    /// (evicted least recently used). A branch the cache did not make is refused. Never waits
-    /// (an async caller may call it from a cancelled task's clean-up): prunes it needs are
-    /// queued, and always happen.
+    /// (evicted least recently used), and the handle handed out is spent (disposed, to its
+    /// holders: a use would change an entry others share). A branch the cache did not make is
+    /// refused. Never waits (an async caller may call it from a cancelled task's clean-up):
+    /// prunes it needs are queued, and always happen.
     pub fn release(&self, branch: &Branch) -> Result<()> {
         self.check_ours(branch)?;
         let over = {
@@ -777,6 +790,7 @@ impl PrefixCache {
             }
             let holder = st.holders.get_mut(&handle).expect("found above");
             holder.live = false;
+            holder.handed_back.store(true, Ordering::Release);
             st.refresh();
             st.trie.set_evictable(handle, true);
             st.trie.touch(handle);
@@ -987,6 +1001,13 @@ impl Branch {
     pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<usize> {
         if let Err(e) = self.check_live() {
             return Pending::ready(Err(e));
+        }
+        if source.context().shared().id != self.context().shared().id {
+            // Its cell's sequence would name another sequence of this context's cache.
+            return Pending::ready(Err(Error::invalid(
+                "source",
+                format!("branch {} belongs to another context", source.handle()),
+            )));
         }
         let (source, target, prefix) =
             (source.cell().clone(), self.cell().clone(), prefix.to_vec());
