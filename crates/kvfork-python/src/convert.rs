@@ -302,6 +302,15 @@ impl Int {
         }
     }
 
+    /// The value within `range`, as its type (a ValueError naming `name` and the range).
+    pub fn in_range<T>(&self, name: &str, range: std::ops::RangeInclusive<T>) -> PyResult<T>
+    where
+        T: Copy + Into<i64> + TryFrom<i64>,
+    {
+        let v = self.within(name, (*range.start()).into(), (*range.end()).into())?;
+        Ok(T::try_from(v).unwrap_or_else(|_| unreachable!("within the range")))
+    }
+
     pub fn u32(&self, name: &str, lo: u32) -> PyResult<u32> {
         Ok(self.within(name, lo as i64, u32::MAX as i64)? as u32)
     }

@@ -36,7 +36,7 @@ pub fn load(
 
 /// Layers were asked onto a GPU but kvfork found no GPU backend: the model runs on the CPU
 /// (llama.cpp says nothing), so say which backends there are and how to get one.
-fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: i32) -> PyResult<()> {
+pub(crate) fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: i32) -> PyResult<()> {
     let info = kvfork::system_info().py()?;
     if info.backend != "cpu" {
         return Ok(());

@@ -2,6 +2,9 @@
 //! pooling, parking — each checked before llama.cpp sees it (`ContextParams::validate`), and
 //! the names callers give them (`CacheType::from_name`, `pooling_from_name`).
 
+use std::fmt::Display;
+use std::ops::RangeInclusive;
+
 use llama_cpp_sys_2 as sys;
 
 use crate::error::{Error, Result};
@@ -138,6 +141,30 @@ impl Default for ContextParams {
 /// llama.cpp's limit on sequences per context.
 pub const MAX_SEQUENCES: u32 = 256;
 
+/// The `n_ctx` a context takes.
+pub const N_CTX_RANGE: RangeInclusive<u32> = 16..=1 << 24;
+
+/// The `n_batch` a context takes.
+pub const N_BATCH_RANGE: RangeInclusive<u32> = 1..=1 << 16;
+
+/// The `n_threads` and `n_threads_batch` a context takes.
+pub const N_THREADS_RANGE: RangeInclusive<i32> = 1..=512;
+
+/// `value` within `range`, or an invalid-argument error naming `name` and the range.
+fn check_range<T: PartialOrd + Display>(
+    name: &'static str,
+    value: T,
+    range: RangeInclusive<T>,
+) -> Result<()> {
+    if range.contains(&value) {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        name,
+        format!("{value} is not in [{}, {}]", range.start(), range.end()),
+    ))
+}
+
 impl ContextParams {
     /// Reject values llama.cpp would assert on.
     pub fn validate(&self) -> Result<()> {
@@ -161,32 +188,20 @@ impl ContextParams {
                 "device sampling is for drawing tokens; an embeddings=True context draws none",
             ));
         }
-        if self.n_ctx < 16 || self.n_ctx > 1 << 24 {
-            return Err(Error::invalid(
-                "n_ctx",
-                format!("{} is not in [16, 16777216]", self.n_ctx),
-            ));
-        }
+        check_range("n_ctx", self.n_ctx, N_CTX_RANGE)?;
         if self.recurrent_rollback > 64 {
             return Err(Error::invalid(
                 "recurrent_rollback",
                 format!("{} is not in [0, 64]", self.recurrent_rollback),
             ));
         }
-        if self.n_batch == 0 || self.n_batch > 1 << 16 {
-            return Err(Error::invalid(
-                "n_batch",
-                format!("{} is not in [1, 65536]", self.n_batch),
-            ));
-        }
+        check_range("n_batch", self.n_batch, N_BATCH_RANGE)?;
         for (name, value) in [
             ("n_threads", self.n_threads),
             ("n_threads_batch", self.n_threads_batch),
         ] {
             if let Some(t) = value {
-                if !(1..=512).contains(&t) {
-                    return Err(Error::invalid(name, format!("{t} is not in [1, 512]")));
-                }
+                check_range(name, t, N_THREADS_RANGE)?;
             }
         }
         if let Some(p) = self.pooling {

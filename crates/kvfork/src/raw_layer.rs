@@ -121,7 +121,7 @@ impl Branch {
     ) -> Pending<Created> {
         let checked = (|| {
             ctx.shared().check_open()?;
-            refuse_park(ctx, "Branch.create_over")?;
+            refuse_park(ctx, "Branch.create with a position > 0 or a seq_id")?;
             if position < 0 || position as u32 >= ctx.n_ctx() {
                 return Err(Error::invalid(
                     "position",
