@@ -229,12 +229,15 @@ pub(crate) fn unpack(entry: &[u8]) -> Result<Unpacked> {
     let mut at = len;
     let mut checkpoints = Vec::with_capacity((count as usize).min(1024));
     for _ in 0..count {
-        let head = entry.get(at..at + 12).ok_or_else(bad)?;
+        // The lengths come from a file: sums past usize are malformed entries too.
+        let body = at.checked_add(12).ok_or_else(bad)?;
+        let head = entry.get(at..body).ok_or_else(bad)?;
         let pos = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
         let n = u64::from_le_bytes(head[4..].try_into().expect("8 bytes")) as usize;
-        let state = entry.get(at + 12..at + 12 + n).ok_or_else(bad)?;
+        let end = body.checked_add(n).ok_or_else(bad)?;
+        let state = entry.get(body..end).ok_or_else(bad)?;
         checkpoints.push((pos, Arc::from(state)));
-        at += 12 + n;
+        at = end;
     }
     if at != tail {
         return Err(bad());

@@ -25,21 +25,20 @@ impl Worker {
             return Err(Error::BranchDisposed("in speculate".into()));
         }
         self.give_leases(&[cell])?;
-        let last = cell.lock().position() + draft.len() as i32;
-        self.guard_window(cell, last)?;
+        // The draft cut to what fits first: the window guard below sees only what decodes.
+        let position = cell.lock().position();
+        let room = self.shared().n_ctx as i32 - position;
+        if room < 1 {
+            return Err(Error::KvCacheFull(format!(
+                "position {position} reached n_ctx = {}",
+                self.shared().n_ctx
+            )));
+        }
+        draft.truncate((room as usize).min(self.ctx().n_batch as usize) - 1);
+        self.guard_window(cell, position + draft.len() as i32)?;
         let model = self.shared().model.clone();
         let (seq, start, before) = {
             let mut st = cell.lock();
-            let room = self.shared().n_ctx as i32 - st.position();
-            if room < 1 {
-                return Err(Error::KvCacheFull(format!(
-                    "position {} reached n_ctx = {}",
-                    st.position(),
-                    self.shared().n_ctx
-                )));
-            }
-            let fits = (room as usize).min(self.ctx().n_batch as usize);
-            draft.truncate(fits - 1);
             let snap = st.snapshot();
             if let Err(e) = st.accept_for_commit(&model, pending) {
                 st.restore(snap);
