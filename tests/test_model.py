@@ -3,6 +3,7 @@ missing or not a model."""
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,11 @@ def test_model_properties(model: kvfork.Model) -> None:
     assert model.chat_template is None  # base model: no template
 
 
+async def open_and_close(path: Path) -> None:
+    async with kvfork.create_context(path, n_ctx=64, n_seq_max=1, n_gpu_layers=99):
+        pass
+
+
 def test_gpu_layers_warn_only_without_a_gpu_backend() -> None:
     """Layers asked onto a GPU: without a GPU backend a warning says so and the model runs on
     the CPU; with one they go to the GPU, silently."""
@@ -26,6 +32,7 @@ def test_gpu_layers_warn_only_without_a_gpu_backend() -> None:
         lambda: kvfork.Model.load(path, n_gpu_layers=99).vocab_size,
         # A context given the path loads the model the same way (so does a Ray pool's actor).
         lambda: kvfork.create_context_sync(path, n_ctx=64, n_seq_max=1, n_gpu_layers=99).close(),
+        lambda: asyncio.run(open_and_close(path)),
     ]
     for load in loads:
         if kvfork.system_info()["backend"] == "cpu":

@@ -271,8 +271,9 @@ def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model
 def test_bad_park_options(model: kvfork.Model) -> None:
     with pytest.raises(ValueError, match="park"):
         kvfork.create_context_sync(model, embeddings=True, park=True)
-    with pytest.raises(ValueError, match="n_seq_max"):
-        kvfork.create_context_sync(model, n_seq_max=256, park=True)
+    for n_seq_max in (256, 300):  # one sequence is the scratch's
+        with pytest.raises(ValueError, match=r"n_seq_max.*\[1, 255\]"):
+            kvfork.create_context_sync(model, n_seq_max=n_seq_max, park=True)
     with pytest.raises(TypeError):
         kvfork.create_context_sync(model, park="yes")  # type: ignore[arg-type]
 

@@ -106,11 +106,15 @@ def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
     tokens = ctx.tokenize(COUNTING)
     b = cache.branch_sync(tokens, GREEDY)
     token = b.produce_sync().token
+    mine = b.fork_sync()  # a fork of the user's own, made before the release
     cache.release(b)
     assert b.disposed and not b.is_active
+    parent = mine.parent  # another handle to the entry, from the tree
+    assert parent == b and parent is not None and parent.disposed
     spent = kvfork.BranchDisposedError
     for use in (
         lambda: b.commit_sync(token),
+        lambda: parent.commit_sync(token),
         lambda: b.prefill_sync([token]),
         lambda: b.sample(),
         lambda: b.fork_sync(),
@@ -120,6 +124,8 @@ def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
         with pytest.raises(spent, match="handed back to its prefix cache"):
             use()
     b.prune_sync()  # a no-op, as on a pruned branch: the entry stays
+    parent.prune_sync()
+    mine.prune_sync()
     assert cache.stats()["entries"] == 1
     again = cache.branch_sync(tokens, GREEDY)
     assert cache.shared_tokens(again) == len(tokens) - 1 and again != b

@@ -59,7 +59,8 @@ fn options(
     let params = kvfork::ContextParams {
         n_ctx: n_ctx.in_range("n_ctx", kvfork::N_CTX_RANGE)?,
         n_batch: n_batch.in_range("n_batch", kvfork::N_BATCH_RANGE)?,
-        n_seq_max: n_seq_max.in_range("n_seq_max", 1..=kvfork::MAX_SEQUENCES)?,
+        n_seq_max: n_seq_max
+            .in_range("n_seq_max", kvfork::ContextParams::n_seq_max_range(park.0))?,
         n_threads: n_threads.map(|t| threads(t, "n_threads")).transpose()?,
         n_threads_batch: n_threads_batch
             .map(|t| threads(t, "n_threads_batch"))
@@ -81,14 +82,26 @@ fn options(
     let n_gpu_layers = n_gpu_layers
         .map(|n| n.in_range("n_gpu_layers", -1..=i32::MAX))
         .transpose()?;
-    if let (ModelSource::Path(_), Some(n)) = (&source, n_gpu_layers.filter(|&n| n != 0)) {
-        crate::model::warn_if_no_gpu(path_or_model.py(), n)?; // as `Model.load` does
-    }
     Ok(Options {
         source,
         params,
         n_gpu_layers,
     })
+}
+
+impl Options {
+    /// The layers asked onto a GPU for a model this context loads: once it is built (the
+    /// backends loaded, off the caller's thread), a warning if no GPU backend was found, as
+    /// `Model.load` gives.
+    fn gpu_layers_asked(&self) -> Option<i32> {
+        let loads = matches!(self.source, ModelSource::Path(_));
+        self.n_gpu_layers.filter(|&n| loads && n != 0)
+    }
+}
+
+/// `Options::gpu_layers_asked`'s warning, once the context is built.
+fn warn_if_no_gpu(py: Python<'_>, asked: Option<i32>) -> PyResult<()> {
+    asked.map_or(Ok(()), |n| crate::model::warn_if_no_gpu(py, n))
 }
 
 fn build(o: Options) -> kvfork::Result<kvfork::Context> {
@@ -173,10 +186,13 @@ context_creator! {
     /// freed as soon as it is built.
     fn create_context<'py>(py) -> PyResult<Bound<'py, PyAny>> {
         |o| {
+            let asked = o.gpu_layers_asked();
             let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
             let call = Call("kvfork", "create_context");
-            let op = Operation::new(call, pending, OnCancel::Detach, |py, ctx| {
-                PyContext { inner: ctx }.into_py_any(py)
+            let op = Operation::new(call, pending, OnCancel::Detach, move |py, ctx| {
+                let ctx = PyContext { inner: ctx };
+                warn_if_no_gpu(py, asked)?;
+                ctx.into_py_any(py)
             });
             Bound::new(py, op).map(Bound::into_any)
         }
@@ -187,10 +203,13 @@ context_creator! {
     /// Create a context (blocking twin of `create_context`).
     fn create_context_sync<'py>(py) -> PyResult<PyContext> {
         |o| {
+            let asked = o.gpu_layers_asked();
             let pending = kvfork::Pending::spawn("kvfork-create", move || build(o));
-            Ok(PyContext {
+            let ctx = PyContext {
                 inner: wait(py, pending)?,
-            })
+            };
+            warn_if_no_gpu(py, asked)?;
+            Ok(ctx)
         }
     }
 }

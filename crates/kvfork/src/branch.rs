@@ -1,7 +1,6 @@
 //! `Branch`: one decode sequence (a KV lease) with its own sampler, grammar, biases and metrics.
 
 use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
@@ -24,10 +23,10 @@ pub struct Branch {
     ctx: Context,
     handle: Handle,
     cell: Arc<BranchCell>,
-    /// Set on a handle a prefix cache handed out once it is handed back
-    /// (`PrefixCache::release`): the handle is spent, as a pruned one, while the branch lives
-    /// on in the cache (None on every other handle).
-    handed_back: Option<Arc<AtomicBool>>,
+    /// The prefix cache's own handle: the only one that may use the branch once it is an
+    /// entry (handed back with `PrefixCache::release`); to every other handle, the one handed
+    /// out and those the registry gives (`parent`, `children`), it is disposed.
+    cache_owned: bool,
 }
 
 impl PartialEq for Branch {
@@ -86,24 +85,21 @@ impl Branch {
             ctx,
             handle,
             cell,
-            handed_back: None,
+            cache_owned: false,
         }
     }
 
-    /// A handle to the same branch that `spent` spends (set: it is disposed to its holder):
-    /// the handle a prefix cache hands out, see [`Branch::handed_back`].
-    pub(crate) fn spent_by(&self, spent: Arc<AtomicBool>) -> Branch {
+    /// The prefix cache's own handle to this branch (see [`Branch::cache_owned`]).
+    pub(crate) fn owned_by_cache(&self) -> Branch {
         Branch {
-            handed_back: Some(spent),
+            cache_owned: true,
             ..self.clone()
         }
     }
 
-    /// Whether this handle was handed back to the prefix cache that made it.
+    /// Whether the branch is a prefix cache's entry and this handle not the cache's.
     fn handed_back(&self) -> bool {
-        self.handed_back
-            .as_ref()
-            .is_some_and(|f| f.load(Ordering::Acquire))
+        !self.cache_owned && self.cell.is_entry()
     }
 
     pub(crate) fn cell(&self) -> &Arc<BranchCell> {

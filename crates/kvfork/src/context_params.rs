@@ -166,16 +166,19 @@ fn check_range<T: PartialOrd + Display>(
 }
 
 impl ContextParams {
+    /// The `n_seq_max` a context takes: with `park`, llama.cpp gets one more sequence (the
+    /// scratch) than branches lease.
+    pub fn n_seq_max_range(park: bool) -> RangeInclusive<u32> {
+        1..=MAX_SEQUENCES - park as u32
+    }
+
     /// Reject values llama.cpp would assert on.
     pub fn validate(&self) -> Result<()> {
-        // With `park`, llama.cpp gets one more sequence (the scratch) than branches lease.
-        let most = MAX_SEQUENCES - self.park as u32;
-        if self.n_seq_max == 0 || self.n_seq_max > most {
-            return Err(Error::invalid(
-                "n_seq_max",
-                format!("{} is not in [1, {most}]", self.n_seq_max),
-            ));
-        }
+        check_range(
+            "n_seq_max",
+            self.n_seq_max,
+            Self::n_seq_max_range(self.park),
+        )?;
         if self.park && self.embeddings {
             return Err(Error::invalid(
                 "park",

@@ -13,7 +13,6 @@
 //! of one request, or a user's own) keep their cells and become roots.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use kvfork_core::prefix_trie::PrefixTrie;
@@ -55,9 +54,8 @@ pub struct PrefixCacheStats {
 
 /// One branch the cache made: handed out (`live`) or handed back (an entry).
 struct Holder {
+    /// The cache's own handle (once an entry, the only one that may use it).
     branch: Branch,
-    /// Spends the handle handed out once it comes back (its user may keep a copy).
-    handed_back: Arc<AtomicBool>,
     /// Its adapter set's token in the trie (None: no adapter), see [`State::sentinel`].
     sentinel: Option<Token>,
     /// The tokens its KV holds, as far as the cache has seen (refreshed from its history).
@@ -368,7 +366,7 @@ impl PrefixCache {
     }
 
     /// Record a branch just made as a live holder of `tokens`; the handle to hand out (spent
-    /// once handed back, see [`PrefixCache::release`]).
+    /// once handed back, see [`PrefixCache::release`]; the holder keeps the cache's own).
     fn hold(
         &self,
         branch: Branch,
@@ -378,14 +376,11 @@ impl PrefixCache {
     ) -> Branch {
         let mut st = self.lock();
         let handle = branch.handle();
-        let handed_back = Arc::new(AtomicBool::new(false));
-        let handed_out = branch.spent_by(handed_back.clone());
         st.trie.insert(handle, &keyed(sentinel, tokens));
         st.holders.insert(
             handle,
             Holder {
-                branch,
-                handed_back,
+                branch: branch.owned_by_cache(),
                 sentinel,
                 tokens: tokens.to_vec(),
                 live: true,
@@ -393,7 +388,7 @@ impl PrefixCache {
             },
         );
         st.stats.branches += 1;
-        handed_out
+        branch
     }
 
     /// Whether to prefill `tokens` now (announced, for others to wait for) or to wait for
@@ -790,7 +785,7 @@ impl PrefixCache {
             }
             let holder = st.holders.get_mut(&handle).expect("found above");
             holder.live = false;
-            holder.handed_back.store(true, Ordering::Release);
+            holder.branch.cell().mark_entry();
             st.refresh();
             st.trie.set_evictable(handle, true);
             st.trie.touch(handle);

@@ -27,6 +27,9 @@ pub(crate) struct BranchCell {
     handle: OnceLock<Handle>,
     state: Mutex<BranchState>,
     disposed: AtomicBool,
+    /// Handed back to the prefix cache that made it: an entry other requests share, which
+    /// only the cache's own handle may use (`Branch::check_live`).
+    entry: AtomicBool,
 }
 
 impl BranchCell {
@@ -37,6 +40,7 @@ impl BranchCell {
             handle: OnceLock::new(),
             state: Mutex::new(state),
             disposed: AtomicBool::new(false),
+            entry: AtomicBool::new(false),
         })
     }
 
@@ -78,6 +82,14 @@ impl BranchCell {
 
     pub fn mark_disposed(&self) {
         self.disposed.store(true, Ordering::Release)
+    }
+
+    pub fn is_entry(&self) -> bool {
+        self.entry.load(Ordering::Acquire)
+    }
+
+    pub fn mark_entry(&self) {
+        self.entry.store(true, Ordering::Release)
     }
 }
 
