@@ -90,18 +90,12 @@ fn options(
 }
 
 impl Options {
-    /// The layers asked onto a GPU for a model this context loads: once it is built (the
-    /// backends loaded, off the caller's thread), a warning if no GPU backend was found, as
-    /// `Model.load` gives.
+    /// The layers asked onto a GPU for a model this context loads (None for a loaded
+    /// `Model`): once the context is built, `warn_if_no_gpu` as `Model.load` does.
     fn gpu_layers_asked(&self) -> Option<i32> {
         let loads = matches!(self.source, ModelSource::Path(_));
-        self.n_gpu_layers.filter(|&n| loads && n != 0)
+        self.n_gpu_layers.filter(|_| loads)
     }
-}
-
-/// `Options::gpu_layers_asked`'s warning, once the context is built.
-fn warn_if_no_gpu(py: Python<'_>, asked: Option<i32>) -> PyResult<()> {
-    asked.map_or(Ok(()), |n| crate::model::warn_if_no_gpu(py, n))
 }
 
 fn build(o: Options) -> kvfork::Result<kvfork::Context> {
@@ -191,7 +185,7 @@ context_creator! {
             let call = Call("kvfork", "create_context");
             let op = Operation::new(call, pending, OnCancel::Detach, move |py, ctx| {
                 let ctx = PyContext { inner: ctx };
-                warn_if_no_gpu(py, asked)?;
+                crate::model::warn_if_no_gpu(py, asked)?;
                 ctx.into_py_any(py)
             });
             Bound::new(py, op).map(Bound::into_any)
@@ -208,7 +202,7 @@ context_creator! {
             let ctx = PyContext {
                 inner: wait(py, pending)?,
             };
-            warn_if_no_gpu(py, asked)?;
+            crate::model::warn_if_no_gpu(py, asked)?;
             Ok(ctx)
         }
     }

@@ -312,11 +312,11 @@ impl Int {
     }
 
     pub fn u32(&self, name: &str, lo: u32) -> PyResult<u32> {
-        Ok(self.within(name, lo as i64, u32::MAX as i64)? as u32)
+        self.in_range(name, lo..=u32::MAX)
     }
 
     pub fn i32(&self, name: &str, lo: i32) -> PyResult<i32> {
-        Ok(self.within(name, lo as i64, i32::MAX as i64)? as i32)
+        self.in_range(name, lo..=i32::MAX)
     }
 }
 

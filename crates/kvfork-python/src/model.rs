@@ -28,15 +28,17 @@ pub fn load(
         use_mmap,
     };
     let model = py.detach(|| kvfork::Model::load(&path, &params)).py()?;
-    if let Some(n) = n_gpu_layers.filter(|&n| n != 0) {
-        warn_if_no_gpu(py, n)?;
-    }
+    warn_if_no_gpu(py, n_gpu_layers)?;
     Ok(model)
 }
 
-/// Layers were asked onto a GPU but kvfork found no GPU backend: the model runs on the CPU
-/// (llama.cpp says nothing), so say which backends there are and how to get one.
-pub(crate) fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: i32) -> PyResult<()> {
+/// Layers were asked onto a GPU (`n_gpu_layers` not None or 0) but kvfork found no GPU
+/// backend: the model runs on the CPU (llama.cpp says nothing), so say which backends there
+/// are and how to get one. Call it once the model is loaded (`system_info` loads the backends).
+pub(crate) fn warn_if_no_gpu(py: Python<'_>, n_gpu_layers: Option<i32>) -> PyResult<()> {
+    let Some(n_gpu_layers) = n_gpu_layers.filter(|&n| n != 0) else {
+        return Ok(());
+    };
     let info = kvfork::system_info().py()?;
     if info.backend != "cpu" {
         return Ok(());

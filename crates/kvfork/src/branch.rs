@@ -97,6 +97,18 @@ impl Branch {
         }
     }
 
+    /// Refuse a branch of a context other than `ctx` (its handle, or its cell's sequence,
+    /// could name one of `ctx`'s): an invalid `arg`.
+    pub(crate) fn check_on(&self, ctx: &Context, arg: &'static str) -> Result<()> {
+        if self.ctx.shared().id != ctx.shared().id {
+            return Err(Error::invalid(
+                arg,
+                format!("branch {} belongs to another context", self.handle),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether the branch is a prefix cache's entry and this handle not the cache's.
     fn handed_back(&self) -> bool {
         !self.cache_owned && self.cell.is_entry()

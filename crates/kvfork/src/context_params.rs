@@ -192,12 +192,7 @@ impl ContextParams {
             ));
         }
         check_range("n_ctx", self.n_ctx, N_CTX_RANGE)?;
-        if self.recurrent_rollback > 64 {
-            return Err(Error::invalid(
-                "recurrent_rollback",
-                format!("{} is not in [0, 64]", self.recurrent_rollback),
-            ));
-        }
+        check_range("recurrent_rollback", self.recurrent_rollback, 0..=64)?;
         check_range("n_batch", self.n_batch, N_BATCH_RANGE)?;
         for (name, value) in [
             ("n_threads", self.n_threads),

@@ -356,13 +356,7 @@ impl PrefixCache {
 
     /// Refuse a branch of another context (its handle could equal one of ours).
     fn check_ours(&self, branch: &Branch) -> Result<()> {
-        if branch.context().shared().id != self.ctx.shared().id {
-            return Err(Error::invalid(
-                "branch",
-                format!("branch {} belongs to another context", branch.handle()),
-            ));
-        }
-        Ok(())
+        branch.check_on(&self.ctx, "branch")
     }
 
     /// Record a branch just made as a live holder of `tokens`; the handle to hand out (spent
@@ -994,15 +988,11 @@ impl Branch {
     /// rest). 0 when `source` was pruned or no longer holds `prefix`, or this branch is not
     /// empty; nothing happened then.
     pub fn share_prefix(&self, source: &Branch, prefix: &[Token]) -> Pending<usize> {
-        if let Err(e) = self.check_live() {
+        if let Err(e) = self
+            .check_live()
+            .and_then(|()| source.check_on(self.context(), "source"))
+        {
             return Pending::ready(Err(e));
-        }
-        if source.context().shared().id != self.context().shared().id {
-            // Its cell's sequence would name another sequence of this context's cache.
-            return Pending::ready(Err(Error::invalid(
-                "source",
-                format!("branch {} belongs to another context", source.handle()),
-            )));
         }
         let (source, target, prefix) =
             (source.cell().clone(), self.cell().clone(), prefix.to_vec());

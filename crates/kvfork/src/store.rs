@@ -39,12 +39,7 @@ impl BranchStore {
         self.ctx.shared().check_open()?;
         let mut cells: Vec<Arc<BranchCell>> = Vec::new();
         for b in branches {
-            if b.context().shared().id != self.ctx.shared().id {
-                return Err(Error::invalid(
-                    "branches",
-                    format!("branch {} belongs to another context", b.handle()),
-                ));
-            }
+            b.check_on(&self.ctx, "branches")?;
             b.check_live()?;
             if cells.iter().any(|c| Arc::ptr_eq(c, b.cell())) {
                 return Err(Error::invalid(
