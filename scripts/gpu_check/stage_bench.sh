@@ -5,12 +5,14 @@
 # the modules loaded as kvfork loads them: argmax on the host, and greedy sampling on the
 # backend), and benchmarks/bench_store.py's throughput and device-sampling tables. Every step
 # leaves its output and a marker: a call cut short goes on with the next step. Exit: 0 done,
-# 3 steps remain, 4 inputs missing, 1 the backend is not CUDA.
+# 3 steps remain, 4 inputs missing, 1 the backend is not CUDA. KVFORK_GPU_BENCH_TABLES=0 stops
+# after llama.cpp's loop (no noise or bench_store tables: for a session short of device time).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 BN=$WORK/bench
 LOG=$CALL/bench.log
 NS=${KVFORK_GPU_BENCH_NS:-1,8,64,128}
+TABLES=${KVFORK_GPU_BENCH_TABLES:-1}
 mkdir -p "$BN"
 wait_for() { echo "waiting: $*" | summary bench; exit 4; }
 [ -f "$WORK/install/DONE" ] || wait_for "stage install"
@@ -74,7 +76,7 @@ for label in default chat; do
   step "bare-$label-gpu" 60 "$BN/bare_bench" "$model" 99 64 "$NS" gpu || { rc=3; break; }
 done
 for label in default chat; do
-  [ $rc = 0 ] || break
+  [ $rc = 0 ] && [ "$TABLES" != 0 ] || break
   model=$INPUTS/$(meta models.$label)
   # The noise behind the suite's GPU tolerances (tests/conftest.py), measured again.
   step "noise-$label" 90 "$PY" -m gpu_check.noise --model "$model" || { rc=3; break; }
