@@ -956,3 +956,23 @@ def test_the_noise_measure_stays_within_the_suites_constants_here() -> None:
         assert int(pairs) > 0
         assert float(max_diff) <= LOGIT_NOISE and float(top_logprob) <= LOGPROB_NOISE, row
         assert float(corr) > MIN_CORRELATION, row
+
+
+def test_the_files_named_first_open_the_plan(tmp_path: Path) -> None:
+    """KVFORK_GPU_TEST_FIRST: last run's failing files go first, before a short call's deadline;
+    every file still runs once, and a name that is not a test file of the suite is refused."""
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    for name in ("test_a.py", "test_b.py", "test_c.py", "sub/test_d.py"):
+        (tmp_path / "tests" / name).write_text("")
+    assert chunks.test_files(tmp_path, ["tests/test_c.py", "tests/sub/test_d.py"]) == [
+        "tests/test_c.py",
+        "tests/sub/test_d.py",
+        "tests/test_a.py",
+        "tests/test_b.py",
+    ]
+    assert chunks.load_plan(tmp_path / "work", tmp_path, 3, ["tests/test_b.py"]) == [
+        ["tests/test_b.py", "tests/sub/test_d.py", "tests/test_a.py"],
+        ["tests/test_c.py"],
+    ]
+    with pytest.raises(ValueError, match="test_x.py"):
+        chunks.test_files(tmp_path, ["tests/test_x.py"])

@@ -20,7 +20,7 @@ import kvfork
 import openai
 import pytest
 
-from .conftest import ON_CPU, assert_same_text, greedy_with_margins, margin
+from .conftest import ON_CPU, SLOW_PREFILL_BATCH, assert_same_text, greedy_with_margins, margin
 from .serving import Server, bench_serve_module, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
@@ -902,8 +902,19 @@ def test_a_client_gone_during_a_long_prefill_aborts_it_and_frees_its_sequences_a
 
 def test_sigterm_during_a_prefill_answers_503_in_json(serve: Any) -> None:
     """A shutdown's grace ending while requests still prefill: they are aborted and answered
-    with the documented 503 (JSON, `shutting_down`), not uvicorn's plain 500."""
-    server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "2", "--shutdown-seconds", "1")
+    with the documented 503 (JSON, `shutting_down`), not uvicorn's plain 500. (Prompts in small
+    decodes, SLOW_PREFILL_BATCH, still prefill after the grace on a GPU too.)"""
+    server: Server = serve(
+        "chat",
+        "--n-ctx",
+        "4096",
+        "--n-seq-max",
+        "2",
+        "--shutdown-seconds",
+        "1",
+        "--n-batch",
+        str(SLOW_PREFILL_BATCH),
+    )
     socks = []
     for stream in (True, False):
         body = json.dumps({"prompt": "word " * 3000, "max_tokens": 8, "stream": stream}).encode()

@@ -36,9 +36,14 @@ CUT = -1
 Runner = Callable[[list[str], Path, Path, float], tuple[int, float]]
 
 
-def test_files(repo: Path) -> list[str]:
-    """The suite's test files, relative to the repository, in a fixed order."""
-    return sorted(str(p.relative_to(repo)) for p in (repo / "tests").rglob("test_*.py"))
+def test_files(repo: Path, first: Sequence[str] = ()) -> list[str]:
+    """The suite's test files, relative to the repository, in a fixed order: those named in
+    `first` (a rerun of what failed last time, before a short call's deadline) at the front."""
+    files = sorted(str(p.relative_to(repo)) for p in (repo / "tests").rglob("test_*.py"))
+    unknown = [f for f in first if f not in files]
+    if unknown:
+        raise ValueError(f"not test files of the suite: {' '.join(unknown)}")
+    return list(dict.fromkeys([*first, *files]))
 
 
 def plan_chunks(files: Sequence[str], per_chunk: int) -> list[list[str]]:
@@ -47,13 +52,15 @@ def plan_chunks(files: Sequence[str], per_chunk: int) -> list[list[str]]:
     return [list(files[i : i + per_chunk]) for i in range(0, len(files), per_chunk)]
 
 
-def load_plan(work: Path, repo: Path, per_chunk: int) -> list[list[str]]:
+def load_plan(
+    work: Path, repo: Path, per_chunk: int, first: Sequence[str] = ()
+) -> list[list[str]]:
     """The chunks fixed by the first run in `work` (made now if there is none)."""
     path = work / "plan.json"
     if path.is_file():
         plan: list[list[str]] = json.loads(path.read_text())
         return plan
-    plan = plan_chunks(test_files(repo), per_chunk)
+    plan = plan_chunks(test_files(repo, first), per_chunk)
     work.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1))
     return plan
@@ -263,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--files-per-chunk", type=int, default=6)
     p.add_argument("--min-left", type=float, default=150.0)
     p.add_argument("--jobs", type=int, default=1, help="chunks run at the same time")
+    p.add_argument("--first", default="", help="test files to run first, space-separated")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     p = sub.add_parser("summary")
     p.add_argument("--work", type=Path, required=True)
@@ -270,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "summary":
         print(summary(args.work), end="")
         return 0
-    plan = load_plan(args.work, args.repo, args.files_per_chunk)
+    plan = load_plan(args.work, args.repo, args.files_per_chunk, args.first.split())
     started = time.time()
     rc = run(
         args.work,

@@ -4,7 +4,8 @@
 # three at a time (the models are small: the GPU and 16 cores hold three suites); a call runs
 # chunks while time is left, the next call goes on with the rest. Ray's tests skip
 # (ray is not sent: 65 MB). Exit: 0 every chunk done (failures are in the summary), 3 chunks
-# remain, 4 inputs missing.
+# remain, 4 inputs missing. KVFORK_GPU_TEST_FIRST="tests/a.py tests/b.py": those files first (the
+# chunks are fixed by a machine's first test call).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 T=$WORK/test
@@ -18,6 +19,7 @@ export KVFORK_CHAT_MODEL=$INPUTS/$(meta models.chat)
 export KVFORK_CACHE_DIR=$WORK/cache
 "$PY" -m gpu_check.chunks run --repo "$REPO" --work "$T" --deadline "$KVFORK_GPU_DEADLINE" \
   --files-per-chunk "${KVFORK_GPU_TEST_CHUNK:-3}" --jobs "${KVFORK_GPU_TEST_JOBS:-3}" --min-left "${KVFORK_GPU_TEST_MIN_LEFT:-150}" \
+  --first "${KVFORK_GPU_TEST_FIRST:-}" \
   >>"$CALL/test.log" 2>&1
 rc=$?
 {
