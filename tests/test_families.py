@@ -715,9 +715,12 @@ def test_checkpoint_options_are_checked_and_zero_keeps_none(
         ("checkpoints", -1),
         ("checkpoint_bytes", -1),
         ("recurrent_rollback", 65),
+        ("recurrent_rollback", -1),
     ]:
-        with pytest.raises(ValueError, match=option):
+        with pytest.raises(ValueError, match=option) as refused:
             open_ctx(tiny, **{option: value})
+        if option == "recurrent_rollback":
+            assert "[0, 64]" in str(refused.value)  # the range it takes, either side
     with open_ctx(tiny, checkpoints=0) as ctx:
         cache = kvfork.PrefixCache(ctx)
         prompt = ctx.tokenize(DOC)

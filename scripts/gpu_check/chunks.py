@@ -52,9 +52,7 @@ def plan_chunks(files: Sequence[str], per_chunk: int) -> list[list[str]]:
     return [list(files[i : i + per_chunk]) for i in range(0, len(files), per_chunk)]
 
 
-def load_plan(
-    work: Path, repo: Path, per_chunk: int, first: Sequence[str] = ()
-) -> list[list[str]]:
+def load_plan(work: Path, repo: Path, per_chunk: int, first: Sequence[str] = ()) -> list[list[str]]:
     """The chunks fixed by the first run in `work` (made now if there is none)."""
     path = work / "plan.json"
     if path.is_file():

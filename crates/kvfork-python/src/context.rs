@@ -75,7 +75,8 @@ fn options(
         park: park.0,
         checkpoints: checkpoints.u32("checkpoints", 0)?,
         checkpoint_bytes: checkpoint_bytes.within("checkpoint_bytes", 0, i64::MAX)? as u64,
-        recurrent_rollback: recurrent_rollback.u32("recurrent_rollback", 0)?,
+        recurrent_rollback: recurrent_rollback
+            .in_range("recurrent_rollback", kvfork::RECURRENT_ROLLBACK_RANGE)?,
         device_sampling: device_sampling.0,
     };
     params.validate().py()?;

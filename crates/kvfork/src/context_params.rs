@@ -150,6 +150,9 @@ pub const N_BATCH_RANGE: RangeInclusive<u32> = 1..=1 << 16;
 /// The `n_threads` and `n_threads_batch` a context takes.
 pub const N_THREADS_RANGE: RangeInclusive<i32> = 1..=512;
 
+/// The `recurrent_rollback` a context takes.
+pub const RECURRENT_ROLLBACK_RANGE: RangeInclusive<u32> = 0..=64;
+
 /// `value` within `range`, or an invalid-argument error naming `name` and the range.
 fn check_range<T: PartialOrd + Display>(
     name: &'static str,
@@ -192,7 +195,11 @@ impl ContextParams {
             ));
         }
         check_range("n_ctx", self.n_ctx, N_CTX_RANGE)?;
-        check_range("recurrent_rollback", self.recurrent_rollback, 0..=64)?;
+        check_range(
+            "recurrent_rollback",
+            self.recurrent_rollback,
+            RECURRENT_ROLLBACK_RANGE,
+        )?;
         check_range("n_batch", self.n_batch, N_BATCH_RANGE)?;
         for (name, value) in [
             ("n_threads", self.n_threads),

@@ -39,7 +39,7 @@ pub use chat::{format_chat, FormattedChat};
 pub use context::{Context, ContextStats};
 pub use context_params::{
     pooling_from_name, CacheType, ContextParams, MAX_SEQUENCES, N_BATCH_RANGE, N_CTX_RANGE,
-    N_THREADS_RANGE,
+    N_THREADS_RANGE, RECURRENT_ROLLBACK_RANGE,
 };
 pub use embed::Embedding;
 pub use engine::{Cancel, Canceller, Pending};

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use kvfork_core::checkpoints::Checkpoints;
 use kvfork_core::state_file::{self, Kind, Reader, Writer};
-use kvfork_core::Handle;
+use kvfork_core::{Handle, Registry};
 
 use super::shared::{BranchCell, Stats};
 use super::Worker;
@@ -366,34 +366,45 @@ impl Worker {
         }
         let kv = r.bytes().map_err(state_error)?;
         r.finish().map_err(state_error)?;
-        self.dispose_all();
         self.shared().outputs().clear();
+        // The registry stays locked from the disposal to the last branch restored: a
+        // `Branch::create` on another thread cannot lease a sequence the file needs between
+        // them (it waits, then leases a free one).
+        let shared = self.shared_handle();
+        let mut reg = shared.registry();
+        dispose_all(&mut reg);
         self.ctx_mut().set_kv_state(None, kv)?;
         let mut restored: Vec<(Handle, Arc<BranchCell>)> = Vec::with_capacity(saved.len());
-        let mut reg = self.shared().registry();
         for (parent, fork_head, seq, state) in saved {
             let parent = usize::try_from(parent).ok().map(|i| restored[i].0);
             let cell = BranchCell::new(Some(Seq::new(seq)), state);
-            let h = reg.restore(parent, fork_head, seq, cell.clone())?;
-            cell.set_handle(h);
-            restored.push((h, cell));
+            match reg.restore(parent, fork_head, seq, cell.clone()) {
+                Ok(h) => {
+                    cell.set_handle(h);
+                    restored.push((h, cell));
+                }
+                Err(e) => {
+                    // No handle will reach a caller: give back what was restored so far.
+                    dispose_all(&mut reg);
+                    return Err(e.into());
+                }
+            }
         }
         Ok(restored)
     }
+}
 
-    /// Dispose every live branch (their cells are about to be replaced): each handle turns
-    /// disposed at once, and work queued on them fails.
-    fn dispose_all(&mut self) {
-        let mut reg = self.shared().registry();
-        let roots: Vec<Handle> = reg
-            .iter()
-            .filter(|(_, n)| n.parent.is_none())
-            .map(|(h, _)| h)
-            .collect();
-        for root in roots {
-            for pruned in reg.prune_subtree(root).unwrap_or_default() {
-                pruned.data.mark_disposed();
-            }
+/// Dispose every live branch of `reg` (their cells are about to be replaced): each handle
+/// turns disposed at once, and work queued on them fails.
+fn dispose_all(reg: &mut Registry<Arc<BranchCell>>) {
+    let roots: Vec<Handle> = reg
+        .iter()
+        .filter(|(_, n)| n.parent.is_none())
+        .map(|(h, _)| h)
+        .collect();
+    for root in roots {
+        for pruned in reg.prune_subtree(root).unwrap_or_default() {
+            pruned.data.mark_disposed();
         }
     }
 }

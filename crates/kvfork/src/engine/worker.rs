@@ -153,6 +153,11 @@ impl Worker {
         &self.shared
     }
 
+    /// [`Self::shared`] as an owned handle, to hold one of its locks across `&mut self` calls.
+    pub(super) fn shared_handle(&self) -> Arc<Shared> {
+        Arc::clone(&self.shared)
+    }
+
     /// The batch, emptied, to fill for the next `decode`.
     pub(super) fn start_batch(&mut self) -> &mut Batch {
         self.batch.clear();
