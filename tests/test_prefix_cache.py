@@ -101,7 +101,9 @@ def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
     ctx: kvfork.Context,
 ) -> None:
     """A use after `release` would write into an entry later requests share (their tokens
-    would change): the handle raises as a pruned one, and its prune does nothing."""
+    would change): the handle raises as a pruned one, and its prune does nothing. The tree
+    the caller sees has the entry no more (it is the cache's): the fork made before the
+    release has no parent, and the released handle no children."""
     cache = kvfork.PrefixCache(ctx)
     tokens = ctx.tokenize(COUNTING)
     b = cache.branch_sync(tokens, GREEDY)
@@ -109,12 +111,11 @@ def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
     mine = b.fork_sync()  # a fork of the user's own, made before the release
     cache.release(b)
     assert b.disposed and not b.is_active
-    parent = mine.parent  # another handle to the entry, from the tree
-    assert parent == b and parent is not None and parent.disposed
+    assert mine.parent is None and b.parent is None
+    assert b.children == [] and b.is_leaf
     spent = kvfork.BranchDisposedError
     for use in (
         lambda: b.commit_sync(token),
-        lambda: parent.commit_sync(token),
         lambda: b.prefill_sync([token]),
         lambda: b.sample(),
         lambda: b.fork_sync(),
@@ -124,11 +125,30 @@ def test_a_handle_handed_back_is_spent_and_the_entry_stays_as_it_was(
         with pytest.raises(spent, match="handed back to its prefix cache"):
             use()
     b.prune_sync()  # a no-op, as on a pruned branch: the entry stays
-    parent.prune_sync()
     mine.prune_sync()
     assert cache.stats()["entries"] == 1
     again = cache.branch_sync(tokens, GREEDY)
     assert cache.shared_tokens(again) == len(tokens) - 1 and again != b
+    expected, margins = scratch(ctx, tokens, 4)
+    assert_same_greedy([t.token for t in again.generate_sync(4)], expected, margins)
+
+
+def test_a_fork_handed_back_leaves_its_parent_a_leaf_that_prunes(ctx: kvfork.Context) -> None:
+    """A fork given back to the cache is the cache's entry, not a live child of the branch
+    it was forked from: that branch is a leaf again and its RESTRICT prune goes through,
+    leaving the entry (its cells kept, as `prune(keep_children=True)` leaves children) for
+    the next request with its prompt."""
+    cache = kvfork.PrefixCache(ctx)
+    tokens = ctx.tokenize(COUNTING)
+    b = cache.branch_sync(tokens, GREEDY)
+    f = cache.fork_sync(b)
+    assert b.children == [f] and not b.is_leaf
+    cache.release(f)
+    assert b.children == [] and b.is_leaf
+    b.prune_sync()
+    assert b.disposed and cache.stats()["entries"] == 1
+    again = cache.branch_sync(tokens, GREEDY)
+    assert cache.shared_tokens(again) == len(tokens) - 1
     expected, margins = scratch(ctx, tokens, 4)
     assert_same_greedy([t.token for t in again.generate_sync(4)], expected, margins)
 

@@ -383,7 +383,9 @@ impl Branch {
             if node.children.is_empty() {
                 Prune::Leaf
             } else {
-                Prune::KeepChildren // the disposed children leave by their own prunes
+                // The disposed children leave by their own prunes; the prefix cache's entries
+                // stay, their cells kept, under this branch's parent.
+                Prune::KeepChildren
             }
         };
         self.release(how)
@@ -424,13 +426,18 @@ impl Branch {
         Some(Branch::from_parts(self.ctx.clone(), handle, cell))
     }
 
-    /// The branch this one was forked from, if it is still live (`None` for a root).
+    /// The branch this one was forked from, if it is still live (`None` for a root, and
+    /// for a disposed branch or one handed back to its prefix cache).
     pub fn parent(&self) -> Option<Branch> {
+        if self.disposed() {
+            return None;
+        }
         let reg = self.ctx.shared().registry();
         let mut parent = reg.get(self.handle)?.parent?;
         // A parent being pruned (`disposed`, its engine half queued) is gone already: its
-        // children move up (`prune(keep_children=True)`), or go with it.
-        while reg.get(parent)?.data.is_disposed() {
+        // children move up (`prune(keep_children=True)`), or go with it. One handed back to
+        // its prefix cache is the cache's entry, no caller's branch: skipped alike.
+        while !is_live(&reg.get(parent)?.data) {
             parent = reg.get(parent)?.parent?;
         }
         drop(reg);
@@ -438,8 +445,12 @@ impl Branch {
     }
 
     /// Live forks of this branch, in creation order (a fork being pruned is not live: its
-    /// `disposed` is already true).
+    /// `disposed` is already true; nor is one handed back to its prefix cache). None for a
+    /// disposed branch or one handed back.
     pub fn children(&self) -> Vec<Branch> {
+        if self.disposed() {
+            return Vec::new();
+        }
         let live: Vec<Handle> = {
             let reg = self.ctx.shared().registry();
             match reg.get(self.handle) {
@@ -451,8 +462,11 @@ impl Branch {
         live.into_iter().filter_map(|h| self.wrap(h)).collect()
     }
 
-    /// Whether no live fork hangs off this branch.
+    /// Whether no live fork hangs off this branch (true once it is disposed or handed back).
     pub fn is_leaf(&self) -> bool {
+        if self.disposed() {
+            return true;
+        }
         let reg = self.ctx.shared().registry();
         reg.get(self.handle)
             .is_none_or(|n| live_children(&reg, &n.children).next().is_none())
@@ -769,8 +783,7 @@ fn check_bias(ctx: &Context, bias: &[(Token, f32)]) -> Result<()> {
     Ok(())
 }
 
-/// The children among `children` that are live: one already pruned (`disposed`, its engine
-/// half still queued) is not, so a prune that was not awaited shows at once, everywhere.
+/// The children among `children` that are live ([`is_live`]).
 fn live_children<'a>(
     reg: &'a Registry<Arc<BranchCell>>,
     children: &'a [Handle],
@@ -778,5 +791,13 @@ fn live_children<'a>(
     children
         .iter()
         .copied()
-        .filter(|&c| reg.get(c).is_some_and(|n| !n.data.is_disposed()))
+        .filter(|&c| reg.get(c).is_some_and(|n| is_live(&n.data)))
+}
+
+/// Whether a branch is a caller's live branch: one already pruned (`disposed`, its engine
+/// half still queued) is not, so a prune that was not awaited shows at once, everywhere; nor
+/// is one handed back to its prefix cache (the cache's entry: a RESTRICT prune of its parent
+/// leaves it to the cache, its cells kept, as `prune(keep_children=True)` does).
+fn is_live(cell: &BranchCell) -> bool {
+    !cell.is_disposed() && !cell.is_entry()
 }
