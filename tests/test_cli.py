@@ -146,6 +146,8 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["embed", "default"], 2, "nothing to embed"),
         (["serve", "default", "--ray", "local", "--n-batch", "64"], 2, "--n-batch"),
         (["serve", "default", "--ray", "local", "--warmup", "on"], 2, "--warmup on"),
+        (["serve", "default", "--cache-ram", str(1 << 43)], 2, "--cache-ram must be in"),
+        (["serve", "default", "--cache-disk", "-1"], 2, "--cache-disk must be in"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(

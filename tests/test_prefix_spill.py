@@ -191,6 +191,23 @@ def test_entries_over_max_cached_tokens_spill_too(model: kvfork.Model) -> None:
         cache.release(b)
 
 
+def test_a_request_right_after_a_release_waits_for_the_lease_its_eviction_frees(
+    model: kvfork.Model,
+) -> None:
+    """`release` over `max_cached_tokens` queues the entry's snapshot and prune without waiting;
+    on a context of one lease, the next request finds no lease and no entry while they run,
+    and waits for that lease instead of raising LeaseExhaustedError (7 of 8 did)."""
+    with kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=1) as ctx:
+        cache = kvfork.PrefixCache(ctx, max_cached_tokens=1, host_bytes=64 << 20)
+        for word in ("rivers", "mountains", "printing", "engines", "castles", "forests"):
+            prompt = ctx.tokenize(f"A long text about {word}. " * 8)
+            cache.release(cache.branch_sync(prompt, GREEDY))
+        assert cache.stats()["live"] == 0
+        # The last release's eviction may still run: making room waits for it (none to evict).
+        assert cache.make_room_sync(1) == 0
+        kvfork.Branch.create(ctx, 0, GREEDY).prune_sync()
+
+
 def test_without_room_on_any_level_an_evicted_entry_is_dropped(
     model: kvfork.Model, tmp_path: Path
 ) -> None:

@@ -52,6 +52,10 @@ class CliError(Exception):
     """A usage problem reported as ``kvfork: error: ...`` with exit status 2."""
 
 
+#: The most MiB `--cache-ram` or `--cache-disk` takes: 2**63 bytes.
+MAX_CACHE_MIB = 1 << 43
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
@@ -369,8 +373,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--reasoning-budget must be -1 (unlimited) or at least 0")
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
-    if min(args.cache_ram, args.cache_disk) < 0:
-        raise CliError("--cache-ram and --cache-disk must be at least 0")
+    for flag, size in (("--cache-ram", args.cache_ram), ("--cache-disk", args.cache_disk)):
+        if not 0 <= size < MAX_CACHE_MIB:  # in bytes, below 2**63
+            raise CliError(f"{flag} must be in [0, {MAX_CACHE_MIB}) MiB, got {size}")
     if args.ray is not None and (args.cache_ram or args.cache_dir is not None):
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
     if args.ray is not None and args.lora:

@@ -7,8 +7,9 @@ use kvfork_core::TenancyError;
 /// Everything that can go wrong in kvfork.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
-    /// The model file could not be loaded (missing, unreadable, not GGUF, rejected by llama.cpp).
-    #[error("failed to load model {path}: {reason}")]
+    /// A model or LoRA adapter file could not be loaded (missing, unreadable, not GGUF,
+    /// rejected by llama.cpp).
+    #[error("failed to load {path}: {reason}")]
     ModelLoad {
         /// The file asked for.
         path: PathBuf,

@@ -109,6 +109,9 @@ struct State {
     /// Evicted entries whose snapshot is being taken (in neither trie meanwhile): a request
     /// that would share theirs waits for them.
     spilling: Vec<Prefilling>,
+    /// Evictions queued without waiting (`release`'s), not yet pruned: their leases are about
+    /// to come back, so a request that finds no lease and no entry left waits for them.
+    evicting: Vec<Done>,
 }
 
 /// Hands out branches that share the longest prefix already in the KV cache.
@@ -138,6 +141,7 @@ impl PrefixCache {
                 stats: PrefixCacheStats::default(),
                 spill: None,
                 spilling: Vec::new(),
+                evicting: Vec::new(),
             })),
         }
     }
@@ -296,7 +300,9 @@ impl PrefixCache {
             }
             match source.fork(seed).wait() {
                 // Another request took the lease seen free: make room again.
-                Err(Error::LeaseExhausted { .. }) => self.evict_one_but(keep)?,
+                Err(Error::LeaseExhausted { .. }) => {
+                    self.evict_one_but(keep)?;
+                }
                 Err(e) => return Err(e),
                 Ok(branch) => {
                     // The fork's own tokens and adapters: `source` may have moved on since.
@@ -333,8 +339,9 @@ impl PrefixCache {
             cache.ctx.shared().check_open()?; // Closed: not "nothing left"
             let mut evicted = 0;
             while cache.ctx.available() < n {
-                cache.evict_one_but(None)?;
-                evicted += 1;
+                if cache.evict_one_but(None)? {
+                    evicted += 1;
+                }
             }
             Ok(evicted)
         })
@@ -348,7 +355,7 @@ impl PrefixCache {
         Pending::spawn("kvfork-prefix", move || {
             cache.ctx.shared().check_open()?; // Closed: not "nothing left"
             match cache.take_victim(None, true) {
-                Some(holder) => cache.evict(Some(holder)).map(|()| true),
+                Some(holder) => cache.evict(Some(holder)),
                 None => Ok(false),
             }
         })
@@ -528,28 +535,63 @@ impl PrefixCache {
     /// Prune the least recently used entry (not `keep`, the source about to be shared, when
     /// another entry can go) and wait until its lease is free. LeaseExhaustedError when there
     /// is none.
-    fn evict_one(&self, keep: Option<Handle>) -> Result<()> {
+    fn evict_one(&self, keep: Option<Handle>) -> Result<bool> {
         self.evict(self.take_victim(keep, false))
     }
 
     /// [`PrefixCache::evict_one`] that never takes `keep` (a branch about to be forked).
-    fn evict_one_but(&self, keep: Option<Handle>) -> Result<()> {
+    fn evict_one_but(&self, keep: Option<Handle>) -> Result<bool> {
         self.evict(self.take_victim(keep, true))
     }
 
-    fn evict(&self, victim: Option<Holder>) -> Result<()> {
+    /// Evict `victim` (true), or, with none, wait for the evictions under way (false; their
+    /// leases and cells are free then: the caller looks again); LeaseExhausted when there
+    /// are none either.
+    fn evict(&self, victim: Option<Holder>) -> Result<bool> {
         match victim {
             Some(holder) => {
                 let (pruned, keep) = self.start_eviction(holder);
                 if let Some(keep) = keep {
                     keep();
                 }
-                pruned.wait()
+                pruned.wait().map(|()| true)
             }
+            // `release` does not wait for the evictions it queues.
+            None if self.wait_for_evictions() => Ok(false),
             None => Err(Error::LeaseExhausted {
                 n_seq_max: self.ctx.n_seq_max(),
             }),
         }
+    }
+
+    /// Wait for the evictions queued without waiting; false when there were none.
+    fn wait_for_evictions(&self) -> bool {
+        let waits: Vec<Done> = self.lock().evicting.clone();
+        waits.iter().for_each(|done| wait_done(done));
+        !waits.is_empty()
+    }
+
+    /// Evict `holder` without waiting (`release` must not block): the engine takes its
+    /// snapshot (when spilling) and prunes it, and a thread of its own keeps the snapshot.
+    /// Until the prune is done the eviction is listed in `evicting`.
+    fn evict_in_background(&self, holder: Holder) {
+        let (pruned, keep) = self.start_eviction(holder);
+        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        self.lock().evicting.push(done.clone());
+        // Signalled when dropped: also when the thread could not start (the closure is
+        // dropped unrun), so that no request waits for it forever.
+        let evicted = Evicted {
+            cache: self.clone(),
+            done,
+        };
+        drop(Pending::spawn("kvfork-evict", move || {
+            let _ = pruned.wait(); // a prune always completes once queued
+            drop(evicted);
+            if let Some(keep) = keep {
+                keep();
+            }
+            Ok(())
+        }));
     }
 
     /// Queue `holder`'s prune (it always completes once queued). With spilling, its snapshot
@@ -774,7 +816,7 @@ impl PrefixCache {
                 let holder = st.holders.remove(&handle).expect("found above");
                 st.trie.remove(handle);
                 drop(st);
-                queue_eviction(&holder.branch);
+                self.evict_in_background(holder);
                 return Ok(());
             }
             let holder = st.holders.get_mut(&handle).expect("found above");
@@ -791,20 +833,12 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Evict entries until the cached tokens fit `max_cached_tokens` (their prunes queued).
+    /// Evict entries until the cached tokens fit `max_cached_tokens` (without waiting).
     fn trim(&self) {
         let limit = self.max_cached_tokens.unwrap_or(usize::MAX);
         while self.lock().cached_tokens() > limit {
             match self.take_victim(None, false) {
-                Some(holder) => {
-                    // Never waits: a thread of its own keeps a snapshot once taken.
-                    if let (_, Some(keep)) = self.start_eviction(holder) {
-                        drop(Pending::spawn("kvfork-spill", move || {
-                            keep();
-                            Ok(())
-                        }));
-                    }
-                }
+                Some(holder) => self.evict_in_background(holder),
                 None => break,
             }
         }
@@ -859,10 +893,22 @@ impl PrefixCache {
     }
 }
 
-/// Prune an entry without waiting for it: a prune always completes once queued (its effect
-/// is visible at once), so the reply is not needed.
-fn queue_eviction(branch: &Branch) {
-    drop(branch.prune_keep_children());
+/// An eviction of `evict_in_background` under way: dropped once its prune is done, it
+/// leaves `evicting` and wakes the requests waiting for it.
+struct Evicted {
+    cache: PrefixCache,
+    done: Done,
+}
+
+impl Drop for Evicted {
+    fn drop(&mut self) {
+        self.cache
+            .lock()
+            .evicting
+            .retain(|d| !Arc::ptr_eq(d, &self.done));
+        *self.done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.done.1.notify_all();
+    }
 }
 
 /// A branch of the cache (no adapters) whose KV holds `prefix`.

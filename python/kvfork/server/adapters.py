@@ -23,6 +23,9 @@ from .errors import bad_request, is_finite_number
 #: is a typo, and the logits would be noise).
 MAX_SCALE = 100.0
 
+#: The most adapters a request's `lora` list may name (a bound on the work a request asks for).
+MAX_ITEMS = 64
+
 #: What a request asks for: each adapter by name or index, with its scale (None: the default
 #: one `--lora` gave).
 Choice = list[tuple[str | int, float | None]]
@@ -111,8 +114,10 @@ def parse_lora(body: dict[str, Any]) -> Choice:
     value = body.get("lora")
     if value is None:
         return []
-    if not isinstance(value, list) or len(value) > 64:
+    if not isinstance(value, list):
         raise bad_request("lora must be a list of {name, scale} objects", "lora")
+    if len(value) > MAX_ITEMS:
+        raise bad_request(f"lora lists at most {MAX_ITEMS} adapters, got {len(value)}", "lora")
     choice: Choice = []
     for item in value:
         if isinstance(item, str):
