@@ -419,7 +419,7 @@ impl PrefixCache {
         if let Some(other) = other {
             return Turn::WaitFor(other);
         }
-        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        let done = new_done();
         st.prefilling.push(Prefilling {
             tokens: keyed_tokens,
             done: done.clone(),
@@ -433,8 +433,7 @@ impl PrefixCache {
         self.lock()
             .prefilling
             .retain(|p| !Arc::ptr_eq(&p.done, done));
-        *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        done.1.notify_all();
+        signal_done(done);
     }
 
     /// The holder sharing the longest prefix with `tokens`, and how many tokens to share
@@ -533,8 +532,8 @@ impl PrefixCache {
     }
 
     /// Prune the least recently used entry (not `keep`, the source about to be shared, when
-    /// another entry can go) and wait until its lease is free. LeaseExhaustedError when there
-    /// is none.
+    /// another entry can go) and wait until its lease is free, or, with none, wait for the
+    /// evictions under way ([`PrefixCache::evict`]). LeaseExhaustedError when there is none.
     fn evict_one(&self, keep: Option<Handle>) -> Result<bool> {
         self.evict(self.take_victim(keep, false))
     }
@@ -576,7 +575,7 @@ impl PrefixCache {
     /// Until the prune is done the eviction is listed in `evicting`.
     fn evict_in_background(&self, holder: Holder) {
         let (pruned, keep) = self.start_eviction(holder);
-        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        let done = new_done();
         self.lock().evicting.push(done.clone());
         // Signalled when dropped: also when the thread could not start (the closure is
         // dropped unrun), so that no request waits for it forever.
@@ -701,7 +700,7 @@ impl PrefixCache {
 
     /// An entry's snapshot is being taken: requests sharing its tokens wait for it.
     fn announce_spilling(&self, tokens: &[Token]) -> Done {
-        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        let done = new_done();
         self.lock().spilling.push(Prefilling {
             tokens: tokens.to_vec(),
             done: done.clone(),
@@ -711,8 +710,7 @@ impl PrefixCache {
 
     fn spilled(&self, done: &Done) {
         self.lock().spilling.retain(|p| !Arc::ptr_eq(&p.done, done));
-        *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        done.1.notify_all();
+        signal_done(done);
     }
 
     /// Wait for the snapshots being taken of evicted entries that share a prefix worth
@@ -906,8 +904,7 @@ impl Drop for Evicted {
             .lock()
             .evicting
             .retain(|d| !Arc::ptr_eq(d, &self.done));
-        *self.done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.done.1.notify_all();
+        signal_done(&self.done);
     }
 }
 
@@ -943,6 +940,17 @@ fn share_checkpoint(branch: &Branch, source: &Branch, prefix: &[Token]) {
     if src.history().starts_with(prefix) {
         src.keep_checkpoint(at, state, budget);
     }
+}
+
+/// A piece of work others may wait for ([`wait_done`]) until it is over ([`signal_done`]).
+fn new_done() -> Done {
+    Arc::new((Mutex::new(false), Condvar::new()))
+}
+
+/// The work of `done` is over: wake who waits for it.
+fn signal_done(done: &(Mutex<bool>, Condvar)) {
+    *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    done.1.notify_all();
 }
 
 fn wait_done(done: &(Mutex<bool>, Condvar)) {
