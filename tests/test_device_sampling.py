@@ -8,7 +8,9 @@ the branches whose chains need them; clear errors where a row stayed on the devi
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -642,3 +644,38 @@ def test_one_candidate_keeps_greedy_on_the_device_and_gives_rows_to_the_rest(
         seeded = kvfork.SamplingParams(temperature=1.2, top_k=20, seed=3)
         draws = [[t.token for t in root(c, PROMPT, seeded).generate_sync(8)] for c in (ctx, one)]
         assert draws[1] == draws[0]
+
+
+def test_the_stage_is_made_once_a_decode_not_once_a_row(
+    model: kvfork.Model, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stage's nodes are made once over all of a decode's output rows; each row gets two
+    views of them. llama.cpp reports the nodes of the graph it reserves for one token of
+    every sequence: with 64 sequences the stage adds a few nodes a sequence, not the ten or
+    so a row that were ~640 small kernels a step on a GPU (BENCHMARKS §29)."""
+    n_seq = 64
+
+    def token_graph_nodes(device_sampling: bool) -> int:
+        caplog.clear()
+        with kvfork.create_context_sync(
+            model, n_ctx=2048, n_seq_max=n_seq, device_sampling=device_sampling
+        ) as c:
+            b = root(c, "Hello")
+            kvfork.BranchStore(c).step_sync([b] + [b.fork_sync() for _ in range(n_seq - 1)])
+        found = [
+            int(m.group(1))
+            for r in caplog.records
+            # "graph: nodes = N, ..." or, when they differ, "graph (pp bs=.., tg bs=..): nodes
+            # = PROMPT / TOKEN, ..."
+            if (m := re.search(r"graph[^:]*: nodes = (?:\d+ / )?(\d+)", r.getMessage()))
+        ]
+        assert found, "llama.cpp reported no graph reserve"
+        return found[-1]
+
+    caplog.set_level(logging.INFO, logger="kvfork")
+    kvfork.set_log_level(logging.INFO)
+    try:
+        rows, device = token_graph_nodes(False), token_graph_nodes(True)
+    finally:
+        kvfork.set_log_level(logging.WARNING)
+    assert 0 < device - rows <= 3 * n_seq, (rows, device)

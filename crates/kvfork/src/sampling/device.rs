@@ -171,17 +171,55 @@ unsafe extern "C" fn backend_init(
     true
 }
 
-/// The graph, for a row of `n` logits:
-/// - its best `k` (`ggml_top_k`, unordered; `ggml_argmax` for one) and their logits;
-/// - the best logit's log-probability, `-ln Σ e^(x - max)`, over the row cut into up to 64
-///   pieces (a CPU backend splits each op by rows, so the pieces spread the pass over its
-///   threads).
+/// Output rows that share one set of the stage's nodes. The nodes' kernels are as many for
+/// one row as for 64 (what matters on a GPU: 64 rows through nodes of their own were ~640
+/// small kernels, 3 ms of a 10 ms step, BENCHMARKS §29), while their buffers grow with the
+/// rows: 64 rows of Gemma 3's 262,144 logits take 64 MiB a buffer, and the graph's allocator
+/// reuses them for the next 64 (all of 2,048 rows at once took 2 GiB more than rows alone).
+const ROWS_A_GROUP: i64 = 64;
+
+/// The stage's nodes in the graph being built ([`backend_apply`]): for the logits tensor
+/// of a graph context, each group of [`ROWS_A_GROUP`] rows that some row has asked for.
+struct Built {
+    ctx: *mut sys::ggml_context,
+    logits: *mut sys::ggml_tensor,
+    k: i64,
+    groups: Vec<Option<Group>>,
+}
+
+/// One group's outputs: the candidates' ids (`[k, rows]`) and their logits, each row's
+/// followed by its best logit's log-probability (`[k + 1, rows]`).
+#[derive(Clone, Copy)]
+struct Group {
+    ids: *mut sys::ggml_tensor,
+    out: *mut sys::ggml_tensor,
+}
+
+thread_local! {
+    /// The nodes of the graph this thread is building. llama.cpp builds a graph on the thread
+    /// that decodes, resets every stage first ([`backend_reset`], which forgets them), then
+    /// asks each sequence's chain for its rows, one row a call.
+    static BUILT: std::cell::RefCell<Option<Built>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A new graph is being built: the nodes of the last one are gone with it.
+unsafe extern "C" fn backend_reset(_: *mut sys::llama_sampler) {
+    BUILT.set(None);
+}
+
+/// The graph, for one output row of `n` logits. llama.cpp gives a stage one row a call, a
+/// view of the decode's logits; the nodes are made once for a group of rows of that tensor
+/// ([`ROWS_A_GROUP`], when the first of them asks) and each row gets views of their
+/// outputs. Over `[n, rows]`:
+/// - each row's best `k` (`ggml_top_k`, unordered; `ggml_argmax` for one) and their logits;
+/// - each row's best logit's log-probability, `-ln Σ e^(x - max)`, over the row cut into up
+///   to 64 pieces (a CPU backend splits each op by rows, so the pieces spread a row's pass
+///   over its threads).
 ///
-/// Outputs, which llama.cpp copies back: `candidates` (the `k` token ids) and `logits` (their
-/// `k` logits, then the log-probability). Nothing is `sampled` on the device: the branch's
-/// chain draws from the candidates on the host, with its own RNG. (Few nodes on purpose:
-/// reserving the graph of a stage with twice as many for 512 outputs ran out of the graph
-/// allocator's free blocks, which aborts; this one passes up to 8,192 outputs, checked.)
+/// Outputs, which llama.cpp copies back row by row: `candidates` (the `k` token ids) and
+/// `logits` (their `k` logits, then the log-probability). Nothing is `sampled` on the
+/// device: the branch's chain draws from the candidates on the host, with its own RNG.
+/// Rows of the group whose sequence gives its whole row (no chain) are computed too, unread.
 unsafe extern "C" fn backend_apply(
     stage: *mut sys::llama_sampler,
     ctx: *mut sys::ggml_context,
@@ -189,35 +227,116 @@ unsafe extern "C" fn backend_apply(
     data: *mut sys::llama_sampler_data,
 ) {
     // SAFETY: llama.cpp passes its graph context and this output's data, whose `logits` is
-    // a contiguous F32 view of one row (`build_sampling`); each op returns a new node of
-    // that context, the reshapes keep element counts, and the top-k takes `k <= n`.
+    // a contiguous F32 view of one row of the decode's logits (`build_sampling`); every node
+    // made here belongs to that context, and views stay inside the tensors they view.
     unsafe {
         let data = &mut *data;
-        let n = sys::ggml_nelements(data.logits);
-        let k = (kept(stage) as i64).min(n);
-        let row = sys::ggml_reshape_1d(ctx, data.logits, n);
-        let ids = if k == 1 {
-            sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, row, n, 1))
-        } else {
-            sys::ggml_top_k(ctx, row, k as i32)
-        };
-        let logits = sys::ggml_get_rows(ctx, sys::ggml_reshape_2d(ctx, row, 1, n), ids);
-        let best = sys::ggml_argmax(ctx, sys::ggml_reshape_1d(ctx, logits, k));
-        let max = sys::ggml_get_rows(ctx, logits, best);
-        let pieces = row_pieces(n);
-        let cut = sys::ggml_reshape_2d(ctx, row, n / pieces, pieces);
-        let shifted = sys::ggml_exp(ctx, sys::ggml_sub(ctx, cut, max));
-        let log_prob = sys::ggml_scale(ctx, sys::ggml_log(ctx, sys::ggml_sum(ctx, shifted)), -1.0);
-        let out = sys::ggml_concat(ctx, sys::ggml_reshape_1d(ctx, logits, k), log_prob, 0);
-        sys::ggml_set_name(out, c"kvfork_candidate_logits".as_ptr());
-        // llama.cpp reads both after the graph ran; unmarked, the allocator handed their
-        // memory on to later nodes (garbage on every sequence but 0).
-        sys::ggml_set_output(ids);
-        sys::ggml_set_output(out);
+        let (logits, row) = rows_of(ctx, data.logits);
+        let k = (kept(stage) as i64).min((*logits).ne[0]);
+        let (group, in_group) = (row / ROWS_A_GROUP, row % ROWS_A_GROUP);
+        let made = BUILT.with_borrow_mut(|built| {
+            let fresh = !matches!(built, Some(b) if b.ctx == ctx && b.logits == logits && b.k == k);
+            if fresh {
+                let groups = ((*logits).ne[1] as usize).div_ceil(ROWS_A_GROUP as usize);
+                *built = Some(Built {
+                    ctx,
+                    logits,
+                    k,
+                    groups: vec![None; groups],
+                });
+            }
+            let slot = &mut built.as_mut().expect("set above").groups[group as usize];
+            *slot.get_or_insert_with(|| build_group(ctx, logits, k, group))
+        });
+        let ids = sys::ggml_view_1d(ctx, made.ids, k, in_group as usize * (*made.ids).nb[1]);
+        let out = sys::ggml_view_1d(ctx, made.out, k + 1, in_group as usize * (*made.out).nb[1]);
         data.sampled = ptr::null_mut();
         data.logits = out;
         data.probs = ptr::null_mut();
         data.candidates = ids;
+    }
+}
+
+/// The logits tensor (`[n, rows]`, contiguous) whose row `data_logits` views, and the row's
+/// index; a view of anything else counts as a tensor of one row.
+///
+/// # Safety
+/// `data_logits` is a live contiguous tensor of `ctx`.
+unsafe fn rows_of(
+    ctx: *mut sys::ggml_context,
+    data_logits: *mut sys::ggml_tensor,
+) -> (*mut sys::ggml_tensor, i64) {
+    // SAFETY: the caller's contract; `view_src`, when set, is a live tensor of the graph.
+    unsafe {
+        let view = &*data_logits;
+        let n = sys::ggml_nelements(data_logits);
+        let src = view.view_src;
+        if !src.is_null() {
+            let s = &*src;
+            let is_row = s.type_ == view.type_
+                && s.ne[0] == n
+                && s.ne[2] == 1
+                && s.ne[3] == 1
+                && sys::ggml_is_contiguous(src)
+                && view.view_offs.is_multiple_of(s.nb[1])
+                && ((view.view_offs / s.nb[1]) as i64) < s.ne[1];
+            if is_row {
+                return (src, (view.view_offs / s.nb[1]) as i64);
+            }
+        }
+        (sys::ggml_reshape_2d(ctx, data_logits, n, 1), 0)
+    }
+}
+
+/// The stage's nodes over group `group` of the rows of `logits` (`[n, rows]`), keeping
+/// `k <= n` a row.
+///
+/// # Safety
+/// `logits` is a live contiguous F32 matrix of `ctx` with a row in that group.
+unsafe fn build_group(
+    ctx: *mut sys::ggml_context,
+    logits: *mut sys::ggml_tensor,
+    k: i64,
+    group: i64,
+) -> Group {
+    // SAFETY: the caller's contract; the view holds whole rows inside `logits`; each op
+    // returns a new node of `ctx`, reshapes keep element counts and take contiguous
+    // tensors, and the top-k takes `k <= n`.
+    unsafe {
+        let n = (*logits).ne[0];
+        let first = group * ROWS_A_GROUP;
+        let rows = ROWS_A_GROUP.min((*logits).ne[1] - first);
+        let nb1 = (*logits).nb[1];
+        let logits = sys::ggml_view_2d(ctx, logits, n, rows, nb1, first as usize * nb1);
+        let found = if k == 1 {
+            sys::ggml_argmax(ctx, logits)
+        } else {
+            sys::ggml_top_k(ctx, logits, k as i32)
+        };
+        let ids = sys::ggml_reshape_2d(ctx, found, k, rows);
+        // Each row's candidates' logits, [1, k, rows]: row r's get_rows reads row r.
+        let by_token = sys::ggml_reshape_3d(ctx, logits, 1, n, rows);
+        let best_logits = sys::ggml_get_rows(ctx, by_token, ids);
+        let max = if k == 1 {
+            best_logits
+        } else {
+            let best = sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, best_logits, k, rows));
+            sys::ggml_get_rows(ctx, best_logits, sys::ggml_reshape_2d(ctx, best, 1, rows))
+        };
+        let pieces = row_pieces(n);
+        let cut = sys::ggml_reshape_3d(ctx, logits, n / pieces, pieces, rows);
+        let shifted = sys::ggml_exp(ctx, sys::ggml_sub(ctx, cut, max));
+        let piece_sums = sys::ggml_sum_rows(ctx, shifted);
+        let sums = sys::ggml_sum_rows(ctx, sys::ggml_reshape_2d(ctx, piece_sums, pieces, rows));
+        let log_prob = sys::ggml_scale(ctx, sys::ggml_log(ctx, sums), -1.0);
+        let best_logits = sys::ggml_reshape_2d(ctx, best_logits, k, rows);
+        let out = sys::ggml_concat(ctx, best_logits, log_prob, 0);
+        sys::ggml_set_name(out, c"kvfork_candidate_logits".as_ptr());
+        // llama.cpp reads both (through the rows' views) after the graph ran; unmarked, the
+        // allocator handed their memory on to later nodes.
+        sys::ggml_set_output(found);
+        sys::ggml_set_output(out);
+        Group { ids, out }
     }
 }
 
@@ -242,7 +361,7 @@ static METHODS: Methods = Methods(sys::llama_sampler_i {
     backend_accept: None,
     backend_apply: Some(backend_apply),
     backend_set_input: None,
-    backend_reset: None,
+    backend_reset: Some(backend_reset),
     copy_state: None,
 });
 
