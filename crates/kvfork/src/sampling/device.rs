@@ -102,9 +102,10 @@ impl Drawn {
                 "the device returned a token outside the vocabulary for output {i}"
             ))
         })?;
-        // The stage's last number is the best logit's log-probability.
+        // The stage's last number is the best token's probability, 1 / Σ e^(x - max): the
+        // log-partition is max + ln Σ e^(x - max).
         Ok(Drawn {
-            log_sum_exp: f64::from(best[0].1) - f64::from(logits[k]),
+            log_sum_exp: f64::from(best[0].1) - f64::from(logits[k]).ln(),
             best,
         })
     }
@@ -161,8 +162,8 @@ unsafe fn kept(stage: *const sys::llama_sampler) -> usize {
     unsafe { (*stage).ctx as usize }
 }
 
-/// Every backend kvfork loads runs the stage's ops (top_k, get_rows, argmax, sub, exp, sum,
-/// log, scale, concat); a backend missing one gets it from the scheduler's CPU fallback.
+/// Every backend kvfork loads runs the stage's ops (top_k, argmax, get_rows, soft_max,
+/// concat); a backend missing one gets it from the scheduler's CPU fallback.
 unsafe extern "C" fn backend_init(
     _: *mut sys::llama_sampler,
     _: sys::ggml_backend_buffer_type_t,
@@ -188,7 +189,7 @@ struct Built {
 }
 
 /// One group's outputs: the candidates' ids (`[k, rows]`) and their logits, each row's
-/// followed by its best logit's log-probability (`[k + 1, rows]`).
+/// followed by its best token's probability (`[k + 1, rows]`).
 #[derive(Clone, Copy)]
 struct Group {
     ids: *mut sys::ggml_tensor,
@@ -212,12 +213,12 @@ unsafe extern "C" fn backend_reset(_: *mut sys::llama_sampler) {
 /// ([`ROWS_A_GROUP`], when the first of them asks) and each row gets views of their
 /// outputs. Over `[n, rows]`:
 /// - each row's best `k` (`ggml_top_k`, unordered; `ggml_argmax` for one) and their logits;
-/// - each row's best logit's log-probability, `-ln Σ e^(x - max)`, over the row cut into up
-///   to 64 pieces (a CPU backend splits each op by rows, so the pieces spread a row's pass
-///   over its threads).
+/// - each row's best token's probability, from `ggml_soft_max` (one fused kernel on a GPU,
+///   the row spread over the SMs when it is long; vectorized on a CPU), from which the host
+///   has the log-partition.
 ///
 /// Outputs, which llama.cpp copies back row by row: `candidates` (the `k` token ids) and
-/// `logits` (their `k` logits, then the log-probability). Nothing is `sampled` on the
+/// `logits` (their `k` logits, then the best token's probability). Nothing is `sampled` on the
 /// device: the branch's chain draws from the candidates on the host, with its own RNG.
 /// Rows of the group whose sequence gives its whole row (no chain) are computed too, unread.
 unsafe extern "C" fn backend_apply(
@@ -281,10 +282,39 @@ unsafe fn rows_of(
                 && view.view_offs.is_multiple_of(s.nb[1])
                 && ((view.view_offs / s.nb[1]) as i64) < s.ne[1];
             if is_row {
-                return (src, (view.view_offs / s.nb[1]) as i64);
+                let row = (view.view_offs / s.nb[1]) as i64;
+                return (unpadded(src, row).unwrap_or(src), row);
             }
         }
         (sys::ggml_reshape_2d(ctx, data_logits, n, 1), 0)
+    }
+}
+
+/// The logits `padded` was made from when it is llama.cpp's copy of them with one row of
+/// zeros added (`build_sampling` pads them so that a graph of one output keeps its shape
+/// whichever sequences sample) and `row` is one of theirs. Reading the logits themselves
+/// leaves the copy out of the graph: on a CPU, ggml's pad took ~0.2 ms a step of one
+/// 49,152-logit row, as long as the rest of the stage (BENCHMARKS §30).
+///
+/// # Safety
+/// `padded` is a live tensor of the graph.
+unsafe fn unpadded(padded: *mut sys::ggml_tensor, row: i64) -> Option<*mut sys::ggml_tensor> {
+    // SAFETY: the caller's contract; a PAD node's first source is a live tensor.
+    unsafe {
+        let p = &*padded;
+        let src = p.src[0];
+        if p.op != sys::GGML_OP_PAD || src.is_null() {
+            return None;
+        }
+        let s = &*src;
+        let same = s.type_ == p.type_
+            && s.ne[0] == p.ne[0]
+            && s.ne[1] + 1 == p.ne[1]
+            && s.ne[2] == 1
+            && s.ne[3] == 1
+            && row < s.ne[1]
+            && sys::ggml_is_contiguous(src);
+        same.then_some(src)
     }
 }
 
@@ -317,20 +347,20 @@ unsafe fn build_group(
         // Each row's candidates' logits, [1, k, rows]: row r's get_rows reads row r.
         let by_token = sys::ggml_reshape_3d(ctx, logits, 1, n, rows);
         let best_logits = sys::ggml_get_rows(ctx, by_token, ids);
-        let max = if k == 1 {
-            best_logits
+        // The best token: the argmax, or found again beside the top-k's unordered ids.
+        let best = if k == 1 {
+            ids
         } else {
-            let best = sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, best_logits, k, rows));
-            sys::ggml_get_rows(ctx, best_logits, sys::ggml_reshape_2d(ctx, best, 1, rows))
+            sys::ggml_reshape_2d(ctx, sys::ggml_argmax(ctx, logits), 1, rows)
         };
-        let pieces = row_pieces(n);
-        let cut = sys::ggml_reshape_3d(ctx, logits, n / pieces, pieces, rows);
-        let shifted = sys::ggml_exp(ctx, sys::ggml_sub(ctx, cut, max));
-        let piece_sums = sys::ggml_sum_rows(ctx, shifted);
-        let sums = sys::ggml_sum_rows(ctx, sys::ggml_reshape_2d(ctx, piece_sums, pieces, rows));
-        let log_prob = sys::ggml_scale(ctx, sys::ggml_log(ctx, sums), -1.0);
-        let best_logits = sys::ggml_reshape_2d(ctx, best_logits, k, rows);
-        let out = sys::ggml_concat(ctx, best_logits, log_prob, 0);
+        let probs = sys::ggml_soft_max(ctx, logits);
+        let best_prob = sys::ggml_get_rows(ctx, sys::ggml_reshape_3d(ctx, probs, 1, n, rows), best);
+        let out = sys::ggml_concat(
+            ctx,
+            sys::ggml_reshape_2d(ctx, best_logits, k, rows),
+            sys::ggml_reshape_2d(ctx, best_prob, 1, rows),
+            0,
+        );
         sys::ggml_set_name(out, c"kvfork_candidate_logits".as_ptr());
         // llama.cpp reads both (through the rows' views) after the graph ran; unmarked, the
         // allocator handed their memory on to later nodes.
@@ -338,11 +368,6 @@ unsafe fn build_group(
         sys::ggml_set_output(out);
         Group { ids, out }
     }
-}
-
-/// The most pieces, up to 64, that a row of `n` cuts into evenly.
-fn row_pieces(n: i64) -> i64 {
-    (1..=64).rev().find(|k| n % k == 0).unwrap_or(1)
 }
 
 /// The stage's methods; llama.cpp only reads them.
@@ -510,7 +535,7 @@ impl Drop for DeviceChains {
 
 #[cfg(test)]
 mod tests {
-    use super::{row_pieces, Drawn};
+    use super::Drawn;
 
     #[test]
     fn candidates_come_best_first_with_ties_to_the_lower_token() {
@@ -526,16 +551,5 @@ mod tests {
         assert!(Drawn::best_first(&[1, 10], &[0.0, 0.0], 10).is_none());
         assert!(Drawn::best_first(&[-1], &[0.0], 10).is_none());
         assert!(Drawn::best_first(&[], &[], 10).is_none());
-    }
-
-    #[test]
-    fn a_row_is_cut_into_even_pieces() {
-        assert_eq!(row_pieces(262_144), 64);
-        assert_eq!(row_pieces(49_152), 64);
-        assert_eq!(row_pieces(32_000), 64);
-        assert_eq!(row_pieces(151_936), 64);
-        assert_eq!(row_pieces(50_257), 29);
-        assert_eq!(row_pieces(7), 7);
-        assert_eq!(row_pieces(65_537), 1);
     }
 }
