@@ -679,3 +679,62 @@ def test_the_stage_is_made_once_a_decode_not_once_a_row(
     finally:
         kvfork.set_log_level(logging.WARNING)
     assert 0 < device - rows <= 3 * n_seq, (rows, device)
+
+
+def test_a_branch_saved_where_the_device_drew_loads_into_a_context_of_rows(
+    dev_ctx: kvfork.Context, ctx: kvfork.Context, tmp_path: Path
+) -> None:
+    """A branch saved from a device-sampling context, loaded into one without (`Branch.load`
+    and `Context.restore`), gets its row decoded again there: it reads, scores any token,
+    takes a grammar and commits as the same branch saved from host rows does (once, at the
+    load: no decode after it for a read)."""
+    b = root(dev_ctx)
+    b.save_sync(tmp_path / "dev.kvfork")
+    dev_ctx.save_state_sync(tmp_path / "dev.ctx")
+    host = root(ctx)
+    host_row = host.logits()
+
+    def check(loaded: kvfork.Branch) -> None:
+        before = ctx.stats()["decode_calls"]
+        row = loaded.logits()
+        assert ctx.stats()["decode_calls"] == before
+        assert_close_logits(row, host_row)
+        exact = row.astype(np.float64)
+        assert loaded.logprob(5) == pytest.approx(exact[5] - np.logaddexp.reduce(exact), abs=1e-6)
+        assert loaded.entropy() > 0.0
+        fork = loaded.fork_sync()
+        fork.set_grammar('root ::= " yes"')
+        piece = ctx.detokenize([fork.produce_sync().token])
+        assert piece and " yes".startswith(piece)
+        fork.prune_sync()
+        loaded.fork_sync().commit_sync(5)
+
+    loaded = kvfork.Branch.load_sync(ctx, tmp_path / "dev.kvfork")
+    check(loaded)
+    for branch in (loaded, host):
+        branch.prune_subtree_sync()
+    (restored,) = ctx.load_state_sync(tmp_path / "dev.ctx")
+    check(restored)
+
+
+def test_the_scratch_context_keeps_the_candidates_its_context_was_made_with(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVFORK_DEVICE_CANDIDATES` is read when a context is created; the scratch context that
+    prefills a batch of prompts, created later, keeps its context's count whatever the
+    variable says by then: a top-k 40 branch prefilled there draws without a decode more."""
+    monkeypatch.delenv("KVFORK_DEVICE_CANDIDATES", raising=False)
+    seeded = kvfork.SamplingParams(temperature=1.5, top_k=40, seed=1)
+    with kvfork.create_context_sync(
+        model, n_ctx=1024, n_batch=32, n_seq_max=4, device_sampling=True
+    ) as c:
+        monkeypatch.setenv("KVFORK_DEVICE_CANDIDATES", "1")
+        # Prompts go through the scratch beside a branch that holds cells.
+        root(c, " ".join([PROMPT] * 12))
+        a, b = kvfork.Branch.create(c, 0, seeded), kvfork.Branch.create(c, 0, seeded)
+        store = kvfork.BranchStore(c)
+        store.prefill_sync([(a, c.tokenize("My favourite colour is")), (b, c.tokenize("I eat"))])
+        assert c.stats()["scratch_tokens"] > 0
+        before = c.stats()["decode_calls"]
+        a.sample()
+        assert c.stats()["decode_calls"] == before

@@ -112,6 +112,11 @@ def create_context(
       again), so only a device draw captured before its branch decoded anything (a
       destroyed branch's) stays unreadable (KvforkError). Not with
       `embeddings=True`. Meant for GPUs: on the CPU backend it is slower than host rows.
+      It takes more host memory: llama.cpp keeps, beside the rows' buffer, room for
+      `vocab_size` sampled logits, probabilities and token ids for each of `n_batch`
+      outputs (with rows, 4 x `n_batch` x `vocab_size` x 4 bytes: 2 GiB for Gemma 3 at
+      `n_batch=512`; pinned memory on a GPU). A branch saved from such a context loads
+      into one without: its last token is decoded again there for its row.
 
     A bad option raises ValueError naming it, an unknown one TypeError, and a model that
     cannot be loaded ModelLoadError."""

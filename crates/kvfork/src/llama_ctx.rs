@@ -11,7 +11,7 @@ use crate::adapter::LoraAdapter;
 use crate::context_params::ContextParams;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
-use crate::sampling::device::{DeviceChains, Drawn};
+use crate::sampling::device::{candidates_from_env, DeviceChains, Drawn, CANDIDATES};
 use crate::seq::Seq;
 
 /// One output of the last decode: its logits row, or what device sampling drew from it.
@@ -89,7 +89,16 @@ impl Drop for LlamaCtx {
 }
 
 impl LlamaCtx {
+    /// A context of `model`; with `p.device_sampling`, its stages keep the candidates
+    /// `KVFORK_DEVICE_CANDIDATES` says now.
     pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Self> {
+        Self::keeping(model, p, candidates_from_env())
+    }
+
+    /// A context of `model` whose device stages (with `p.device_sampling`) keep `kept`
+    /// candidates: a scratch context keeps what its main context keeps, whatever the
+    /// environment says since.
+    pub fn keeping(model: Arc<Model>, p: &ContextParams, kept: usize) -> Result<Self> {
         p.validate()?;
         // SAFETY: returns a struct by value; reads no state.
         let mut cp = unsafe { sys::llama_context_default_params() };
@@ -142,7 +151,9 @@ impl LlamaCtx {
             0
         };
         cp.no_perf = true;
-        let mut device = p.device_sampling.then(|| DeviceChains::new(p.llama_seqs()));
+        let mut device = p
+            .device_sampling
+            .then(|| DeviceChains::new(p.llama_seqs(), kept));
         if let Some(chains) = device.as_mut() {
             chains.attach(&mut cp);
             // A speculative verification draws at every position of its draft (llama.cpp's
@@ -302,6 +313,12 @@ impl LlamaCtx {
     /// whose chain draws from more wants its row: `Batch::want_row`); None without.
     pub fn device_candidates(&self) -> Option<usize> {
         self.device.as_ref().map(|d| d.kept().min(self.n_vocab))
+    }
+
+    /// The candidates this context's device stages keep (before the vocabulary's size), or
+    /// the default without device sampling: what a context made like it keeps.
+    pub fn device_kept(&self) -> usize {
+        self.device.as_ref().map_or(CANDIDATES, DeviceChains::kept)
     }
 
     /// Where llama.cpp's output buffer starts (it moves only when a decode needs more outputs

@@ -26,7 +26,7 @@ enum Row {
 }
 
 /// Why a device-sampled branch has no row to read.
-const NO_ROW_ON_DEVICE: &str = "this context samples on the device \
+const NO_ROW_ON_DEVICE: &str = "this output was drawn on the device \
     (create_context(device_sampling=True)): the logits row of this output stayed there, and \
     only its best logits (64, or KVFORK_DEVICE_CANDIDATES) and its log-partition came back. \
     A branch's row is decoded again \

@@ -51,6 +51,17 @@ impl Worker {
         Ok(())
     }
 
+    /// A branch restored (`Branch::load`, `Branch::restore`, `Context::restore`) into a
+    /// context without device sampling from a file saved where the device drew its last
+    /// output: its row, so that it reads, samples and commits as this context's branches do.
+    /// A refresh that fails (no room for the token decoded again) leaves the draw: the branch
+    /// samples from its candidates, and a read says why it has no row.
+    pub(super) fn rows_for_restored(&mut self, cell: &Arc<BranchCell>) {
+        if self.ctx().device_candidates().is_none() && cell.lock().logits().drawn().is_some() {
+            let _ = self.refresh_row(cell);
+        }
+    }
+
     /// Before `token` is committed to `cell`: a token outside the candidates the device kept
     /// has no probability to count, so the branch gets its row, and rows from now on (it
     /// commits tokens of its own, as a reader would).

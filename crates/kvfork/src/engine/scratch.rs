@@ -233,7 +233,8 @@ impl Worker {
             park: false,
             ..main.clone()
         };
-        let mut scratch = LlamaCtx::new(Arc::clone(&self.shared().model), &params)?;
+        let kept = self.ctx().device_kept();
+        let mut scratch = LlamaCtx::keeping(Arc::clone(&self.shared().model), &params, kept)?;
         scratch.set_abort_signal(self.shared().abort.clone());
         let (single, batch) = self.threads();
         scratch.set_threads(single, batch);

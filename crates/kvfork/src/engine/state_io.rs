@@ -164,6 +164,7 @@ impl Worker {
             cell.mark_disposed();
             return Err(e);
         }
+        self.rows_for_restored(&cell);
         Ok((handle, cell))
     }
 
@@ -389,6 +390,10 @@ impl Worker {
                     return Err(e.into());
                 }
             }
+        }
+        drop(reg);
+        for (_, cell) in &restored {
+            self.rows_for_restored(cell);
         }
         Ok(restored)
     }

@@ -176,7 +176,7 @@ unsafe extern "C" fn backend_init(
 /// one row as for 64 (what matters on a GPU: 64 rows through nodes of their own were ~640
 /// small kernels, 3 ms of a 10 ms step, BENCHMARKS §29), while their buffers grow with the
 /// rows: 64 rows of Gemma 3's 262,144 logits take 64 MiB a buffer, and the graph's allocator
-/// reuses them for the next 64 (all of 2,048 rows at once took 2 GiB more than rows alone).
+/// reuses them for the next 64 (all of 2,048 rows at once took 2 GiB more compute buffer).
 const ROWS_A_GROUP: i64 = 64;
 
 /// The stage's nodes in the graph being built ([`backend_apply`]): for the logits tensor
@@ -427,13 +427,15 @@ pub(crate) struct DeviceChains {
     configs: Vec<sys::llama_sampler_seq_config>,
     /// Batch entries of the last decode whose output is a row (their sequence gives rows).
     row_entries: Vec<usize>,
-    /// The candidates each stage keeps ([`candidates_from_env`]).
+    /// The candidates each stage keeps.
     kept: usize,
 }
 
 impl DeviceChains {
-    pub fn new(n_seqs: u32) -> Self {
-        let kept = candidates_from_env();
+    /// Chains for `n_seqs` sequences whose stages keep `kept` candidates (1 to
+    /// [`CANDIDATES`]; a context's is [`candidates_from_env`] when it is created).
+    pub fn new(n_seqs: u32, kept: usize) -> Self {
+        let kept = kept.clamp(1, CANDIDATES);
         let chains: Vec<_> = (0..n_seqs).map(|_| NonNull::new(new_chain(kept))).collect();
         let configs = chains
             .iter()
