@@ -224,6 +224,11 @@ def test_without_room_on_any_level_an_evicted_entry_is_dropped(
         cache.release(b)
 
 
+def test_a_disk_budget_without_a_directory_is_refused(ctx: kvfork.Context) -> None:
+    with pytest.raises(ValueError, match="disk_dir"):
+        kvfork.PrefixCache(ctx, host_bytes=1000, disk_bytes=10_000)
+
+
 def test_a_cache_opened_later_finds_the_entries_and_skips_what_a_crash_left(
     model: kvfork.Model, tmp_path: Path
 ) -> None:

@@ -201,6 +201,7 @@ def test_concurrent_requests_over_four_sets_each_get_what_they_get_alone(
         ([{"name": "a", "scale": 1e9}], "scale"),
         ([3.5], "objects"),
         ([{"name": "a"}] * 65, "at most 64 adapters, got 65"),
+        ([{"name": "a", "id": 1}], "not both"),
     ],
 )
 def test_bad_lora_fields_get_a_400_naming_the_field(

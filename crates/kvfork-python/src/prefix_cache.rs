@@ -17,7 +17,7 @@ use crate::params;
 /// the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
 /// (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
 /// are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`, whose
-/// `disk_bytes` None leaves unbounded) an evicted entry without adapters is kept as a snapshot in host memory (then
+/// `disk_bytes` None leaves unbounded; a positive `disk_bytes` alone is a ValueError) an evicted entry without adapters is kept as a snapshot in host memory (then
 /// on disk, least recently used first at each level) and copied back into the KV when a
 /// prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
 /// them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a
@@ -54,10 +54,16 @@ impl PyPrefixCache {
                     .map(|m| m as usize)
             })
             .transpose()?;
+        let disk_bytes = bytes(disk_bytes, "disk_bytes", usize::MAX)?;
+        if disk_bytes > 0 && disk_bytes < usize::MAX && disk_dir.is_none() {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "disk_bytes bounds the entries kept in disk_dir: give disk_dir too",
+            ));
+        }
         let spill = kvfork::SpillConfig {
             host_bytes: bytes(host_bytes, "host_bytes", 0)?,
             disk_dir,
-            disk_bytes: bytes(disk_bytes, "disk_bytes", usize::MAX)?,
+            disk_bytes,
         };
         Ok(PyPrefixCache {
             inner: kvfork::PrefixCache::with_spill(&ctx.0.get().inner, max, spill).py()?,

@@ -124,6 +124,8 @@ def parse_lora(body: dict[str, Any]) -> Choice:
             item = {"name": item}
         if not isinstance(item, dict):
             raise bad_request("lora items must be objects with a name or an id", "lora")
+        if "name" in item and "id" in item:
+            raise bad_request("a lora item names its adapter by name or by id, not both", "lora")
         key = item.get("name", item.get("id"))
         if not isinstance(key, str | int) or isinstance(key, bool):
             raise bad_request("lora items need a name (a string) or an id (an integer)", "lora")
