@@ -1148,3 +1148,33 @@ def test_a_device_sampling_server_gives_rows_to_requests_that_need_them(serve: A
         )
         assert all(c.message.content for c in wide.choices)
     server.assert_at_rest()
+
+
+def test_a_tokens_logprob_agrees_with_its_entry_among_the_top_logprobs(serve: Any) -> None:
+    """With one candidate kept on the device (`KVFORK_DEVICE_CANDIDATES=1`), the top list
+    needs the row decoded again; the chosen token's logprob is read after it, from the same
+    row, so the two agree (read before, it came from the device's row: 0.015 apart once)."""
+    server: Server = serve(
+        "chat",
+        "--n-ctx",
+        "2048",
+        "--n-seq-max",
+        "4",
+        "--device-sampling",
+        env={"KVFORK_DEVICE_CANDIDATES": "1"},
+    )
+    reply = server.client().chat.completions.create(
+        model="x",
+        messages=_messages(),
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs and reply.choices[0].logprobs.content
+    assert content
+    for entry in content:
+        listed = {t.token: t.logprob for t in entry.top_logprobs}
+        assert entry.token in listed  # greedy: the chosen token is the best
+        assert entry.logprob == listed[entry.token]
+    server.assert_at_rest()

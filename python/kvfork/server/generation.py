@@ -835,15 +835,18 @@ async def _next_token(
 
 
 def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
-    """A drawn token's logprob and the `top` best alternatives (before sampling)."""
+    """A drawn token's logprob and the `top` best alternatives (before sampling). The list
+    first: where the device kept fewer candidates, it has the row decoded again, and the
+    token's logprob then comes from that same row."""
     ctx = branch.context
+    best = branch.top_logprobs(top) if top else []
     return {
         "token": tok.text,
         "logprob": branch.logprob(tok.token),
         "bytes": list(tok.text.encode()),
         "top_logprobs": [
             {"token": (t := ctx.token_to_text(i)), "logprob": lp, "bytes": list(t.encode())}
-            for i, lp in (branch.top_logprobs(top) if top else [])
+            for i, lp in best
         ],
     }
 
