@@ -54,8 +54,10 @@ impl PyPrefixCache {
                     .map(|m| m as usize)
             })
             .transpose()?;
-        let disk_bytes = bytes(disk_bytes, "disk_bytes", usize::MAX)?;
-        if disk_bytes > 0 && disk_bytes < usize::MAX && disk_dir.is_none() {
+        let disk_limit = disk_bytes
+            .map(|b| b.within("disk_bytes", 0, i64::MAX).map(|b| b as usize))
+            .transpose()?;
+        if disk_dir.is_none() && disk_limit.is_some_and(|b| b > 0) {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "disk_bytes bounds the entries kept in disk_dir: give disk_dir too",
             ));
@@ -63,7 +65,7 @@ impl PyPrefixCache {
         let spill = kvfork::SpillConfig {
             host_bytes: bytes(host_bytes, "host_bytes", 0)?,
             disk_dir,
-            disk_bytes,
+            disk_bytes: disk_limit.unwrap_or(usize::MAX),
         };
         Ok(PyPrefixCache {
             inner: kvfork::PrefixCache::with_spill(&ctx.0.get().inner, max, spill).py()?,

@@ -274,15 +274,15 @@ unsafe fn rows_of(
         let src = view.view_src;
         if !src.is_null() {
             let s = &*src;
+            let row = (view.view_offs / s.nb[1]) as i64;
             let is_row = s.type_ == view.type_
                 && s.ne[0] == n
                 && s.ne[2] == 1
                 && s.ne[3] == 1
                 && sys::ggml_is_contiguous(src)
                 && view.view_offs.is_multiple_of(s.nb[1])
-                && ((view.view_offs / s.nb[1]) as i64) < s.ne[1];
+                && row < s.ne[1];
             if is_row {
-                let row = (view.view_offs / s.nb[1]) as i64;
                 return (unpadded(src, row).unwrap_or(src), row);
             }
         }
