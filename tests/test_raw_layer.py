@@ -432,3 +432,17 @@ def test_a_destroyed_branch_s_snapshot_is_captured_by_the_next_takeover(
     again = kvfork.Branch.create(six, position, GREEDY, seq_id=seq)
     again.capture_logits()
     assert np.array_equal(again.logits(), logits)
+
+
+def test_the_last_output_outlives_the_destroy_of_the_branch_that_made_it(
+    six: kvfork.Context,
+) -> None:
+    # `destroy` keeps the branch's row as its sequence's output: `model_entropy` (the last
+    # output's) still reads it, as lloyal.node's does after a branch is destroyed.
+    a = kvfork.Branch.create(six, 0, GREEDY)
+    a.prefill_sync(six.tokenize(PROMPT))
+    b = a.fork_sync()
+    kvfork.BranchStore(six).step_sync([a, b])  # b's row is the decode's last output
+    expected = b.entropy(), b.surprisal(3)
+    b.destroy()
+    assert (six.model_entropy(), six.model_surprisal(3)) == expected

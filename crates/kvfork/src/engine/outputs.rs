@@ -78,8 +78,12 @@ impl Outputs {
         self.rows.get(&seq)
     }
 
-    /// Keep `snapshot` as `seq`'s row: a branch released its handle but not its cells.
+    /// Keep `snapshot` as `seq`'s row: a branch released its handle but not its cells. When
+    /// that branch made the last output, the row stays the last output.
     pub fn keep(&mut self, seq: Seq, snapshot: LogitsSnapshot) {
+        if matches!(self.last, LastOutput::Branch(s) if s == seq) {
+            self.last = LastOutput::Raw(snapshot.clone());
+        }
         self.rows.insert(seq, snapshot);
     }
 
@@ -113,6 +117,11 @@ mod tests {
         o.emptied(Seq::new(1));
         assert!(matches!(o.last(), LastOutput::None));
         o.keep(Seq::new(3), o.row(Seq::new(2)).cloned().expect("row 2"));
+        assert!(matches!(o.last(), LastOutput::None)); // sequence 3 did not make it
+        o.decoded([Seq::new(3)].into_iter(), Seq::new(3));
+        o.keep(Seq::new(3), o.row(Seq::new(2)).cloned().expect("row 2"));
+        // The branch that made the last output released its handle: its row stays last.
+        assert!(matches!(o.last(), LastOutput::Raw(_)));
         o.keep_only(Seq::new(3));
         assert_eq!((row_of(&o, 2), row_of(&o, 3)), (None, Some(vec![3.0, 4.0])));
         o.clear();
