@@ -921,6 +921,27 @@ def test_the_kvfork_table_sets_device_sampling_beside_the_bare_backend_loop(
     assert "| N | host rows | device_sampling, K=1 |" in text
     assert "| 8 | 1.800 + 0.200 + 0.034 | 1.700 + 0.050 + 0.030 |" in text
     assert "| 64 | 7.500 + 0.500 + 0.100 | - |" in text
+    assert "Replies before the rows land" not in text  # a run before the landing
+
+
+def test_the_kvfork_table_sets_replies_before_the_landing_beside_after(tmp_path: Path) -> None:
+    """The landing's A/B (engine/landing.rs): host rows and K=1 with the reply before the
+    rows are read against `KVFORK_LAND_BEFORE_REPLY`, N by N, with their ratios."""
+    result = {
+        "label": "chat",
+        "model": "m.gguf",
+        "steps": 64,
+        "checks": {},
+        "store_step": {"1": 900.0, "8": 4000.0},
+        "store_step_land_first": {"1": 800.0, "8": 4000.0},
+        "store_step_device_k1": {"1": 950.0},
+        "store_step_device_k1_land_first": {"1": 850.0},
+    }
+    (tmp_path / "kvfork-chat.json").write_text(json.dumps(result))
+    text = gpu_bench.report(tmp_path)
+    assert "| N | host rows | landing first | ratio | K=1 | K=1, landing first | ratio |" in text
+    assert "| 1 | 900 | 800 | 1.12 | 950 | 850 | 1.12 |" in text
+    assert "| 8 | 4,000 | 4,000 | 1.00 | - | - | - |" in text
 
 
 def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
@@ -930,9 +951,17 @@ def test_the_throughput_runs_host_rows_and_device_sampling() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kvfork.KvforkWarning)  # no GPU here: the CPU runs it
         gpu_bench._throughput(str(kvfork.default_chat_model_path()), [2], 2, result)
-    modes = ("store_step", "store_step_device", "store_step_device_k1")
+    modes = (
+        "store_step",
+        "store_step_device",
+        "store_step_device_k1",
+        "store_step_land_first",
+        "store_step_device_k1_land_first",
+    )
     assert all(set(result[m]) == {"2"} and result[m]["2"] > 0 for m in modes)
-    assert "KVFORK_DEVICE_CANDIDATES" not in os.environ  # set only while a context opened
+    # Set only while a context opened.
+    assert "KVFORK_DEVICE_CANDIDATES" not in os.environ
+    assert "KVFORK_LAND_BEFORE_REPLY" not in os.environ
     assert 0 < result["outside_ms"]["2"] < 1000 / result["store_step"]["2"] * 2
     for mode in modes:  # decode, the engine's own, the rest: each measured, none negative
         decode, engine, caller = result["split_ms"][mode]["2"]

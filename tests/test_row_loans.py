@@ -9,6 +9,7 @@ llama.cpp move its buffer, and readers on other threads while decodes run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 import threading
@@ -221,3 +222,40 @@ def test_only_row_reads_wait_for_a_decode_of_their_branch(model: kvfork.Model) -
         half_a_step = 0.5 * sorted(steps)[len(steps) // 2]
         waited = [t for t in slow_reads if t >= half_a_step]
         assert len(waited) <= 2, (waited, steps)
+
+
+def _steps_and_readings(model: kvfork.Model, device_sampling: bool) -> list[tuple[object, ...]]:
+    """Six steps of a root and two forks (which share its row, owned by none of them at
+    first), each branch read right after every step: tokens, position, perplexity, its row's
+    entropy, top logprobs and the logprob of its best token, and its whole row."""
+    got: list[tuple[object, ...]] = []
+    with kvfork.create_context_sync(
+        model, n_ctx=1024, n_seq_max=4, device_sampling=device_sampling
+    ) as c:
+        first = root(c, params=CHAIN)
+        store = kvfork.BranchStore(c)
+        store.step_sync([first])
+        branches = [first, first.fork_sync(seed=1), first.fork_sync(seed=2)]
+        for _ in range(6):
+            tokens = [p.token for p in store.step_sync(branches)]
+            for b in branches:
+                got.append((tokens, b.position, b.perplexity, *reading(b), b.logits().tobytes()))
+    return got
+
+
+@pytest.mark.parametrize("device_sampling", [False, True])
+def test_a_step_answers_before_its_rows_land_and_row_reads_wait_for_them(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch, device_sampling: bool
+) -> None:
+    # A step replies once its decode is queued, and the engine reads the decode's rows after
+    # the reply (engine/landing.rs): a row read right after the step must wait for the new
+    # row, also where the branch held a row of its own or a fork's shared one (no loan in
+    # flight). The same steps with the landing before the reply read the same, to the bit.
+    monkeypatch.delenv("KVFORK_LAND_BEFORE_REPLY", raising=False)
+    early = _steps_and_readings(model, device_sampling)
+    monkeypatch.setenv("KVFORK_LAND_BEFORE_REPLY", "1")
+    late = _steps_and_readings(model, device_sampling)
+    assert early == late
+    # Every step gave the root a new row: a read that did not wait would have seen its last.
+    rows = [r[-1] for r in early[::3]]
+    assert all(a != b for a, b in itertools.pairwise(rows))

@@ -331,7 +331,8 @@ def test_stats_split_a_steps_time_into_the_decode_and_the_engines_own(
 ) -> None:
     """`commit_seconds` times the engine's commit groups, decodes included: it grows with
     steps by at least their decode time and at most the caller's wall time, and not with a
-    prefill (decodes that are no commit)."""
+    prefill (decodes that are no commit). A step answers before its rows are read; a row
+    read waits for them, and they are counted by then."""
     import time
 
     a = root(ctx)
@@ -341,6 +342,7 @@ def test_stats_split_a_steps_time_into_the_decode_and_the_engines_own(
     t0 = time.perf_counter()
     for _ in range(4):
         store.step_sync([a, b])
+    b.entropy()  # waits for the last step's rows
     wall = time.perf_counter() - t0
     s1 = ctx.stats()
     decode = float(s1["decode_seconds"]) - float(s0["decode_seconds"])

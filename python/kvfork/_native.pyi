@@ -619,9 +619,12 @@ class Context:
           each `store.commit` / `store.step` (one request for all its branches); concurrent
           requests coalesced into one decode each count;
         - `commit_seconds`: wall time the engine thread spent on groups of those requests,
-          from a group's start until its replies go out, their decodes included: with
-          `decode_seconds`, the engine's own time per step, and what a caller's step takes
-          besides (the hand-over to the engine thread and back, Python);
+          their decodes included: with `decode_seconds`, the engine's own time per step, and
+          what a caller's step takes besides (the hand-over to the engine thread and back,
+          Python). A step replies once its decode is queued, and the engine then waits for
+          the decode's rows and reads them while the caller goes on (a row read waits for
+          them; `KVFORK_LAND_BEFORE_REPLY` reads them first): that part is counted, in both
+          counters, when it ends, so stats read right after a step may not hold it yet;
         - `parked_branches`, `parked_bytes`: branches parked in host memory now and the bytes
           of KV cells they hold there (`park=True` contexts; 0 otherwise);
         - `parks`, `unparks`: times a branch was moved to host memory and brought back;
@@ -1330,7 +1333,10 @@ class BranchStore:
         """Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one
         decode (ceil(N / n_batch) over more than n_batch branches). Returns one Token per
         branch, in order (stop tokens are not committed). Cancelled, it either never ran or
-        completed.
+        completed. It returns once the decode is queued: on a GPU the device still runs it
+        while the caller takes the tokens, and a call that reads a branch's new row
+        (`logits`, `entropy`, `top_logprobs`, the next step) waits for it; `position`,
+        `perplexity` and the history are up to date at once.
         """
     def step_sync(self, branches: Iterable[Branch]) -> list[Token]:
         """Blocking twin of `step`: returns one Token per branch, in order (stop tokens are not committed). Waits without the GIL; on Ctrl-C a started step completes, then KeyboardInterrupt is raised."""

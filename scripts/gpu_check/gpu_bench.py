@@ -97,17 +97,14 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
 
     greedy = kvfork.SamplingParams(temperature=0.0)
     model = kvfork.Model.load(model_path, n_gpu_layers=ALL_LAYERS)
-    modes = (
-        ("store_step", False, None),
-        ("store_step_device", True, None),
-        ("store_step_device_k1", True, "1"),
-    )
     for n in ns:
         # Host rows (the default), then `device_sampling=True` (issue 42's item 3: against
         # the bare loop's backend sampling, the same greedy tokens copied back as ids), with
-        # the 64 candidates, then with one (an argmax on the device: KVFORK_DEVICE_CANDIDATES).
-        for key, on_device, kept in modes:
-            with _candidates(kept):
+        # the 64 candidates, then with one (an argmax on the device: KVFORK_DEVICE_CANDIDATES);
+        # host rows and K=1 again with each step's rows read before it replies
+        # (KVFORK_LAND_BEFORE_REPLY, as before engine/landing.rs).
+        for key, on_device, env in _RUNS:
+            with _env(env):
                 got = _step_rate(model, n, steps, greedy, on_device)
             result.setdefault(key, {})[str(n)] = got.rate
             # Where a step's time goes (issue 42's item 3 gap at small N): the decode, the
@@ -119,7 +116,9 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
                 outside = got.step_ms - got.decode_ms
                 result.setdefault("outside_ms", {})[str(n)] = outside
                 result.setdefault("team_threads", {})[str(n)] = got.team
+            kept = env.get("KVFORK_DEVICE_CANDIDATES")
             mode = f" device_sampling{f' K={kept}' if kept else ''}" if on_device else ""
+            mode += " land-first" if "KVFORK_LAND_BEFORE_REPLY" in env else ""
             print(
                 f"PERF kvfork store.step{mode} N={n} tok/s={got.rate:.1f} "
                 f"step_ms={got.step_ms:.3f} decode_ms={got.decode_ms:.3f} "
@@ -137,18 +136,34 @@ def _throughput(model_path: str, ns: Sequence[int], steps: int, result: dict[str
     print(f"PERF kvfork generate N=1 tok/s={result['generate']:.1f}", flush=True)
 
 
+#: The throughput's runs: (result key, device_sampling, the environment its context is made in).
+_RUNS: tuple[tuple[str, bool, dict[str, str]], ...] = (
+    ("store_step", False, {}),
+    ("store_step_device", True, {}),
+    ("store_step_device_k1", True, {"KVFORK_DEVICE_CANDIDATES": "1"}),
+    ("store_step_land_first", False, {"KVFORK_LAND_BEFORE_REPLY": "1"}),
+    (
+        "store_step_device_k1_land_first",
+        True,
+        {"KVFORK_DEVICE_CANDIDATES": "1", "KVFORK_LAND_BEFORE_REPLY": "1"},
+    ),
+)
+
+#: The variables `_env` sets (read when a context is created).
+_KNOBS = ("KVFORK_DEVICE_CANDIDATES", "KVFORK_LAND_BEFORE_REPLY")
+
+
 @contextlib.contextmanager
-def _candidates(kept: str | None) -> Iterator[None]:
-    """KVFORK_DEVICE_CANDIDATES set to `kept` (read when a context is created) for the block."""
-    before = os.environ.pop("KVFORK_DEVICE_CANDIDATES", None)
-    if kept is not None:
-        os.environ["KVFORK_DEVICE_CANDIDATES"] = kept
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """The knobs `_KNOBS` set to `values` (the others unset) for the block."""
+    before = {k: os.environ.pop(k) for k in _KNOBS if k in os.environ}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ.pop("KVFORK_DEVICE_CANDIDATES", None)
-        if before is not None:
-            os.environ["KVFORK_DEVICE_CANDIDATES"] = before
+        for k in _KNOBS:
+            os.environ.pop(k, None)
+        os.environ.update(before)
 
 
 @dataclasses.dataclass
@@ -242,7 +257,34 @@ _MODES = (
     ("store_step", "host rows"),
     ("store_step_device", "device_sampling"),
     ("store_step_device_k1", "device_sampling, K=1"),
+    ("store_step_land_first", "host rows, landing first"),
+    ("store_step_device_k1_land_first", "K=1, landing first"),
 )
+
+
+def _landing_table(result: dict[str, Any]) -> list[str]:
+    """tok/s with each step's reply before its rows are read (the default) and after
+    (`KVFORK_LAND_BEFORE_REPLY`), host rows and K=1. Nothing when the run predates it."""
+    first = result.get("store_step_land_first")
+    if not first:
+        return []
+    k1, k1_first = (result.get(k, {}) for k in _MODES_K1)
+    lines = [
+        "Replies before the rows land (the default) against after, tok/s",
+        "",
+        "| N | host rows | landing first | ratio | K=1 | K=1, landing first | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n_text, rate in result["store_step"].items():
+        before = first.get(n_text)
+        cells = [_num(rate), _num(before), _ratio(rate, before)]
+        cells += [_num(k1.get(n_text)), _num(k1_first.get(n_text))]
+        cells.append(_ratio(k1.get(n_text), k1_first.get(n_text)))
+        lines.append(f"| {n_text} | {' | '.join(cells)} |")
+    return [*lines, ""]
+
+
+_MODES_K1 = ("store_step_device_k1", "store_step_device_k1_land_first")
 
 
 def _split_table(split: dict[str, dict[str, list[float]]]) -> list[str]:
@@ -309,6 +351,7 @@ def report(folder: Path) -> str:
             cells.append(f"{spent} ({team} threads)" if team else spent)
             lines.append(f"| {n} | {' | '.join(cells)} |")
         lines.append("")
+        lines += _landing_table(result)
         lines += _split_table(result.get("split_ms", {}))
     for path in sorted(folder.glob("noise-*.txt")):
         lines.append("### gpu_check.noise: the suite's tolerances, measured (tests/conftest.py)")

@@ -125,7 +125,10 @@ twins! {
         /// Sample every branch (in Rust, in parallel) and commit the non-stop tokens in one
         /// decode (ceil(N / n_batch) over more than n_batch branches). Returns one Token per
         /// branch, in order (stop tokens are not committed). Cancelled, it either never ran or
-        /// completed.
+        /// completed. It returns once the decode is queued: on a GPU the device still runs it
+        /// while the caller takes the tokens, and a call that reads a branch's new row
+        /// (`logits`, `entropy`, `top_logprobs`, the next step) waits for it; `position`,
+        /// `perplexity` and the history are up to date at once.
         #[sync_doc = "returns one Token per branch, in order (stop tokens are not committed). \
                       Waits without the GIL; on Ctrl-C a started step completes, then \
                       KeyboardInterrupt is raised."]

@@ -331,6 +331,12 @@ impl BranchState {
         self.logits.take_off();
     }
 
+    /// The decode was queued and its step answered before its outputs land: no row is
+    /// readable until `land_row` (`engine/landing.rs`).
+    pub fn hold_row(&mut self) {
+        self.logits.hold();
+    }
+
     /// The decode is over: the row (new, or the old one of a failed decode) is readable.
     pub fn land_row(&mut self) {
         self.logits.land();

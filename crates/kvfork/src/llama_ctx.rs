@@ -215,8 +215,29 @@ impl LlamaCtx {
         })
     }
 
-    /// Run one `llama_decode`. On failure llama.cpp restores the memory state (codes 1, -1).
+    /// Run one `llama_decode` and wait for its outputs. On failure llama.cpp restores the
+    /// memory state (codes 1, -1).
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        let r = self.decode_queued(batch);
+        if r.is_ok() && batch.n_outputs() > 0 {
+            // On a GPU `llama_decode` returns once the graph is queued, and the first read of
+            // an output waits for it. Wait here instead, before the caller locks the branches
+            // whose rows these are: reads of their other state must not wait for the device
+            // (`test_row_loans`). On the CPU the decode is done already: nothing to wait for.
+            self.wait_for_outputs();
+        }
+        r
+    }
+
+    /// Wait until the last decode's outputs are readable (on the CPU they are already).
+    pub fn wait_for_outputs(&mut self) {
+        // SAFETY: the context is live and used by this thread only.
+        unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
+    }
+
+    /// `decode` without the wait: on a GPU the graph may still run when this returns, and
+    /// the first read of an output (or `wait_for_outputs`) waits for it.
+    pub fn decode_queued(&mut self, batch: &Batch) -> Result<()> {
         if batch.len() == 0 {
             return Ok(());
         }
@@ -231,14 +252,6 @@ impl LlamaCtx {
         // written by `Batch::push` into buffers of its capacity; llama.cpp checks token ids,
         // positions and sequence ids itself and returns -1 instead of reading out of range.
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw) };
-        if code == 0 && batch.n_outputs() > 0 {
-            // On a GPU `llama_decode` returns once the graph is queued, and the first read of
-            // an output waits for it. Wait here instead, before the caller locks the branches
-            // whose rows these are: reads of their other state must not wait for the device
-            // (`test_row_loans`). On the CPU the decode is done already: nothing to wait for.
-            // SAFETY: the context is live and used by this thread only.
-            unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
-        }
         match code {
             0 => Ok(()),
             1 => Err(Error::KvCacheFull(format!(

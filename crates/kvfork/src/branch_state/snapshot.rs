@@ -196,6 +196,13 @@ impl LogitsSnapshot {
         self.in_flight = self.is_lent();
     }
 
+    /// A decode of this branch was queued and its caller answered before its outputs are
+    /// read (`engine/landing.rs`): no row, lent or not, is to be read until `land` (the
+    /// branch's new row is coming).
+    pub fn hold(&mut self) {
+        self.in_flight = true;
+    }
+
     /// The decode is over: the row (a new one, or the old one of a failed decode, which
     /// llama.cpp leaves in place) may be read again.
     pub fn land(&mut self) {

@@ -22,6 +22,9 @@ use crate::llama_ctx::Output;
 use crate::produced::Produced;
 use crate::seq::Seq;
 
+/// When a queued decode was queued, and the tokens it held (padding included).
+type Queued = (Instant, usize);
+
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
 pub(super) fn may_be_one_request(e: &Error) -> bool {
@@ -39,9 +42,14 @@ impl Worker {
 
     /// One decode for every request of the group (more when a failure must be narrowed
     /// down); each request succeeds or fails as a whole.
+    ///
+    /// The replies may go before the decode's outputs are read (`landing.rs`): the group
+    /// lands after them, before anything else.
     pub(super) fn run_commits(&mut self, mut group: Vec<CommitRequest>) {
         let started = Instant::now();
+        self.may_land_late = self.replies_early;
         let results = self.guarded(group.len(), |w| w.commit_group(&mut group));
+        self.may_land_late = false;
         // Counted before the replies: a caller reading the stats after its step sees it.
         let elapsed = started.elapsed().as_nanos() as u64;
         Stats::add(&self.shared().stats.commit_ns, elapsed);
@@ -49,6 +57,7 @@ impl Worker {
             req.ticket.finish();
             req.reply.send(result);
         }
+        self.land();
     }
 
     /// Sample the tokens of generation steps, accept every request (a failing one alone is
@@ -215,6 +224,7 @@ impl Worker {
     /// through the decode (in flight: row reads wait for the landing, other calls do not), and
     /// their new rows are lent too instead of copied (see `loans.rs`).
     fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
+        self.land();
         if items.is_empty() {
             return Ok(());
         }
@@ -248,6 +258,11 @@ impl Worker {
         let one_decode = sets.len() == 1
             && items.len() <= self.decode_room()
             && items.len() <= self.ctx().n_seq_max as usize;
+        // Replies before the outputs (`landing.rs`): the first decode of a commit group, when
+        // it is the only one and no prefill's chunk rides it (the chunk's row is read at once).
+        let queued = one_decode
+            && std::mem::take(&mut self.may_land_late)
+            && !self.riding.as_ref().is_some_and(Riding::waits);
         let places: Vec<i32> = cells
             .iter()
             .map(|cell| {
@@ -259,7 +274,12 @@ impl Worker {
                 st.position()
             })
             .collect();
-        let decoded = self.decode_places(items, &places, &sets, !one_decode);
+        if queued {
+            return self.decode_queued(items, &cells, &places, &sets);
+        }
+        let decoded = self
+            .decode_places(items, &places, &sets, !one_decode, false)
+            .map(|(kept, _)| kept);
         let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
         let landed = match decoded {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
@@ -289,18 +309,52 @@ impl Worker {
         landed
     }
 
+    /// `decode_items`'s one decode, queued: positions and histories advance now, the rows
+    /// land after the replies (`landing.rs`).
+    fn decode_queued(
+        &mut self,
+        items: &[&CommitItem],
+        cells: &[&Arc<BranchCell>],
+        places: &[i32],
+        sets: &[(Adapters, usize)],
+    ) -> Result<()> {
+        let (queued, tokens) = match self.decode_places(items, places, sets, false, true) {
+            Ok((_, queued)) => queued.expect("one decode, queued"),
+            Err(e) => {
+                // As after any failed decode: the old rows are readable again.
+                for cell in cells {
+                    cell.lock().land_row();
+                }
+                self.loans().held_by(cells);
+                self.shared().rows_landed.land();
+                return Err(e);
+            }
+        };
+        for (cell, (_, token)) in cells.iter().zip(items) {
+            let mut st = cell.lock();
+            st.hold_row();
+            st.decoded(&[*token]);
+        }
+        let members = cells.iter().map(|&c| Arc::clone(c)).collect();
+        self.landing = Some(super::landing::Landing::new(members, queued, tokens));
+        Ok(())
+    }
+
     /// The decodes of `decode_items`: one run per adapter set (`sets`: each set and how many
     /// items in a row use it), at most `decode_room` items a decode (admitted first: with
     /// `park` a later decode may park an earlier one's branches), one rollback unit. With
     /// `copy_rows` every row is copied aside (more than one decode); otherwise the rows stay
-    /// in the output buffer.
+    /// in the output buffer. With `queue` (one decode, no rows copied), the decode returns
+    /// once queued: when it was queued and the tokens it held come back beside the rows.
     fn decode_places(
         &mut self,
         items: &[&CommitItem],
         places: &[i32],
         sets: &[(Adapters, usize)],
         copy_rows: bool,
-    ) -> Result<Vec<Output>> {
+        queue: bool,
+    ) -> Result<(Vec<Output>, Option<Queued>)> {
+        let mut queued = None;
         let room = self.decode_room();
         let base = self.ctx().output_base();
         let mut kept: Vec<Output> = Vec::new();
@@ -342,7 +396,12 @@ impl Worker {
                     if let Some(riding) = &riding {
                         riding.push_into(batch);
                     }
-                    self.decode_batch()
+                    if queue {
+                        queued = Some(self.decode_batch_queued()?);
+                        Ok(())
+                    } else {
+                        self.decode_batch()
+                    }
                 });
             if let Some(mut riding) = riding.take() {
                 riding.landed(self, &decoded, end - start);
@@ -367,12 +426,12 @@ impl Worker {
                 }
             }
         }
-        Ok(kept)
+        Ok((kept, queued))
     }
 
     /// Lend each member its row of the decode just run (`states[i]` made output `i`), summaries
     /// computed on the decode's own thread team.
-    fn lend_rows(&self, states: &mut [MutexGuard<'_, BranchState>]) -> Result<()> {
+    pub(super) fn lend_rows(&self, states: &mut [MutexGuard<'_, BranchState>]) -> Result<()> {
         let outputs = (0..states.len())
             .map(|i| self.ctx().output_ith(i))
             .collect::<Result<Vec<_>>>()?;

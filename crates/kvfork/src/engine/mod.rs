@@ -25,6 +25,7 @@ mod continuous;
 mod embed;
 mod gather;
 mod kv;
+mod landing;
 mod load;
 mod loans;
 mod outputs;

@@ -26,6 +26,9 @@ pub(super) enum Decoded {
     /// The main context's, whose output rows are branches' (or the raw layer's) new outputs:
     /// the outputs tracker follows them.
     Main,
+    /// The main context's, returned once queued: its outputs are read at its landing
+    /// (`landing.rs`).
+    Queued,
     /// The main context's, aside: rows no branch takes as its new output (`decode_unpadded`).
     Aside,
     /// The scratch context's (`scratch.rs`).
@@ -61,6 +64,13 @@ pub(crate) struct Worker {
     /// A continuous prefill's chunk waiting to ride the next commit's decode
     /// (`continuous.rs`).
     pub(super) riding: Option<super::continuous::Riding>,
+    /// A commit's decode whose outputs are read after its replies went (`landing.rs`).
+    pub(super) landing: Option<super::landing::Landing>,
+    /// Whether commits reply before their decode's outputs are read (`landing.rs`;
+    /// `KVFORK_LAND_BEFORE_REPLY` set: never).
+    pub(super) replies_early: bool,
+    /// While `run_commits` runs a group that may reply early: its first decode may be queued.
+    pub(super) may_land_late: bool,
 }
 
 impl Drop for Worker {
@@ -100,6 +110,9 @@ impl Worker {
             scratch: Default::default(),
             scratch_allowed: std::env::var_os("KVFORK_NO_SCRATCH_PREFILL").is_none(),
             riding: None,
+            landing: None,
+            replies_early: std::env::var_os("KVFORK_LAND_BEFORE_REPLY").is_none(),
+            may_land_late: false,
             adapters: AdapterKey::default(),
         };
         worker.apply_threads(max as u32);
@@ -280,17 +293,34 @@ impl Worker {
     /// `llama_decode` of the current batch, counted, with no loan given back: the caller has
     /// given back all but those of branches it holds locked (see `loans.rs`).
     pub(super) fn decode_batch(&mut self) -> Result<()> {
+        self.decode_main(true).map(|_| ())
+    }
+
+    /// `decode_batch` that returns once the graph is queued: on a GPU it may still run. The
+    /// landing (`landing.rs`) waits for its outputs and reports its time; this returns when
+    /// the decode was queued and the tokens it held, padding included.
+    pub(super) fn decode_batch_queued(&mut self) -> Result<(Instant, usize)> {
+        self.decode_main(false)
+    }
+
+    fn decode_main(&mut self, wait: bool) -> Result<(Instant, usize)> {
         self.read_load();
         let pad = self.pad_outputs();
         let t0 = Instant::now();
-        let mut r = self.ctx.decode(&self.batch);
+        let decode = |ctx: &mut LlamaCtx, batch: &Batch| match wait {
+            true => ctx.decode(batch),
+            false => ctx.decode_queued(batch),
+        };
+        let mut r = decode(&mut self.ctx, &self.batch);
         if pad > 0 {
             self.unpad();
             if matches!(r, Err(Error::KvCacheFull(_))) {
-                r = self.ctx.decode(&self.batch); // the padding's cells were the ones missing
+                r = decode(&mut self.ctx, &self.batch); // the padding's cells were the ones missing
             }
         }
-        self.after_decode(t0.elapsed(), r, pad, Decoded::Main)
+        let kind = if wait { Decoded::Main } else { Decoded::Queued };
+        self.after_decode(t0.elapsed(), r, pad, kind)
+            .map(|()| (t0, self.batch.len() + pad))
     }
 
     /// `decode` with no output padding, for a batch on the padding sequence itself
@@ -315,7 +345,8 @@ impl Worker {
     }
 
     /// Account for the decode of the current batch that took `elapsed` (`pad` rows padded;
-    /// `kind`: which decode, and whether the outputs tracker follows its rows).
+    /// `kind`: which decode, and whether the outputs tracker follows its rows). A queued
+    /// decode's time is the policy's and the tuner's at its landing (`decode_took`).
     pub(super) fn after_decode(
         &mut self,
         elapsed: Duration,
@@ -323,21 +354,26 @@ impl Worker {
         pad: usize,
         kind: Decoded,
     ) -> Result<()> {
-        self.policy.decoded(elapsed);
+        let finished = !matches!(kind, Decoded::Queued);
+        if finished {
+            self.policy.decoded(elapsed);
+        }
         if matches!(r, Err(Error::Cancelled(_))) && self.shared.abort.is_closing() {
             r = Err(Error::Closed);
         }
         if self.trace {
             self.trace_decode(r.is_ok(), pad, kind);
         }
-        self.tune_threads(self.batch.len() + pad);
+        if finished {
+            self.tune_threads(self.batch.len() + pad);
+        }
         let stats = &self.shared.stats;
         Stats::add(&stats.decode_calls, 1);
         Stats::add(&stats.decode_ns, elapsed.as_nanos() as u64);
         Stats::add(&stats.padded_rows, pad as u64);
         if r.is_ok() {
             Stats::add(&stats.decoded_tokens, self.batch.len() as u64);
-            let tracked = matches!(kind, Decoded::Main);
+            let tracked = matches!(kind, Decoded::Main | Decoded::Queued);
             if let Some(last) = self.batch.last_output().filter(|_| tracked) {
                 self.shared
                     .outputs()
@@ -390,10 +426,18 @@ impl Worker {
             self.threads_batch,
             match kind {
                 Decoded::Main => "",
+                Decoded::Queued => " queued",
                 Decoded::Aside => " aside",
                 Decoded::Scratch => " scratch",
             },
         );
+    }
+
+    /// A queued decode of `tokens` tokens (padding included) landed `elapsed` after it was
+    /// queued: the gathering policy and the thread tuner hear of it as of any decode.
+    pub(super) fn queued_decode_took(&mut self, elapsed: Duration, tokens: usize) {
+        self.policy.decoded(elapsed);
+        self.tune_threads(tokens);
     }
 
     /// Feed the decode just timed to the tuner; apply the count it wants next.
