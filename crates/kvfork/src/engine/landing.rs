@@ -55,10 +55,11 @@ impl Worker {
         let mut states: Vec<MutexGuard<'_, BranchState>> =
             landing.cells.iter().map(|c| c.lock()).collect();
         if self.lend_rows(&mut states).is_err() {
-            // Never expected after a decode that succeeded: the rows are gone, never read
-            // them (the next sample of these branches fails instead).
+            // Never expected after a decode that succeeded. The new rows cannot be read and
+            // the old ones are stale (or gone): no row at all, so that the next sample of
+            // these branches fails rather than draw from the row before this decode.
             for st in &mut states {
-                st.forget_row_loan();
+                st.forget_logits();
             }
         }
         // Counted before the rows are readable: a caller that read one sees it in the stats.
