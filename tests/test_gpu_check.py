@@ -1005,3 +1005,41 @@ def test_the_files_named_first_open_the_plan(tmp_path: Path) -> None:
     ]
     with pytest.raises(ValueError, match="test_x.py"):
         chunks.test_files(tmp_path, ["tests/test_x.py"])
+
+
+@pytest.mark.parametrize(("bench_first", "order"), [("0", "test bench"), ("1", "bench test")])
+def test_next_runs_the_benchmarks_first_when_asked(
+    tmp_path: Path, bench_first: str, order: str
+) -> None:
+    """`run_stage.sh next` runs the planned stages in order, the suite before the benchmarks
+    unless KVFORK_GPU_BENCH_FIRST=1 (a session short of device time wants the numbers
+    first); stand-ins for the stages record the order."""
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        SCRIPTS, repo / "scripts" / "gpu_check", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for stage in ("build", "install", "test", "bench"):
+        script = repo / "scripts" / "gpu_check" / f"stage_{stage}.sh"
+        script.write_text(f'#!/usr/bin/env bash\necho {stage} >>"$FAKE_LOG"\n')
+        script.chmod(0o755)
+    model = tmp_path / "d.gguf"
+    model.write_bytes(os.urandom(MIB))
+    meta = {"stages": ["build", "install", "test", "bench"], "models": {"default": "d.gguf"}}
+    bundles.write_bundles([Input("d.gguf", "model", model)], repo / ".gpu-check", 2 * MIB, meta)
+    fake_log = tmp_path / "calls.log"
+    env = {
+        **outside_a_gpu_call(),
+        "KVFORK_GPU_WORK": str(tmp_path / "work"),
+        "KVFORK_GPU_PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "FAKE_LOG": str(fake_log),
+        "KVFORK_GPU_BENCH_FIRST": bench_first,
+    }
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_check" / "run_stage.sh"), "next"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert fake_log.read_text().split() == ["build", "install", *order.split()]

@@ -4,7 +4,8 @@
 #
 # Every call first takes in the bundles it carries (stage_receive.sh), then runs STAGE. `next`
 # runs each planned stage not done yet, in order (build, install, serve, test, bench; serve
-# only when prepare.sh's --stages named it), until this call's budget (KVFORK_GPU_BUDGET_S,
+# only when prepare.sh's --stages named it; KVFORK_GPU_BENCH_FIRST=1 puts bench before
+# test), until this call's budget (KVFORK_GPU_BUDGET_S,
 # 540 s of a 600 s call) is spent or a stage waits for inputs; while bundles are still to
 # come, the builds (the module's, and llama-server's for serve) run detached so that the next
 # calls can carry them meanwhile; serve runs before the suite and the benchmarks, so that no
@@ -78,7 +79,10 @@ rc=0
 case " $planned " in
   *" serve "*) [ "$missing" != 0 ] && "$HERE/stage_serve.sh" --background ;; # llama-server's build
 esac
-for s in build install serve test bench; do
+# KVFORK_GPU_BENCH_FIRST=1: the benchmarks before the suite (a session short of device time).
+order="build install serve test bench"
+[ "${KVFORK_GPU_BENCH_FIRST:-0}" = 1 ] && order="build install serve bench test"
+for s in $order; do
   case " $planned " in *" $s "*) ;; *) continue ;; esac
   if { [ "$s" = build ] || [ "$s" = serve ]; } && [ "$missing" != 0 ]; then
     "$HERE/stage_$s.sh" --background # builds only; the rest waits for the inputs
