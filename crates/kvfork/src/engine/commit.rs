@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use super::adapters::group_by_adapters;
 use super::continuous::Riding;
+use super::landing::{Landing, Queued};
 use super::parallel;
 use super::shared::{BranchCell, Stats};
 use super::summaries;
@@ -21,9 +22,6 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::Output;
 use crate::produced::Produced;
 use crate::seq::Seq;
-
-/// When a queued decode was queued, and the tokens it held (padding included).
-type Queued = (Instant, usize);
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
@@ -47,9 +45,8 @@ impl Worker {
     /// lands after them, before anything else.
     pub(super) fn run_commits(&mut self, mut group: Vec<CommitRequest>) {
         let started = Instant::now();
-        self.may_land_late = self.replies_early;
-        let results = self.guarded(group.len(), |w| w.commit_group(&mut group));
-        self.may_land_late = false;
+        let early = self.replies_early;
+        let results = self.guarded(group.len(), |w| w.commit_group(&mut group, early));
         // Counted before the replies: a caller reading the stats after its step sees it.
         let elapsed = started.elapsed().as_nanos() as u64;
         Stats::add(&self.shared().stats.commit_ns, elapsed);
@@ -63,8 +60,12 @@ impl Worker {
     /// Sample the tokens of generation steps, accept every request (a failing one alone is
     /// refused), then decode all that remain. Each request's result holds the tokens its
     /// steps sampled (none for a plain commit). (A `produce` never gets here: it is answered
-    /// on arrival.)
-    fn commit_group(&mut self, group: &mut [CommitRequest]) -> Vec<Result<Vec<Produced>>> {
+    /// on arrival.) `early`: its decode may be queued, its rows read after the replies.
+    fn commit_group(
+        &mut self,
+        group: &mut [CommitRequest],
+        early: bool,
+    ) -> Vec<Result<Vec<Produced>>> {
         let mut results: Vec<Result<Vec<Produced>>> = vec![Ok(Vec::new()); group.len()];
         self.sample_steps(group, &mut results);
         let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
@@ -80,7 +81,7 @@ impl Worker {
         }
         let members: Vec<usize> = accepted.iter().map(|(i, _)| *i).collect();
         let mut failed = Vec::new();
-        self.decode_requests(group, &members, &mut failed);
+        self.decode_requests(group, &members, &mut failed, early);
         for (i, snaps) in accepted {
             if let Some((_, e)) = failed.iter().find(|(f, _)| *f == i) {
                 restore(&group[i].items, snaps);
@@ -134,20 +135,22 @@ impl Worker {
 
     /// Decode the items of `members` (indices into `group`) together; when that fails and
     /// the failure may be one request's, each half again. Records `(index, error)` of those
-    /// that still fail.
+    /// that still fail. `early`: the decode may be queued (`decode_items`); the halves'
+    /// are not.
     fn decode_requests(
         &mut self,
         group: &[CommitRequest],
         members: &[usize],
         failed: &mut Vec<(usize, Error)>,
+        early: bool,
     ) {
         let items: Vec<&CommitItem> = members.iter().flat_map(|&i| &group[i].items).collect();
-        match self.decode_items(&items) {
+        match self.decode_items(&items, early) {
             Ok(()) => {}
             Err(e) if members.len() > 1 && may_be_one_request(&e) => {
                 let (a, b) = members.split_at(members.len() / 2);
-                self.decode_requests(group, a, failed);
-                self.decode_requests(group, b, failed);
+                self.decode_requests(group, a, failed, false);
+                self.decode_requests(group, b, failed, false);
             }
             Err(e) => failed.extend(members.iter().map(|&i| (i, e.clone()))),
         }
@@ -223,7 +226,11 @@ impl Worker {
     /// The members' snapshots keep the rows they borrowed from llama.cpp's output buffer
     /// through the decode (in flight: row reads wait for the landing, other calls do not), and
     /// their new rows are lent too instead of copied (see `loans.rs`).
-    fn decode_items(&mut self, items: &[&CommitItem]) -> Result<()> {
+    ///
+    /// `early`: when the items go in one decode and no prefill's chunk rides it (the chunk's
+    /// row is read at once), the decode is queued and its rows land after the replies
+    /// (`landing.rs`).
+    fn decode_items(&mut self, items: &[&CommitItem], early: bool) -> Result<()> {
         self.land();
         if items.is_empty() {
             return Ok(());
@@ -258,11 +265,7 @@ impl Worker {
         let one_decode = sets.len() == 1
             && items.len() <= self.decode_room()
             && items.len() <= self.ctx().n_seq_max as usize;
-        // Replies before the outputs (`landing.rs`): the first decode of a commit group, when
-        // it is the only one and no prefill's chunk rides it (the chunk's row is read at once).
-        let queued = one_decode
-            && std::mem::take(&mut self.may_land_late)
-            && !self.riding.as_ref().is_some_and(Riding::waits);
+        let queue = early && one_decode && !self.riding.as_ref().is_some_and(Riding::waits);
         let places: Vec<i32> = cells
             .iter()
             .map(|cell| {
@@ -274,12 +277,12 @@ impl Worker {
                 st.position()
             })
             .collect();
-        if queued {
-            return self.decode_queued(items, &cells, &places, &sets);
+        let decoded = self.decode_places(items, &places, &sets, !one_decode, queue);
+        if let Ok((_, Some(queued))) = decoded {
+            self.await_landing(items, &cells, queued);
+            return Ok(());
         }
-        let decoded = self
-            .decode_places(items, &places, &sets, !one_decode, false)
-            .map(|(kept, _)| kept);
+        let decoded = decoded.map(|(kept, _)| kept);
         let mut states: Vec<MutexGuard<'_, BranchState>> = cells.iter().map(|c| c.lock()).collect();
         let landed = match decoded {
             Ok(kept) if kept.is_empty() => self.lend_rows(&mut states),
@@ -309,35 +312,16 @@ impl Worker {
         landed
     }
 
-    /// `decode_items`'s one decode, queued: positions and histories advance now, the rows
-    /// land after the replies (`landing.rs`).
-    fn decode_queued(
-        &mut self,
-        items: &[&CommitItem],
-        cells: &[&Arc<BranchCell>],
-        places: &[i32],
-        sets: &[(Adapters, usize)],
-    ) -> Result<()> {
-        let (queued, tokens) = match self.decode_places(items, places, sets, false, true) {
-            Ok((_, queued)) => queued.expect("one decode, queued"),
-            Err(e) => {
-                // As after any failed decode: the old rows are readable again.
-                for cell in cells {
-                    cell.lock().land_row();
-                }
-                self.loans().held_by(cells);
-                self.shared().rows_landed.land();
-                return Err(e);
-            }
-        };
+    /// After `decode_items`'s one decode, queued (`queued`): positions and histories advance
+    /// now, the rows land after the replies (`landing.rs`).
+    fn await_landing(&mut self, items: &[&CommitItem], cells: &[&Arc<BranchCell>], queued: Queued) {
         for (cell, (_, token)) in cells.iter().zip(items) {
             let mut st = cell.lock();
             st.hold_row();
             st.decoded(&[*token]);
         }
         let members = cells.iter().map(|&c| Arc::clone(c)).collect();
-        self.landing = Some(super::landing::Landing::new(members, queued, tokens));
-        Ok(())
+        self.landing = Some(Landing::new(members, queued));
     }
 
     /// The decodes of `decode_items`: one run per adapter set (`sets`: each set and how many

@@ -22,22 +22,20 @@ use super::shared::{BranchCell, Stats};
 use super::Worker;
 use crate::branch_state::BranchState;
 
+/// When a queued decode was queued, and the tokens it held (padding included).
+pub(super) type Queued = (Instant, usize);
+
 /// A commit decode, queued, whose members' rows are still to be read.
 pub(crate) struct Landing {
     /// The members, in the order of their outputs.
     cells: Vec<Arc<BranchCell>>,
     /// When the decode was queued, and the tokens it held (padding included).
-    queued: Instant,
-    tokens: usize,
+    queued: Queued,
 }
 
 impl Landing {
-    pub(super) fn new(cells: Vec<Arc<BranchCell>>, queued: Instant, tokens: usize) -> Self {
-        Landing {
-            cells,
-            queued,
-            tokens,
-        }
+    pub(super) fn new(cells: Vec<Arc<BranchCell>>, queued: Queued) -> Self {
+        Landing { cells, queued }
     }
 }
 
@@ -51,7 +49,8 @@ impl Worker {
         let started = Instant::now();
         self.ctx_mut().wait_for_outputs();
         let waited = started.elapsed();
-        self.queued_decode_took(landing.queued.elapsed(), landing.tokens);
+        let (queued_at, tokens) = landing.queued;
+        self.queued_decode_took(queued_at.elapsed(), tokens);
         let mut states: Vec<MutexGuard<'_, BranchState>> =
             landing.cells.iter().map(|c| c.lock()).collect();
         if self.lend_rows(&mut states).is_err() {

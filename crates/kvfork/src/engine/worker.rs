@@ -69,8 +69,6 @@ pub(crate) struct Worker {
     /// Whether commits reply before their decode's outputs are read (`landing.rs`;
     /// `KVFORK_LAND_BEFORE_REPLY` set: never).
     pub(super) replies_early: bool,
-    /// While `run_commits` runs a group that may reply early: its first decode may be queued.
-    pub(super) may_land_late: bool,
 }
 
 impl Drop for Worker {
@@ -112,7 +110,6 @@ impl Worker {
             riding: None,
             landing: None,
             replies_early: std::env::var_os("KVFORK_LAND_BEFORE_REPLY").is_none(),
-            may_land_late: false,
             adapters: AdapterKey::default(),
         };
         worker.apply_threads(max as u32);
@@ -307,9 +304,12 @@ impl Worker {
         self.read_load();
         let pad = self.pad_outputs();
         let t0 = Instant::now();
-        let decode = |ctx: &mut LlamaCtx, batch: &Batch| match wait {
-            true => ctx.decode(batch),
-            false => ctx.decode_queued(batch),
+        let decode = |ctx: &mut LlamaCtx, batch: &Batch| {
+            if wait {
+                ctx.decode(batch)
+            } else {
+                ctx.decode_queued(batch)
+            }
         };
         let mut r = decode(&mut self.ctx, &self.batch);
         if pad > 0 {
@@ -346,7 +346,7 @@ impl Worker {
 
     /// Account for the decode of the current batch that took `elapsed` (`pad` rows padded;
     /// `kind`: which decode, and whether the outputs tracker follows its rows). A queued
-    /// decode's time is the policy's and the tuner's at its landing (`decode_took`).
+    /// decode's time is the policy's and the tuner's at its landing (`queued_decode_took`).
     pub(super) fn after_decode(
         &mut self,
         elapsed: Duration,
