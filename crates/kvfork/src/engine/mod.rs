@@ -12,7 +12,8 @@
 //! After `close()` queued jobs fail with `Error::Closed` and a running decode is aborted.
 //!
 //! The operations have a file each (CONTRIBUTING.md maps the public calls onto them):
-//! `commit.rs` (commits and generation steps), `continuous.rs` (prefills chunk by chunk, with
+//! `commit.rs` (commits and generation steps; their rows read after the replies in
+//! `landing.rs`), `continuous.rs` (prefills chunk by chunk, with
 //! the streams' steps riding their decodes), `prefill.rs` (packed prefills), `tree.rs` (fork, prunes,
 //! retain_only), `park.rs` (parked branches of a `park` context), `reseed.rs`,
 //! `speculate.rs`, `state_io.rs` (save, load, snapshots), `embed.rs`, `kv.rs` (raw KV),
