@@ -382,6 +382,13 @@ BAD = [
         ),
         "tools",
     ),
+    # Only an assistant turn may leave its content out.
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "messages[0]"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "system", "content": null}, {"role": "user", "content": "x"}]}',
+        "messages[0]",
+    ),
     # An assistant's tool calls that are not OpenAI's shape.
     *(
         (

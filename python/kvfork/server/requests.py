@@ -344,7 +344,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if not all(isinstance(t, str) for t in texts):
                 raise bad_request(f"{where}.content parts must be text parts", where)
             content = "".join(t for t in texts if isinstance(t, str))
-        if content is None and not m.get("tool_calls"):
+        if content is None:
+            # As OpenAI's API: only an assistant turn may leave its content out (one that
+            # made tool calls, or said nothing); any other turn without text is a mistake.
+            if m["role"] != "assistant":
+                raise bad_request(f"{where}.content is required for a {m['role']} message", where)
             content = ""
         if content is not None and not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string", where)

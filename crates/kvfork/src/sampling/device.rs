@@ -73,24 +73,29 @@ impl Drawn {
         k: usize,
     ) -> Result<Self> {
         let i = i as i32;
+        // Two getters, not four: each synchronizes with the device (a stream sync on a GPU,
+        // paid per output row), and the counts are the stage's own `k` and `k + 1` — a row
+        // has its logits exactly when the stage ran for it, and then its candidates too
+        // (`backend_apply` sets both).
         // SAFETY: the caller's contract; llama.cpp checks `i` against the last decode's
-        // outputs (NULL pointers for one that was not an output).
-        let (logits, n_logits, ids, n_ids) = unsafe {
-            (
-                sys::llama_get_sampled_logits_ith(ctx, i),
-                sys::llama_get_sampled_logits_count_ith(ctx, i),
-                sys::llama_get_sampled_candidates_ith(ctx, i),
-                sys::llama_get_sampled_candidates_count_ith(ctx, i),
-            )
-        };
-        if logits.is_null() || ids.is_null() || n_logits as usize != k + 1 || n_ids as usize != k {
+        // outputs (NULL logits for one that was not an output or got no stage).
+        let logits = unsafe { sys::llama_get_sampled_logits_ith(ctx, i) };
+        if logits.is_null() {
             return Err(Error::Decode(format!(
                 "the device kept nothing for output {i} (its backend could not run the \
                  sampling graph?): create the context with device_sampling=False"
             )));
         }
-        // SAFETY: non-NULL rows of the counts checked above, valid until the next decode;
-        // copied now.
+        // SAFETY: as above; with the logits present the candidates are the stage's, not
+        // llama.cpp's whole-vocabulary fallback.
+        let ids = unsafe { sys::llama_get_sampled_candidates_ith(ctx, i) };
+        debug_assert_eq!(
+            // SAFETY: as above (debug builds only: a further synchronization each).
+            unsafe { sys::llama_get_sampled_logits_count_ith(ctx, i) } as usize,
+            k + 1
+        );
+        // SAFETY: rows of the stage's `k + 1` logits and `k` ids (`backend_apply` makes them
+        // so), valid until the next decode; copied now.
         let (logits, ids) = unsafe {
             (
                 std::slice::from_raw_parts(logits, k + 1),
