@@ -140,7 +140,15 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
     ("argv", "status", "message"),
     [
         (["generate", "default", "x", "--n", "2", "--draft", "prompt-lookup"], 2, "--draft"),
-        (["generate", "default", "x", "--n", "0"], 2, "--n must be"),
+        (["generate", "default", "x", "--n", "0"], 2, "--n: must be in [1, 255], got 0"),
+        (["generate", "default", "x", "--max-tokens", "-4"], 2, "--max-tokens: must be at"),
+        (["bench", "--steps", "0"], 2, "--steps: must be at least 1"),
+        (["bench", "--n", "4,-3"], 2, "--n: must be in [1, 255], got -3"),
+        (["bench", "--n", "4,x"], 2, "--n: not an int: 'x'"),
+        (["demo", "--n", "0"], 2, "--n: must be at least 1"),
+        # An event loop wraps a port past 65535 around (99999 listened on 34463).
+        (["serve", "default", "--port", "99999"], 2, "--port: must be in [1, 65535]"),
+        (["serve", "default", "--max-queue", "-1"], 2, "--max-queue: must be at least 0"),
         (["generate", "/no/such/model.gguf", "x"], 2, "no such model file"),
         (["generate", "default", "x", "--json-schema", "/no/such.json"], 2, "cannot read"),
         (["embed", "default"], 2, "nothing to embed"),

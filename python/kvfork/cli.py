@@ -141,8 +141,6 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 async def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from PROMPT: streamed with --n 1, best-of-N by perplexity otherwise."""
-    if args.n < 1:
-        raise CliError("--n must be at least 1")
     if args.draft and args.n > 1:
         raise CliError("--draft works with --n 1 (speculation follows one sequence)")
     model = resolve_model(args.model)
@@ -544,6 +542,29 @@ def _print_system() -> None:
 # --- the parser -----------------------------------------------------------------------------
 
 
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high], else a usage error naming the range (a port
+    past 65535 was wrapped around by the event loop, a negative count ran a broken loop)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _widths(text: str) -> list[int]:
+    """`bench --n`: comma-separated fork counts, each in [1, 255] (a sequence each, and one more)."""
+    return [_int_in(1, 255)(part) for part in text.split(",")]
+
+
 def _sampling_options(parser: argparse.ArgumentParser, temperature: float) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=float, default=temperature)
@@ -564,16 +585,18 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="N forks of one prompt, one decode per step, live")
     demo.add_argument("--model", default=None, help="GGUF file or alias (default: default)")
-    demo.add_argument("--n", type=int, default=8, help="number of forks (default 8)")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--n", type=_int_in(1), default=8, help="number of forks (default 8)")
+    demo.add_argument("--max-tokens", type=_int_in(1), default=32)
     demo.add_argument("--prompt", default=_demo.DEFAULT_PROMPT)
     demo.set_defaults(run=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
     gen.add_argument("model", help="GGUF file, 'default' or 'chat'")
     gen.add_argument("prompt")
-    gen.add_argument("--n", type=int, default=1, help="candidates; >1 ranks them by perplexity")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument(
+        "--n", type=_int_in(1, 255), default=1, help="candidates; >1 ranks them by perplexity"
+    )
+    gen.add_argument("--max-tokens", type=_int_in(0), default=128)
     gen.add_argument("--n-ctx", type=int, default=4096)
     constraint = gen.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", metavar="FILE", help="output follows this schema")
@@ -592,7 +615,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the system message (default: {HELPFUL_ASSISTANT!r}, which the small chat model "
         "follows; '' for none, i.e. the template's own)",
     )
-    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--max-tokens", type=_int_in(0), default=256)
     chat.add_argument("--n-ctx", type=int, default=4096)
     chat.add_argument("--verbose", action="store_true", help="tokens prefilled per turn")
     _sampling_options(chat, temperature=0.0)
@@ -608,15 +631,15 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="tokens/s: one sequence against N forks")
     bench.add_argument("model", nargs="?", default=None, help="GGUF file (default: default)")
     bench.add_argument(
-        "--n", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8], help="e.g. 4,8,16"
+        "--n", type=_widths, default=[4, 8], help="fork counts, e.g. 4,8,16 (default 4,8)"
     )
-    bench.add_argument("--steps", type=int, default=16)
+    bench.add_argument("--steps", type=_int_in(1), default=16)
     bench.set_defaults(run=cmd_bench)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (needs kvfork[server])")
     serve.add_argument("model", help="GGUF file, 'default' or 'chat'")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_int_in(1, 65535), default=8000)
     serve.add_argument(
         "--n-ctx",
         type=int,
@@ -659,7 +682,10 @@ def _parser() -> argparse.ArgumentParser:
         help="disk the --cache-dir entries may take (default 4096)",
     )
     serve.add_argument(
-        "--max-queue", type=int, default=64, help="requests that may wait for a sequence before 503"
+        "--max-queue",
+        type=_int_in(0),
+        default=64,
+        help="requests that may wait for a sequence before 503",
     )
     serve.add_argument(
         "--device-sampling",
