@@ -149,6 +149,9 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         # An event loop wraps a port past 65535 around (99999 listened on 34463).
         (["serve", "default", "--port", "99999"], 2, "--port: must be in [1, 65535]"),
         (["serve", "default", "--max-queue", "-1"], 2, "--max-queue: must be at least 0"),
+        (["serve", "default", "--shutdown-seconds", "inf"], 2, "--shutdown-seconds: must be a"),
+        (["serve", "default", "--stored-responses-mb", "nan"], 2, "--stored-responses-mb: must"),
+        (["serve", "default", "--stall-seconds", "0"], 2, "--stall-seconds: must be a finite"),
         (["generate", "/no/such/model.gguf", "x"], 2, "no such model file"),
         (["generate", "default", "x", "--json-schema", "/no/such.json"], 2, "cannot read"),
         (["embed", "default"], 2, "nothing to embed"),

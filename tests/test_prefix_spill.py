@@ -229,6 +229,15 @@ def test_a_disk_budget_without_a_directory_is_refused(ctx: kvfork.Context) -> No
         kvfork.PrefixCache(ctx, host_bytes=1000, disk_bytes=10_000)
 
 
+def test_a_directory_the_cache_cannot_write_to_is_refused_when_it_opens(
+    ctx: kvfork.Context,
+) -> None:
+    """Not found out at the first spill: `/proc/1` exists, and nobody, root included, may
+    create a file there."""
+    with pytest.raises(OSError, match="/proc/1"):
+        kvfork.PrefixCache(ctx, host_bytes=1000, disk_dir="/proc/1", disk_bytes=10_000)
+
+
 def test_a_cache_opened_later_finds_the_entries_and_skips_what_a_crash_left(
     model: kvfork.Model, tmp_path: Path
 ) -> None:

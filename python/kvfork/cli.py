@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -363,12 +364,6 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         ) from exc
     if args.actors < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--actors and --threads must be at least 1")
-    if not (args.max_body_mb > 0 and args.stall_seconds > 0 and args.shutdown_seconds >= 0):
-        raise CliError("--max-body-mb and --stall-seconds must be positive")
-    if args.max_stored_responses < 0 or args.stored_responses_mb < 0:
-        raise CliError("--max-stored-responses and --stored-responses-mb must be at least 0")
-    if args.reasoning_budget < -1:
-        raise CliError("--reasoning-budget must be -1 (unlimited) or at least 0")
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     for flag, size in (("--cache-ram", args.cache_ram), ("--cache-disk", args.cache_disk)):
@@ -560,6 +555,24 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _float_from(low: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float at least `low` (above it with `above`), else a usage
+    error (an infinite grace period overflowed uvicorn's deadline: a traceback)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            bound = f"above {low:g}" if above else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
 def _widths(text: str) -> list[int]:
     """`bench --n`: comma-separated fork counts, each in [1, 255] (a sequence each, and one more)."""
     return [_int_in(1, 255)(part) for part in text.split(",")]
@@ -745,20 +758,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-body-mb",
-        type=float,
+        type=_float_from(0, above=True),
         default=16,
         help="largest request body in MiB; larger ones get 413 before they are read (default 16)",
     )
     serve.add_argument(
         "--stall-seconds",
-        type=float,
+        type=_float_from(0, above=True),
         default=30,
         help="/health reports 'degraded' (503) once requests have waited this long with none "
         "admitted (default 30)",
     )
     serve.add_argument(
         "--shutdown-seconds",
-        type=float,
+        type=_float_from(0),
         default=10,
         help="on SIGTERM or Ctrl-C, how long requests in flight may run before they are "
         "cancelled (default 10)",
@@ -773,7 +786,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-stored-responses",
-        type=int,
+        type=_int_in(0),
         default=1000,
         metavar="N",
         help="/v1/responses kept for GET and previous_response_id, least recently used "
@@ -781,7 +794,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--stored-responses-mb",
-        type=float,
+        type=_float_from(0),
         default=64,
         metavar="MIB",
         help="memory those stored responses and their conversations may take (default 64)",
@@ -795,7 +808,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reasoning-budget",
-        type=int,
+        type=_int_in(-1, 1 << 20),  # as a request's own
         default=-1,
         metavar="N",
         help="tokens a chat reply may think before the end of its think block is forced and "

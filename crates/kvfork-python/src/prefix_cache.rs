@@ -17,7 +17,8 @@ use crate::params;
 /// the snapshot is fresh). A prefix under 16 tokens is shared only when it is half the prompt
 /// (a few common first tokens are cheaper to prefill again). Entries are evicted least recently used when a lease or KV cells
 /// are needed, or past `max_cached_tokens`; with `host_bytes` (and `disk_dir`, whose
-/// `disk_bytes` None leaves unbounded; a positive `disk_bytes` alone is a ValueError) an evicted entry without adapters is kept as a snapshot in host memory (then
+/// `disk_bytes` None leaves unbounded; a positive `disk_bytes` alone is a ValueError, a
+/// directory that cannot be made or written to an OSError) an evicted entry without adapters is kept as a snapshot in host memory (then
 /// on disk, least recently used first at each level) and copied back into the KV when a
 /// prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
 /// them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a

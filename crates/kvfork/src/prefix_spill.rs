@@ -265,6 +265,7 @@ impl Spill {
         };
         if let Some(dir) = spill.config.disk_dir.clone() {
             fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            check_writable(&dir)?;
             spill.scan(&dir)?;
         }
         Ok(spill)
@@ -537,6 +538,16 @@ fn header(layout: u64, anchor: usize, tokens: &[Token]) -> Vec<u8> {
         out.extend_from_slice(&t.to_le_bytes());
     }
     out
+}
+
+/// A directory the cache cannot write to is refused when the cache opens, not found out at
+/// its first spill (whose entry would be dropped, a server's warning in its log).
+fn check_writable(dir: &Path) -> Result<()> {
+    // A ".tmp" name: what a crash leaves of it, the next scan removes.
+    let probe = dir.join(format!("probe-{}.tmp", std::process::id()));
+    fs::File::create(&probe).map_err(|e| Error::io(dir, e))?;
+    let _ = fs::remove_file(&probe);
+    Ok(())
 }
 
 fn write_file(
