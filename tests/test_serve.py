@@ -382,6 +382,15 @@ BAD = [
         ),
         "tools",
     ),
+    # Numbers JSON has not: a reply echoing one (a tool's schema) could not be written.
+    (
+        "/v1/responses",
+        b'{"input": "hi", "tools": [{"type": "function", "name": "f", '
+        b'"parameters": {"type": "object", "maximum": NaN}}]}',
+        None,
+    ),
+    ("/v1/chat/completions", b'{"messages": [], "temperature": -Infinity}', None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', None),
     # Only an assistant turn may leave its content out.
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "messages[0]"),
     (

@@ -4,6 +4,7 @@ and a bad one is a 400 naming it (never the framework's 422 shape)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,10 +99,28 @@ class EmbeddingRequest:
 MAX_NESTING = 64
 
 
+class _NotAJsonNumber(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    """Python's parser takes `NaN` and `Infinity`; JSON has no such numbers, and a reply
+    that echoed one back (a tool's schema) could not be written as JSON."""
+    raise _NotAJsonNumber(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: a number JSON can write, but not as a float
+        raise _NotAJsonNumber(f"{text} is too large for a float")
+    return value
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, nested at most `MAX_NESTING` deep."""
+    """The request body as a JSON object, nested at most `MAX_NESTING` deep, its numbers
+    finite."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise bad_request(f"the body is nested deeper than {MAX_NESTING} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
