@@ -1011,6 +1011,41 @@ def test_a_small_request_beside_a_huge_one_answers_in_its_usual_time(
     assert beside < alone + 2.0, (alone, beside)
 
 
+def test_sigterm_while_bodies_still_arrive_answers_503_in_each_dialect(serve: Any) -> None:
+    """Handlers still running at the shutdown's deadline that hold no generation (a body
+    still arriving, slowly or never) answer the documented 503 in their API's shape, not
+    uvicorn's plain-text 500 with a traceback in the log."""
+    server: Server = serve("chat", "--n-ctx", "1024", "--n-seq-max", "2", "--shutdown-seconds", "1")
+    socks = []
+    for path, code_of in (
+        ("/v1/chat/completions", lambda e: e["error"]["code"]),
+        ("/v1/messages", lambda e: e["error"]["type"]),
+    ):
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        sock = socket.create_connection(server.address, timeout=60)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:-5].encode()  # the rest never comes
+        )
+        socks.append((sock, code_of))
+    time.sleep(0.3)
+    server.process.terminate()
+    codes = []
+    for sock, code_of in socks:
+        with sock:
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), reply[:300]
+        codes.append(code_of(json.loads(body)))
+    assert codes == ["shutting_down", "overloaded_error"]
+    assert server.process.wait(timeout=30) == 0
+    log = server.stop()
+    assert "Exception in ASGI application" not in log and "Traceback" not in log
+
+
 def test_sigterm_with_a_stream_in_flight_ends_it_and_exits_cleanly(serve: Any) -> None:
     server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "2", "--shutdown-seconds", "1")
     stream = server.client().chat.completions.create(

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .backend import Backend, Events
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .generation import Event, Outcome
 from .messages import Reply, authorized, error_body, error_event, parse_messages
 from .metrics import CONTENT_TYPE, Metrics
@@ -236,6 +236,12 @@ class Endpoints:
                 response = _error_response(exc, dialect)
             except ClientDisconnect:  # gone before its body was read: nobody to answer
                 response = Response(status_code=CLIENT_GONE)
+            except asyncio.CancelledError:
+                # The only cancellation an endpoint's own task gets: uvicorn's, of handlers
+                # still running at its shutdown deadline (a body still arriving, an embeddings
+                # batch). They answer as a refused request does, not with uvicorn's
+                # plain-text 500 and a traceback in the log; the task ends right after.
+                response = _error_response(shutting_down(), dialect)
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
                 error = APIError(500, "internal error", type="server_error")
