@@ -105,6 +105,27 @@ def test_async_embed(emb: kvfork.Context) -> None:
     assert float(one @ many[0]) > 0.995
 
 
+def test_a_batch_cancelled_while_it_runs_stops_in_its_decode(emb: kvfork.Context) -> None:
+    """A cancelled `embed_batch` does not run its other decodes (a server's abandoned
+    request of many texts held the context up for the next one): all or nothing, and the
+    context embeds on at once."""
+    texts = ["word " * 200] * 200  # ~200 tokens each, n_batch 256: a decode each
+
+    async def main() -> None:
+        task = asyncio.ensure_future(emb.embed_batch(texts))
+        while emb.stats()["decode_calls"] == before:  # noqa: ASYNC110 (the batch runs)
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    before = emb.stats()["decode_calls"]
+    asyncio.run(main())
+    assert emb.embed_sync(CAT).shape == (emb.embedding_dim,)  # after the batch's job ended
+    decodes = emb.stats()["decode_calls"] - before
+    assert decodes < 20, decodes  # of 200
+
+
 @pytest.mark.parametrize(("n_seq_max", "pooling"), [(3, "mean"), (5, "cls"), (6, "last")])
 def test_any_sequence_count_embeds_without_aborting(
     model: kvfork.Model, n_seq_max: int, pooling: str

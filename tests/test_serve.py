@@ -193,6 +193,38 @@ def test_embeddings(chat_server: Server) -> None:
     assert abs(sum(x * x for x in a) - 1.0) < 1e-3  # normalized
 
 
+def test_an_embeddings_batch_whose_client_left_stops(chat_server: Server) -> None:
+    """Many texts take minutes on a CPU: a batch whose client hung up stops (its decode is
+    aborted; counted as 499, not answered to nobody) and the next request is served at once.
+    More texts than OpenAI's 2,048 are a 400."""
+    texts = ["Words of a long document go on and on. " * 25] * 2048
+    body = json.dumps({"model": "x", "input": texts}).encode()
+    status, reply = chat_server.post(
+        "/v1/embeddings", json.dumps({"input": [*texts, "x"]}).encode()
+    )
+    assert status == 400 and reply["error"]["param"] == "input", reply
+
+    def gone() -> float:  # embeddings requests whose client left
+        pattern = r'^kvfork_requests_total\{endpoint="embeddings",status="499"\} (\S+)$'
+        match = re.search(pattern, chat_server.metrics_text(), re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    before = gone()
+    with socket.create_connection(chat_server.address, timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while gone() == before:
+        assert time.monotonic() < deadline, chat_server.metrics_text()
+        time.sleep(0.05)
+    reply = chat_server.client().embeddings.create(model="x", input=["A cat."])
+    assert len(reply.data) == 1
+
+
 def test_models_lists_the_file_stem(chat_server: Server) -> None:
     models = chat_server.client().models.list()
     assert [m.id for m in models.data] == [kvfork.default_chat_model_path().stem]
@@ -385,8 +417,10 @@ BAD = [
     # Numbers JSON has not: a reply echoing one (a tool's schema) could not be written.
     (
         "/v1/responses",
-        b'{"input": "hi", "tools": [{"type": "function", "name": "f", '
-        b'"parameters": {"type": "object", "maximum": NaN}}]}',
+        (
+            b'{"input": "hi", "tools": [{"type": "function", "name": "f", '
+            b'"parameters": {"type": "object", "maximum": NaN}}]}'
+        ),
         None,
     ),
     ("/v1/chat/completions", b'{"messages": [], "temperature": -Infinity}', None),

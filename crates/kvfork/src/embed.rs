@@ -4,7 +4,7 @@
 
 use crate::context::Context;
 use crate::context_params::{POOLING_NONE, POOLING_RANK};
-use crate::engine::Pending;
+use crate::engine::{CancelPolicy, Pending};
 use crate::error::{Error, Result};
 use crate::model::Token;
 
@@ -29,11 +29,16 @@ impl Context {
 
     /// Embed each token list. Pooled contexts give one row per text; a context with
     /// pooling "none" gives one row per token. `normalize` scales every row to unit length.
+    /// Cancelled while it runs, it stops in its current decode (nothing to roll back: the
+    /// texts' sequences are emptied either way), so an abandoned batch of many texts does
+    /// not hold the context up.
     pub fn embed(&self, texts: Vec<Vec<Token>>, normalize: bool) -> Pending<Vec<Embedding>> {
         if let Err(e) = self.check_embed_args(&texts) {
             return Pending::ready(Err(e));
         }
-        self.run(move |w| w.embed(&texts, normalize))
+        self.engine().run_with(CancelPolicy::DropOrAbort, move |w| {
+            w.embed(&texts, normalize)
+        })
     }
 
     fn check_embed_args(&self, texts: &[Vec<Token>]) -> Result<()> {

@@ -308,15 +308,21 @@ class Endpoints:
         s = self.service
         vocab = s.prompts.embed_ctx.vocab_size if s.prompts.embed_ctx else s.prompts.ctx.vocab_size
         req = parse_embeddings(await self.read_json(request), vocab)
-        data, tokens = await s.prompts.embed(req)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "model": s.model_id,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+
+        async def whole() -> Response:
+            data, tokens = await s.prompts.embed(req)
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": s.model_id,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
+
+        # A batch of many texts takes seconds: one whose client left stops (its decode is
+        # aborted) instead of holding the embedding context up for the next request.
+        return await _unless_disconnected(request, whole())
 
     # llama-server's utility endpoints: the model's tokenizer and template, no generation.
 

@@ -6,6 +6,7 @@ of its own; the actors generate)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any
 
@@ -111,10 +112,15 @@ class Prompts:
                 code="embeddings_disabled",
             )
         ctx = self.embed_ctx
-        token_lists = [
-            item if isinstance(item, list) else ctx.tokenize(item, add_special=True)
-            for item in req.inputs
-        ]
+
+        def tokenize() -> list[list[int]]:
+            return [
+                item if isinstance(item, list) else ctx.tokenize(item, add_special=True)
+                for item in req.inputs
+            ]
+
+        # Off the event loop: a body of many long texts takes seconds to tokenize.
+        token_lists = await asyncio.to_thread(tokenize)
         if any(len(t) > ctx.n_batch for t in token_lists):
             raise bad_request(f"an input is longer than {ctx.n_batch} tokens", "input")
         rows = await ctx.embed_batch(token_lists)

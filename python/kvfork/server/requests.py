@@ -527,6 +527,11 @@ def parse_control(body: dict[str, Any]) -> str:
     return request_id
 
 
+#: The most texts one `/v1/embeddings` request may embed (OpenAI's own bound): more is hours
+#: of work on a CPU from one body under the size limit.
+MAX_EMBEDDING_INPUTS = 2048
+
+
 def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
     """`/v1/embeddings`: a string, a list of strings, a token list or a list of token lists."""
     value = body.get("input")
@@ -539,6 +544,10 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
         items = value
     else:
         raise bad_request("input must be a string, a list of strings or of token lists", "input")
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(
+            f"input holds {len(items)} items: at most {MAX_EMBEDDING_INPUTS} a request", "input"
+        )
     for item in items:
         if isinstance(item, str) and item:
             continue
