@@ -415,6 +415,19 @@ def test_messages_reply_with_a_thinking_block_streamed_alike(think_server: Serve
     assert kinds.index("thinking") < kinds.index("text")
     (answer,) = off.content
     assert isinstance(answer, TextBlock) and "Paris" in answer.text
+    # The reply passed back as the assistant turn, as the package's users continue (and a tool
+    # loop with thinking must): accepted, its thinking not prompted again.
+    later = {"role": "user", "content": "And of Italy?"}
+    with anthropic.Anthropic(base_url=think_server.url, api_key="x", max_retries=0) as client:
+        whole = [kwargs["messages"][0], {"role": "assistant", "content": plain.content}, later]
+        text_only = [*whole[:1], {"role": "assistant", "content": plain.content[1:]}, later]
+        count: Any = {"model": "x", "system": SYSTEM}
+        assert (
+            client.messages.count_tokens(**count, messages=whole).input_tokens
+            == client.messages.count_tokens(**count, messages=text_only).input_tokens
+        )
+        again = client.messages.create(**{**kwargs, "messages": whole})
+    assert again.content
 
 
 # ---- OpenAI's Responses: a reasoning item ----

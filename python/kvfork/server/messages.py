@@ -223,7 +223,7 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> di
 
 def _assistant_turn(blocks: list[Any], where: str, names: dict[str, str]) -> dict[str, Any]:
     """An assistant turn: its text blocks as content, its tool_use blocks as `tool_calls`
-    (arguments as an object, as Hugging Face templates expect them)."""
+    (arguments as an object, as Hugging Face templates expect them); its thinking left out."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
@@ -233,7 +233,10 @@ def _assistant_turn(blocks: list[Any], where: str, names: dict[str, str]) -> dic
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
             calls.append(_tool_call(block, at, names))
-        else:
+        elif kind not in ("thinking", "redacted_thinking"):
+            # A reply's thinking, passed back as Anthropic's clients do (a tool loop with
+            # thinking must): accepted and not prompted again, as /v1/responses' reasoning
+            # items and as chat templates drop an earlier turn's think block.
             raise _unsupported(kind, "assistant", at)
     message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
     if calls:
