@@ -425,6 +425,24 @@ BAD = [
     ),
     ("/v1/chat/completions", b'{"messages": [], "temperature": -Infinity}', None),
     ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', None),
+    (
+        "/v1/chat/completions",
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stream": true, '
+            b'"stream_options": {"include_usage": "yes"}}'
+        ),
+        "stream_options.include_usage",
+    ),
+    # A required call's schema that cannot be compiled: the tools are at fault.
+    (
+        "/v1/chat/completions",
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", '
+            b'"tools": [{"type": "function", "function": {"name": "f", '
+            b'"parameters": {"type": "strin"}}}]}'
+        ),
+        "tools",
+    ),
     # Only an assistant turn may leave its content out.
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "messages[0]"),
     (

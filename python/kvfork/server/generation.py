@@ -598,7 +598,7 @@ class Generation:
                 await asyncio.to_thread(first.set_json_schema, sampling.json_schema)
             except KvforkError as exc:
                 raise bad_request(
-                    f"the JSON schema is not usable: {exc}", "response_format"
+                    f"the JSON schema is not usable: {exc}", sampling.json_schema_param
                 ) from None
         if last:
             try:

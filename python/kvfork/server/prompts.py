@@ -145,3 +145,4 @@ class Prompts:
         if req.tools and req.tool_choice not in ("none", "auto"):
             name = None if req.tool_choice == "required" else req.tool_choice
             req.sampling.json_schema = call_schema(req.tools, name)
+            req.sampling.json_schema_param = "tools"

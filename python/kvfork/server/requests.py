@@ -38,6 +38,8 @@ class Sampling:
     include_usage: bool = False
     #: A JSON schema the output follows (response_format or a required tool call).
     json_schema: dict[str, Any] | None = None
+    #: The field that schema came from, which an error in it names.
+    json_schema_param: str = "response_format"
     #: The LoRA adapters asked for by name or index (`adapters.parse_lora`).
     lora: Choice = field(default_factory=list)
     #: The request's `model`: an adapter's name selects it (`Adapters.resolve`).
@@ -299,6 +301,11 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
     stream = bool_field(body, "stream")
     if options is not None and not stream:  # as OpenAI: it would be silently ignored
         raise bad_request("stream_options needs stream: true", "stream_options")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request(
+            "stream_options.include_usage must be a boolean", "stream_options.include_usage"
+        )
     seed = int_field(body, "seed", None, -(2**63), 2**63 - 1)
     return Sampling(
         max_tokens=max_tokens,
@@ -315,7 +322,7 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         logprobs=bool(logprobs),
         top_logprobs=top,
         stream=stream,
-        include_usage=bool(options and options.get("include_usage") is True),
+        include_usage=include_usage is True,
         json_schema=_response_format(body),
         lora=parse_lora(body),
         model=model if isinstance(model := body.get("model"), str) else None,
