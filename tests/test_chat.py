@@ -164,6 +164,20 @@ def test_chat_template_errors(
         ctx.format_chat(messages, template=template)
 
 
+def test_a_template_that_would_run_for_hours_is_stopped_and_a_long_chat_is_not(
+    chat_ctx: kvfork.Context,
+) -> None:
+    """A template is code: one rendering runs a bounded number of instructions (nested
+    `range` loops ran 10^10 and could not be interrupted), well above what a conversation of
+    5,000 messages takes in the model's own template."""
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(kvfork.ChatTemplateError, match="fuel"):
+        chat_ctx.format_chat([{"role": "user", "content": "x"}], template=endless)
+    roles = ("user", "assistant")
+    chat = [{"role": roles[i % 2], "content": f"message {i}"} for i in range(5000)]
+    assert "message 4999" in chat_ctx.format_chat(chat).prompt
+
+
 def test_unconvertible_message_values_are_type_errors(ctx: kvfork.Context) -> None:
     with pytest.raises(TypeError, match=r"messages\[0\]"):
         ctx.format_chat([{"role": "user", "content": object()}], template="chatml")

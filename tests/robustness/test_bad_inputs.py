@@ -557,6 +557,64 @@ def test_hostile_grammars_and_schemas_do_not_crash() -> None:
     assert out.count("eog GrammarError") == 3 and "deep GrammarError" in out
 
 
+def test_long_chains_of_refs_and_rules_compile_and_an_oversized_source_is_refused() -> None:
+    """llguidance compiles a chain of `$ref`s or Lark rules recursively: 3,000 links
+    overflowed an 8 MiB thread stack (SIGSEGV). They compile on a thread with room for the
+    deepest chain a source under the size bound (1 MiB) holds."""
+    out = run_isolated(
+        r"""
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=256, n_seq_max=2)
+        links = 20_000
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
+        defs[f"d{links}"] = {"type": "integer"}
+        b = kvfork.Branch.create(ctx, 0, {"temperature": 0})
+        b.prefill_sync(ctx.tokenize("A number:"))
+        b.set_json_schema({"$defs": defs, "$ref": "#/$defs/d0"})
+        print("schema", "".join(t.text for t in b.generate_sync(6)).strip().lstrip("-").isdigit())
+        rules = "\n".join(f"r{i}: r{i + 1}" for i in range(links))
+        b.prune_sync()
+        b = kvfork.Branch.create(ctx, 0, {"temperature": 0})
+        b.prefill_sync(ctx.tokenize("Is the sky blue? Answer:"))
+        b.set_lark(f'start: r0\n{rules}\nr{links}: " yes" | " no"')
+        print("lark", "".join(t.text for t in b.generate_sync(8)) in (" yes", " no"))
+        try:
+            b.set_lark('start: " yes"' + " " * (1 << 20))
+        except kvfork.GrammarError as e:
+            print("oversized:", e)
+        print("DONE")
+        """
+    )
+    assert "schema True" in out and "lark True" in out and "at most 1048576" in out, out
+
+
+def test_a_second_task_awaiting_the_same_operation_is_refused() -> None:
+    """It took the first task's wake-up: the first slept forever (`gather(op, op)` hung).
+    Refused, as awaiting a coroutine twice is; the first task gets its result."""
+    out = run_isolated(
+        """
+        import asyncio
+        ctx = kvfork.create_context_sync(MODEL, n_ctx=256, n_seq_max=2)
+        b = kvfork.Branch.create(ctx, 0, {"temperature": 0})
+
+        async def main():
+            op = b.prefill(ctx.tokenize("Hello there"))
+
+            async def wait():
+                return await op
+
+            got = await asyncio.wait_for(
+                asyncio.gather(wait(), wait(), return_exceptions=True), 30
+            )
+            print([type(g).__name__ for g in got], got[1])  # prefill returns None
+        asyncio.run(main())
+        print("position", b.position)
+        """,
+        timeout=60,
+    )
+    assert "['NoneType', 'RuntimeError']" in out and "already being awaited" in out, out
+    assert "position 3" in out  # "Hello there" (BOS and two tokens): prefilled once
+
+
 def test_lazy_trigger_words_stay_cheap_on_long_outputs(ctx: kvfork.Context) -> None:
     """A lazy grammar waiting for its trigger word scans the whole output after every token:
     it must stay linear (the usual [\\s\\S]*?(word) pattern was quadratic and overflowed the

@@ -253,6 +253,19 @@ impl Operation {
                 return Err(PyStopIteration::new_err((value,)));
             }
         }
+        // A second task awaiting while the first still waits would take the wake-up from it
+        // (the first then sleeps forever): refused, as a coroutine awaited twice is.
+        let waiting = lock(&self.shared.state)
+            .waiter
+            .as_ref()
+            .map(|w| w.clone_ref(py));
+        if let Some(w) = waiting {
+            if !w.bind(py).call_method0("done")?.is_truthy()? {
+                return Err(PyRuntimeError::new_err(
+                    "this kvfork operation is already being awaited by another task",
+                ));
+            }
+        }
         static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
         let event_loop = GET_RUNNING_LOOP
             .get_or_try_init(py, || {

@@ -153,6 +153,11 @@ fn jinja_error(e: JinjaError) -> Error {
     Error::ChatTemplate(msg)
 }
 
+/// The instructions one rendering may run: far more than a long conversation takes (a
+/// 5,000-message chat renders within it: `test_chat.py`), far less than nested `range` loops,
+/// which ran 10^10 before.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
 fn render_jinja(source: &str, vars: &Json) -> Result<String> {
     let mut env = Environment::new();
     // Hugging Face's environment: jinja2 with trim_blocks and lstrip_blocks.
@@ -162,6 +167,9 @@ fn render_jinja(source: &str, vars: &Json) -> Result<String> {
         .build()
         .map_err(jinja_error)?;
     env.set_syntax(syntax);
+    // A template is code a caller may pass: bounded, so that a loop of loops ends in a
+    // ChatTemplateError instead of running for hours (see `TEMPLATE_FUEL`).
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",

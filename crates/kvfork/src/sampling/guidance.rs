@@ -82,6 +82,17 @@ pub enum GuidanceKind {
     Lark,
 }
 
+impl GuidanceKind {
+    /// What a message calls a source of this kind.
+    fn what(self) -> &'static str {
+        match self {
+            GuidanceKind::JsonSchema => "JSON schema",
+            GuidanceKind::Regex => "regex",
+            GuidanceKind::Lark => "Lark grammar",
+        }
+    }
+}
+
 /// A branch's llguidance parser plus the mask of its current state (computed once per state:
 /// `sample` and the `accept` that follows share it).
 pub(crate) struct Guided {
@@ -98,31 +109,22 @@ pub(crate) struct Guided {
 impl Guided {
     pub fn new(model: &Model, kind: GuidanceKind, source: &str) -> Result<Self> {
         let vocab = GuidanceVocab::of(model)?;
-        let grammar = match kind {
-            GuidanceKind::JsonSchema => {
-                let mut value: serde_json::Value = serde_json::from_str(source).map_err(|e| {
-                    Error::Grammar(format!("the JSON schema is not valid JSON: {e}"))
-                })?;
-                if let Some(schema) = value.as_object_mut() {
-                    // llguidance allows any whitespace between JSON tokens, and small models
-                    // then fill objects with newlines. Bound it as llama.cpp's GBNF does (a
-                    // space, or one or two newlines and an indent) unless the schema says.
-                    schema
-                        .entry("x-guidance")
-                        .or_insert_with(|| serde_json::json!({ "whitespace_pattern": JSON_SPACE }));
-                }
-                TopLevelGrammar::from_json_schema(value)
-            }
-            GuidanceKind::Regex => TopLevelGrammar::from_regex(source),
-            GuidanceKind::Lark => TopLevelGrammar::from_lark(source.to_string()),
-        };
-        let parser = vocab.factory.create_parser(grammar).map_err(|e| {
-            let what = match kind {
-                GuidanceKind::JsonSchema => "JSON schema",
-                GuidanceKind::Regex => "regex",
-                GuidanceKind::Lark => "Lark grammar",
-            };
-            Error::Grammar(format!("the {what} was refused: {e}"))
+        if source.len() > MAX_SOURCE_BYTES {
+            return Err(Error::Grammar(format!(
+                "the {} is {} bytes: at most {MAX_SOURCE_BYTES}",
+                kind.what(),
+                source.len()
+            )));
+        }
+        // On a thread of its own, with a stack for the deepest chain a bounded source holds.
+        let parser = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("kvfork-grammar".into())
+                .stack_size(COMPILE_STACK_BYTES)
+                .spawn_scoped(scope, || compile(&vocab.factory, kind, source))
+                .map_err(|e| Error::Grammar(format!("no thread to compile the grammar on: {e}")))?
+                .join()
+                .map_err(|_| Error::Grammar(format!("the {} could not be compiled", kind.what())))?
         })?;
         Ok(Guided {
             vocab,
@@ -234,6 +236,44 @@ impl Guided {
             self.moved();
         }
     }
+}
+
+/// The largest grammar source `Guided::new` takes (JSON schemas, regexes, Lark grammars).
+/// llguidance compiles a chain of `$ref`s or of Lark rules recursively, a few KiB of stack a
+/// link: a 3,000-link chain (150 KB of schema) overflowed a thread's 8 MiB, a SIGSEGV. A
+/// source this size holds at most ~90,000 links, which [`COMPILE_STACK_BYTES`] holds.
+const MAX_SOURCE_BYTES: usize = 1 << 20;
+
+/// The stack of the thread a grammar is compiled on (virtual memory: pages are only touched
+/// as deep as the compile goes).
+const COMPILE_STACK_BYTES: usize = 512 << 20;
+
+/// The parser of `source`, compiled for `factory`'s vocabulary.
+fn compile(
+    factory: &ParserFactory,
+    kind: GuidanceKind,
+    source: &str,
+) -> Result<llguidance::TokenParser> {
+    let grammar = match kind {
+        GuidanceKind::JsonSchema => {
+            let mut value: serde_json::Value = serde_json::from_str(source)
+                .map_err(|e| Error::Grammar(format!("the JSON schema is not valid JSON: {e}")))?;
+            if let Some(schema) = value.as_object_mut() {
+                // llguidance allows any whitespace between JSON tokens, and small models then
+                // fill objects with newlines. Bound it as llama.cpp's GBNF does (a space, or
+                // one or two newlines and an indent) unless the schema says.
+                schema
+                    .entry("x-guidance")
+                    .or_insert_with(|| serde_json::json!({ "whitespace_pattern": JSON_SPACE }));
+            }
+            TopLevelGrammar::from_json_schema(value)
+        }
+        GuidanceKind::Regex => TopLevelGrammar::from_regex(source),
+        GuidanceKind::Lark => TopLevelGrammar::from_lark(source.to_string()),
+    };
+    factory
+        .create_parser(grammar)
+        .map_err(|e| Error::Grammar(format!("the {} was refused: {e}", kind.what())))
 }
 
 fn not_allowed(token: Token, why: Option<String>) -> Error {
