@@ -10,6 +10,7 @@ decodes (guesses never decoded), in its cells, the comparison is exact."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Sequence
@@ -151,6 +152,56 @@ async def test_a_stream_whose_guesses_would_be_refused_decodes_none(
     # drafter costs under SHADOW_SHARE (2%) of a one-token round: about 30 us on a GPU,
     # which a Python drafter on a loaded machine can pass (the policy then probes).
     assert len(list(sync)) == 8 and (sync.drafted == 0 or not sync.schedule.shadowing)
+
+
+def test_a_stream_goes_on_from_where_others_left_its_branch(ctx: kvfork.Context) -> None:
+    # Between two tokens someone else advances the branch (a store step, a commit): the token
+    # the stream drew before is stale, and it samples again from the branch, as plain
+    # generation does. Their tokens are not the stream's: it still yields 12.
+    plain, spec = pair(ctx, GREEDY)
+    prompt = plain.history
+    expected, margins = plain_generation(plain, 14)
+    stream = spec.generate_sync(12, draft=kvfork.PromptLookup())
+    got = []
+    for t in stream:
+        got.append(t.token)
+        if len(got) == 3:
+            kvfork.BranchStore(ctx).step_sync([spec])
+        elif len(got) == 7:
+            spec.commit_sync(spec.produce_sync())
+    assert len(got) == 12 and stream.stop_reason == "max_tokens"
+    assert_same_greedy(spec.history[len(prompt) :], expected, margins)
+
+
+async def test_a_cancelled_round_commits_the_greedy_tokens_within_max_tokens(
+    ctx: kvfork.Context,
+) -> None:
+    # A round cancelled once the engine runs it completes: its tokens are committed, not
+    # yielded (as a cancelled step of plain generation), and count against max_tokens; the
+    # next round must not decode the round's first token again.
+    plain = root(ctx, COPY)
+    prompt = plain.history
+    expected, margins = plain_generation(plain, 20)
+    plain.prune_sync()
+    landed = 0
+    for delay in (0.0005, 0.002, 0.005, 0.01, 0.0005, 0.002, 0.005, 0.01):
+        spec = root(ctx, COPY)
+        stream = spec.generate(10, draft=kvfork.PromptLookup())
+        got = [(await stream.__anext__()).token]
+        while stream.queue:  # the next call runs a round
+            got.append((await stream.__anext__()).token)
+        before = len(got)
+        try:
+            got.append((await asyncio.wait_for(stream.__anext__(), delay)).token)
+        except asyncio.TimeoutError:
+            landed += spec.position - len(prompt) > len(got)
+        got += [t.token async for t in stream]
+        committed = spec.history[len(prompt) :]
+        assert len(committed) <= 10 and stream.stop_reason == "max_tokens"
+        assert_same_greedy(committed, expected[: len(committed)], margins)
+        assert committed[:before] == got[:before]
+        await spec.prune()
+    assert landed > 0  # at least one cancel landed while the round ran
 
 
 def test_a_dear_drafter_is_not_asked_for_shadow_guesses(ctx: kvfork.Context) -> None:

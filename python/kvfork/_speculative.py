@@ -18,7 +18,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from ._native import Branch, Context, SpeculativeSchedule, Token, _use_speculative_streams
+from ._native import (
+    Branch,
+    Context,
+    KvforkError,
+    SpeculativeSchedule,
+    Token,
+    _use_speculative_streams,
+)
 
 __all__ = ["DraftModel", "Drafter", "PromptLookup", "SpeculativeStream", "SpeculativeStreamSync"]
 
@@ -165,6 +172,7 @@ class _Rounds:
         self.schedule = SpeculativeSchedule(max_tokens, on_context_full=on_context_full, keep=keep)
         self.queue: deque[Token] = deque()
         self.pending: Token | None = None
+        self._at = -1  # the branch's position when `pending` was drawn
         # Consumers of one stream (tasks, or threads for the sync twin) take its tokens in
         # turn: a round reads and moves the pending token, so two at once would share it.
         self._task_turn = asyncio.Lock()
@@ -174,11 +182,38 @@ class _Rounds:
         self.schedule.yielded_one()
         return self.queue.popleft()
 
-    def took(self, pending: Token, draft: list[int], accepted: list[Token], nxt: Token) -> None:
+    def took(
+        self, at: int, pending: Token, draft: list[int], accepted: list[Token], nxt: Token
+    ) -> None:
         self.schedule.took(len(draft), len(accepted), nxt)
         self.queue.append(pending)
         self.queue.extend(accepted)
-        self.pending = nxt
+        self.pending, self._at = nxt, at + 1 + len(accepted)
+
+    def current(self) -> Token | None:
+        """The pending token, unless the branch moved since it was drawn (a `store.step` or
+        commit by someone else, another stream, a round that was interrupted): it is stale
+        then, and the round samples afresh from the branch, as plain generation does."""
+        if self.pending is not None and self.branch.position != self._at:
+            self.pending = None
+        return self.pending
+
+    def drew(self, pending: Token) -> None:
+        self.pending, self._at = pending, self.branch.position
+
+    def interrupted(self, at: int, pending: Token, draft: list[int]) -> None:
+        """The round from position `at` raised (cancelled, Ctrl-C, a failed decode). If it ran
+        all the same (the engine finishes a started round), `pending` and the kept guesses are
+        committed: they count against `max_tokens` but are not yielded, as a cancelled step
+        of plain generation. The token it drew after them is lost: `current` sees the branch
+        moved, and the next round samples again."""
+        try:
+            moved = self.branch.position - at
+            ran = moved > 0 and self.branch.history[-moved:] == [pending.token, *draft][:moved]
+        except KvforkError:  # pruned or closed: the next round says so
+            return
+        for _ in range(moved if ran else 0):
+            self.schedule.yielded_one()
 
     def history(self, pending: Token) -> list[int]:
         return [*self.branch.history, pending.token]
@@ -229,7 +264,10 @@ class SpeculativeStream(_Rounds):
     `accepted` and `acceptance` tell how the draft did. At the end the sampler has drawn the
     one token after the last yielded (not committed) — one random draw past plain
     generation. A drafter with `async apropose(tokens)` is awaited (the event loop never
-    waits on it)."""
+    waits on it). A round cancelled (or interrupted by Ctrl-C) once it runs completes: its
+    tokens are committed, not yielded, and count against `max_tokens`, as a cancelled step
+    of plain generation. When the branch moved between two tokens (a `store.step`, a commit,
+    another stream), the stream samples afresh from where it is, as plain generation does."""
 
     def __aiter__(self) -> SpeculativeStream:
         return self
@@ -243,22 +281,29 @@ class SpeculativeStream(_Rounds):
             return self.pop()
         if self.schedule.ended():
             raise StopAsyncIteration
-        if self.pending is None:
-            self.pending = await self.branch.produce()
+        if self.current() is None:
+            self.drew(await self.branch.produce())
         keep = self.schedule.shift_due(self.branch)
         if keep is not None:
             await self.branch.shift_context(keep)
-        n = self.schedule.guess_len(self.branch, self.pending)
+            self._at = self.branch.position
+        pending, at = self.pending, self._at
+        assert pending is not None
+        n = self.schedule.guess_len(self.branch, pending)
         if n is None:
             raise StopAsyncIteration
         draft: list[int] = []
         if n > 0 or self.schedule.shadowing:
             apropose = getattr(self.draft, "apropose", None)
-            history = self.history(self.pending)
+            history = self.history(pending)
             guess = await apropose(history) if apropose else self.draft.propose(history)
             draft = self.schedule.proposed(guess, n)
-        accepted, nxt = await self.branch.speculate(self.pending, draft)
-        self.took(self.pending, draft, accepted, nxt)
+        try:
+            accepted, nxt = await self.branch.speculate(pending, draft)
+        except BaseException:
+            self.interrupted(at, pending, draft)
+            raise
+        self.took(at, pending, draft, accepted, nxt)
         return self.pop()
 
 
@@ -277,19 +322,26 @@ class SpeculativeStreamSync(_Rounds):
             return self.pop()
         if self.schedule.ended():
             raise StopIteration
-        if self.pending is None:
-            self.pending = self.branch.produce_sync()
+        if self.current() is None:
+            self.drew(self.branch.produce_sync())
         keep = self.schedule.shift_due(self.branch)
         if keep is not None:
             self.branch.shift_context_sync(keep)
-        n = self.schedule.guess_len(self.branch, self.pending)
+            self._at = self.branch.position
+        pending, at = self.pending, self._at
+        assert pending is not None
+        n = self.schedule.guess_len(self.branch, pending)
         if n is None:
             raise StopIteration
         draft: list[int] = []
         if n > 0 or self.schedule.shadowing:
-            draft = self.schedule.proposed(self.draft.propose(self.history(self.pending)), n)
-        accepted, nxt = self.branch.speculate_sync(self.pending, draft)
-        self.took(self.pending, draft, accepted, nxt)
+            draft = self.schedule.proposed(self.draft.propose(self.history(pending)), n)
+        try:
+            accepted, nxt = self.branch.speculate_sync(pending, draft)
+        except BaseException:
+            self.interrupted(at, pending, draft)
+            raise
+        self.took(at, pending, draft, accepted, nxt)
         return self.pop()
 
 
