@@ -316,6 +316,32 @@ async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_w
         assert chat.messages[:3] == straight.messages[:3]
 
 
+async def test_a_reply_cancelled_while_generating_is_recorded_as_the_kv_holds_it(
+    chat_ctx: kvfork.Context,
+) -> None:
+    """The step in flight when a reply is cancelled commits its token without yielding it:
+    that token joins the reply, or every later turn would be prefilled after a token the
+    conversation in ``messages`` does not have."""
+    for wait in (2, 5, 9):
+        chat = kvfork.Chat(chat_ctx, params=GREEDY, system="You are terse.")
+        await chat.send("Say hi.", max_tokens=8)
+        task = asyncio.create_task(chat.send("Count from 1 to 50 with commas.", max_tokens=60))
+        while len(chat.messages) < 4:  # noqa: ASYNC110 (until the turn is prefilled)
+            await asyncio.sleep(0.002)
+        assert chat.branch is not None
+        start = chat.branch.position
+        while chat.branch.position < start + wait:  # noqa: ASYNC110 (a few tokens in)
+            await asyncio.sleep(0.002)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await chat.send("Thanks.", max_tokens=4)
+        held = chat_ctx.detokenize(chat.branch.history, unparse_special=True)
+        said = chat_ctx.format_chat(chat.messages[:-1], add_generation_prompt=True).prompt
+        assert held.startswith(said), (held, said)
+        await chat.branch.prune()
+
+
 def test_warm_turn_is_faster_than_cold(chat_ctx: kvfork.Context) -> None:
     long_system = "You are a careful assistant. " * 60
     chat = kvfork.Chat(chat_ctx, params=GREEDY, system=long_system)

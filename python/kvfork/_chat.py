@@ -188,12 +188,18 @@ class Chat:
         self._opened(turn)
         return branch
 
-    def _end(self, reply: StopStrings, stream: TokenStream | TokenStreamSync) -> None:
-        """The reply joins the conversation (however its generation ended)."""
+    def _end(self, reply: StopStrings, stream: TokenStream | TokenStreamSync, seen: int) -> None:
+        """The reply joins the conversation (however its generation ended). ``seen``: the
+        branch's position after the last token the stream yielded; past it, the step in
+        flight when the reply was cancelled (or Ctrl-C) committed one more: it joins too, so
+        the KV and ``messages`` agree."""
         assert self.branch is not None
         self.shifts += stream.shifts
+        position = self.branch.position
+        if stream.stop_reason is None and position not in (0, seen):
+            reply.add(self.ctx.token_to_text(self.branch.history[-1]))
         self.messages.append({"role": "assistant", "content": reply.content})
-        if self.branch.position == 0:  # a failed shift emptied the branch
+        if position == 0:  # a failed shift emptied the branch
             self._text = ""
         else:  # every generated token was committed (a stop string too)
             self._text += reply.text
@@ -201,16 +207,19 @@ class Chat:
     async def send(self, content: str, *, max_tokens: int = 256) -> str:
         """Add a user turn, generate the assistant's reply (also appended to ``messages``). A
         turn whose prefill fails (or is cancelled) is not added: the conversation is as it
-        was. A reply cut short by an error is added as far as it went."""
+        was. A reply cut short by an error or a cancel is added as far as it went (with the
+        token a cancelled step committed: as far as the branch holds it)."""
         turn = self._begin(content)
-        await self._open(turn)
+        branch = await self._open(turn)
         reply, stream = turn.reply, self._generate(max_tokens)
+        seen = branch.position
         try:
             async for tok in stream:
+                seen = branch.position
                 if reply.add(tok.text):
                     break
         finally:
-            self._end(reply, stream)
+            self._end(reply, stream, seen)
         return reply.content
 
     async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
@@ -218,10 +227,12 @@ class Chat:
         the start of a stop string is held back until it is not; the whole reply is
         appended to ``messages`` when the stream ends (also when it is closed early)."""
         turn = self._begin(content)
-        await self._open(turn)
+        branch = await self._open(turn)
         reply, stream = turn.reply, self._generate(max_tokens)
+        seen = branch.position
         try:
             async for tok in stream:
+                seen = branch.position
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
                     yield piece
@@ -230,15 +241,17 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
-            self._end(reply, stream)
+            self._end(reply, stream, seen)
 
     def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
         """Blocking twin of ``stream``."""
         turn = self._begin(content)
-        self._open_sync(turn)
+        branch = self._open_sync(turn)
         reply, stream = turn.reply, self._generate_sync(max_tokens)
+        seen = branch.position
         try:
             for tok in stream:
+                seen = branch.position
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
                     yield piece
@@ -247,19 +260,21 @@ class Chat:
             if piece := reply.take(final=True):
                 yield piece
         finally:
-            self._end(reply, stream)
+            self._end(reply, stream, seen)
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
         turn = self._begin(content)
-        self._open_sync(turn)
+        branch = self._open_sync(turn)
         reply, stream = turn.reply, self._generate_sync(max_tokens)
+        seen = branch.position
         try:
             for tok in stream:
+                seen = branch.position
                 if reply.add(tok.text):
                     break
         finally:
-            self._end(reply, stream)
+            self._end(reply, stream, seen)
         return reply.content
 
     def _generate(self, max_tokens: int) -> TokenStream:
