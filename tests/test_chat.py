@@ -277,6 +277,24 @@ async def test_a_forked_chat_continues_like_the_original(chat_ctx: kvfork.Contex
     assert unstarted.branch is None and unstarted.messages == []
 
 
+def test_a_forked_chat_can_still_start_over(chat_ctx: kvfork.Context) -> None:
+    """A turn that must start over on a fresh branch (here the last exchange is dropped to
+    ask again) frees the old branch, which a fork's branch is a child of: the fork keeps
+    the cells it shares and goes on."""
+    chat = kvfork.Chat(chat_ctx, params=GREEDY)
+    chat.send_sync(QUESTIONS[0], max_tokens=6)
+    side = chat.fork_sync()
+    side.send_sync(QUESTIONS[1], max_tokens=6)
+    del chat.messages[-2:]
+    chat.send_sync(QUESTIONS[2], max_tokens=6)
+    assert chat.cold_restarts == 1 and len(chat.messages) == 2
+    side.send_sync(QUESTIONS[2], max_tokens=6)
+    assert side.branch is not None and side.cold_restarts == 0
+    held = chat_ctx.detokenize(side.branch.history, unparse_special=True)
+    said = chat_ctx.format_chat(side.messages[:-1], add_generation_prompt=True).prompt
+    assert held.startswith(said) and len(side.messages) == 6
+
+
 async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_was(
     chat_model: kvfork.Model,
 ) -> None:

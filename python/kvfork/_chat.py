@@ -102,8 +102,8 @@ class Chat:
     def _branch_for(self, turn: _Turn) -> Branch:
         """The branch the turn is prefilled on: a fresh one when it restarts."""
         if turn.restart:
-            if self.branch is not None:
-                self.branch.prune_sync()
+            if self.branch is not None:  # a fork of it keeps its cells
+                self.branch.prune_sync(keep_children=True)
                 self.cold_restarts += 1
             self.branch = None
             self._text = ""
@@ -292,7 +292,8 @@ class Chat:
     async def fork(self) -> Chat:
         """A second conversation that shares this one's history, on a fork of its branch (no
         KV is copied): ask different follow-ups on each. Prune ``branch`` of the fork when
-        done with it (``await side.branch.prune()``)."""
+        done with it (``await side.branch.prune()``). Either may start over (a cold restart)
+        without the other."""
         return self._forked(None if self.branch is None else await self.branch.fork())
 
     def fork_sync(self) -> Chat:
