@@ -295,6 +295,48 @@ def test_a_forked_chat_can_still_start_over(chat_ctx: kvfork.Context) -> None:
     assert held.startswith(said) and len(side.messages) == 6
 
 
+async def test_a_stream_left_unfinished_ends_when_the_next_turn_starts(
+    chat_ctx: kvfork.Context,
+) -> None:
+    """A ``break`` out of a reply's stream does not close it (an async generator is closed
+    later by the event loop, a sync one when collected): the next turn ends it first, so
+    its reply joins before the new turn, as far as it went, and the stream yields no more.
+    A turn while a reply is generating is refused."""
+
+    def check(chat: kvfork.Chat) -> None:
+        assert chat.branch is not None and chat.cold_restarts == 0
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+        held = chat_ctx.detokenize(chat.branch.history, unparse_special=True)
+        said = chat_ctx.format_chat(chat.messages[:-1], add_generation_prompt=True).prompt
+        assert held.startswith(said), (held, said)
+
+    chat = kvfork.Chat(chat_ctx, params=GREEDY)
+    pieces = chat.stream_sync("Count from 1 to 30 with commas.", max_tokens=40)
+    for i, _ in enumerate(pieces):
+        if i == 4:
+            break
+    chat.send_sync("Thanks.", max_tokens=4)
+    assert list(pieces) == []
+    check(chat)
+    assert chat.branch is not None
+    chat.branch.prune_sync()
+
+    chat = kvfork.Chat(chat_ctx, params=GREEDY)
+    agen = chat.stream("Count from 1 to 30 with commas.", max_tokens=40)
+    async for _ in agen:
+        break
+    await chat.send("Thanks.", max_tokens=4)
+    assert [p async for p in agen] == []
+    check(chat)
+    task = asyncio.create_task(chat.send("Count to 50.", max_tokens=40))
+    while chat.branch is None or len(chat.messages) < 5:  # noqa: ASYNC110 (until it generates)
+        await asyncio.sleep(0.002)
+    with pytest.raises(RuntimeError, match="one turn at a time"):
+        await chat.send("And now?")
+    await task
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
+
+
 async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_was(
     chat_model: kvfork.Model,
 ) -> None:

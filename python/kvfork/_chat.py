@@ -29,6 +29,18 @@ class _Turn:
     restart: bool
 
 
+@dataclass(eq=False)
+class _Reply:
+    """A reply being generated: its text, its stream, the branch's position after the last
+    token yielded, and whether a ``stream`` of it waits at a yield (its consumer may have
+    left the loop)."""
+
+    text: StopStrings
+    stream: TokenStream | TokenStreamSync
+    seen: int
+    idle: bool = False
+
+
 class Chat:
     """A conversation on one live branch.
 
@@ -80,11 +92,17 @@ class Chat:
         self.prefilled_tokens = 0  # tokens prefilled over all turns
         self.cold_restarts = 0
         self._text = ""  # the rendered text whose tokens are in the branch's KV cache
+        self._reply: _Reply | None = None  # the reply being generated
 
     def _begin(self, content: str) -> _Turn:
         """The user turn, rendered: what to prefill so the branch holds the new prompt (all of
         it on a fresh branch when the prompt no longer extends what the branch holds).
-        Nothing changes until the prefill succeeds (`_opened`)."""
+        Nothing changes until the prefill succeeds (`_opened`), but a stream left waiting at
+        a yield ends first (its reply joins)."""
+        if (left := self._reply) is not None:
+            if not left.idle:
+                raise RuntimeError("the chat is generating a reply: one turn at a time")
+            self._end(left)
         message = {"role": "user", "content": content}
         chat = self.ctx.format_chat(
             [*self.messages, message],
@@ -188,15 +206,25 @@ class Chat:
         self._opened(turn)
         return branch
 
-    def _end(self, reply: StopStrings, stream: TokenStream | TokenStreamSync, seen: int) -> None:
-        """The reply joins the conversation (however its generation ended). ``seen``: the
-        branch's position after the last token the stream yielded; past it, the step in
+    def _replying(self, turn: _Turn, stream: TokenStream | TokenStreamSync) -> _Reply:
+        """The turn's reply starts: the turn in progress until `_end`."""
+        assert self.branch is not None
+        self._reply = _Reply(turn.reply, stream, self.branch.position)
+        return self._reply
+
+    def _end(self, r: _Reply) -> None:
+        """The reply joins the conversation (however its generation ended; once). ``r.seen``:
+        the branch's position after the last token the stream yielded; past it, the step in
         flight when the reply was cancelled (or Ctrl-C) committed one more: it joins too, so
         the KV and ``messages`` agree."""
+        if r is not self._reply:
+            return  # a later turn ended it already
+        self._reply = None
         assert self.branch is not None
+        reply, stream = r.text, r.stream
         self.shifts += stream.shifts
         position = self.branch.position
-        if stream.stop_reason is None and position not in (0, seen):
+        if stream.stop_reason is None and position not in (0, r.seen):
             reply.add(self.ctx.token_to_text(self.branch.history[-1]))
         self.messages.append({"role": "assistant", "content": reply.content})
         if position == 0:  # a failed shift emptied the branch
@@ -208,74 +236,89 @@ class Chat:
         """Add a user turn, generate the assistant's reply (also appended to ``messages``). A
         turn whose prefill fails (or is cancelled) is not added: the conversation is as it
         was. A reply cut short by an error or a cancel is added as far as it went (with the
-        token a cancelled step committed: as far as the branch holds it)."""
+        token a cancelled step committed: as far as the branch holds it). One turn at a
+        time: RuntimeError while another is generating."""
         turn = self._begin(content)
         branch = await self._open(turn)
-        reply, stream = turn.reply, self._generate(max_tokens)
-        seen = branch.position
+        stream = self._generate(max_tokens)
+        r = self._replying(turn, stream)
         try:
             async for tok in stream:
-                seen = branch.position
-                if reply.add(tok.text):
+                r.seen = branch.position
+                if r.text.add(tok.text):
                     break
         finally:
-            self._end(reply, stream, seen)
-        return reply.content
+            self._end(r)
+        return r.text.content
 
     async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
         """Like ``send``, yielding the reply's text as it is generated. Text that could be
         the start of a stop string is held back until it is not; the whole reply is
-        appended to ``messages`` when the stream ends (also when it is closed early)."""
+        appended to ``messages`` when the stream ends (also when it is closed early). A stream
+        left unfinished (a ``break`` out of its loop) ends when the next turn starts: its
+        reply joins as far as it went, and the stream yields no more."""
         turn = self._begin(content)
         branch = await self._open(turn)
-        reply, stream = turn.reply, self._generate(max_tokens)
-        seen = branch.position
+        stream = self._generate(max_tokens)
+        r = self._replying(turn, stream)
+        reply = r.text
         try:
             async for tok in stream:
-                seen = branch.position
+                r.seen = branch.position
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
+                    r.idle = True
                     yield piece
+                    r.idle = False
+                    if r is not self._reply:
+                        return  # ended by a later turn
                 if stopped:
                     break
             if piece := reply.take(final=True):
+                r.idle = True
                 yield piece
         finally:
-            self._end(reply, stream, seen)
+            self._end(r)
 
     def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
         """Blocking twin of ``stream``."""
         turn = self._begin(content)
         branch = self._open_sync(turn)
-        reply, stream = turn.reply, self._generate_sync(max_tokens)
-        seen = branch.position
+        stream = self._generate_sync(max_tokens)
+        r = self._replying(turn, stream)
+        reply = r.text
         try:
             for tok in stream:
-                seen = branch.position
+                r.seen = branch.position
                 stopped = reply.add(tok.text)
                 if piece := reply.take():
+                    r.idle = True
                     yield piece
+                    r.idle = False
+                    if r is not self._reply:
+                        return  # ended by a later turn
                 if stopped:
                     break
             if piece := reply.take(final=True):
+                r.idle = True
                 yield piece
         finally:
-            self._end(reply, stream, seen)
+            self._end(r)
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
         turn = self._begin(content)
         branch = self._open_sync(turn)
-        reply, stream = turn.reply, self._generate_sync(max_tokens)
-        seen = branch.position
+        stream = self._generate_sync(max_tokens)
+        r = self._replying(turn, stream)
         try:
             for tok in stream:
-                seen = branch.position
-                if reply.add(tok.text):
+                r.seen = branch.position
+                if r.text.add(tok.text):
                     break
         finally:
-            self._end(reply, stream, seen)
-        return reply.content
+            self._end(r)
+        return r.text.content
 
     def _generate(self, max_tokens: int) -> TokenStream:
         assert self.branch is not None
