@@ -75,6 +75,9 @@ pub(crate) struct LlamaCtx {
     /// The chains of `device_sampling` (`sampling/device.rs`), which the context points to:
     /// dropped after it.
     device: Option<DeviceChains>,
+    /// How many of the last decode's first batch entries were each an output (a commit's
+    /// members): rows `0..leading_outputs` of its output buffer (`leading_outputs`).
+    leading_outputs: usize,
     // Keeps the weights alive for as long as the context.
     _model: Arc<Model>,
 }
@@ -211,6 +214,7 @@ impl LlamaCtx {
                 .filter(|_| std::env::var_os("KVFORK_NO_OUTPUT_PADDING").is_none()),
             abort_signal: None,
             device,
+            leading_outputs: 0,
             _model: model,
         })
     }
@@ -246,6 +250,11 @@ impl LlamaCtx {
             // and not decoding.
             unsafe { device.follow(self.ptr.as_ptr(), batch.outputs(), &batch.rows) };
         }
+        self.leading_outputs = batch
+            .outputs()
+            .enumerate()
+            .take_while(|&(k, (entry, _))| k == entry)
+            .count();
         // SAFETY: the context is live and `&mut self` means no slice of the previous decode's
         // logits or embeddings is still borrowed; rows lent to snapshots as raw pointers are
         // given back or in flight (unread) first (`engine/loans.rs`). `batch.raw` holds `batch.len()` entries, all
@@ -320,6 +329,37 @@ impl LlamaCtx {
             }?));
         }
         self.logits_ith(i).map(OutputRef::Row)
+    }
+
+    /// Outputs `0..n` of the last decode, whose first `n` batch entries were each an output
+    /// (a commit's members), as `output_ith` gives them one by one, but read with two
+    /// synchronizations with the device instead of one a row: each of llama.cpp's getters
+    /// synchronizes (a stream sync on a GPU, paid per branch per step). llama.cpp keeps those
+    /// rows contiguous, in the batch's order (`llama_get_logits`); the last row's own getter
+    /// checks that, and any doubt (device sampling, an entry not an output) reads row by row.
+    pub fn leading_outputs(&self, n: usize) -> Result<Vec<OutputRef<'_>>> {
+        let one_by_one = || (0..n).map(|i| self.output_ith(i)).collect();
+        if n < 3 || n > self.leading_outputs || self.device.is_some() {
+            return one_by_one();
+        }
+        // SAFETY: the context is live; the call synchronizes and finishes any lazy row
+        // reordering, after which no getter moves a row (see `logits_ith`).
+        let base = unsafe { sys::llama_get_logits(self.ptr.as_ptr()) }.cast_const();
+        let last = self.logits_ith(n - 1)?;
+        // Only an address compared (`wrapping_add` reads nothing): is row `n - 1` where the
+        // buffer's order puts it?
+        if base.is_null() || !std::ptr::eq(last.as_ptr(), base.wrapping_add((n - 1) * self.n_vocab))
+        {
+            return one_by_one();
+        }
+        // SAFETY: rows `0..n` of the output buffer: `base` is row 0 and the last row's own
+        // getter gave row `n - 1` exactly `n - 1` rows further, one contiguous allocation of
+        // `n_vocab` floats a row; unchanged while `&self` is borrowed (see `logits_ith`).
+        let rows = unsafe { std::slice::from_raw_parts(base, n * self.n_vocab) };
+        Ok(rows
+            .chunks_exact(self.n_vocab)
+            .map(OutputRef::Row)
+            .collect())
     }
 
     /// With device sampling, how many of each row's best logits the device keeps (a branch

@@ -416,9 +416,7 @@ impl Worker {
     /// Lend each member its row of the decode just run (`states[i]` made output `i`), summaries
     /// computed on the decode's own thread team.
     pub(super) fn lend_rows(&self, states: &mut [MutexGuard<'_, BranchState>]) -> Result<()> {
-        let outputs = (0..states.len())
-            .map(|i| self.ctx().output_ith(i))
-            .collect::<Result<Vec<_>>>()?;
+        let outputs = self.ctx().leading_outputs(states.len())?;
         let mut states: Vec<&mut BranchState> = states.iter_mut().map(|st| &mut **st).collect();
         // SAFETY: each row is in llama.cpp's output buffer, which only a decode rewrites or
         // moves. Before every decode the worker gives back each loan except those of a
