@@ -40,9 +40,14 @@ def test_a_released_entry_is_shared_and_the_tokens_equal_a_fresh_prefill(
     a = cache.branch_sync(first_prompt, GREEDY)
     assert a.position == len(first_prompt) and cache.shared_tokens(a) == 0
     cache.release(a)
+    assert cache.shared_tokens(a) is None  # no longer held: an entry
     b = cache.branch_sync(second_prompt, GREEDY)
     common = next(i for i, (x, y) in enumerate(zip(first_prompt, second_prompt)) if x != y)
     assert cache.shared_tokens(b) == common > 0
+    # Another context's branch with the same handle number is not the cache's.
+    with kvfork.create_context_sync(ctx.model, n_ctx=256, n_seq_max=b.handle + 1) as other:
+        twins = [kvfork.Branch.create(other, 0, GREEDY) for _ in range(b.handle + 1)]
+        assert twins[-1].handle == b.handle and cache.shared_tokens(twins[-1]) is None
     assert b.position == len(second_prompt) and b.parent is None  # a root
     got = [b.produce_sync().token]
     b.commit_sync(got[0])

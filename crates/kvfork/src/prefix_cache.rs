@@ -845,7 +845,13 @@ impl PrefixCache {
     /// How many of `branch`'s prompt tokens came from the KV cache when the cache made it
     /// (None for a branch it did not make or no longer holds).
     pub fn shared_tokens(&self, branch: &Branch) -> Option<usize> {
-        self.lock().holders.get(&branch.handle()).map(|h| h.shared)
+        // The handle alone is not enough: another context's branch may have the same number,
+        // and a released branch's holder stays on as an entry.
+        self.lock()
+            .holders
+            .get(&branch.handle())
+            .filter(|h| h.live && h.branch == *branch)
+            .map(|h| h.shared)
     }
 
     /// Prune every entry (live branches stay).
