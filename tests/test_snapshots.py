@@ -5,7 +5,9 @@ refused with StateFileError, changing nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import kvfork
@@ -156,3 +158,59 @@ def test_a_snapshot_without_room_in_the_cache_is_kv_cache_full_not_a_bad_file(
         pytest.raises(kvfork.StateFileError, match="beyond this context"),
     ):
         kvfork.Branch.restore_sync(small, larger)
+
+
+async def _cancelled_once_done(make: Callable[[], Awaitable[object]]) -> None:
+    """Await `make()` in a task, block the loop while the engine completes it, then cancel
+    the task before it takes the result: the await raises CancelledError. (A call the engine
+    finished before the task first waited returns its branches: pruned, and tried again.)"""
+
+    async def take() -> object:
+        return await make()
+
+    for _ in range(20):
+        task = asyncio.ensure_future(take())
+        await asyncio.sleep(0)  # the task starts: its call is queued, the task waits
+        if task.done():
+            made = task.result()
+            for b in reversed(made if isinstance(made, list) else [made]):
+                await b.prune()
+            continue
+        time.sleep(1.0)  # noqa: ASYNC251 (the loop blocked: the engine completes it meanwhile)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return
+    pytest.fail("the call was done before its task ever waited, 20 times")
+
+
+async def _leases_free(ctx: kvfork.Context) -> int:
+    """Free leases once the work queued so far (a discard's prunes) has run."""
+    await kvfork.Branch.create(ctx, 0, GREEDY).prune()  # queued after them
+    return kvfork.BranchStore(ctx).available
+
+
+async def test_branches_a_cancelled_restore_made_are_pruned(
+    small: kvfork.Context, tmp_path: Path
+) -> None:
+    """A restore or load cancelled after the engine made its branches handed them to nobody
+    and the context kept them: each held a lease for the context's life. They are pruned."""
+    b = root(small)
+    data = await b.snapshot()
+    await b.save(tmp_path / "b.kvf")
+    await b.prune()
+    for make in (
+        lambda: kvfork.Branch.restore(small, data),
+        lambda: kvfork.Branch.load(small, tmp_path / "b.kvf"),
+    ):
+        await _cancelled_once_done(make)
+        assert await _leases_free(small) == small.n_seq_max
+    trunk = root(small)
+    await trunk.fork()
+    tree = await small.snapshot()
+    await small.save_state(tmp_path / "tree.kvs")
+    # Disposes both, restores both; cancelled: the restored two pruned.
+    await _cancelled_once_done(lambda: small.restore(tree))
+    assert await _leases_free(small) == small.n_seq_max
+    await _cancelled_once_done(lambda: small.load_state(tmp_path / "tree.kvs"))
+    assert await _leases_free(small) == small.n_seq_max

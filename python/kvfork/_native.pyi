@@ -534,10 +534,14 @@ class Context:
         first, and a corrupt, truncated or foreign snapshot raises StateFileError,
         changing nothing. Then every live branch is disposed (its handles raise
         BranchDisposedError), the whole KV cache is replaced, and the snapshot's branches
-        come back as new Branch objects, each after its parent, on the sequences they had.
+        come back as new Branch objects, each after its parent, on the sequences they had
+        (an await cancelled after they came back prunes them: nobody holds them).
         """
     def restore_sync(self, data: bytes | bytearray) -> list[Branch]:
-        """Blocking twin of `restore`: returns the restored branches, each after its parent; StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+        """Blocking twin of `restore`: returns the restored branches, each after its parent;
+        StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL;
+        Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
+        """
     def save_state(self, path: str | PathLike[str]) -> Operation[None]:
         """Save every live branch (its record and tree links) and the whole KV cache to
         `path`, after queued work. Shared prefixes are stored once.
@@ -546,11 +550,15 @@ class Context:
         """Blocking twin of `save_state`: returns None once the file is written. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
     def load_state(self, path: str | PathLike[str]) -> Operation[list[Branch]]:
         """Restore a `save_state` file into this context, which must have no live branch; the
-        model must be the same. Returns the restored branches, each after its parent.
+        model must be the same. Returns the restored branches, each after its parent (an await
+        cancelled after they came back prunes them: nobody holds them).
         A corrupt, truncated or foreign file raises StateFileError.
         """
     def load_state_sync(self, path: str | PathLike[str]) -> list[Branch]:
-        """Blocking twin of `load_state`: returns the restored branches, each after its parent; StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""
+        """Blocking twin of `load_state`: returns the restored branches, each after its parent;
+        StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C
+        cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
+        """
     @property
     def embedding_dim(self) -> int:
         """Width of the vectors `embed` returns."""
@@ -638,7 +646,8 @@ class Context:
         """
     def close(self) -> None:
         """Free the context (after queued work). Idempotent; later use raises KvforkError."""
-    def __enter__(self) -> Self: ...
+    def __enter__(self) -> Self:
+        """A closed context is refused here, not at its first call inside the block."""
     def __exit__(
         self,
         exc_type: type[BaseException] | None = None,

@@ -304,6 +304,8 @@ def test_closed_context_raises_on_every_use(model: kvfork.Model) -> None:
         lambda: ctx.snapshot_sync(),
         lambda: kvfork.Branch.create(ctx, 3, seq_id=1),
         lambda: kvfork.BranchStore(ctx).step_sync([b]),
+        lambda: ctx.__enter__(),  # `with ctx:` refused at once, not at its first call
+        lambda: ctx.__aenter__(),
     ]
     for use in uses:
         with pytest.raises(kvfork.KvforkError):
@@ -849,6 +851,16 @@ def test_every_badly_typed_argument_is_named_in_the_message(ctx: kvfork.Context)
 def test_the_readme_example_names_n_ctx() -> None:
     with pytest.raises(TypeError, match="argument 'n_ctx': expected an int, got str"):
         kvfork.create_context_sync(kvfork.default_model_path(), n_ctx="big")
+
+
+def test_sampled_tokens_are_taken_as_their_ids_in_token_lists(ctx: kvfork.Context) -> None:
+    """`Token`'s docstring: accepted wherever a token id is (a list of them was refused)."""
+    b = root(ctx)
+    tokens = [b.produce_sync()]
+    twin = b.fork_sync()
+    b.prefill_sync(tokens)
+    twin.prefill_sync([t.token for t in tokens])
+    assert b.history == twin.history
 
 
 def test_numpy_integers_are_taken_wherever_an_int_is(ctx: kvfork.Context) -> None:

@@ -11,10 +11,11 @@ use pyo3::IntoPyObjectExt;
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
 use crate::awaitable::Call;
 use crate::convert::token_int;
-use crate::convert::{self, awaitable, draft_tokens, wait, Arg, Int};
+use crate::convert::{self, draft_tokens, wait, Arg, Int};
 use crate::errors::IntoPyResult;
 use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::handles::{wrap, PyBranch, PyContext};
+use crate::made;
 use crate::params;
 use crate::token::PyToken;
 use crate::twins::twins;
@@ -204,7 +205,7 @@ impl PyBranch {
         path: Arg<PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pending = kvfork::Branch::load(&ctx.0.get().inner, path.0);
-        awaitable(py, Call("Branch", "load"), pending, |b| Ok(wrap(b)))
+        made::awaitable_branch(py, Call("Branch", "load"), pending)
     }
 
     /// Blocking twin of `load`: returns the restored Branch; StateFileError for a corrupt,
@@ -217,10 +218,7 @@ impl PyBranch {
         ctx: Arg<Bound<'_, PyContext>>,
         path: Arg<PathBuf>,
     ) -> PyResult<Self> {
-        Ok(wrap(wait(
-            py,
-            kvfork::Branch::load(&ctx.0.get().inner, path.0),
-        )?))
+        made::wait_branch(py, kvfork::Branch::load(&ctx.0.get().inner, path.0))
     }
 
     // ---- tree and state ----

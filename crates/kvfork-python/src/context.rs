@@ -13,6 +13,7 @@ use crate::convert::{self, token_int, wait, Arg, Int};
 use crate::embed;
 use crate::errors::IntoPyResult;
 use crate::handles::{PyBranch, PyContext};
+use crate::made;
 use crate::model::PyModel;
 use crate::twins::twins;
 
@@ -601,8 +602,10 @@ impl PyContext {
         py.detach(|| self.inner.close());
     }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+    /// A closed context is refused here, not at its first call inside the block.
+    fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
+        slf.get().open()?;
+        Ok(slf)
     }
 
     #[pyo3(signature = (_exc_type=None, _exc=None, _tb=None))]
@@ -618,6 +621,7 @@ impl PyContext {
     }
 
     fn __aenter__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().open()?;
         let py = slf.py();
         let me: Py<Self> = slf.unbind();
         crate::awaitable::Ready::new(me.into_any()).into_bound_py_any(py)
@@ -674,16 +678,26 @@ twins! {
             self.open()?.save_state(path.0)
         } => convert::none;
 
-        /// Restore a `save_state` file into this context, which must have no live branch; the
-        /// model must be the same. Returns the restored branches, each after its parent.
-        /// A corrupt, truncated or foreign file raises StateFileError.
-        #[sync_doc = "returns the restored branches, each after its parent; StateFileError \
-                      for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C \
-                      cancels it all-or-nothing, as an await would, and raises \
-                      KeyboardInterrupt."]
-        fn load_state / load_state_sync(&self, py, path: Arg<PathBuf>) -> Vec<PyBranch> {
-            self.open()?.load_state(path.0)
-        } => |bs| Ok(wrap_all(bs));
+    }
+}
+
+// Not in `twins!`: the branches a cancelled load made are pruned (`made.rs`).
+#[pymethods]
+impl PyContext {
+    /// Restore a `save_state` file into this context, which must have no live branch; the
+    /// model must be the same. Returns the restored branches, each after its parent (an await
+    /// cancelled after they came back prunes them: nobody holds them).
+    /// A corrupt, truncated or foreign file raises StateFileError.
+    fn load_state<'py>(&self, py: Python<'py>, path: Arg<PathBuf>) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.open()?.load_state(path.0);
+        made::awaitable_branches(py, Call("Context", "load_state"), pending)
+    }
+
+    /// Blocking twin of `load_state`: returns the restored branches, each after its parent;
+    /// StateFileError for a corrupt, truncated or foreign file. Waits without the GIL; Ctrl-C
+    /// cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
+    fn load_state_sync(&self, py: Python<'_>, path: Arg<PathBuf>) -> PyResult<Vec<PyBranch>> {
+        made::wait_branches(py, self.open()?.load_state(path.0))
     }
 }
 
@@ -703,11 +717,4 @@ fn queued<T>(pending: kvfork::Pending<T>) -> PyResult<()> {
         pending.wait().py()?;
     }
     Ok(())
-}
-
-fn wrap_all(branches: Vec<kvfork::Branch>) -> Vec<PyBranch> {
-    branches
-        .into_iter()
-        .map(|inner| PyBranch { inner })
-        .collect()
 }

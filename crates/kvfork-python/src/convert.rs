@@ -12,6 +12,7 @@ use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
 use crate::errors::{naming_argument, type_error, IntoPyResult};
+use crate::token::PyToken;
 use kvfork::{Cancel, Pending};
 
 /// Tokens from a list, any sequence of ints, or a 1-D integer numpy array.
@@ -37,7 +38,11 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
                 Ok(t) => Ok(t),
                 // An int too large for i64 is out of range, not of the wrong type.
                 Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
-                Err(_) => Err(type_error(format!("{name} must contain only ints"))),
+                // A sampled Token stands for its id (its docstring says so).
+                Err(_) => match x.cast::<PyToken>() {
+                    Ok(token) => Ok(i64::from(token.get().token)),
+                    Err(_) => Err(type_error(format!("{name} must contain only ints"))),
+                },
             })
             .collect::<PyResult<Vec<_>>>()?;
         return narrow(v);
@@ -197,7 +202,17 @@ pub fn wait_or_discard<T: Send>(
     let mut pending = pending;
     loop {
         match py.detach(|| pending.wait_timeout(Duration::from_millis(50))) {
-            Ok(result) => return result.py(),
+            Ok(result) => {
+                // A Ctrl-C that came as the reply did would raise KeyboardInterrupt right
+                // after this returns, the value lost on the way: hand it to `discard`.
+                if let Err(interrupt) = py.check_signals() {
+                    if let Ok(value) = result {
+                        discard(value);
+                    }
+                    return Err(interrupt);
+                }
+                return result.py();
+            }
             Err(still) => pending = still,
         }
         if let Err(interrupt) = py.check_signals() {

@@ -15,6 +15,7 @@ mod embed;
 mod errors;
 mod generate;
 mod handles;
+mod made;
 mod model;
 mod params;
 mod prefix_cache;

@@ -9,10 +9,11 @@ use pyo3::types::PyType;
 use crate::awaitable::Call;
 use crate::branch::{log_base, token_arg};
 use crate::convert::token_int;
-use crate::convert::{self, awaitable, wait, Arg, Int};
+use crate::convert::{self, Arg, Int};
 use crate::errors::IntoPyResult;
+use crate::handles::PyBranch;
 use crate::handles::PyContext;
-use crate::handles::{wrap, PyBranch};
+use crate::made;
 use crate::twins::twins;
 
 /// Bytes for Python (`bytes`, not a list of ints).
@@ -73,18 +74,32 @@ twins! {
             self.inner.snapshot()
         } => bytes;
 
-        /// Return to a `snapshot` (or a `save_state` file's bytes): the bytes are checked
-        /// first, and a corrupt, truncated or foreign snapshot raises StateFileError,
-        /// changing nothing. Then every live branch is disposed (its handles raise
-        /// BranchDisposedError), the whole KV cache is replaced, and the snapshot's branches
-        /// come back as new Branch objects, each after its parent, on the sequences they had.
-        #[sync_doc = "returns the restored branches, each after its parent; StateFileError \
-                      for a corrupt, truncated or foreign snapshot. Waits without the GIL; \
-                      Ctrl-C cancels it all-or-nothing, as an await would, and raises \
-                      KeyboardInterrupt."]
-        fn restore / restore_sync(&self, py, data: Arg<Cow<'_, [u8]>>) -> Vec<PyBranch> {
-            self.inner.restore(data.0.into_owned())
-        } => |bs: Vec<kvfork::Branch>| Ok(bs.into_iter().map(wrap).collect::<Vec<_>>());
+    }
+}
+
+// Not in `twins!`: the branches a cancelled restore made are pruned (`made.rs`).
+#[pymethods]
+impl PyContext {
+    /// Return to a `snapshot` (or a `save_state` file's bytes): the bytes are checked
+    /// first, and a corrupt, truncated or foreign snapshot raises StateFileError,
+    /// changing nothing. Then every live branch is disposed (its handles raise
+    /// BranchDisposedError), the whole KV cache is replaced, and the snapshot's branches
+    /// come back as new Branch objects, each after its parent, on the sequences they had
+    /// (an await cancelled after they came back prunes them: nobody holds them).
+    fn restore<'py>(
+        &self,
+        py: Python<'py>,
+        data: Arg<Cow<'_, [u8]>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.inner.restore(data.0.into_owned());
+        made::awaitable_branches(py, Call("Context", "restore"), pending)
+    }
+
+    /// Blocking twin of `restore`: returns the restored branches, each after its parent;
+    /// StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL;
+    /// Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
+    fn restore_sync(&self, py: Python<'_>, data: Arg<Cow<'_, [u8]>>) -> PyResult<Vec<PyBranch>> {
+        made::wait_branches(py, self.inner.restore(data.0.into_owned()))
     }
 }
 
@@ -118,7 +133,7 @@ impl PyBranch {
         data: Arg<Cow<'_, [u8]>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0.into_owned());
-        awaitable(py, Call("Branch", "restore"), pending, |b| Ok(wrap(b)))
+        made::awaitable_branch(py, Call("Branch", "restore"), pending)
     }
 
     /// Blocking twin of `restore`: returns the restored Branch; StateFileError for corrupt,
@@ -132,7 +147,7 @@ impl PyBranch {
         data: Arg<Cow<'_, [u8]>>,
     ) -> PyResult<PyBranch> {
         let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0.into_owned());
-        Ok(wrap(wait(py, pending)?))
+        made::wait_branch(py, pending)
     }
 }
 
