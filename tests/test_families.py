@@ -671,7 +671,8 @@ def test_raw_layer_partial_removal_is_refused_on_recurrent_states_and_exact_else
     """`ctx.kv_seq_remove(seq, k, -1)` on a sequence `ctx.decode` wrote: False on a recurrent
     state, which keeps every cell (pos_max unchanged) and continues exactly; True on a KV
     cache, where decoding the removed tokens again continues exactly. Removing a whole
-    sequence works on every family. `fork(seq_id=)` puts an exact child on that sequence."""
+    sequence works on every family; so does copying one in part, refused on a recurrent
+    state. `fork(seq_id=)` puts an exact child on that sequence."""
     with open_ctx(tiny) as ctx:
         prompt = ctx.tokenize(DOC)
         k = len(prompt) // 2
@@ -686,6 +687,19 @@ def test_raw_layer_partial_removal_is_refused_on_recurrent_states_and_exact_else
             assert removed is True
             assert pos_max == k - 1
             ctx.decode_sync(prompt[k:], k, 1)
+        # A part copied: its state would be all of seq 1's beside k cells (silently wrong on
+        # a hybrid, whose pos_max says k - 1). Refused; exact elsewhere (as removal).
+        if family in RECURRENT:
+            with pytest.raises(ValueError, match="copied in part"):
+                ctx.kv_seq_copy(1, 2, 0, k)
+        else:
+            ctx.kv_seq_copy(1, 2, 0, k)
+            ctx.decode_sync(prompt[k:], k, 2)
+            copied = kvfork.Branch.create(ctx, len(prompt), GREEDY, seq_id=2)
+            copied.capture_logits()
+            assert_continues(copied, reference)
+            copied.destroy()
+            assert ctx.kv_seq_remove(2, 0, -1) is True
         raw = kvfork.Branch.create(ctx, len(prompt), GREEDY, seq_id=1)
         raw.capture_logits()
         assert_continues(raw, reference)

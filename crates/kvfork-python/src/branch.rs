@@ -618,10 +618,12 @@ twins! {
         /// first tokens) followed by the last `tail` tokens of its sequence (prompt included;
         /// a sequence that begins with `sinks` gives its tail from after them), from position
         /// 0. Sampler, grammar, biases and metrics carry on. When the prefill fails
-        /// (KvCacheFullError, e.g. when cells this branch shares with its forks stay theirs and
-        /// leave no room), the branch's own cells come back from a host copy: it keeps its
-        /// tokens and logits. Only when the cache cannot hold them again either is it left
-        /// empty at position 0, with no logits (prefill it again); the error says which.
+        /// (KvCacheFullError), the branch's cells come back from a host copy: it keeps its
+        /// tokens and logits. Only when the cache cannot hold them again is it left empty at
+        /// position 0, with no logits (prefill it again); the error says which. Cells it shared
+        /// with forks come back as copies of their own, so a branch whose forks share much of
+        /// a full cache (the case where the prefill found no room: their cells stay theirs)
+        /// is most often left empty.
         #[sync_doc = "returns None once `sinks` and the tail are prefilled. Waits without the \
                       GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises \
                       KeyboardInterrupt."]

@@ -359,7 +359,8 @@ impl PyContext {
     // ---- raw KV operations ----
 
     /// Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
-    /// Queued in order with all engine work; returns without waiting.
+    /// Queued in order with all engine work; returns without waiting. On a recurrent or
+    /// hybrid model only the whole sequence can be copied: a part is a ValueError.
     #[pyo3(signature = (src, dst, p0=Int(Some(0)), p1=Int(Some(-1))),
            text_signature = "($self, src, dst, p0=0, p1=-1)")]
     fn kv_seq_copy(&self, src: Int, dst: Int, p0: Int, p1: Int) -> PyResult<()> {

@@ -277,11 +277,23 @@ impl Context {
         }
     }
 
-    /// Tag the cells of `src` in `[p0, p1)` as also belonging to `dst` (-1: open end).
+    /// Tag the cells of `src` in `[p0, p1)` as also belonging to `dst` (-1: open end). A
+    /// recurrent or hybrid model's state is copied whole: a part of the sequence is refused
+    /// (llama.cpp copied the state of all of `src` beside the part of its cells, a sequence
+    /// whose state and cells disagree).
     pub fn kv_seq_copy(&self, src: i32, dst: i32, p0: i32, p1: i32) -> Pending<()> {
         let checked = self.check_seq(src).and_then(|src| {
             let dst = self.check_seq(dst)?;
             check_range(p0, p1)?;
+            if !self.kv_can_remove(p0, p1) {
+                return Err(Error::invalid(
+                    "p0, p1",
+                    format!(
+                        "[{p0}, {p1}) is part of the sequence, and a recurrent model's state \
+                         cannot be copied in part: copy it whole (p0=0, p1=-1)"
+                    ),
+                ));
+            }
             Ok((src, dst))
         });
         self.queue_kv(checked, move |w, (src, dst)| {
