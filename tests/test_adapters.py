@@ -4,6 +4,7 @@ inheritance on fork, and the files and arguments that are refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import kvfork
@@ -286,6 +287,40 @@ async def test_the_prefix_cache_shares_only_under_the_same_adapters(
     await fresh.prune()
     with pytest.raises(TypeError):
         await cache.branch(q1, GREEDY, adapters=[a])  # type: ignore[arg-type]
+
+
+async def test_the_prefix_cache_never_shares_kv_decoded_under_other_adapters(
+    model: kvfork.Model, ctx: kvfork.Context, lora_paths: tuple[Path, Path]
+) -> None:
+    """A plain branch of the cache that decoded under an adapter, or a control vector, since
+    it was made holds KV a plain request must not read: not shared while it lives, and not
+    kept when handed back, even with its set changed back (its KV stays mixed)."""
+    a = model.load_lora(lora_paths[0])
+    vector = model.load_control_vector(
+        (np.random.default_rng(1).standard_normal((model.n_layer, model.n_embd)) * 2).astype(
+            np.float32
+        )
+    )
+    doc = ctx.tokenize("A long shared document about rivers and bridges. " * 8)
+    question = ctx.tokenize(" Second?", add_special=False)
+    changes: list[Callable[[kvfork.Branch], None]] = [
+        lambda b: b.set_adapters({a: 2.0}),
+        lambda b: b.set_control_vector(vector, 1.0),
+    ]
+    for change in changes:
+        cache = kvfork.PrefixCache(ctx)
+        live = await cache.branch(doc[:20], GREEDY)
+        change(live)
+        await live.prefill(doc[20:])  # under the change
+        plain = await cache.branch(doc + question, GREEDY)
+        assert cache.shared_tokens(plain) == 0  # none of it: the live branch's KV is mixed
+        live.clear_adapters()  # back to plain: its KV is still mixed
+        cache.release(live)
+        again = await cache.branch(doc + question, GREEDY)
+        assert cache.shared_tokens(again) == len(doc) + len(question) - 1  # plain's, not live's
+        for b in (plain, again):
+            cache.release(b)
+        cache.clear()
 
 
 def test_a_saved_branch_keeps_its_adapters(

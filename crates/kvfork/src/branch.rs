@@ -1,6 +1,8 @@
 //! `Branch`: one decode sequence (a KV lease) with its own sampler, grammar, biases and metrics.
 
-use crate::adapter::{check_layers, Adapters, ControlVector, LoraAdapter, SteeringVector};
+use crate::adapter::{
+    check_layers, AdapterKey, Adapters, ControlVector, LoraAdapter, SteeringVector,
+};
 use std::sync::Arc;
 
 use kvfork_core::metrics::LogBase;
@@ -574,7 +576,7 @@ impl Branch {
             let cvec = s.adapters().control_vector().cloned();
             let mut set = set;
             set.set_cvec(cvec);
-            *s.adapters_mut() = set;
+            s.change_adapters(|a| *a = set);
             Ok(())
         })
     }
@@ -616,7 +618,7 @@ impl Branch {
             }
         };
         self.state(|s| {
-            s.adapters_mut().set_cvec(steering);
+            s.change_adapters(|a| a.set_cvec(steering));
             Ok(())
         })
     }
@@ -624,7 +626,7 @@ impl Branch {
     /// Back to the base model: no LoRA adapter, no control vector.
     pub fn clear_adapters(&self) -> Result<()> {
         self.state(|s| {
-            *s.adapters_mut() = Adapters::default();
+            s.change_adapters(|a| *a = Adapters::default());
             Ok(())
         })
     }
@@ -633,7 +635,7 @@ impl Branch {
     /// checked already (a set read from another branch of the same context).
     pub(crate) fn set_all_adapters(&self, adapters: Adapters) -> Result<()> {
         self.state(|s| {
-            *s.adapters_mut() = adapters;
+            s.change_adapters(|a| *a = adapters);
             Ok(())
         })
     }
@@ -641,6 +643,18 @@ impl Branch {
     /// The adapters and control vector the branch decodes under.
     pub fn adapters(&self) -> Result<Adapters> {
         self.state(|s| Ok(s.adapters().clone()))
+    }
+
+    /// Its position, the key of its adapter set, and whether all of its KV was decoded under
+    /// that set (what a prefix cache may share), read at once.
+    pub(crate) fn kv_under_one_set(&self) -> Result<(i32, AdapterKey, bool)> {
+        self.state(|s| {
+            Ok((
+                s.position(),
+                s.adapters().key().clone(),
+                s.adapters_from() == 0,
+            ))
+        })
     }
 
     /// The logit bias, sorted by token.

@@ -67,6 +67,10 @@ pub(crate) struct BranchState {
     cache: FilteredCache,
     /// LoRA adapters and control vector its tokens are decoded under (inherited by forks).
     adapters: Adapters,
+    /// The position from which its KV was all decoded under `adapters` (0: all of it; the
+    /// tokens before ran under other sets). A prefix cache shares a branch's KV only when
+    /// all of it is the one set's (inherited by forks, as the KV is).
+    adapters_from: i32,
     /// Copies of a recurrent model's state at chosen positions of `history` (inherited by
     /// forks; see `engine/checkpoints.rs`). Always empty on other models.
     checkpoints: Checkpoints<Arc<[u8]>>,
@@ -80,6 +84,7 @@ pub(crate) struct SequenceRecord {
     position: i32,
     history: Vec<Token>,
     checkpoints: Checkpoints<Arc<[u8]>>,
+    adapters_from: i32,
 }
 
 /// What `commit` restores when the decode fails.
@@ -114,6 +119,7 @@ impl BranchState {
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
             adapters: Adapters::default(),
+            adapters_from: 0,
             checkpoints: Checkpoints::default(),
             reads_rows: false,
         }
@@ -139,6 +145,7 @@ impl BranchState {
             candidates: Candidates::default(),
             cache: FilteredCache::default(),
             adapters: self.adapters.clone(),
+            adapters_from: self.adapters_from,
             checkpoints: self.checkpoints.clone(),
             reads_rows: self.reads_rows,
         }
@@ -149,8 +156,19 @@ impl BranchState {
         &self.adapters
     }
 
-    pub fn adapters_mut(&mut self) -> &mut Adapters {
-        &mut self.adapters
+    /// Change the adapter set with `change`; a different set applies from the position
+    /// now on (`adapters_from`).
+    pub fn change_adapters(&mut self, change: impl FnOnce(&mut Adapters)) {
+        let before = self.adapters.key().clone();
+        change(&mut self.adapters);
+        if *self.adapters.key() != before {
+            self.adapters_from = self.position;
+        }
+    }
+
+    /// The position from which its KV was all decoded under its adapter set (0: all of it).
+    pub fn adapters_from(&self) -> i32 {
+        self.adapters_from
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -253,6 +271,8 @@ impl BranchState {
             position: std::mem::replace(&mut self.position, 0),
             history: std::mem::take(&mut self.history),
             checkpoints: std::mem::take(&mut self.checkpoints),
+            // What is prefilled again runs under the current set.
+            adapters_from: std::mem::replace(&mut self.adapters_from, 0),
         }
     }
 
@@ -261,6 +281,7 @@ impl BranchState {
         self.position = record.position;
         self.history = record.history;
         self.checkpoints = record.checkpoints;
+        self.adapters_from = record.adapters_from;
     }
 
     /// The sequence's cells are gone for good, and the logits read from them with them: the

@@ -63,6 +63,9 @@ struct Holder {
     live: bool,
     /// Prompt tokens it got from the KV cache when it was made.
     shared: usize,
+    /// Its KV is no longer all of the adapter set the trie keys it by (its adapters changed
+    /// after it was made): never shared again, evicted when it is handed back.
+    mixed: bool,
 }
 
 /// A prompt being prefilled now: requests that share a long prefix with it wait for it and
@@ -386,6 +389,7 @@ impl PrefixCache {
                 tokens: tokens.to_vec(),
                 live: true,
                 shared,
+                mixed: false,
             },
         );
         st.stats.branches += 1;
@@ -805,12 +809,14 @@ impl PrefixCache {
                 ));
             }
             let sentinel = holder.sentinel;
-            let adapters = branch
-                .adapters()
-                .map(|a| a.key().clone())
+            let mixed = holder.mixed;
+            let (adapters, one_set) = branch
+                .kv_under_one_set()
+                .map(|(_, key, one)| (key, one))
                 .unwrap_or_default();
-            if st.sentinel(&adapters) != sentinel {
-                // Its adapters changed since it was made: its KV is not what the trie says.
+            if mixed || !one_set || st.sentinel(&adapters) != sentinel {
+                // Its adapters changed since it was made (even if back again): its KV is not
+                // (all) what the trie says.
                 let holder = st.holders.remove(&handle).expect("found above");
                 st.trie.remove(handle);
                 drop(st);
@@ -918,7 +924,19 @@ impl Drop for Evicted {
 fn holder_in(st: &State, prefix: &[Token]) -> Option<Branch> {
     let found = st.trie.longest_prefix(prefix)?;
     let holder = st.holders.get(&found.key)?;
-    (found.len >= prefix.len() && holder.sentinel.is_none()).then(|| holder.branch.clone())
+    (found.len >= prefix.len() && holder.sentinel.is_none() && !holder.mixed)
+        .then(|| holder.branch.clone())
+}
+
+/// The trie token of adapter set `key` among the registered `sets` (`State::sentinel`):
+/// `Some(None)` for no adapter, None for a set never registered.
+fn keyed_as(sets: &[AdapterKey], key: &AdapterKey) -> Option<Option<Token>> {
+    if key.is_empty() {
+        return Some(None);
+    }
+    sets.iter()
+        .position(|k| k == key)
+        .map(|i| Some(-(i as Token) - 1))
 }
 
 /// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
@@ -1071,8 +1089,21 @@ impl State {
     fn refresh(&mut self) {
         let mut gone = Vec::new();
         for (&handle, holder) in self.holders.iter_mut() {
+            if holder.mixed {
+                continue;
+            }
+            let Ok((position, adapters, one_set)) = holder.branch.kv_under_one_set() else {
+                gone.push(handle);
+                continue;
+            };
+            if !one_set || keyed_as(&self.adapter_sets, &adapters) != Some(holder.sentinel) {
+                // Decoded under other adapters since it was made: shared no more.
+                holder.mixed = true;
+                self.trie.remove(handle);
+                continue;
+            }
             // Unchanged since the last look (the common case): no copy of its history.
-            if holder.branch.position().ok() == Some(holder.tokens.len() as i32) {
+            if position == holder.tokens.len() as i32 {
                 continue;
             }
             match holder.branch.history() {

@@ -162,9 +162,10 @@ impl Worker {
     fn sample_cells(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
         let refused = self.refresh_rows(cells);
         let model = self.shared().model.clone();
+        let gone: Vec<bool> = cells.iter().map(|cell| self.is_gone(cell)).collect();
         let sample = |i: usize| -> Result<Produced> {
             let cell = &cells[i];
-            if cell.is_disposed() {
+            if gone[i] {
                 return Err(Error::BranchDisposed("in step".into()));
             }
             if let Some(Some(e)) = refused.get(i) {
@@ -191,7 +192,7 @@ impl Worker {
                 return Err(e);
             }
             let outcome = (|| {
-                if cell.is_disposed() {
+                if self.is_gone(cell) {
                     return Err(Error::BranchDisposed("in commit".into()));
                 }
                 let mut st = cell.lock();

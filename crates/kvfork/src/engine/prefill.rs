@@ -88,7 +88,7 @@ impl Worker {
 
     /// The first position of an item's tokens, or why they cannot go there.
     pub(super) fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<i32> {
-        if cell.is_disposed() {
+        if self.is_gone(cell) {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
         let st = cell.lock();

@@ -21,7 +21,7 @@ impl Worker {
         pending: Token,
         mut draft: Vec<Token>,
     ) -> Result<(Vec<Produced>, Produced)> {
-        if cell.is_disposed() {
+        if self.is_gone(cell) {
             return Err(Error::BranchDisposed("in speculate".into()));
         }
         self.give_leases(&[cell])?;

@@ -33,7 +33,7 @@ impl Worker {
         seed: Option<u32>,
         on: Option<Seq>,
     ) -> Result<(Handle, Arc<BranchCell>)> {
-        if parent_cell.is_disposed() {
+        if self.is_gone(parent_cell) {
             return Err(Error::BranchDisposed(parent.to_string()));
         }
         self.give_leases(&[parent_cell])?;

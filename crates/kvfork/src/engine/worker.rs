@@ -148,6 +148,21 @@ impl Worker {
 
     // ---- what the operations (this module's other files) use ----
 
+    /// Whether `cell`'s branch is gone: disposed, and its prune (or `retain_only`, or a
+    /// restore over it) has run here. A branch disposed by a call made after the work now
+    /// running is still registered, its lease and cells intact: that work was requested first
+    /// and goes on, as jobs run in the order they were requested (`prune` marks a branch
+    /// disposed at once, for the calls made after it).
+    pub(super) fn is_gone(&self, cell: &Arc<BranchCell>) -> bool {
+        cell.is_disposed()
+            && !cell.handle().is_some_and(|h| {
+                self.shared()
+                    .registry()
+                    .get(h)
+                    .is_some_and(|node| Arc::ptr_eq(&node.data, cell))
+            })
+    }
+
     /// The llama context: KV operations and the outputs of the last decode.
     pub(super) fn ctx(&self) -> &LlamaCtx {
         &self.ctx
