@@ -308,6 +308,31 @@ def test_retain_only(ctx: kvfork.Context) -> None:
     kids[1].commit_sync(kids[1].sample())
 
 
+async def test_work_requested_before_a_retain_only_runs_on_the_branches_it_disposes(
+    ctx: kvfork.Context,
+) -> None:
+    """Operations run in the order they were requested: a step, a fork and a commit asked
+    for before `retain_only` complete, on the loser too, though `retain_only` marks it
+    disposed at once for the calls made after it (the step failed as a whole before)."""
+    a = root(ctx)
+    b = await a.fork()
+    store = kvfork.BranchStore(ctx)
+    start = (a.position, b.position)
+    step = store.step([a, b])
+    fork = a.fork()
+    commit = b.commit(a.sample())
+    retain = store.retain_only(a)
+    assert b.disposed  # at once
+    with pytest.raises(kvfork.BranchDisposedError):
+        await b.commit(1)  # asked after: refused
+    await step
+    await commit
+    await (await fork).prune()  # made before retain_only: pruned by it if not yet
+    await retain
+    assert a.position == start[0] + 1 and not a.disposed
+    assert store.available == ctx.n_seq_max - 1
+
+
 def test_store_refuses_bad_entries(ctx: kvfork.Context, model: kvfork.Model) -> None:
     a = root(ctx)
     store = kvfork.BranchStore(ctx)
