@@ -327,8 +327,9 @@ async def test_work_requested_before_a_retain_only_runs_on_the_branches_it_dispo
         await b.commit(1)  # asked after: refused
     await step
     await commit
-    await (await fork).prune()  # made before retain_only: pruned by it if not yet
+    child = await fork  # made before retain_only, which then disposed it
     await retain
+    assert child.disposed
     assert a.position == start[0] + 1 and not a.disposed
     assert store.available == ctx.n_seq_max - 1
 

@@ -67,8 +67,8 @@ impl Worker {
     }
 
     /// The engine half of every prune: take the branches out of the tree, then empty the
-    /// sequences they leased (cells shared with others stay for them). Their cells are
-    /// already marked disposed.
+    /// sequences they leased (cells shared with others stay for them). Their cells were
+    /// marked disposed by the call (and are here, for forks made since).
     pub(crate) fn prune(&mut self, handle: Handle, how: Prune) -> Result<()> {
         if how == Prune::KeepChildren && self.parks() {
             // Parked descendants anchored on this branch's cells move off them first.
@@ -85,7 +85,11 @@ impl Worker {
                 Prune::Subtree => registry.prune_subtree(handle)?,
             }
             .into_iter()
-            .map(|p| (p.handle, p.seq))
+            .map(|p| {
+                // Marked at the call already, but for a fork made since (asked for before).
+                p.data.mark_disposed();
+                (p.handle, p.seq)
+            })
             .collect()
         };
         for (h, seq) in pruned {
@@ -113,7 +117,12 @@ impl Worker {
             .ok_or(Error::BranchDisposed(winner.to_string()))?;
         // A parked winner comes back first (its cells may lean on a loser's).
         self.give_leases(&[&cell])?;
-        self.shared().registry().retain_only(winner)?;
+        let losers = self.shared().registry().retain_only(winner)?;
+        // `BranchStore::retain_only` marked the losers it saw; a fork made since (asked for
+        // before it) is a loser too.
+        for loser in &losers {
+            loser.data.mark_disposed();
+        }
         let seq = match self.shared().ledger() {
             Some(mut l) => {
                 l.retain_only(winner)?;
