@@ -430,6 +430,35 @@ def test_messages_reply_with_a_thinking_block_streamed_alike(think_server: Serve
     assert again.content
 
 
+def test_a_constrained_reply_answers_without_thinking_in_every_api(think_server: Server) -> None:
+    """The template opens a think block; a `response_format` or a required tool call would
+    shape the thinking instead of the answer (the JSON came out split between the two). The
+    block is closed in the prompt: the answer is the whole JSON, nothing is reasoning."""
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 12}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    reply = _chat(think_server, response_format=fmt, max_tokens=40)
+    message = reply["choices"][0]["message"]
+    assert not message.get("reasoning_content") and _reasoning_tokens(reply) == 0
+    assert set(json.loads(message["content"])) == {"capital"}
+    asked: Any = {
+        "model": "x",
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [{"name": "answer", "description": "Answer.", "input_schema": schema}],
+        "tool_choice": {"type": "any"},
+        "thinking": {"type": "enabled", "budget_tokens": 8},
+    }
+    with anthropic.Anthropic(base_url=think_server.url, api_key="x", max_retries=0) as client:
+        answer = client.messages.create(**asked)
+    assert [block.type for block in answer.content] == ["tool_use"], answer.content
+    assert set(answer.content[0].input) == {"capital"}
+
+
 # ---- OpenAI's Responses: a reasoning item ----
 
 

@@ -37,6 +37,7 @@ from .messages import Reply, authorized, error_body, error_event, parse_messages
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import Defaults, plan
 from .requests import (
+    Sampling,
     parse_apply_template,
     parse_chat,
     parse_completion,
@@ -254,6 +255,21 @@ class Endpoints:
 
         return endpoint
 
+    def _answer_at_once(self, tokens: list[int], sampling: Sampling) -> list[int]:
+        """A constrained reply (`response_format`, a required tool call) whose prompt opens a
+        think block gets the block closed in its prompt: the constraint then shapes the answer
+        from its first token. (It shaped the thinking instead, and the JSON came out split
+        between the reasoning and the content.) The reply does not think."""
+        opened = None if sampling.reasoning is None else sampling.reasoning.opened
+        if sampling.json_schema is None or opened is None:
+            return tokens
+        assert sampling.reasoning is not None
+        sampling.reasoning = replace(sampling.reasoning, opened=None, budget=None, shared=False)
+        ctx = self.service.prompts.ctx
+        return tokens + ctx.tokenize(
+            opened.end + opened.lead, add_special=False, parse_special=True
+        )
+
     def answered(self, name: str, status: int) -> None:
         self.metrics.answered(name, status)
         if status == CLIENT_GONE:
@@ -422,6 +438,7 @@ class Endpoints:
             "model": s.model_id,
         }
         req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, request_id)
+        tokens = self._answer_at_once(tokens, req.sampling)
         generation = s.generate(tokens, req.sampling, stop, "messages")
         tools = bool(req.tools) and req.tool_choice != "none"
 
@@ -514,6 +531,7 @@ class Endpoints:
         req = api.parse(await self.read_json(request))
         tokens, stop, text = await asyncio.to_thread(api.prompt, req)
         req.chat.sampling.reasoning = plan(req.chat.reasoning, self.reasoning, text, None)
+        tokens = self._answer_at_once(tokens, req.chat.sampling)
         reply = api.reply(req)
         generation = self.service.generate(tokens, req.chat.sampling, stop, "input")
         if req.stream:
@@ -546,6 +564,7 @@ class Endpoints:
         s.prompts.constrain_tools(req)
         tokens, stop, text = await asyncio.to_thread(s.prompts.rendered_chat, req)
         req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, None)
+        tokens = self._answer_at_once(tokens, req.sampling)
         reply = Reply(req, s.prompts, s.model_id, len(tokens))
         generation = s.generate(tokens, req.sampling, stop, "messages")
         if req.sampling.stream:
