@@ -514,6 +514,28 @@ def test_speculation_draws_what_plain_generation_draws(dev_ctx: kvfork.Context) 
     assert spec.perplexity == pytest.approx(plain.perplexity, rel=PERPLEXITY_NOISE)
 
 
+def test_a_speculative_stream_takes_a_chain_that_needs_rows_mid_stream(
+    model: kvfork.Model,
+) -> None:
+    """A hot swap to a chain that needs its whole row (a repeat penalty) after the device drew
+    the last output: the round decodes the last token again for the row, as plain generation
+    does (it raised KvforkError), and draws what a context of rows draws."""
+    text = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5, 6,"
+    runs = []
+    for device in (True, False):
+        with kvfork.create_context_sync(
+            model, n_ctx=512, n_seq_max=4, device_sampling=device
+        ) as ctx:
+            b = root(ctx, text)
+            got = []
+            for i, t in enumerate(b.generate_sync(16, draft=kvfork.PromptLookup())):
+                got.append(t.token)
+                if i == 3:
+                    b.set_sampler_params({"temperature": 0.0, "repeat_penalty": 1.5})
+            runs.append(got)
+    assert runs[0] == runs[1]
+
+
 def test_the_raw_layer_gives_rows_and_takes_a_device_draw_over(
     ctx: kvfork.Context, dev_ctx: kvfork.Context
 ) -> None:

@@ -335,6 +335,24 @@ def test_create_past_zero_keeps_the_lowest_free_lease_s_cells_when_they_fit(
         kvfork.Branch.create(six, len(prompt), GREEDY)
 
 
+def test_a_branch_over_raw_cells_refuses_a_shift_that_would_drop_their_tokens(
+    six: kvfork.Context,
+) -> None:
+    """It knows only the tokens decoded since it took the cells over: a shift or reseed
+    prefilled those alone from position 0, the prompt silently gone."""
+    prompt = six.tokenize(PROMPT)
+    six.decode_sync(prompt, 0, 2)
+    b = kvfork.Branch.create(six, len(prompt), GREEDY, seq_id=2)
+    b.capture_logits()
+    b.commit_sync(b.sample())
+    with pytest.raises(kvfork.KvforkError, match="raw layer decoded"):
+        b.shift_context_sync(2)
+    with pytest.raises(kvfork.KvforkError, match="raw layer decoded"):
+        b.reseed_context_sync(prompt[:2], 4)
+    assert b.position == len(prompt) + 1  # untouched
+    b.prune_sync()
+
+
 def test_fork_onto_a_given_sequence(six: kvfork.Context) -> None:
     prompt = six.tokenize(PROMPT)
     parent = kvfork.Branch.create(six, 0, GREEDY)

@@ -488,7 +488,8 @@ class Context:
         """
     def kv_seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """Copy cells of `src` into `dst` (positions [p0, p1), -1 = open). Bypasses branch tenancy.
-        Queued in order with all engine work; returns without waiting.
+        Queued in order with all engine work; returns without waiting. On a recurrent or
+        hybrid model only the whole sequence can be copied: a part is a ValueError.
         """
     def kv_seq_keep(self, seq: int) -> None:
         """Remove every cell not of `seq`. Bypasses branch tenancy. Returns without waiting."""
@@ -996,10 +997,12 @@ class Branch:
         first tokens) followed by the last `tail` tokens of its sequence (prompt included;
         a sequence that begins with `sinks` gives its tail from after them), from position
         0. Sampler, grammar, biases and metrics carry on. When the prefill fails
-        (KvCacheFullError, e.g. when cells this branch shares with its forks stay theirs and
-        leave no room), the branch's own cells come back from a host copy: it keeps its
-        tokens and logits. Only when the cache cannot hold them again either is it left
-        empty at position 0, with no logits (prefill it again); the error says which.
+        (KvCacheFullError), the branch's cells come back from a host copy: it keeps its
+        tokens and logits. Only when the cache cannot hold them again is it left empty at
+        position 0, with no logits (prefill it again); the error says which. Cells it shared
+        with forks come back as copies of their own, so a branch whose forks share much of
+        a full cache (the case where the prefill found no room: their cells stay theirs)
+        is most often left empty.
         """
     def reseed_context_sync(self, sinks: _Tokens, tail: int) -> None:
         """Blocking twin of `reseed_context`: returns None once `sinks` and the tail are prefilled. Waits without the GIL; Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt."""

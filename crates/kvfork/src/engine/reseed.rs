@@ -14,12 +14,22 @@ use crate::produced::Produced;
 use crate::seq::Seq;
 
 /// The branch's tokens in sequence order: its history, and a token `accept`ed but not yet
-/// decoded (a re-prefill decodes it).
-fn sequence_tokens(cell: &BranchCell) -> Vec<Token> {
+/// decoded (a re-prefill decodes it). An error for a branch that took over cells the raw
+/// layer decoded: its history lacks their tokens, which a re-prefill would silently drop.
+fn sequence_tokens(cell: &BranchCell) -> Result<Vec<Token>> {
     let st = cell.lock();
+    let known = st.history().len();
+    if known < st.position() as usize {
+        return Err(Error::Other(format!(
+            "this branch took over {} cells the raw layer decoded (Branch.create with \
+             seq_id): it knows only the {known} tokens decoded since, so it cannot prefill \
+             the others again; decode them through a branch to shift or reseed it",
+            st.position() as usize - known
+        )));
+    }
     let mut tokens = st.history().to_vec();
     tokens.extend(st.accepted_undecoded());
-    tokens
+    Ok(tokens)
 }
 
 /// What a reseed prefills: `sinks`, then the last `tail` of `tokens` (never the sinks a
@@ -51,14 +61,14 @@ impl Worker {
         sinks: &[Token],
         tail: usize,
     ) -> Result<()> {
-        let tokens = reseeded(&sequence_tokens(cell), sinks, tail);
+        let tokens = reseeded(&sequence_tokens(cell)?, sinks, tail);
         self.reprefill(cell, tokens, "sinks/tail")
     }
 
     /// Empty the sequence, then prefill its first `keep` tokens and the most recent half of
     /// the rest from position 0.
     pub(crate) fn shift_context(&mut self, cell: &Arc<BranchCell>, keep: usize) -> Result<()> {
-        let tokens = shifted(&sequence_tokens(cell), keep);
+        let tokens = shifted(&sequence_tokens(cell)?, keep);
         self.reprefill(cell, tokens, "keep")
     }
 

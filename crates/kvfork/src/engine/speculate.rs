@@ -25,6 +25,11 @@ impl Worker {
             return Err(Error::BranchDisposed("in speculate".into()));
         }
         self.give_leases(&[cell])?;
+        // A chain that came to need its whole row after the device drew the last output (a
+        // hot swap mid-stream) gets the row first, as `produce` and `step` do (`refresh.rs`).
+        if let Some(Some(e)) = self.refresh_rows(std::slice::from_ref(cell)).pop() {
+            return Err(e);
+        }
         // The draft cut to what fits first: the window guard below sees only what decodes.
         let position = cell.lock().position();
         let room = self.shared().n_ctx as i32 - position;
