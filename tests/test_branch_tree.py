@@ -169,6 +169,28 @@ def test_prune_keep_children_frees_the_lease_and_keeps_the_children_exact(
     middle.prune_sync(keep_children=True)  # a second prune is a no-op
 
 
+async def test_a_fork_asked_for_before_a_prune_survives_it(ctx: kvfork.Context) -> None:
+    """Operations run in the order asked: a fork queued before its parent's prune is made
+    (the parent was live then), and the prune, which saw no child when it was called, keeps
+    it as `keep_children` does (it failed on the engine, the parent left disposed and holding
+    its lease)."""
+    busy = root(ctx)
+    parent = root(ctx)
+    leases, at = kvfork.BranchStore(ctx).available, parent.position
+    work = busy.prefill(ctx.tokenize(PROMPT * 8))  # the engine busy: both calls queue behind
+    fork = parent.fork()
+    gone = parent.prune()
+    await work
+    child = await fork
+    await gone
+    assert parent.disposed and not child.disposed and child.parent is None
+    assert child.position == at
+    assert kvfork.BranchStore(ctx).available == leases  # the parent's lease back, the child's taken
+    await child.commit(child.sample())
+    await child.prune()
+    await busy.prune()
+
+
 def test_width_4_beam_search_over_32_steps_fits_in_5_leases(model: kvfork.Model) -> None:
     width, steps = 4, 32
     with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=width + 1) as ctx:

@@ -221,8 +221,8 @@ def test_an_embeddings_batch_whose_client_left_stops(chat_server: Server) -> Non
     while gone() == before:
         assert time.monotonic() < deadline, chat_server.metrics_text()
         time.sleep(0.05)
-    reply = chat_server.client().embeddings.create(model="x", input=["A cat."])
-    assert len(reply.data) == 1
+    embedded = chat_server.client().embeddings.create(model="x", input=["A cat."])
+    assert len(embedded.data) == 1
 
 
 def test_models_lists_the_file_stem(chat_server: Server) -> None:
@@ -1069,16 +1069,17 @@ def test_sigterm_while_bodies_still_arrive_answers_503_in_each_dialect(serve: An
     uvicorn's plain-text 500 with a traceback in the log."""
     server: Server = serve("chat", "--n-ctx", "1024", "--n-seq-max", "2", "--shutdown-seconds", "1")
     socks = []
-    for path, code_of in (
+    dialects: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("/v1/chat/completions", lambda e: e["error"]["code"]),
         ("/v1/messages", lambda e: e["error"]["type"]),
-    ):
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    ]
+    for path, code_of in dialects:
+        payload = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         sock = socket.create_connection(server.address, timeout=60)
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body[:-5].encode()  # the rest never comes
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload[:-5].encode()  # the rest never comes
         )
         socks.append((sock, code_of))
     time.sleep(0.3)

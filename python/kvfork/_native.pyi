@@ -377,6 +377,7 @@ class Token:
         """
     def __getnewargs__(self) -> tuple[int, str, bool]:
         """Pickling (Ray jobs return tokens): `Token(token, text, is_stop)` again."""
+    def __index__(self) -> int: ...
     def __len__(self) -> int: ...
     @overload
     def __getitem__(self, key: SupportsIndex, /) -> int | str | bool: ...
@@ -416,7 +417,8 @@ class Context:
     @property
     def n_ctx(self) -> int:
         """Size of the unified KV cache in cells, shared by all branches (a shared prefix counts
-        once); also the furthest position a branch can reach.
+        once); also the furthest position a branch can reach. llama.cpp rounds the `n_ctx`
+        asked for up to a multiple of 256: this is the size it made (64 asked gives 256).
         """
     @property
     def n_batch(self) -> int:

@@ -55,7 +55,8 @@ def create_context(
     The keyword options (the same for `create_context_sync`), with their defaults:
 
     - `n_ctx=4096`: cells of the unified KV cache, shared by all branches (a shared prefix
-      counts once); also the furthest position a branch can reach. 16 to `2**24`.
+      counts once); also the furthest position a branch can reach. 16 to `2**24`,
+      rounded up to a multiple of 256 (llama.cpp's; `Context.n_ctx` says the size made).
     - `n_batch=512`: the most tokens one `llama_decode` takes; longer prefills and wider
       steps are split. 1 to 65536.
     - `n_seq_max=8`: KV sequences (leases), so how many branches can be live at once.

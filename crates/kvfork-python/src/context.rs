@@ -242,7 +242,8 @@ impl PyContext {
     }
 
     /// Size of the unified KV cache in cells, shared by all branches (a shared prefix counts
-    /// once); also the furthest position a branch can reach.
+    /// once); also the furthest position a branch can reach. llama.cpp rounds the `n_ctx`
+    /// asked for up to a multiple of 256: this is the size it made (64 asked gives 256).
     #[getter]
     fn n_ctx(&self) -> u32 {
         self.inner.n_ctx()

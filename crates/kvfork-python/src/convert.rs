@@ -12,7 +12,6 @@ use pyo3::IntoPyObjectExt;
 
 use crate::awaitable::{Call, OnCancel, Operation};
 use crate::errors::{naming_argument, type_error, IntoPyResult};
-use crate::token::PyToken;
 use kvfork::{Cancel, Pending};
 
 /// Tokens from a list, any sequence of ints, or a 1-D integer numpy array.
@@ -38,11 +37,7 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
                 Ok(t) => Ok(t),
                 // An int too large for i64 is out of range, not of the wrong type.
                 Err(_) if x.is_instance_of::<PyInt>() => Ok(i64::MAX),
-                // A sampled Token stands for its id (its docstring says so).
-                Err(_) => match x.cast::<PyToken>() {
-                    Ok(token) => Ok(i64::from(token.get().token)),
-                    Err(_) => Err(type_error(format!("{name} must contain only ints"))),
-                },
+                Err(_) => Err(type_error(format!("{name} must contain only ints"))),
             })
             .collect::<PyResult<Vec<_>>>()?;
         return narrow(v);

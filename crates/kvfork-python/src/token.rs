@@ -62,6 +62,12 @@ impl PyToken {
         })
     }
 
+    /// The token id, where an int is asked for (`operator.index`): a Token is taken wherever
+    /// a token id is, in lists of them too.
+    fn __index__(&self) -> i32 {
+        self.token
+    }
+
     fn __len__(&self) -> usize {
         3
     }

@@ -70,6 +70,20 @@ impl Worker {
     /// sequences they leased (cells shared with others stay for them). Their cells were
     /// marked disposed by the call (and are here, for forks made since).
     pub(crate) fn prune(&mut self, handle: Handle, how: Prune) -> Result<()> {
+        // A fork asked for before a RESTRICT prune and made since is a child the call could
+        // not see: it keeps its cells and moves up, as with `keep_children`.
+        let how = match how {
+            Prune::Leaf
+                if self
+                    .shared()
+                    .registry()
+                    .get(handle)
+                    .is_some_and(|node| !node.children.is_empty()) =>
+            {
+                Prune::KeepChildren
+            }
+            how => how,
+        };
         if how == Prune::KeepChildren && self.parks() {
             // Parked descendants anchored on this branch's cells move off them first.
             let cell = self.shared().registry().data(handle).cloned();
