@@ -83,6 +83,18 @@ def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
     assert [beam.score for beam in beams] == sorted((b.score for b in beams), reverse=True)
 
 
+def test_the_search_stops_unfinished_at_the_end_of_the_context(model: kvfork.Model) -> None:
+    """As `generate` stops there (it raised KvCacheFullError and returned no beam)."""
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=5) as small:
+        b = kvfork.Branch.create(small, 0, GREEDY)
+        b.prefill_sync(small.tokenize("one two three " * 120)[:250])
+        beams = beam_search_sync(b, 2, 10)
+        # 6 cells left for 2 beams: the search ends where the next step finds none.
+        assert len(beams) == 2 and all(1 <= len(beam.tokens) <= 6 for beam in beams)
+        assert any(not beam.finished for beam in beams)
+        assert kvfork.BranchStore(small).available == small.n_seq_max - 1  # all given back
+
+
 def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
     b = root(ctx)
     bad: list[dict[str, Any]] = [

@@ -12,7 +12,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-from ._native import Branch, BranchStore
+from ._native import Branch, BranchStore, KvCacheFullError
 
 __all__ = ["Beam", "beam_search", "beam_search_sync"]
 
@@ -81,7 +81,8 @@ async def beam_search(
     Diverse beam search (Vijayakumar et al., 2016): `groups` splits the width into groups
     chosen one after the other at each step; a token already chosen by an earlier group
     from the same step costs `diversity` nats per choice, so the groups spread out.
-    Needs `width + 1` free leases.
+    Needs `width + 1` free leases. At the end of the context (`n_ctx` positions, or no free
+    cells for the next step) the search stops, its beams unfinished, as `generate` stops.
     """
     _check(width, max_tokens, groups, diversity, length_penalty)
     store = BranchStore(branch.context)
@@ -91,8 +92,11 @@ async def beam_search(
     # Groups share the root until their first step forks it.
     finished: list[Beam] = []
     try:
+        n_ctx = branch.context.n_ctx
         for _ in range(max_tokens):
-            if not live:
+            # Every live beam is as long as the others: at the end of the context they stop
+            # unfinished, as `generate` stops there.
+            if not live or live[0].branch.position >= n_ctx:
                 break
             chosen: list[tuple[float, _Live, int, float]] = []  # (logprob, parent, token, lp)
             picked: dict[int, int] = {}  # token -> times chosen by earlier groups this step
@@ -114,7 +118,20 @@ async def beam_search(
                 for _, total, beam, token, lp in expansions[:per_group]:
                     chosen.append((total, beam, token, lp))
                     picked[token] = picked.get(token, 0) + 1
-            live = await _advance(store, live, chosen, finished, length_penalty)
+            # As they are before this step: what the search returns if the step finds no
+            # room in the cache.
+            standing = [(list(beam.tokens), beam.logprob) for beam in live]
+            try:
+                live = await _advance(store, live, chosen, finished, length_penalty)
+            except KvCacheFullError:
+                # No cells for another step: the beams stop unfinished, as `generate` stops
+                # at a full context (`_advance` gave back every branch of the step).
+                for tokens, logprob in standing:
+                    text = branch.context.detokenize(tokens)
+                    score = _score(logprob, len(tokens), length_penalty)
+                    finished.append(Beam(tokens, text, logprob, score, False))
+                live = []
+                break
         for beam in live:
             finished.append(_result(beam, False, length_penalty))
     finally:
