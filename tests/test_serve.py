@@ -185,6 +185,29 @@ def test_a_required_tool_call_parses_and_its_arguments_validate(chat_server: Ser
         jsonschema.validate(json.loads(arguments), params)
 
 
+def _posted(server: Server, path: str, body: bytes, *, length: int | None = None) -> socket.socket:
+    """A connection that sent `POST path` with `body` (announced as `length` bytes: more than
+    it sends, for a body still arriving), the reply not read yet."""
+    sock = socket.create_connection(server.address, timeout=60)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(body) if length is None else length}\r\n".encode()
+        + b"Connection: close\r\n\r\n"
+        + body
+    )
+    return sock
+
+
+def _reply_to_close(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The reply's head and body, read until the server closes the connection."""
+    with sock:
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, body
+
+
 def test_embeddings(chat_server: Server) -> None:
     reply = chat_server.client().embeddings.create(model="x", input=["A cat.", "A kitten."])
     assert len(reply.data) == 2
@@ -210,12 +233,7 @@ def test_an_embeddings_batch_whose_client_left_stops(chat_server: Server) -> Non
         return float(match.group(1)) if match else 0.0
 
     before = gone()
-    with socket.create_connection(chat_server.address, timeout=30) as sock:
-        sock.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    with _posted(chat_server, "/v1/embeddings", body):
         time.sleep(1.0)
     deadline = time.monotonic() + 30
     while gone() == before:
@@ -986,26 +1004,16 @@ def test_sigterm_during_a_prefill_answers_503_in_json(serve: Any) -> None:
     socks = []
     for stream in (True, False):
         body = json.dumps({"prompt": "word " * 3000, "max_tokens": 8, "stream": stream}).encode()
-        sock = socket.create_connection(server.address, timeout=60)
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-            + body
-        )
-        socks.append(sock)
+        socks.append(_posted(server, "/v1/completions", body))
     deadline = time.monotonic() + 20
     while server.metric("kvfork_sequences_admitted") != 2:  # both prefilling
         assert time.monotonic() < deadline, server.metrics_text()
         time.sleep(0.05)
     server.process.terminate()
     for sock in socks:
-        with sock:
-            reply = b""
-            while chunk := sock.recv(65536):
-                reply += chunk
-        head, _, body = reply.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503"), reply[:300]
-        assert json.loads(body)["error"]["code"] == "shutting_down", reply[:300]
+        head, body = _reply_to_close(sock)
+        assert head.startswith(b"HTTP/1.1 503"), (head, body[:300])
+        assert json.loads(body)["error"]["code"] == "shutting_down", body[:300]
     assert server.process.wait(timeout=30) == 0
     assert "Exception in ASGI application" not in server.stop()
 
@@ -1075,23 +1083,15 @@ def test_sigterm_while_bodies_still_arrive_answers_503_in_each_dialect(serve: An
     ]
     for path, code_of in dialects:
         payload = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        sock = socket.create_connection(server.address, timeout=60)
-        sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload[:-5].encode()  # the rest never comes
-        )
-        socks.append((sock, code_of))
+        whole = payload.encode()
+        # The rest of the body never comes.
+        socks.append((_posted(server, path, whole[:-5], length=len(whole)), code_of))
     time.sleep(0.3)
     server.process.terminate()
     codes = []
     for sock, code_of in socks:
-        with sock:
-            reply = b""
-            while chunk := sock.recv(65536):
-                reply += chunk
-        head, _, body = reply.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503"), reply[:300]
+        head, body = _reply_to_close(sock)
+        assert head.startswith(b"HTTP/1.1 503"), (head, body[:300])
         codes.append(code_of(json.loads(body)))
     assert codes == ["shutting_down", "overloaded_error"]
     assert server.process.wait(timeout=30) == 0

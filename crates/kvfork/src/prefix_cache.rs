@@ -68,6 +68,18 @@ struct Holder {
     mixed: bool,
 }
 
+impl Holder {
+    /// Its branch's position, and whether it may be shared: all of its KV is of the adapter
+    /// set the trie keys it by (`sets`: the registered sets); its adapters may have changed
+    /// since it was made, even back again. An error for a branch pruned behind the cache's
+    /// back.
+    fn shareable(&self, sets: &[AdapterKey]) -> Result<(i32, bool)> {
+        let (position, adapters, one_set) = self.branch.kv_under_one_set()?;
+        let shareable = !self.mixed && one_set && keyed_as(sets, &adapters) == Some(self.sentinel);
+        Ok((position, shareable))
+    }
+}
+
 /// A prompt being prefilled now: requests that share a long prefix with it wait for it and
 /// fork, rather than prefill the same tokens at the same time.
 struct Prefilling {
@@ -808,13 +820,13 @@ impl PrefixCache {
                     "pruned already: it holds no KV to keep",
                 ));
             }
-            let sentinel = holder.sentinel;
-            let mixed = holder.mixed;
-            let (adapters, one_set) = branch
-                .kv_under_one_set()
-                .map(|(_, key, one)| (key, one))
-                .unwrap_or_default();
-            if mixed || !one_set || st.sentinel(&adapters) != sentinel {
+            let shareable = {
+                let st: &State = &st;
+                st.holders[&handle]
+                    .shareable(&st.adapter_sets)
+                    .is_ok_and(|(_, shareable)| shareable)
+            };
+            if !shareable {
                 // Its adapters changed since it was made (even if back again): its KV is not
                 // (all) what the trie says.
                 let holder = st.holders.remove(&handle).expect("found above");
@@ -936,7 +948,12 @@ fn keyed_as(sets: &[AdapterKey], key: &AdapterKey) -> Option<Option<Token>> {
     }
     sets.iter()
         .position(|k| k == key)
-        .map(|i| Some(-(i as Token) - 1))
+        .map(|i| Some(sentinel_of(i)))
+}
+
+/// The trie token of the `i`th registered adapter set: negative, never a vocabulary token.
+fn sentinel_of(i: usize) -> Token {
+    -(i as Token) - 1
 }
 
 /// `tokens` as the trie keys them: the adapter set's sentinel first, if any.
@@ -1092,11 +1109,11 @@ impl State {
             if holder.mixed {
                 continue;
             }
-            let Ok((position, adapters, one_set)) = holder.branch.kv_under_one_set() else {
+            let Ok((position, shareable)) = holder.shareable(&self.adapter_sets) else {
                 gone.push(handle);
                 continue;
             };
-            if !one_set || keyed_as(&self.adapter_sets, &adapters) != Some(holder.sentinel) {
+            if !shareable {
                 // Decoded under other adapters since it was made: shared no more.
                 holder.mixed = true;
                 self.trie.remove(handle);
@@ -1131,17 +1148,11 @@ impl State {
 
     /// The trie token of an adapter set (None for no adapter), registered on first use.
     fn sentinel(&mut self, key: &AdapterKey) -> Option<Token> {
-        if key.is_empty() {
-            return None;
+        if let Some(known) = keyed_as(&self.adapter_sets, key) {
+            return known;
         }
-        let i = match self.adapter_sets.iter().position(|k| k == key) {
-            Some(i) => i,
-            None => {
-                self.adapter_sets.push(key.clone());
-                self.adapter_sets.len() - 1
-            }
-        };
-        Some(-(i as Token) - 1)
+        self.adapter_sets.push(key.clone());
+        Some(sentinel_of(self.adapter_sets.len() - 1))
     }
 
     /// KV cells only entries hold (what evicting them all would free; shared cells once).

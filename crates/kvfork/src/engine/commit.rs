@@ -162,10 +162,15 @@ impl Worker {
     fn sample_cells(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
         let refused = self.refresh_rows(cells);
         let model = self.shared().model.clone();
-        let gone: Vec<bool> = cells.iter().map(|cell| self.is_gone(cell)).collect();
+        // Empty (no allocation) unless a cell is disposed, as `refused`.
+        let gone: Vec<bool> = if cells.iter().any(|cell| cell.is_disposed()) {
+            cells.iter().map(|cell| self.is_gone(cell)).collect()
+        } else {
+            Vec::new()
+        };
         let sample = |i: usize| -> Result<Produced> {
             let cell = &cells[i];
-            if gone[i] {
+            if gone.get(i) == Some(&true) {
                 return Err(Error::BranchDisposed("in step".into()));
             }
             if let Some(Some(e)) = refused.get(i) {
