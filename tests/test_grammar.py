@@ -53,6 +53,65 @@ def test_lazy_grammar_is_free_before_the_trigger_and_constrained_after(ctx: kvfo
     assert re.fullmatch(r"[0-9]+!?", tail), tail  # constrained after it
 
 
+def test_a_lazy_pattern_starts_the_grammar_inside_a_token_as_llama_cpp_would(
+    ctx: kvfork.Context,
+) -> None:
+    # The group starts inside the " invention" token: the grammar reads the piece from there.
+    # kvfork watches patterns the `regex` crate reads (linear); a look-ahead one goes to
+    # llama.cpp's own matcher. The same output either way.
+    gbnf = 'root ::= "ention" [0-9]+ "!"'
+    outs = []
+    for pattern in (r"[\s\S]*? inv(ention)", r"[\s\S]*? inv(ention)(?=)"):
+        b = root(ctx)
+        b.set_grammar_lazy(gbnf, [], patterns=[pattern])
+        outs.append("".join(t.text for t in b.generate_sync(12)))
+        b.prune_sync()
+    _, trigger, tail = outs[0].partition(" invention")
+    assert trigger and re.fullmatch(r"[0-9]+!?", tail), outs[0]
+    assert outs[0] == outs[1]
+
+
+def test_a_lazy_grammar_awaiting_its_trigger_forks_and_restores(ctx: kvfork.Context) -> None:
+    (trigger,) = ctx.tokenize(" invention", add_special=False)
+    b = root(ctx)
+    b.set_grammar_lazy('root ::= " invention" [0-9]+ "!"', [trigger])
+    b.commit_sync(b.produce_sync().token)  # still waiting
+    saved = b.snapshot_sync()
+    kid = b.fork_sync()
+    texts = ["".join(t.text for t in x.generate_sync(11)) for x in (b, kid)]
+    b.prune_subtree_sync()
+    again = kvfork.Branch.restore_sync(ctx, saved)
+    texts.append("".join(t.text for t in again.generate_sync(11)))
+    again.prune_sync()
+    for text in texts:
+        _, word, tail = text.partition(" invention")
+        assert word and re.fullmatch(r"[0-9]+!?", tail), text
+
+
+def test_a_lazy_pattern_matching_empty_text_at_the_end_starts_with_the_next_token(
+    ctx: kvfork.Context,
+) -> None:
+    # As llama.cpp's matcher (the look-ahead twin) does: the first token is free, the rest
+    # constrained.
+    outs = []
+    for pattern in ("$", "$(?=)"):
+        b = root(ctx)
+        b.set_grammar_lazy('root ::= "zzz" [0-9]*', [], patterns=[pattern])
+        outs.append([t.text for t in b.generate_sync(4)])
+        b.prune_sync()
+    assert outs[0] == outs[1]
+    assert "".join(outs[0][1:]).startswith("zzz") and not outs[0][0].startswith("zzz")
+
+
+def test_a_bad_trigger_pattern_is_refused(ctx: kvfork.Context) -> None:
+    b = kvfork.Branch.create(ctx)
+    for bad in ("(unclosed", "[z-a]"):
+        with pytest.raises(kvfork.GrammarError, match="trigger pattern"):
+            b.set_grammar_lazy('root ::= "a"', [], patterns=[bad])
+    with pytest.raises(kvfork.GrammarError, match="undefined rule"):
+        b.set_grammar_lazy("root ::= nowhere", ["x"])
+
+
 def test_grammar_window_equals_full_vocabulary_grammar(ctx: kvfork.Context) -> None:
     # top_k chains check the grammar on a widening window of the best tokens only; a huge
     # top_n_sigma keeps every token but forces the whole-vocabulary path. Same draws.

@@ -356,7 +356,11 @@ impl PyBranch {
     }
 
     /// Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
-    /// words, ints are token ids; `patterns`: regexes matched from the start of the output.
+    /// words, ints are token ids; `patterns`: regexes searched in the output since the grammar
+    /// was set, the grammar starting at the first non-empty capture group (else at the match),
+    /// as llama.cpp's lazy grammars. Patterns are matched in linear time (Rust `regex`
+    /// syntax); one with look-around or back-references goes to llama.cpp's `std::regex`,
+    /// whose cost grows with the output.
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
     fn set_grammar_lazy(
         &self,

@@ -651,7 +651,7 @@ impl BranchState {
         let model_s = self.logits.surprisal(token)?;
         let sampling_s = self.sampling_surprisal(token)?;
         if let Some(g) = self.grammar.as_mut() {
-            g.accept(token)?;
+            g.accept(model, token)?;
         }
         self.sampler.accept(token);
         self.token_text(model, token, true)?;

@@ -7,6 +7,7 @@ use std::ffi::{c_char, CString};
 use llama_cpp_sys_2 as sys;
 
 use super::guidance::{GuidanceKind, Guided};
+use super::lazy::{skip_pattern, Awaiting, Fired, Triggers};
 use super::llama_sampler::RawSampler;
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
@@ -67,6 +68,8 @@ impl GrammarSpec {
 
 enum Engine {
     Llama(RawSampler),
+    /// A lazy GBNF grammar whose trigger has not fired yet (`lazy.rs`).
+    Awaiting(Box<Awaiting>),
     Guidance(Box<Guided>),
 }
 
@@ -82,6 +85,7 @@ impl Clone for Grammar {
     fn clone(&self) -> Self {
         let engine = match &self.engine {
             Engine::Llama(s) => Engine::Llama(s.clone()),
+            Engine::Awaiting(a) => Engine::Awaiting(a.clone()),
             Engine::Guidance(g) => Engine::Guidance(Box::new(g.deep_clone())),
         };
         Grammar {
@@ -109,10 +113,10 @@ fn c_string(s: &str, what: &'static str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Grammar(format!("{what} contains a NUL byte")))
 }
 
-/// Regex that fires on a literal trigger word anywhere in the output (the grammar is fed from
-/// the first capture group on). llama.cpp runs `regex_search` over the whole buffered output
-/// after every token: the plain group is linear, where the usual `[\\s\\S]*?(word)[\\s\\S]*`
-/// is quadratic and overflows the stack of libstdc++'s recursive matcher after ~20k characters.
+/// llama.cpp's regex (ECMAScript) that fires on a literal trigger word anywhere in the output,
+/// the grammar fed from the word on: for the lazy grammars whose patterns llama.cpp matches
+/// (`lazy.rs` watches the others' triggers). A plain group, as the usual
+/// `[\\s\\S]*?(word)[\\s\\S]*` is quadratic there.
 fn word_pattern(word: &str) -> String {
     let mut escaped = String::with_capacity(word.len() * 2);
     for ch in word.chars() {
@@ -146,7 +150,8 @@ fn refused(gbnf: &str) -> Error {
     Error::Grammar(format!("llama.cpp refused the grammar: {reason}"))
 }
 
-/// A llama.cpp grammar sampler for a GBNF spec (eager or lazy).
+/// A llama.cpp grammar sampler for a GBNF spec (eager, or lazy with llama.cpp matching its
+/// triggers).
 fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
     let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = spec else {
         unreachable!("llguidance reads the other kinds");
@@ -156,17 +161,8 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
         return Err(Error::Grammar("the grammar is empty".into()));
     }
     check_gbnf(gbnf)?;
-    let raw = match spec {
-        GrammarSpec::Eager { gbnf } => {
-            let g = c_string(gbnf, "grammar")?;
-            // SAFETY: the vocabulary is live (the model outlives every use of the sampler:
-            // branches reach it only through their context, which holds the model); both
-            // strings are NUL-terminated and alive for the call. The wrapper catches llama.cpp's
-            // parse exceptions and returns NULL.
-            unsafe {
-                sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr())
-            }
-        }
+    match spec {
+        GrammarSpec::Eager { gbnf } => init_gbnf(model, gbnf, None),
         GrammarSpec::Lazy {
             gbnf,
             words,
@@ -176,20 +172,38 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
             for &t in tokens {
                 model.check_token(t)?;
             }
-            let g = c_string(gbnf, "grammar")?;
             let all: Vec<String> = words
                 .iter()
                 .map(|w| word_pattern(w))
                 .chain(patterns.iter().cloned())
                 .collect();
-            let owned = all
+            init_gbnf(model, gbnf, Some((&all, tokens)))
+        }
+        _ => unreachable!("llguidance reads the other kinds"),
+    }
+}
+
+/// llama.cpp's grammar sampler for `gbnf`: eager, or lazy with these trigger patterns and
+/// tokens (vocabulary ids, checked by the caller).
+fn init_gbnf(model: &Model, gbnf: &str, lazy: Option<(&[String], &[Token])>) -> Result<RawSampler> {
+    let g = c_string(gbnf, "grammar")?;
+    let raw = match lazy {
+        // SAFETY: the vocabulary is live (the model outlives every use of the sampler:
+        // branches reach it only through their context, which holds the model); both
+        // strings are NUL-terminated and alive for the call. The wrapper catches llama.cpp's
+        // parse exceptions and returns NULL.
+        None => unsafe {
+            sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr())
+        },
+        Some((patterns, tokens)) => {
+            let owned = patterns
                 .iter()
                 .map(|p| c_string(p, "trigger"))
                 .collect::<Result<Vec<_>>>()?;
             let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
             // SAFETY: as for the eager grammar; `ptrs` holds `ptrs.len()` NUL-terminated
-            // patterns alive in `owned`, `tokens` `tokens.len()` vocabulary ids (checked
-            // above), both copied by llama.cpp during the call.
+            // patterns alive in `owned`, `tokens` `tokens.len()` vocabulary ids, both copied
+            // by llama.cpp during the call.
             unsafe {
                 sys::llama_rs_sampler_init_grammar_lazy_patterns(
                     model.vocab_ptr(),
@@ -202,17 +216,42 @@ fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
                 )
             }
         }
-        _ => unreachable!("llguidance reads the other kinds"),
     };
     // SAFETY: `raw` is NULL or the new grammar sampler, owned by nothing else.
     unsafe { RawSampler::from_raw(raw) }.ok_or_else(|| refused(gbnf))
+}
+
+/// A lazy grammar whose triggers kvfork watches (`lazy.rs`): the grammar is checked now and
+/// built when a trigger fires. None for patterns only llama.cpp reads.
+fn awaiting(model: &Model, spec: &GrammarSpec) -> Result<Option<Awaiting>> {
+    let GrammarSpec::Lazy {
+        gbnf,
+        words,
+        patterns,
+        tokens,
+    } = spec
+    else {
+        return Ok(None);
+    };
+    let Some(triggers) = Triggers::new(words, patterns, tokens) else {
+        return Ok(None);
+    };
+    // Refused now, as an eager grammar would be, rather than when the trigger fires.
+    llama_grammar(model, &GrammarSpec::Eager { gbnf: gbnf.clone() })?;
+    for &t in tokens {
+        model.check_token(t)?;
+    }
+    Ok(Some(Awaiting::new(triggers)))
 }
 
 impl Grammar {
     pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
         let engine = match spec.guidance() {
             Some((kind, source)) => Engine::Guidance(Box::new(Guided::new(model, kind, source)?)),
-            None => Engine::Llama(llama_grammar(model, &spec)?),
+            None => match awaiting(model, &spec)? {
+                Some(waiting) => Engine::Awaiting(Box::new(waiting)),
+                None => Engine::Llama(llama_grammar(model, &spec)?),
+            },
         };
         Ok(Grammar {
             engine,
@@ -230,7 +269,7 @@ impl Grammar {
     /// `history` holds vocabulary tokens (the caller checked them).
     pub fn replay(model: &Model, spec: GrammarSpec, history: &[Token]) -> Result<Self> {
         let mut g = Grammar::new(model, spec)?;
-        history.iter().try_for_each(|&t| g.accept(t))?;
+        history.iter().try_for_each(|&t| g.accept(model, t))?;
         Ok(g)
     }
 
@@ -246,6 +285,7 @@ impl Grammar {
                 };
                 sampler.apply(&mut cur);
             }
+            Engine::Awaiting(_) => {}
             Engine::Guidance(g) => g.apply(candidates),
         }
     }
@@ -260,7 +300,7 @@ impl Grammar {
     pub fn guided(&mut self) -> Option<&mut Guided> {
         match &mut self.engine {
             Engine::Guidance(g) => Some(g),
-            Engine::Llama(_) => None,
+            Engine::Llama(_) | Engine::Awaiting(_) => None,
         }
     }
 
@@ -284,9 +324,16 @@ impl Grammar {
     /// token reaches an incomplete grammar, and a rejected token leaves the grammar broken
     /// (its next use aborts). A lazy grammar can still fail when its trigger fires on text the
     /// grammar rejects: callers restore an undo point then.
-    pub fn accept(&mut self, token: Token) -> Result<()> {
-        if let Engine::Guidance(g) = &mut self.engine {
-            return g.accept(token);
+    pub fn accept(&mut self, model: &Model, token: Token) -> Result<()> {
+        match &mut self.engine {
+            Engine::Guidance(g) => return g.accept(token),
+            Engine::Awaiting(waiting) => {
+                return match waiting.accept(model, token)? {
+                    None => Ok(()),
+                    Some(fired) => self.fire(model, fired),
+                }
+            }
+            Engine::Llama(_) => {}
         }
         let refused =
             || Error::Grammar(format!("token {token} is not allowed by the grammar here"));
@@ -307,10 +354,29 @@ impl Grammar {
         }
     }
 
+    /// A trigger fired: build the grammar and feed it what it starts with.
+    fn fire(&mut self, model: &Model, fired: Fired) -> Result<()> {
+        let GrammarSpec::Lazy { gbnf, .. } = &self.spec else {
+            unreachable!("only a lazy grammar awaits a trigger");
+        };
+        let (tokens, skip) = match fired {
+            Fired::Token(token) => (vec![token], 0),
+            Fired::Text { tokens, skip } => (tokens, skip),
+        };
+        let sampler = if skip == 0 {
+            init_gbnf(model, gbnf, None)?
+        } else {
+            // llama.cpp's own lazy grammar reads the first piece from `skip` on.
+            init_gbnf(model, gbnf, Some((&[skip_pattern(skip)], &[])))?
+        };
+        self.engine = Engine::Llama(sampler);
+        tokens.iter().try_for_each(|&t| self.accept(model, t))
+    }
+
     /// What puts this grammar back where it is now, should a commit fail.
     pub fn undo_point(&self) -> GrammarUndo {
         match &self.engine {
-            Engine::Llama(_) => GrammarUndo::Replace(Box::new(self.clone())),
+            Engine::Llama(_) | Engine::Awaiting(_) => GrammarUndo::Replace(Box::new(self.clone())),
             Engine::Guidance(g) => GrammarUndo::Rollback {
                 id: self.id,
                 consumed: g.consumed(),

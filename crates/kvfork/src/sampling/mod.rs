@@ -5,6 +5,7 @@ pub(crate) mod device;
 pub(crate) mod grammar;
 pub(crate) mod guidance;
 pub(crate) mod json_schema;
+pub(crate) mod lazy;
 pub(crate) mod llama_sampler;
 pub mod params;
 pub(crate) mod stochastic;

@@ -1,0 +1,149 @@
+//! A lazy grammar's wait for its trigger, watched here rather than by llama.cpp.
+//!
+//! llama.cpp searches every trigger pattern with `std::regex` over the whole output after
+//! each token: quadratic in the output (200 tokens of 48 bytes took 5.7 s for a plain word,
+//! 74 s for the usual `[\s\S]*?(word)[\s\S]*`, the engine thread busy all along), and
+//! libstdc++'s recursive matcher can exhaust the thread's stack on long outputs. The `regex`
+//! crate's search is linear and needs no stack, so the grammar is built when a trigger fires,
+//! from the output it fires on.
+
+use std::sync::Arc;
+
+use regex::bytes::Regex;
+
+use crate::error::Result;
+use crate::model::{Model, Token};
+
+/// What starts a lazy grammar (shared by a branch's forks).
+pub(crate) struct Triggers {
+    patterns: Vec<Regex>,
+    tokens: Vec<Token>,
+}
+
+impl Triggers {
+    /// The triggers, or None when a pattern uses syntax the `regex` crate does not read
+    /// (look-around, back-references): llama.cpp's own matching takes those as before.
+    pub fn new(words: &[String], patterns: &[String], tokens: &[Token]) -> Option<Triggers> {
+        let patterns = words
+            .iter()
+            .map(|w| format!("({})", regex::escape(w)))
+            .chain(patterns.iter().cloned())
+            .map(|p| Regex::new(&p).ok())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Triggers {
+            patterns,
+            tokens: tokens.to_vec(),
+        })
+    }
+}
+
+/// Where the grammar starts once a trigger fired.
+pub(crate) enum Fired {
+    /// A trigger token: the grammar starts with it.
+    Token(Token),
+    /// A pattern matched: the grammar reads `tokens`, the first from byte `skip` of its
+    /// piece on (the match starts inside it, or at it when `skip` is 0).
+    Text { tokens: Vec<Token>, skip: usize },
+}
+
+/// The output since the grammar was set, while no trigger has fired.
+#[derive(Clone)]
+pub(crate) struct Awaiting {
+    triggers: Arc<Triggers>,
+    text: Vec<u8>,
+    /// Each accepted token and where its piece starts in `text`.
+    pieces: Vec<(Token, usize)>,
+}
+
+impl Awaiting {
+    pub fn new(triggers: Triggers) -> Awaiting {
+        Awaiting {
+            triggers: Arc::new(triggers),
+            text: Vec::new(),
+            pieces: Vec::new(),
+        }
+    }
+
+    /// Take an accepted token; Some once a trigger fires (as llama.cpp's lazy grammar: a
+    /// trigger token is checked before its text, and a pattern fires from its first non-empty
+    /// capture group, or from the whole match without one).
+    pub fn accept(&mut self, model: &Model, token: Token) -> Result<Option<Fired>> {
+        if self.triggers.tokens.contains(&token) {
+            return Ok(Some(Fired::Token(token)));
+        }
+        // The piece as llama.cpp's grammar reads it: special tokens rendered.
+        let piece = model.token_to_bytes(token, true)?;
+        self.pieces.push((token, self.text.len()));
+        self.text.extend_from_slice(&piece);
+        let Some(start) = self.fired_at() else {
+            return Ok(None);
+        };
+        if start == self.text.len() {
+            // An empty match at the end: the grammar starts with the next token.
+            return Ok(Some(Fired::Text {
+                tokens: Vec::new(),
+                skip: 0,
+            }));
+        }
+        // The token whose piece holds `start` (a piece ends where the next begins).
+        let first = self.pieces.partition_point(|&(_, at)| at <= start) - 1;
+        let skip = start - self.pieces[first].1;
+        let tokens = self.pieces[first..].iter().map(|&(t, _)| t).collect();
+        Ok(Some(Fired::Text { tokens, skip }))
+    }
+
+    /// Where the first pattern that matches the output makes the grammar start.
+    fn fired_at(&self) -> Option<usize> {
+        self.triggers.patterns.iter().find_map(|re| {
+            if !re.is_match(&self.text) {
+                return None; // the fast path: no captures needed
+            }
+            let caps = re.captures(&self.text)?;
+            let start = caps
+                .iter()
+                .skip(1)
+                .flatten()
+                .find(|m| !m.is_empty())
+                .map_or_else(|| caps.get(0).expect("group 0").start(), |m| m.start());
+            Some(start)
+        })
+    }
+}
+
+/// A pattern that makes llama.cpp's lazy grammar fire `skip` bytes into the first piece it is
+/// fed: how a grammar starts inside a token (llama.cpp's API takes whole tokens only).
+pub(crate) fn skip_pattern(skip: usize) -> String {
+    format!("^[\\s\\S]{{{skip}}}([\\s\\S]+)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fired(patterns: &[&str], text: &str) -> Option<usize> {
+        let patterns: Vec<String> = patterns.iter().map(|p| p.to_string()).collect();
+        let mut waiting = Awaiting::new(Triggers::new(&[], &patterns, &[]).expect("valid"));
+        waiting.text = text.as_bytes().to_vec();
+        waiting.fired_at()
+    }
+
+    #[test]
+    fn a_pattern_fires_at_its_first_non_empty_group_else_at_the_match() {
+        assert_eq!(fired(&[r"[\s\S]*?(<tool>)[\s\S]*"], "say <tool>{"), Some(4));
+        assert_eq!(fired(&[r"()x(y)"], "axy"), Some(2)); // an empty group is passed over
+        assert_eq!(fired(&[r"x+"], "aaxx"), Some(2));
+        assert_eq!(fired(&[r"^x"], "ax"), None); // anchored at the output's start
+        assert_eq!(fired(&["$"], "ab"), Some(2)); // empty at the end: the next token on
+        assert_eq!(fired(&["nope", "b"], "ab"), Some(1)); // the first that matches
+    }
+
+    #[test]
+    fn look_around_and_back_references_are_left_to_llama_cpp() {
+        for p in [r"(?=x)", r"(a)\1"] {
+            assert!(Triggers::new(&[], &[p.to_string()], &[]).is_none());
+        }
+        let words = ["a+b".to_string()]; // a word is literal text
+        let t = Triggers::new(&words, &[], &[]).expect("escaped");
+        assert!(t.patterns[0].is_match(b"xa+b") && !t.patterns[0].is_match(b"aab"));
+    }
+}
