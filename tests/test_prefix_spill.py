@@ -10,7 +10,9 @@ LOGIT_NOISE), so tokens are compared by the margin rule (`assert_same_greedy`)."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -271,6 +273,93 @@ def test_a_cache_opened_later_finds_the_entries_and_skips_what_a_crash_left(
         # The two whole files are restored; the truncated one is refused and prefilled.
         assert [shared > 0 for shared, _ in again] == [True, True, False]
         assert cache.stats()["disk"]["hits"] == 2
+
+
+def header_len(entry: bytes) -> int:
+    """The length of a `.kvfe` file's header: magic, version, layout, anchor, then the count
+    of its tokens (`prefix_spill.rs::header`) and the tokens."""
+    n: int = struct.unpack_from("<I", entry, 20)[0]
+    return 24 + 4 * n
+
+
+def test_a_file_whose_snapshot_is_another_prompts_is_refused_not_restored(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """The header (the tokens a file is indexed under) is outside the snapshot's checksum: a
+    file with one prompt's header and another's whole snapshot must not serve the first
+    prompt with the second's cells. The snapshot's own tokens are checked."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        a, b = docs(ctx, 2)
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+        (expected, margins), _ = serve_each(cache, [a, b])
+        assert cache.spill_all() == 2
+    files = {f.read_bytes()[24 : 24 + 4 * len(a)]: f for f in tmp_path.glob("*.kvfe")}
+    file_a = files.pop(struct.pack(f"<{len(a)}i", *a))
+    (file_b,) = files.values()
+    header_a, entry_b = file_a.read_bytes(), file_b.read_bytes()
+    file_a.write_bytes(header_a[: header_len(header_a)] + entry_b[header_len(entry_b) :])
+    file_b.unlink()
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=2) as ctx:
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path)
+        branch = cache.branch_sync(a, GREEDY)
+        assert cache.shared_tokens(branch) == 0
+        assert_same_greedy([t.token for t in branch.generate_sync(8)], expected, margins)
+        assert cache.stats()["disk"]["entries"] == 0 and not list(tmp_path.glob("*.kvfe"))
+
+
+def test_an_entry_a_prompt_cannot_use_stays_for_the_prompts_that_can(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """A prompt that parts from a spilled entry past the sliding window (Gemma 3: 512) cannot
+    restore it (the window's older cells are not in the snapshot) and is prefilled; the entry
+    stays on disk for its own prompt, which it serves whole."""
+    with kvfork.create_context_sync(model, n_ctx=4096, n_seq_max=1) as ctx:
+        long = ctx.tokenize("Document 1. " + DOC * 70)
+        assert len(long) > model.n_swa + 300
+        cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+        for prompt in (long, docs(ctx, 1)[0]):  # `long` to disk, freeing the lease
+            cache.release(cache.branch_sync(prompt, GREEDY))
+        assert cache.stats()["disk"]["entries"] == 1
+        parting = long[:700] + ctx.tokenize(" A different ending.", add_special=False)
+        b = cache.branch_sync(parting, GREEDY)
+        assert cache.shared_tokens(b) == 0
+        cache.release(b)
+        b = cache.branch_sync(long, GREEDY)
+        assert cache.shared_tokens(b) == len(long) - 1
+        assert cache.stats()["disk"]["hits"] == 1
+
+
+def test_a_request_cancelled_after_restoring_an_entry_gives_it_back(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """Cancelled while it prefills its own suffix, after the entry it shares came back from
+    disk: the rollback drops the restored cells, and the entry stays on disk (the next
+    request for it restores it)."""
+
+    async def scenario() -> None:
+        async with kvfork.create_context(model, n_ctx=4096, n_seq_max=1) as ctx:
+            a, b = docs(ctx, 2)
+            cache = kvfork.PrefixCache(ctx, disk_dir=tmp_path, disk_bytes=200_000_000)
+            for prompt in (a, b):  # a to disk
+                cache.release(await cache.branch(prompt, GREEDY))
+            suffix = ctx.tokenize(" Why did it matter?" * 600, add_special=False)
+            task = asyncio.ensure_future(cache.branch(a + suffix, GREEDY))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until a's entry is back in the KV
+                if cache.stats()["disk"]["hits"] or task.done():
+                    break
+                await asyncio.sleep(0)  # at once: the suffix's prefill is short on a GPU
+            assert cache.stats()["disk"]["hits"] == 1 and not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert cache.stats()["disk"]["entries"] >= 1
+            again = await cache.branch(a, GREEDY)
+            assert cache.shared_tokens(again) == len(a) - 1
+            assert cache.stats()["disk"]["hits"] == 2
+            cache.release(again)
+
+    asyncio.run(scenario())
 
 
 def test_entries_of_another_model_are_refused_and_dropped(

@@ -12,6 +12,7 @@
 //! An eviction prunes the entry alone (`prune_keep_children`): forks of it (the `n` choices
 //! of one request, or a user's own) keep their cells and become roots.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -28,6 +29,30 @@ use crate::prefix_spill::{
     pack, unpack, DiskWrite, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken, Unpacked,
 };
 use crate::sampling::SamplingParams;
+
+/// A spilled entry taken out for a request, and how many of its tokens the prompt shares.
+/// Dropped, it goes back to its level unless `spent` (restored into the KV cache, or found
+/// corrupt): a request that refuses it, runs out of room or is cancelled loses no entry.
+struct Restoring {
+    cache: PrefixCache,
+    taken: Option<Taken>,
+    len: usize,
+    spent: Cell<bool>,
+}
+
+impl Restoring {
+    fn taken(&self) -> &Taken {
+        self.taken.as_ref().expect("taken until dropped")
+    }
+}
+
+impl Drop for Restoring {
+    fn drop(&mut self) {
+        if let Some(taken) = self.taken.take() {
+            self.cache.settle_taken(taken, self.spent.get());
+        }
+    }
+}
 
 /// What the cache has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -239,8 +264,10 @@ impl PrefixCache {
         relay: &Relay,
     ) -> Result<Branch> {
         let sentinel = self.lock().sentinel(adapters.key());
-        // A spilled entry being brought back: kept across a retry for room.
-        let mut restoring: Option<(Taken, usize)> = None;
+        // A spilled entry being brought back: kept across a retry for room; given up (and back
+        // to the spill) when no entry is left to evict for its cells.
+        let mut restoring: Option<Restoring> = None;
+        let mut may_restore = sentinel.is_none();
         loop {
             relay.check()?;
             let (source, shared) = self.lookup(sentinel, tokens)?;
@@ -256,7 +283,7 @@ impl PrefixCache {
                 }
             };
             // A spilled entry sharing more: copied into the new branch's own sequence.
-            if restoring.is_none() && sentinel.is_none() {
+            if restoring.is_none() && may_restore {
                 self.wait_for_spilling(tokens);
                 restoring = self.take_spilled(tokens, shared);
             }
@@ -273,7 +300,10 @@ impl PrefixCache {
             // restore with no entry left to evict gives up (the prompt is prefilled).
             let retry = match &made {
                 Err(Error::KvCacheFull(_)) => {
-                    self.evict_one(None).is_ok() || restoring.take().is_some()
+                    self.evict_one(None).is_ok() || {
+                        may_restore = false;
+                        restoring.take().is_some()
+                    }
                 }
                 Err(Error::LeaseExhausted { .. }) => {
                     self.evict_one(source.as_ref().map(Branch::handle)).is_ok()
@@ -476,7 +506,7 @@ impl PrefixCache {
     fn make(
         &self,
         found: (Option<&Branch>, usize),
-        spilled: Option<&(Taken, usize)>,
+        spilled: Option<&Restoring>,
         tokens: &[Token],
         params: &SamplingParams,
         adapters: &Adapters,
@@ -490,7 +520,7 @@ impl PrefixCache {
         }
         let asked = shared;
         let restored = match spilled {
-            Some((taken, len)) => match self.restore_into(&branch, taken, *len) {
+            Some(restoring) => match self.restore_into(&branch, restoring) {
                 Ok(n) => n,
                 Err(e) => {
                     let _ = branch.prune().wait();
@@ -535,7 +565,10 @@ impl PrefixCache {
         };
         if let Err(e) = prefilled {
             let _ = branch.prune().wait();
-            return Err(e);
+            return Err(e); // a restored entry goes back to the spill
+        }
+        if let Some(restoring) = spilled.filter(|_| restored > 0) {
+            restoring.spent.set(true); // its cells are this branch's now
         }
         self.count(shared, tokens.len() - shared);
         Ok((branch, shared))
@@ -669,7 +702,7 @@ impl PrefixCache {
     ///
     /// An entry spilled without its anchor's cells comes back only while a branch of the cache
     /// holds them; else the entry that holds them, if one was spilled, comes back instead.
-    fn take_spilled(&self, tokens: &[Token], shared: usize) -> Option<(Taken, usize)> {
+    fn take_spilled(&self, tokens: &[Token], shared: usize) -> Option<Restoring> {
         let mut st = self.lock();
         let prompt = &tokens[..tokens.len() - 1];
         let (mut id, mut len, anchor) = st.spill.as_ref()?.best(prompt)?;
@@ -685,26 +718,36 @@ impl PrefixCache {
         }
         let taking = st.spill.as_mut()?.take(id)?;
         drop(st); // a file is read without the lock
-        taking.read().ok().map(|taken| (taken, len))
+        taking.read().ok().map(|taken| Restoring {
+            cache: self.clone(),
+            taken: Some(taken),
+            len,
+            spent: Cell::new(false),
+        })
     }
 
-    /// Copy a spilled entry's first `len` tokens into `branch`'s empty sequence; how many it
-    /// holds then (0: refused, another model or corrupt: it is dropped). KvCacheFullError
-    /// when its cells find no room (the caller evicts and tries again).
-    fn restore_into(&self, branch: &Branch, taken: &Taken, len: usize) -> Result<usize> {
+    /// Copy a spilled entry's first `restoring.len` tokens into `branch`'s empty sequence; how
+    /// many it holds then (0: refused here, or corrupt: then spent, the spill forgets it).
+    /// KvCacheFullError when its cells find no room (the caller evicts and tries again).
+    fn restore_into(&self, branch: &Branch, restoring: &Restoring) -> Result<usize> {
+        let taken = restoring.taken();
         let restored = unpack(&taken.entry).and_then(|parts| {
             let anchor = match parts.anchor {
                 0 => None,
                 n => self.holder_of(&taken.tokens[..n.min(taken.tokens.len())]),
             };
+            let prefix = taken.tokens[..restoring.len].to_vec();
             branch
-                .restore_prefix(taken.entry.clone(), parts, len, anchor)
+                .restore_prefix(taken.entry.clone(), parts, prefix, anchor)
                 .wait()
         });
         let n = match restored {
             Ok(n) => n,
             Err(e @ Error::KvCacheFull(_)) => return Err(e),
-            Err(_) => 0,
+            Err(_) => {
+                restoring.spent.set(true); // another model's, or not what it was indexed as
+                0
+            }
         };
         if let Some(spill) = self.lock().spill.as_mut() {
             if n > 0 {
@@ -712,6 +755,23 @@ impl PrefixCache {
             }
         }
         Ok(n)
+    }
+
+    /// A taken entry done with: forgotten when `spent` (restored, or corrupt), else given
+    /// back to its level.
+    fn settle_taken(&self, taken: Taken, spent: bool) {
+        let writes = match self.lock().spill.as_mut() {
+            Some(spill) if spent => {
+                spill.discard(taken);
+                return;
+            }
+            Some(spill) => {
+                spill.give_back(taken);
+                spill.take_writes()
+            }
+            None => return,
+        };
+        self.write_out(writes);
     }
 
     /// An entry's snapshot is being taken: requests sharing its tokens wait for it.
@@ -746,10 +806,13 @@ impl PrefixCache {
     /// one is worth it; 0 when none is, or it could not be restored here.
     fn restore_evicted(&self, branch: &Branch, tokens: &[Token]) -> usize {
         self.wait_for_spilling(tokens);
-        match self.take_spilled(tokens, 0) {
-            Some((taken, len)) => self.restore_into(branch, &taken, len).unwrap_or(0),
-            None => 0,
-        }
+        let Some(restoring) = self.take_spilled(tokens, 0) else {
+            return 0;
+        };
+        let n = self.restore_into(branch, &restoring).unwrap_or(0);
+        // Spent once restored: should the prefill after it fail, the entry is lost.
+        restoring.spent.set(restoring.spent.get() || n > 0);
+        n
     }
 
     /// Keep an evicted entry (`pack`ed, without its first `anchor` tokens' cells; nothing
@@ -1016,13 +1079,14 @@ fn wait_done_unless_cancelled(done: &(Mutex<bool>, Condvar), relay: &Relay) -> R
 }
 
 impl Branch {
-    /// Fill this branch's empty sequence with the first `len` tokens of a spilled entry
-    /// (`prefix_spill::pack`: a `Branch::snapshot`, its KV cells and tokens checked against
-    /// this model, then its recurrent-state checkpoints). How many it holds then: `len`; on a
-    /// recurrent or hybrid model with `len` inside the snapshot, its last checkpoint at or
-    /// before `len`, where the state is known (the caller prefills the rest); 0 when the
-    /// snapshot holds fewer, no checkpoint helps, or this branch is not empty. An error for a
-    /// snapshot of another model or cache layout, or a malformed entry. `parts` is what
+    /// Fill this branch's empty sequence with the cells of `prefix`, the first tokens of a
+    /// spilled entry (`prefix_spill::pack`: a `Branch::snapshot`, its KV cells and tokens
+    /// checked against this model, then its recurrent-state checkpoints). How many it holds
+    /// then: all; on a recurrent or hybrid model with the prefix inside the snapshot, up to its
+    /// last checkpoint in the prefix, where the state is known (the caller prefills the rest);
+    /// 0 when no checkpoint helps, the window's cells are missing, or this branch is not
+    /// empty. An error for a snapshot of another model, cache layout or tokens, or a malformed
+    /// entry. `parts` is what
     /// `unpack` found in `entry`; a snapshot spilled without its first cells (see
     /// `spill_snapshot`) gets them from `anchor`, and is refused (0) when it no longer holds
     /// them.
@@ -1030,7 +1094,7 @@ impl Branch {
         &self,
         entry: Arc<Vec<u8>>,
         parts: Unpacked,
-        len: usize,
+        prefix: Vec<Token>,
         anchor: Option<Branch>,
     ) -> Pending<usize> {
         if let Err(e) = self.check_live() {
@@ -1046,7 +1110,7 @@ impl Branch {
             .engine()
             .run_light(CancelPolicy::Drop, reads, vec![cell.clone()], move |w| {
                 let snapshot = &entry[..parts.snapshot_len];
-                w.restore_prefix(&cell, snapshot, len, parts.checkpoints, anchor)
+                w.restore_prefix(&cell, snapshot, &prefix, parts.checkpoints, anchor)
             })
     }
 

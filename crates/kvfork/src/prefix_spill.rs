@@ -135,6 +135,7 @@ impl DiskWrite {
 
 /// A spilled entry taken out of its level, to read (outside the cache's lock) and restore.
 pub(crate) struct Taking {
+    id: u64,
     tokens: Vec<Token>,
     anchor: usize,
     /// The cache's layout: with the anchor and tokens, the header its file must begin with.
@@ -145,46 +146,60 @@ pub(crate) struct Taking {
 
 impl Taking {
     /// The entry's bytes: from memory (an entry still being written too), or read from its
-    /// file (which is removed).
+    /// file (which stays until the entry is restored: `Spill::discard`; a file that is not
+    /// the entry it was indexed as is removed).
     pub fn read(self) -> Result<Taken> {
         let from_disk = self.place.on_disk();
-        let entry = match self.place {
-            Place::Host(entry) | Place::Writing(entry) => entry,
+        let (entry, file) = match self.place {
+            Place::Host(entry) | Place::Writing(entry) => (entry, None),
             Place::Disk(path) => {
-                let read = fs::read(&path).map_err(|e| Error::io(&path, e));
-                let _ = fs::remove_file(&path);
-                let file = read?;
                 let header = header(self.layout, self.anchor, &self.tokens);
-                if file.len() < header.len() {
-                    return Err(Error::State(format!("{} is truncated", path.display())));
-                }
-                if file[..header.len()] != header[..] {
+                let body = match fs::read(&path) {
+                    Err(e) => Err(Error::io(&path, e)),
+                    Ok(file) if file.len() < header.len() => {
+                        Err(Error::State(format!("{} is truncated", path.display())))
+                    }
                     // Rewritten since it was indexed (another process on the same directory):
                     // its cells are another prompt's.
-                    return Err(Error::State(format!(
+                    Ok(file) if file[..header.len()] != header[..] => Err(Error::State(format!(
                         "{} no longer holds the tokens it was written with",
                         path.display()
-                    )));
+                    ))),
+                    Ok(file) => Ok(file[header.len()..].to_vec()),
+                };
+                match body {
+                    Ok(body) => (Arc::new(body), Some(path)),
+                    Err(e) => {
+                        let _ = fs::remove_file(&path);
+                        return Err(e);
+                    }
                 }
-                Arc::new(file[header.len()..].to_vec())
             }
         };
         Ok(Taken {
+            id: self.id,
             entry,
             tokens: self.tokens,
+            anchor: self.anchor,
             from_disk,
+            file,
         })
     }
 }
 
-/// A spilled entry taken out to be restored.
+/// A spilled entry taken out to be restored: `Spill::discard`ed once restored (or found
+/// corrupt), else given back (`Spill::give_back`).
 pub(crate) struct Taken {
+    id: u64,
     /// A `Branch::snapshot` and its checkpoints (`pack`).
     pub entry: Arc<Vec<u8>>,
     /// The tokens it holds.
     pub tokens: Vec<Token>,
+    anchor: usize,
     /// Whether it was on disk (else in host memory).
     pub from_disk: bool,
+    /// Its file, when it was read from one (not when it was still being written).
+    file: Option<PathBuf>,
 }
 
 /// Recurrent-state checkpoints as a spilled entry carries them: (position, state).
@@ -497,15 +512,54 @@ impl Spill {
         Some((m.key, m.len, self.entries.get(&m.key)?.anchor))
     }
 
-    /// Take entry `id` out to restore it (`Taking::read` reads its file, and removes it).
+    /// Take entry `id` out to restore it (`Taking::read` reads its file).
     pub fn take(&mut self, id: u64) -> Option<Taking> {
         let entry = self.remove(id)?;
         Some(Taking {
+            id,
             tokens: entry.tokens,
             anchor: entry.anchor,
             layout: self.layout,
             place: entry.place,
         })
+    }
+
+    /// A taken entry that was not restored (refused by the request, or the request ended
+    /// first) goes back where it was, unless the same tokens were spilled again meanwhile.
+    pub fn give_back(&mut self, taken: Taken) {
+        let replaced = self
+            .trie
+            .longest_prefix(&taken.tokens)
+            .is_some_and(|m| m.exact && m.len == taken.tokens.len());
+        if replaced {
+            return self.discard(taken);
+        }
+        let Taken {
+            id,
+            entry,
+            tokens,
+            anchor,
+            file,
+            ..
+        } = taken;
+        match file {
+            Some(path) => {
+                let bytes = header_len(&tokens) + entry.len();
+                self.insert(id, tokens, anchor, bytes, Place::Disk(path));
+                self.fit_disk();
+            }
+            None => {
+                self.insert(id, tokens, anchor, entry.len(), Place::Host(entry));
+                self.fit_host();
+            }
+        }
+    }
+
+    /// A taken entry restored into the KV cache (or corrupt): its file goes.
+    pub fn discard(&mut self, taken: Taken) {
+        if let Some(path) = taken.file {
+            let _ = fs::remove_file(path);
+        }
     }
 
     /// An entry restored from a level: counted as a hit there.
@@ -643,14 +697,44 @@ mod tests {
         let (host, disk) = s.stats();
         assert_eq!((host.entries, host.bytes), (2, 200));
         assert_eq!(disk.entries, 2);
-        // The oldest went to disk: [1, 2, 0] is read back from its file, which goes.
+        // The oldest went to disk: [1, 2, 0] is read back from its file, which goes once
+        // the entry is restored.
         let (id, len, _) = s.best(&[1, 2, 0, 9]).unwrap();
         assert_eq!(len, 3);
         let taken = take(&mut s, id);
         assert!(taken.from_disk);
         assert_eq!(*taken.entry, vec![0u8; 100]);
         assert_eq!(s.stats().1.entries, 1);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 2);
+        s.discard(taken);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn an_entry_taken_and_not_restored_goes_back_where_it_was() {
+        let d = dir("given-back");
+        let mut s = Spill::open(config(150, &d, 10_000), 1).unwrap();
+        s.keep(vec![1, 2, 3], vec![3; 100], 0);
+        s.keep(vec![1, 2, 4], vec![4; 100], 0); // [1, 2, 3] goes to disk
+        settle(&mut s);
+        let before = s.stats();
+        for tokens in [[1, 2, 3], [1, 2, 4]] {
+            let (id, ..) = s.best(&tokens).unwrap();
+            let taken = take(&mut s, id);
+            assert!(s.best(&tokens).is_none_or(|(_, len, _)| len < 3));
+            s.give_back(taken);
+            assert_eq!(s.best(&tokens).map(|(i, len, _)| (i, len)), Some((id, 3)));
+        }
+        assert_eq!(s.stats(), before);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        // Spilled again while taken: the newer one stays, the taken one goes.
+        let (id, ..) = s.best(&[1, 2, 3]).unwrap();
+        let taken = take(&mut s, id);
+        s.keep(vec![1, 2, 3], vec![5; 100], 0);
+        s.give_back(taken);
+        let (again, ..) = s.best(&[1, 2, 3]).unwrap();
+        assert_ne!(again, id);
         let _ = fs::remove_dir_all(&d);
     }
 

@@ -180,10 +180,11 @@ impl Worker {
         Ok((state, kv))
     }
 
-    /// `Branch::restore_prefix`: the first `len` tokens of a branch snapshot's KV into
-    /// `cell`'s empty sequence (a prefix-cache entry brought back from host memory or disk),
-    /// with the `checkpoints` it was spilled with. On a recurrent state inside the snapshot,
-    /// up to the last checkpoint at or before `len` (the state is known there only). A
+    /// `Branch::restore_prefix`: the KV of `prefix`, the first tokens of a branch snapshot,
+    /// into `cell`'s empty sequence (a prefix-cache entry brought back from host memory or
+    /// disk), with the `checkpoints` it was spilled with; a snapshot of other tokens is an
+    /// error (corrupt). On a recurrent state inside the snapshot, up to the last checkpoint at
+    /// or before the prefix's end (the state is known there only). A
     /// snapshot of the cells after an `anchor` (`spill_bytes`) gets the first ones from
     /// `anchor_cell` (`seq_cp`, after its own cells: attention goes by position); without a
     /// branch that holds them it is refused (0).
@@ -191,14 +192,21 @@ impl Worker {
         &mut self,
         cell: &Arc<BranchCell>,
         file: &[u8],
-        len: usize,
+        prefix: &[Token],
         checkpoints: SpilledCheckpoints,
         (anchor, anchor_cell): (usize, Option<Arc<BranchCell>>),
     ) -> Result<usize> {
         let (state, kv) = self.open_branch_file(file)?;
         let history = state.history();
-        let whole = history.len() == state.position() as usize;
-        if !whole || len == 0 || len > history.len() || cell.lock().position() != 0 {
+        let len = prefix.len();
+        // The tokens the entry was indexed under are in its file's header, outside the
+        // snapshot's checksum: a snapshot of other tokens is another prompt's cells.
+        if history.len() != state.position() as usize || !history.starts_with(prefix) {
+            return Err(Error::State(
+                "a spilled entry's snapshot holds other tokens than it was indexed under".into(),
+            ));
+        }
+        if len == 0 || cell.lock().position() != 0 {
             return Ok(0);
         }
         // A snapshot without its first cells: they come from a branch that holds them.
