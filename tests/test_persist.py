@@ -153,6 +153,32 @@ def test_bad_files_raise_and_never_crash(
     assert len(ctx.load_state_sync(tmp_path / "ctx.kvfork")) == 1  # the good file still loads
 
 
+def test_a_save_through_a_symbolic_link_writes_where_the_link_points(
+    ctx: kvfork.Context, tmp_path: Path
+) -> None:
+    """The link stays a link: its target (made if missing, through a chain of links, relative
+    to the link's directory) gets the file; a loop of links is an OSError."""
+    b = root(ctx)
+    (tmp_path / "dir").mkdir()
+    dangling = tmp_path / "dangling.kvfork"
+    dangling.symlink_to("dir/state.kvfork")  # relative, to a file not made yet
+    chained = tmp_path / "chained.kvfork"
+    chained.symlink_to(dangling)
+    for link in (dangling, chained):
+        b.save_sync(link)
+        assert link.is_symlink() and (tmp_path / "dir" / "state.kvfork").is_file()
+        loaded = kvfork.Branch.load_sync(ctx, link)
+        assert loaded.position == b.position
+        loaded.prune_sync()
+    ctx.save_state_sync(chained)  # over the file there now
+    assert chained.is_symlink() and dangling.is_symlink()
+    looped = tmp_path / "looped.kvfork"
+    looped.symlink_to(looped)
+    with pytest.raises(OSError):
+        b.save_sync(looped)
+    b.prune_sync()
+
+
 def test_a_context_state_needing_more_sequences_names_this_context_s_n_seq_max(
     model: kvfork.Model,
 ) -> None:

@@ -25,24 +25,20 @@ use crate::prefix_spill::SpilledCheckpoints;
 use crate::seq::Seq;
 
 /// Write `bytes` to `path` through a temporary file, so a failed save never leaves half a file.
-/// Through a symbolic link its target is replaced, not the link; a path that exists and is no
-/// regular file (a device, a directory) is refused, not replaced by the rename.
+/// Through a symbolic link its target is written (made if missing), not the link; a path that
+/// exists and is no regular file (a device, a directory) is refused, not replaced by the rename.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let resolved;
-    let path = match std::fs::metadata(path) {
-        Ok(meta) if !meta.is_file() => {
+    let path = link_target(path)?;
+    let path = path.as_path();
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
             let refused = std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 "not a regular file: a state file is only written over another",
             );
             return Err(Error::io(path, refused));
         }
-        Ok(_) => {
-            resolved = std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?;
-            resolved.as_path()
-        }
-        Err(_) => path, // a new file
-    };
+    }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".kvfork-tmp");
     let tmp = PathBuf::from(tmp);
@@ -52,6 +48,27 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
             let _ = std::fs::remove_file(&tmp);
             Error::io(path, e)
         })
+}
+
+/// Where a chain of symbolic links from `path` ends (`path` itself when it is none), whether
+/// or not a file is there: the rename of a save must replace that, not a link.
+fn link_target(path: &Path) -> Result<PathBuf> {
+    let mut at = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(&at).map_err(|e| Error::io(&at, e))?;
+                // A relative target is relative to the link's directory.
+                at = match at.parent() {
+                    Some(dir) => dir.join(target),
+                    None => target,
+                };
+            }
+            _ => return Ok(at),
+        }
+    }
+    let looped = std::io::Error::other("too many levels of symbolic links");
+    Err(Error::io(path, looped))
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>> {
