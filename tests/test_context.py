@@ -1,12 +1,16 @@
 """`create_context` and `Context`: options validated, thread counts fixed or adapting, `async
 with` (with or without `await`), an event loop that runs on while the engine decodes, and
-the end of a context (use after close, dropped without close)."""
+the end of a context (use after close, dropped without close, dropped while it decodes, the
+interpreter's exit while a thread decodes)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import re
+import subprocess
+import sys
 
 import kvfork
 import pytest
@@ -111,3 +115,64 @@ def test_context_dropped_without_close(model: kvfork.Model) -> None:
     root(c, "Hi")
     del c
     gc.collect()
+
+
+def in_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter on the default model (bounded: a hang fails)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+DROP_BUSY = """
+import logging, sys, time, warnings, kvfork
+warnings.simplefilter("ignore")  # the prefill's operation is never awaited
+if sys.argv[1] == "debug":
+    kvfork.set_log_level(logging.DEBUG)  # llama.cpp logs as the engine closes
+c = kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=2048, n_seq_max=1)
+b = kvfork.Branch.create(c, 0, {})
+op = b.prefill(c.tokenize("hello world " * 1000)[:1800])
+time.sleep(0.3)  # decoding now
+del op, b, c  # the last references: the engine's thread is joined here
+print("dropped")
+"""
+
+
+@pytest.mark.parametrize("logging_level", ["default", "debug"])
+def test_dropping_a_busy_context_returns(logging_level: str) -> None:
+    """The join of the engine's thread lets the GIL go: the aborted decode's log lines reach
+    Python (it hung: the engine thread waited for the GIL the joining thread held)."""
+    out = in_child(DROP_BUSY, logging_level)
+    assert out.returncode == 0 and out.stdout.strip() == "dropped", out.stderr[-2000:]
+
+
+EXIT_WHILE_DECODING = """
+import ctypes, sys, threading, time
+# Registered before kvfork loads, so it runs after the library's static destructors (exit
+# handlers run last-registered first): 0.5 s in which an engine still decoding would use
+# torn-down state.
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.usleep, ctypes.c_void_p), ctypes.c_void_p(500_000), None)
+import kvfork
+c = kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=2048, n_seq_max=1)
+prompt = c.tokenize("The quick brown fox jumps over the lazy dog. " * 200)[:1800]
+def decode_forever():
+    while True:
+        b = kvfork.Branch.create(c, 0, {})
+        b.prefill_sync(prompt)
+        b.prune_sync()
+threading.Thread(target=decode_forever, daemon=True).start()
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_a_daemon_thread_decodes() -> None:
+    """A daemon thread is frozen at exit, still holding its context: kvfork closes every
+    context at exit, so no engine decodes while the process tears down (a SIGSEGV in ggml)."""
+    for delay in ("0.3", "0.7", "1.1"):
+        out = in_child(EXIT_WHILE_DECODING, delay)
+        assert out.returncode == 0, (delay, out.returncode, out.stderr[-2000:])

@@ -10,6 +10,7 @@ errors only, and no handler). ``set_log_level(logging.DEBUG)`` forwards everythi
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 from typing import Any
@@ -57,6 +58,10 @@ __version__: str = _native.__version__
 _native._set_module_dirs(_backends.module_dirs())
 
 logging.getLogger("kvfork").addHandler(logging.NullHandler())
+
+# At exit, a thread still holding a context (a daemon thread is frozen, not unwound) would
+# leave its engine decoding while the process tears down: every context is closed first.
+atexit.register(_native._close_all_contexts)
 
 
 def set_log_level(level: int) -> None:

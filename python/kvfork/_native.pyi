@@ -50,6 +50,7 @@ __all__ = [
     "TokenStream",
     "TokenStreamSync",
     "__version__",
+    "_close_all_contexts",
     "_set_log_level",
     "_set_module_dirs",
     "_use_speculative_streams",
@@ -1370,6 +1371,11 @@ def system_info() -> dict[str, Any]:
 
 def json_schema_to_grammar(schema: str) -> str:
     """GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper)."""
+
+def _close_all_contexts() -> None:
+    """Close every live context (`atexit`): a thread frozen at exit holding one would leave its
+    engine decoding while the process's static destructors run.
+    """
 
 def _set_log_level(level: int) -> None:
     """Lowest Python logging level forwarded from llama.cpp (10 debug … 40 error)."""

@@ -103,9 +103,41 @@ fn forward_log(level: kvfork::LogLevel, message: &str) {
     });
 }
 
+/// Waits for an engine thread to end (a context closed, or dropped with its last reference)
+/// let the GIL go when this thread holds it: the engine thread may need it to forward its last
+/// log lines (dropping a busy context hung there).
+fn release_gil_while(wait: &mut dyn FnMut()) {
+    /// The wait moves to no other thread: `detach` runs it here, without the GIL.
+    struct OnThisThread<'a>(&'a mut dyn FnMut());
+    // SAFETY: see above: `detach` calls the closure on the calling thread.
+    unsafe impl Send for OnThisThread<'_> {}
+    impl OnThisThread<'_> {
+        fn run(self) {
+            (self.0)()
+        }
+    }
+
+    // SAFETY: PyGILState_Check only reads this thread's state (1: it holds the GIL).
+    if unsafe { pyo3::ffi::PyGILState_Check() } != 1 {
+        return wait();
+    }
+    let wait = OnThisThread(wait);
+    // SAFETY: this thread holds the GIL (checked just above).
+    let py = unsafe { Python::assume_attached() };
+    py.detach(move || wait.run());
+}
+
+/// Close every live context (`atexit`): a thread frozen at exit holding one would leave its
+/// engine decoding while the process's static destructors run.
+#[pyfunction]
+fn _close_all_contexts(py: Python<'_>) {
+    py.detach(kvfork::close_all);
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvfork::set_log_sink(forward_log);
+    kvfork::set_blocking_wrapper(release_gil_while);
 
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -128,6 +160,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::create_context_sync, m)?)?;
     m.add_function(wrap_pyfunction!(system_info, m)?)?;
     m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
+    m.add_function(wrap_pyfunction!(_close_all_contexts, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(_set_module_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(branch::_use_speculative_streams, m)?)?;

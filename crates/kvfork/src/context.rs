@@ -67,9 +67,9 @@ pub struct Context {
 impl Context {
     /// Create a context on `model` (blocks while llama.cpp allocates it).
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Context> {
-        Ok(Context {
-            engine: Arc::new(Engine::start(model, params)?),
-        })
+        let engine = Arc::new(Engine::start(model, params)?);
+        crate::engine::register(&engine);
+        Ok(Context { engine })
     }
 
     pub(crate) fn engine(&self) -> &Engine {

@@ -48,7 +48,7 @@ mod worker;
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 pub(crate) use outputs::LastOutput;
@@ -243,6 +243,44 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".into()
+    }
+}
+
+/// How a thread that may hold a host runtime's lock (Python's GIL) waits for an engine thread
+/// to end: the host lets the lock go meanwhile (the engine thread may need it to forward a log
+/// line, the last ones of an aborted decode among them). Set once (`set_blocking_wrapper`).
+static BLOCKING_WRAPPER: OnceLock<fn(&mut dyn FnMut())> = OnceLock::new();
+
+/// Have `wrapper` run the waits for an engine thread to end (the join of a closed or dropped
+/// context), so that a host can release a lock its callbacks take: `wrapper` must call the
+/// function it is given, once. The first call sets it; later ones do nothing.
+pub fn set_blocking_wrapper(wrapper: fn(&mut dyn FnMut())) {
+    let _ = BLOCKING_WRAPPER.set(wrapper);
+}
+
+/// The engines of the contexts alive now (`close_all`).
+static LIVE: Mutex<Vec<std::sync::Weak<Engine>>> = Mutex::new(Vec::new());
+
+/// Count `engine` among the live ones.
+pub(crate) fn register(engine: &Arc<Engine>) {
+    let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    live.retain(|e| e.strong_count() > 0);
+    live.push(Arc::downgrade(engine));
+}
+
+/// Close every context still alive (its work aborted and failed, its thread ended): for a
+/// host's exit, where a thread frozen holding a context would leave its engine decoding while
+/// the process's static destructors run (a crash).
+pub fn close_all() {
+    let live: Vec<Arc<Engine>> = {
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *live)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
+    };
+    for engine in live {
+        engine.close();
     }
 }
 
@@ -448,7 +486,16 @@ impl Engine {
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = thread {
             if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
+                let mut t = Some(t);
+                let mut join = || {
+                    if let Some(t) = t.take() {
+                        let _ = t.join();
+                    }
+                };
+                match BLOCKING_WRAPPER.get() {
+                    Some(wrapper) => wrapper(&mut join),
+                    None => join(),
+                }
                 release_freed_memory();
             }
         }
