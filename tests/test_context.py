@@ -176,3 +176,38 @@ def test_the_interpreter_exits_cleanly_while_a_daemon_thread_decodes() -> None:
     for delay in ("0.3", "0.7", "1.1"):
         out = in_child(EXIT_WHILE_DECODING, delay)
         assert out.returncode == 0, (delay, out.returncode, out.stderr[-2000:])
+
+
+FORK = """
+import os, kvfork
+m = kvfork.Model.load(kvfork.default_model_path())
+c = kvfork.create_context_sync(m, n_ctx=512, n_seq_max=2)
+b = kvfork.Branch.create(c, 0, {"temperature": 0})
+b.prefill_sync(c.tokenize("Once upon a time"))
+pid = os.fork()
+if pid == 0:
+    try:
+        b.fork_sync()
+    except kvfork.KvforkError as e:
+        print("child:", e)
+    c.close()
+    with kvfork.create_context_sync(m, n_ctx=512, n_seq_max=1) as mine:
+        x = kvfork.Branch.create(mine, 0, {"temperature": 0})
+        x.prefill_sync(mine.tokenize("Once upon a time"))
+        print("child's own context:", len(list(x.generate_sync(3))))
+else:  # the child ends as any script does: its exit closes what it inherited
+    _, status = os.waitpid(pid, 0)
+    print("parent:", status, len(list(b.generate_sync(2))))
+"""
+
+
+def test_a_forked_child_is_told_its_inherited_context_is_the_parent_s() -> None:
+    """The child of os.fork() has none of the engines' threads: a call on an inherited
+    context raises KvforkError saying so (it waited forever), closing it returns, the child
+    exits cleanly (a Rust panic at exit) and can make contexts of its own; the parent's go on."""
+    out = in_child(FORK)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert any("before this process forked" in line for line in lines), lines
+    assert "child's own context: 3" in lines and "parent: 0 2" in lines, lines
+    assert "panicked" not in out.stderr, out.stderr[-2000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 from typing import Any
 
 from . import _backends, _native, patterns
@@ -62,6 +63,9 @@ logging.getLogger("kvfork").addHandler(logging.NullHandler())
 # At exit, a thread still holding a context (a daemon thread is frozen, not unwound) would
 # leave its engine decoding while the process tears down: every context is closed first.
 atexit.register(_native._close_all_contexts)
+# A forked child has none of the engines' threads: the contexts it inherits are closed there.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_native._after_fork_in_child)
 
 
 def set_log_level(level: int) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "TokenStream",
     "TokenStreamSync",
     "__version__",
+    "_after_fork_in_child",
     "_close_all_contexts",
     "_set_log_level",
     "_set_module_dirs",
@@ -1371,6 +1372,11 @@ def system_info() -> dict[str, Any]:
 
 def json_schema_to_grammar(schema: str) -> str:
     """GBNF grammar from a JSON schema (a dict is serialised by the Python wrapper)."""
+
+def _after_fork_in_child() -> None:
+    """`os.register_at_fork(after_in_child=...)`: the child has none of the engines' threads, so
+    the contexts it inherited are closed, and using one says why (it hung).
+    """
 
 def _close_all_contexts() -> None:
     """Close every live context (`atexit`): a thread frozen at exit holding one would leave its

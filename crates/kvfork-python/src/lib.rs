@@ -134,6 +134,13 @@ fn _close_all_contexts(py: Python<'_>) {
     py.detach(kvfork::close_all);
 }
 
+/// `os.register_at_fork(after_in_child=...)`: the child has none of the engines' threads, so
+/// the contexts it inherited are closed, and using one says why (it hung).
+#[pyfunction]
+fn _after_fork_in_child() {
+    kvfork::forsake_all_after_fork();
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvfork::set_log_sink(forward_log);
@@ -161,6 +168,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(system_info, m)?)?;
     m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(_close_all_contexts, m)?)?;
+    m.add_function(wrap_pyfunction!(_after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(_set_module_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(branch::_use_speculative_streams, m)?)?;

@@ -42,7 +42,9 @@ pub use context_params::{
     N_THREADS_RANGE, RECURRENT_ROLLBACK_RANGE,
 };
 pub use embed::Embedding;
-pub use engine::{close_all, set_blocking_wrapper, Cancel, Canceller, Pending};
+pub use engine::{
+    close_all, forsake_all_after_fork, set_blocking_wrapper, Cancel, Canceller, Pending,
+};
 pub use error::{Error, Result};
 pub use generate::{
     Drafter, OnContextFull, SpeculativeSchedule, SpeculativeStream, StopReason, TokenStream,

@@ -46,7 +46,7 @@ mod takeover;
 mod tree;
 mod worker;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -284,10 +284,28 @@ pub fn close_all() {
     }
 }
 
+/// In the child of a `fork()`, which has none of the parent's other threads: every context the
+/// parent had is closed without waiting for its engine thread, and any use of it says why.
+/// Skips nothing it can reach; a lock held by a thread the fork did not copy is passed over.
+pub fn forsake_all_after_fork() {
+    let Ok(mut live) = LIVE.try_lock() else {
+        return;
+    };
+    let live: Vec<Arc<Engine>> = std::mem::take(&mut *live)
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for engine in live {
+        engine.forsake();
+    }
+}
+
 /// The caller's side of an engine thread.
 pub(crate) struct Engine {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Left behind by a fork (`forsake`): `close` has nothing to do.
+    forsaken: AtomicBool,
     pub shared: Arc<Shared>,
 }
 
@@ -329,6 +347,7 @@ impl Engine {
                     stats: Default::default(),
                     closed: Default::default(),
                     failure: Default::default(),
+                    forked: Default::default(),
                     abort: Default::default(),
                     n_ctx: ctx.n_ctx,
                     n_batch: ctx.n_batch,
@@ -355,6 +374,7 @@ impl Engine {
         Ok(Engine {
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            forsaken: AtomicBool::new(false),
             shared,
         })
     }
@@ -480,6 +500,9 @@ impl Engine {
     /// Abort the running decode, fail queued work, free the llama context, join the thread.
     /// Idempotent.
     pub fn close(&self) {
+        if self.forsaken.load(Ordering::Acquire) {
+            return;
+        }
         self.shared.closed.store(true, Ordering::Release);
         self.shared.abort.close();
         drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
@@ -501,6 +524,31 @@ impl Engine {
         }
         for (_, node) in self.shared.registry().iter() {
             node.data.mark_disposed();
+        }
+    }
+}
+
+impl Engine {
+    /// `close` in a forked child: the engine thread is not in this process, so it is not
+    /// waited for (nor are its jobs: nobody here waits for them).
+    #[allow(clippy::mem_forget)]
+    fn forsake(&self) {
+        self.forsaken.store(true, Ordering::Release);
+        self.shared.forked.store(true, Ordering::Release);
+        self.shared.closed.store(true, Ordering::Release);
+        // Neither the channel's receiver nor the thread is in this process: nothing of theirs
+        // is dropped (a detach of a thread id that is not here, a channel another thread may
+        // have held mid-send at the fork), only leaked.
+        if let Ok(mut tx) = self.tx.try_lock() {
+            std::mem::forget(tx.take());
+        }
+        if let Ok(mut thread) = self.thread.try_lock() {
+            std::mem::forget(thread.take());
+        }
+        if let Ok(registry) = self.shared.registry.try_lock() {
+            for (_, node) in registry.iter() {
+                node.data.mark_disposed();
+            }
         }
     }
 }

@@ -163,6 +163,8 @@ pub(crate) struct Shared {
     pub closed: AtomicBool,
     /// Why the engine stopped on its own (a caught panic), for every later caller.
     pub failure: Mutex<Option<String>>,
+    /// Closed in a forked child, where its engine thread is not (`Engine::forsake`).
+    pub forked: AtomicBool,
     pub abort: Arc<AbortSignal>,
     pub n_ctx: u32,
     pub n_batch: u32,
@@ -344,8 +346,15 @@ impl Shared {
         }
     }
 
-    /// `Closed`, or the internal failure that closed the context.
+    /// `Closed`, the internal failure that closed the context, or the fork that left it.
     pub fn closed_error(&self) -> Error {
+        if self.forked.load(Ordering::Acquire) {
+            return Error::Other(
+                "the context was made before this process forked: its engine thread is in the \
+                 parent process (make contexts after the fork)"
+                    .into(),
+            );
+        }
         match self
             .failure
             .lock()
