@@ -211,3 +211,23 @@ def test_a_forked_child_is_told_its_inherited_context_is_the_parent_s() -> None:
     assert any("before this process forked" in line for line in lines), lines
     assert "child's own context: 3" in lines and "parent: 0 2" in lines, lines
     assert "panicked" not in out.stderr, out.stderr[-2000:]
+
+
+CTRL_C_WHILE_LOADING = """
+import os, signal, time, kvfork
+signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+signal.setitimer(signal.ITIMER_REAL, 0.05)  # Ctrl-C 50 ms into the load
+try:
+    kvfork.Model.load(kvfork.default_model_path())
+    time.sleep(2)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_while_a_model_loads_is_not_lost() -> None:
+    """The load logs (llama.cpp's warnings go to Python's logging): Ctrl-C's handler ran in
+    that Python code and its KeyboardInterrupt was dropped with the log line."""
+    out = in_child(CTRL_C_WHILE_LOADING)
+    assert out.stdout.strip() == "interrupted", (out.stdout, out.stderr[-2000:])

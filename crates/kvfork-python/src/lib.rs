@@ -92,13 +92,20 @@ fn forward_log(level: kvfork::LogLevel, message: &str) {
         kvfork::LogLevel::Error => 40,
     };
     let _ = Python::try_attach(|py| {
-        let logger = LOGGER.get_or_try_init(py, || {
-            py.import("logging")?
-                .call_method1("getLogger", ("kvfork",))
-                .map(Bound::unbind)
-        });
-        if let Ok(logger) = logger {
-            let _ = logger.bind(py).call_method1("log", (level, message));
+        let forwarded = LOGGER
+            .get_or_try_init(py, || {
+                py.import("logging")?
+                    .call_method1("getLogger", ("kvfork",))
+                    .map(Bound::unbind)
+            })
+            .and_then(|logger| logger.bind(py).call_method1("log", (level, message)));
+        if let Err(e) = forwarded {
+            if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
+                // Ctrl-C's handler ran in this Python code (a model loading logs): raised
+                // again where the caller's Python code resumes, not lost.
+                // SAFETY: callable from any thread; it only flags a SIGINT.
+                unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+            }
         }
     });
 }
