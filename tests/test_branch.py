@@ -149,6 +149,10 @@ def test_bad_tokens_and_positions(ctx: kvfork.Context) -> None:
         kvfork.Branch.create(ctx, -1)
     with pytest.raises(ValueError, match="seq"):
         ctx.kv_seq_copy(0, 999)
+    with pytest.raises(ValueError, match=r"p0 \(5\) is after p1 \(2\)"):
+        ctx.kv_seq_copy(0, 1, 5, 2)
+    with pytest.raises(ValueError, match="after p1"):
+        ctx.kv_seq_remove(0, 5, 2)
     with pytest.raises(TypeError):
         b.prefill_sync("not tokens")  # type: ignore[arg-type]  # the refusal under test
     # the branch still works after every refusal

@@ -109,6 +109,10 @@ def test_bad_arguments_raise(ctx: kvfork.Context) -> None:
         args: dict[str, Any] = {"width": 2, "max_tokens": 2, **kwargs}
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             beam_search_sync(b, args.pop("width"), args.pop("max_tokens"), **args)
+    for kwargs in ({"width": 2.5}, {"max_tokens": True}, {"groups": "1"}):
+        args = {"width": 2, "max_tokens": 2, **kwargs}
+        with pytest.raises(TypeError, match=f"{next(iter(kwargs))} must be an int"):
+            beam_search_sync(b, args.pop("width"), args.pop("max_tokens"), **args)
     with pytest.raises(kvfork.KvforkError, match="no logits"):
         beam_search_sync(kvfork.Branch.create(ctx), 2, 2)
     assert kvfork.BranchStore(ctx).available == ctx.n_seq_max - 2  # the searches gave back

@@ -48,6 +48,9 @@ def _score(logprob: float, length: int, length_penalty: float) -> float:
 def _check(
     width: int, max_tokens: int, groups: int, diversity: float, length_penalty: float
 ) -> None:
+    for name, value in (("width", width), ("max_tokens", max_tokens), ("groups", groups)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if width < 1:
         raise ValueError(f"width must be at least 1, not {width}")
     if max_tokens < 1:

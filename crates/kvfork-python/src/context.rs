@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::IntoPyObjectExt;
@@ -366,7 +367,7 @@ impl PyContext {
            text_signature = "($self, src, dst, p0=0, p1=-1)")]
     fn kv_seq_copy(&self, src: Int, dst: Int, p0: Int, p1: Int) -> PyResult<()> {
         let (src, dst) = (seq_arg(&src, "src")?, seq_arg(&dst, "dst")?);
-        let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
+        let (p0, p1) = range_arg(&p0, &p1)?;
         queued(self.open()?.kv_seq_copy(src, dst, p0, p1))
     }
 
@@ -381,7 +382,7 @@ impl PyContext {
            text_signature = "($self, seq, p0=0, p1=-1)")]
     fn kv_seq_remove(&self, seq: Int, p0: Int, p1: Int) -> PyResult<bool> {
         let seq = seq_arg(&seq, "seq")?;
-        let (p0, p1) = (pos_arg(&p0, "p0")?, pos_arg(&p1, "p1")?);
+        let (p0, p1) = range_arg(&p0, &p1)?;
         let ctx = self.open()?;
         if !ctx.kv_can_remove(p0, p1) {
             return Ok(false);
@@ -711,6 +712,18 @@ fn seq_arg(v: &Int, name: &str) -> PyResult<i32> {
 /// A position argument: >= 0, or -1 for "open".
 fn pos_arg(v: &Int, name: &str) -> PyResult<i32> {
     v.i32(name, -1)
+}
+
+/// Positions [p0, p1) of a raw KV call (-1: open at that end); refused backwards (it did
+/// nothing, and said nothing).
+fn range_arg(p0: &Int, p1: &Int) -> PyResult<(i32, i32)> {
+    let (p0, p1) = (pos_arg(p0, "p0")?, pos_arg(p1, "p1")?);
+    if p1 >= 0 && p0 > p1 {
+        return Err(PyValueError::new_err(format!(
+            "p0 ({p0}) is after p1 ({p1}): the positions are [p0, p1)"
+        )));
+    }
+    Ok((p0, p1))
 }
 
 /// A queued job nobody waits for: report an error found before queuing, else let it run.

@@ -636,7 +636,8 @@ impl BranchState {
             Some(t) => {
                 self.accepted_undecoded = Some(t);
                 Err(Error::Other(format!(
-                    "token {t} was accept()ed but never decoded, and now {token} is being \
+                    "token {t} was accept()ed (on this branch, or on the one it was forked \
+                     from before the fork) but never decoded, and now {token} is being \
                      committed: commit({t}) decodes it without counting it twice (or use \
                      commit alone, which accepts and decodes)"
                 )))
