@@ -338,3 +338,49 @@ async def test_cancelling_one_prefill_of_a_packed_group(slow: kvfork.Context) ->
     assert [b.position for b in others] == [len(p) for p in prompts]
     for b, row in zip(others, alone, strict=True):
         assert_close_logits(b.logits(), row)  # packed, run again: equal up to noise
+
+
+async def test_a_full_cache_under_riding_prompts_fails_requests_not_the_context(
+    chat_model: kvfork.Model,
+) -> None:
+    """Prompts continuing a cached prefix decode in the main context, their chunks riding the
+    streams' commits. When such a decode finds the cache full, the commit path narrows the
+    failure down to its requests, decoding the halves again: the chunk, already answered,
+    must stay with the prefill (it was lost, and the engine thread panicked: every later
+    call failed, the context closed). Now the requests that find no room fail alone."""
+    async with kvfork.create_context(chat_model, n_ctx=1024, n_seq_max=8, n_batch=128) as ctx:
+        base = kvfork.Branch.create(ctx, 0, GREEDY)
+        await base.prefill(ctx.tokenize("You are a careful assistant. " * 20))
+        streams = []
+        for i in range(4):
+            stream = await base.fork()
+            await stream.prefill(ctx.tokenize(f" Stream {i} says:", add_special=False))
+            streams.append(stream)
+        suffix = ctx.tokenize(" alpha beta gamma delta" * 60, add_special=False)
+
+        async def step_streams() -> None:
+            for _ in range(40):
+                tokens = await asyncio.gather(*(s.produce() for s in streams))
+                done = await asyncio.gather(
+                    *(s.commit(t.token) for s, t in zip(streams, tokens, strict=True)),
+                    return_exceptions=True,
+                )
+                if all(isinstance(d, kvfork.KvCacheFullError) for d in done):
+                    return
+
+        failures = []
+        for _ in range(6):  # until the cache is full
+            kids = [await base.fork() for _ in range(2)]
+            results = await asyncio.gather(
+                step_streams(), *(k.prefill(suffix) for k in kids), return_exceptions=True
+            )
+            failures += [r for r in results if isinstance(r, BaseException)]
+            assert not ctx.closed
+            for kid in kids:
+                await kid.prune()
+        assert failures and all(isinstance(f, kvfork.KvCacheFullError) for f in failures)
+        for stream in streams:  # room again: the streams step on
+            await stream.prune()
+        kid = await base.fork()
+        await kid.prefill(suffix[:50])
+        assert (await kid.produce()).token >= 0

@@ -357,8 +357,11 @@ impl Worker {
             first += n;
         }
         // A continuous prefill's next chunk rides a commit that is one decode (`continuous.rs`).
-        let mut riding = if chunks.len() == 1 && !copy_rows && sets[0].0.key().is_empty() {
-            self.riding.take().filter(Riding::waits)
+        // Taken only while it waits: once landed (a failed decode that the commit path then
+        // narrows down decodes its halves here again), it stays for `main_decode` to read.
+        let rides = chunks.len() == 1 && !copy_rows && sets[0].0.key().is_empty();
+        let mut riding = if rides && self.riding.as_ref().is_some_and(Riding::waits) {
+            self.riding.take()
         } else {
             None
         };

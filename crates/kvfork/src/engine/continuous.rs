@@ -532,7 +532,9 @@ impl Worker {
         if !riders.is_empty() && !chunk.spans.is_empty() {
             self.riding = Some(riding);
             self.run_commits(riders);
-            riding = self.riding.take().expect("the commit path gives it back");
+            riding = self.riding.take().ok_or_else(|| {
+                Error::Internal("a prompt chunk riding a commit was not given back".into())
+            })?;
         } else if !riders.is_empty() {
             self.run_commits(riders);
         }
