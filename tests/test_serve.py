@@ -1282,3 +1282,76 @@ def test_a_tokens_logprob_agrees_with_its_entry_among_the_top_logprobs(serve: An
         assert entry.token in listed  # greedy: the chosen token is the best
         assert entry.logprob == listed[entry.token]
     server.assert_at_rest()
+
+
+async def asgi_call(app: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request to the ASGI `app` in this process: its status and JSON body."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.sleep(60)  # the client stays (bounded)
+        return {"type": "http.disconnect"}
+
+    status, chunks = 0, []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await asyncio.wait_for(app(scope, receive, send), 60)
+    return status, json.loads(b"".join(chunks))
+
+
+async def test_a_context_closed_under_the_server_reports_failed_and_503s(
+    chat_model: kvfork.Model,
+) -> None:
+    """No client can close the model's context; an internal failure in kvfork can (an engine
+    thread's panic did). Then `/health` says "failed" with a 503 (it said "ok" to a server that
+    could no longer generate), and requests get 503 `engine_failed`, not a 400 blaming their
+    messages or a 500. The app in this process, its context closed as such a failure closes
+    it."""
+    from kvfork.server.app import create_app
+    from kvfork.server.generation import Generator
+    from kvfork.server.metrics import Metrics
+    from kvfork.server.prompts import Prompts
+    from kvfork.server.service import Service
+
+    ctx = await kvfork.create_context(chat_model, n_ctx=1024, n_seq_max=2)
+    generator = Generator(ctx, max_queue=8)
+    service = Service(Prompts(ctx), generator, model_id="chat", metrics=Metrics())
+    app = create_app(service)
+    assert (await asgi_call(app, "GET", "/health"))[1]["status"] == "ok"
+    ctx.close()
+    status, health = await asgi_call(app, "GET", "/health")
+    assert status == 503 and health["status"] == "failed"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for path, body in [
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+        ("/tokenize", {"content": "hi"}),
+    ]:
+        status, reply = await asgi_call(app, "POST", path, body)
+        assert status == 503 and reply["error"]["code"] == "engine_failed", (path, reply)

@@ -245,8 +245,7 @@ class Endpoints:
                 response = _error_response(shutting_down(), dialect)
             except Exception:  # nothing a client sends may stop the server
                 log.exception("%s failed", name)
-                error = APIError(500, "internal error", type="server_error")
-                response = _error_response(error, dialect)
+                response = _error_response(self.internal_error(), dialect)
             if isinstance(response, EventStream):
                 response.count = lambda status: self.answered(name, status)
             else:
@@ -254,6 +253,14 @@ class Endpoints:
             return response
 
         return endpoint
+
+    def internal_error(self) -> APIError:
+        """A failure not the request's: 500, or 503 once the model's context has closed
+        under the server (an internal failure; `/health` says "failed": restart it)."""
+        if self.service.prompts.ctx.closed:
+            message = "the server's model context failed: the server must be restarted"
+            return APIError(503, message, type="server_error", code="engine_failed")
+        return APIError(500, "internal error", type="server_error")
 
     def _answer_at_once(self, tokens: list[int], sampling: Sampling) -> list[int]:
         """A constrained reply (`response_format`, a required tool call) whose prompt opens a
@@ -311,11 +318,13 @@ class Endpoints:
         return JSONResponse(self.service.lora_adapters)
 
     async def health(self, request: Request) -> Response:
-        """`{"status": "ok" | "busy" | "degraded", "free_sequences", "queue"}`: busy when
-        every sequence is taken by requests or some wait; degraded (503) when requests wait
-        and none was admitted for `--stall-seconds`."""
+        """`{"status": "ok" | "busy" | "degraded" | "failed", "free_sequences", "queue"}`:
+        busy when every sequence is taken by requests or some wait; degraded (503) when
+        requests wait and none was admitted for `--stall-seconds`; failed (503) when the
+        model's context closed under the server (restart it)."""
         state = await self.service.health(self.stall_seconds)
-        return JSONResponse(state, status_code=503 if state["status"] == "degraded" else 200)
+        unwell = state["status"] in ("degraded", "failed")
+        return JSONResponse(state, status_code=503 if unwell else 200)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(await self.service.metrics_text(), media_type=CONTENT_TYPE)

@@ -353,9 +353,13 @@ class Generator:
         }
 
     def health(self, stall_seconds: float) -> dict[str, Any]:
-        """`GET /health`: "degraded" when requests wait and none was admitted for
-        `stall_seconds`, "busy" when requests hold every sequence or some wait, else "ok"."""
+        """`GET /health`: "failed" when the context closed under the server (an internal
+        failure: nothing more can be generated), "degraded" when requests wait and none was
+        admitted for `stall_seconds`, "busy" when requests hold every sequence or some wait,
+        else "ok"."""
         a = self.admission
+        if self.ctx.closed:
+            return {"status": "failed", "free_sequences": 0, "queue": a.waiting}
         return health_body(a.stalled(stall_seconds), a.free, a.waiting)
 
     def stop_admitting(self) -> None:

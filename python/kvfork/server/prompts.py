@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._native import Context, KvforkError
+from .._native import ChatTemplateError, Context
 from .._tools import (
     call_schema,
     calls_as_text,
@@ -65,7 +65,7 @@ class Prompts:
             if any(m.get("tool_calls") for m in messages) and not self._renders_calls(kwargs):
                 messages = calls_as_text(messages)
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
-        except KvforkError as exc:
+        except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "chat_template") from None
         return chat.prompt, list(chat.stop)
 
