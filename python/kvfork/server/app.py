@@ -375,15 +375,21 @@ class Endpoints:
             await self.read_json(request), s.prompts.ctx.vocab_size, s.max_choices
         )
         tokens = await asyncio.to_thread(s.prompts.completion_prompt, req)
-        prefix = req.prompt if isinstance(req.prompt, str) else s.prompts.ctx.detokenize(req.prompt)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": s.model_id,
         }
+        echo = ""
+        if req.echo:  # token ids as text: off the loop (millions of ids take a while)
+            prompt = req.prompt
+            echo = (
+                prompt
+                if isinstance(prompt, str)
+                else await asyncio.to_thread(s.prompts.ctx.detokenize, prompt)
+            )
         generation = s.generate(tokens, req.sampling, [], "prompt")
-        echo = prefix if req.echo else ""
 
         def choice(
             index: int, text: str, lps: list[dict[str, Any]], finish: str | None

@@ -306,7 +306,10 @@ class Generator:
         names the request's prompt field in errors."""
         self.check_room(tokens, prompt_param)
         adapters = self.adapters.resolve(sampling.lora, sampling.model)
-        return Generation(self, tokens, sampling, [*stop, *sampling.stop], adapters)
+        # A reply the schema constrains (`response_format`, a required tool call) ends where
+        # the schema does: a stop string would cut it into text that is neither.
+        stops = [] if sampling.json_schema is not None else [*stop, *sampling.stop]
+        return Generation(self, tokens, sampling, stops, adapters)
 
     def end_reasoning(self, request_id: str) -> bool:
         """`POST /v1/chat/completions/control`'s `reasoning_end`: the running request
