@@ -1032,7 +1032,9 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(small_server: Server) 
             chunk = sock.recv(65536)
             assert chunk, reply
             reply += chunk
+        assert sock.recv(65536) == b""  # closed: the rest of the body is never read
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"connection: close" in reply.lower()
     error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "request_too_large" and "16 MiB" in error["message"]
     # Chunked, with no Content-Length: refused once what was read passes the limit.

@@ -474,6 +474,17 @@ def test_a_body_that_is_not_json_is_a_400_in_anthropic_s_shape(server: Server) -
     assert json.loads(raw)["error"]["type"] == "invalid_request_error"
 
 
+def test_a_route_s_own_refusal_is_in_anthropic_s_shape(server: Server) -> None:
+    """Starlette refuses a method the route does not take (405) or a path under it that does
+    not exist (404): in the shape of the API the path belongs to."""
+    for path in ("/v1/messages", "/v1/messages/nowhere"):
+        status, body = server.get(path)
+        assert status in (404, 405) and body["type"] == "error", (path, body)
+        assert body["error"]["type"] in ("not_found_error", "invalid_request_error"), body
+    status, body = server.get("/v1/chat/completions")
+    assert status == 405 and "message" in body["error"] and "type" not in body  # OpenAI's
+
+
 def test_a_lone_surrogate_is_a_400_in_anthropic_s_shape(server: Server) -> None:
     """Valid JSON, but not text: refused before it reaches the template or the tokenizer."""
     for path in ("/v1/messages", "/v1/messages/count_tokens"):

@@ -131,6 +131,8 @@ async def _body(request: Request, limit: int) -> bytes:
         "(kvfork serve --max-body-mb)",
         param=None,
         code="request_too_large",
+        # The rest of the body is not read: the connection cannot carry another request.
+        headers={"Connection": "close"},
     )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -733,7 +735,12 @@ def create_app(
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, a method the route does not take), in the
+        shape of the API the path belongs to."""
         assert isinstance(exc, HTTPException)
-        return _error_response(APIError(exc.status_code, str(exc.detail)))
+        anthropic = request.url.path.startswith("/v1/messages")
+        return _error_response(
+            APIError(exc.status_code, str(exc.detail)), ANTHROPIC if anthropic else OPENAI
+        )
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

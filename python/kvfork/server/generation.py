@@ -647,13 +647,25 @@ class Sink(Protocol):
 def _no_free_sequence() -> APIError:
     """Admission counts live requests' sequences, so this is a race lost to another request:
     try again."""
-    return APIError(503, "no free sequence", type="server_error", headers={"Retry-After": "1"})
+    return APIError(
+        503,
+        "no free sequence",
+        type="server_error",
+        code="no_free_sequence",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _no_free_cell() -> APIError:
     """Requests in progress hold every KV cell the prompt needs (the cache evicted all its
     entries): try again."""
-    return APIError(503, "no free KV cell", type="server_error", headers={"Retry-After": "1"})
+    return APIError(
+        503,
+        "no free KV cell",
+        type="server_error",
+        code="no_free_cell",
+        headers={"Retry-After": "1"},
+    )
 
 
 async def _reporting(work: Awaitable[None], out: asyncio.Queue[Event | BaseException]) -> None:
