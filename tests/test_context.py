@@ -231,3 +231,28 @@ def test_ctrl_c_while_a_model_loads_is_not_lost() -> None:
     that Python code and its KeyboardInterrupt was dropped with the log line."""
     out = in_child(CTRL_C_WHILE_LOADING)
     assert out.stdout.strip() == "interrupted", (out.stdout, out.stderr[-2000:])
+
+
+SUBINTERPRETER = """
+try:
+    import _interpreters as interpreters  # 3.13+
+except ImportError:
+    import _xxsubinterpreters as interpreters
+import sys, kvfork
+sub = interpreters.create()
+try:
+    failed = interpreters.run_string(sub, f"import sys; sys.path[:0] = {sys.path!r}; import kvfork")
+except Exception as e:  # 3.11, 3.12 raise
+    failed = e
+print("refused:", failed)
+interpreters.destroy(sub)
+"""
+
+
+def test_a_subinterpreter_is_refused_at_import() -> None:
+    """CPython gives a subinterpreter a copy of the extension's module without running its
+    init, and the extension keeps Python objects process-wide: once such a subinterpreter was
+    gone, every await in the main interpreter failed. The import is refused there."""
+    out = in_child(SUBINTERPRETER)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "main interpreter only" in out.stdout, out.stdout

@@ -52,6 +52,9 @@ from ._open import ContextOpening, create_context
 from ._speculative import Drafter as Drafter
 from ._speculative import DraftModel, PromptLookup, SpeculativeStream, SpeculativeStreamSync
 
+# An ImportError in a subinterpreter: the extension's state is the main interpreter's.
+_native._check_main_interpreter()
+
 __version__: str = _native.__version__
 
 # Where the release wheel's ggml modules are (its CPU variants and any GPU companion

@@ -51,6 +51,7 @@ __all__ = [
     "TokenStreamSync",
     "__version__",
     "_after_fork_in_child",
+    "_check_main_interpreter",
     "_close_all_contexts",
     "_set_log_level",
     "_set_module_dirs",
@@ -1376,6 +1377,13 @@ def json_schema_to_grammar(schema: str) -> str:
 def _after_fork_in_child() -> None:
     """`os.register_at_fork(after_in_child=...)`: the child has none of the engines' threads, so
     the contexts it inherited are closed, and using one says why (it hung).
+    """
+
+def _check_main_interpreter() -> None:
+    """Refuse a subinterpreter (`kvfork/__init__.py`, at import): CPython hands a subinterpreter
+    a copy of this module's dict without running its init, and the extension keeps Python
+    objects process-wide (the event loops' deliveries, the logger); with those of a destroyed
+    subinterpreter, the main interpreter's awaits failed.
     """
 
 def _close_all_contexts() -> None:

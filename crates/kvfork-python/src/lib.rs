@@ -134,6 +134,22 @@ fn release_gil_while(wait: &mut dyn FnMut()) {
     py.detach(move || wait.run());
 }
 
+/// Refuse a subinterpreter (`kvfork/__init__.py`, at import): CPython hands a subinterpreter
+/// a copy of this module's dict without running its init, and the extension keeps Python
+/// objects process-wide (the event loops' deliveries, the logger); with those of a destroyed
+/// subinterpreter, the main interpreter's awaits failed.
+#[pyfunction]
+fn _check_main_interpreter() -> PyResult<()> {
+    // SAFETY: with the GIL held (a pyfunction), both read the current interpreter's state.
+    let id = unsafe { pyo3::ffi::PyInterpreterState_GetID(pyo3::ffi::PyInterpreterState_Get()) };
+    if id != 0 {
+        return Err(pyo3::exceptions::PyImportError::new_err(
+            "kvfork runs in the main interpreter only, not in a subinterpreter",
+        ));
+    }
+    Ok(())
+}
+
 /// Close every live context (`atexit`): a thread frozen at exit holding one would leave its
 /// engine decoding while the process's static destructors run.
 #[pyfunction]
@@ -175,6 +191,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(system_info, m)?)?;
     m.add_function(wrap_pyfunction!(json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(_close_all_contexts, m)?)?;
+    m.add_function(wrap_pyfunction!(_check_main_interpreter, m)?)?;
     m.add_function(wrap_pyfunction!(_after_fork_in_child, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(_set_module_dirs, m)?)?;
