@@ -337,6 +337,22 @@ async def test_a_stream_left_unfinished_ends_when_the_next_turn_starts(
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
 
 
+async def test_a_turn_while_another_is_prefilled_is_refused(chat_ctx: kvfork.Context) -> None:
+    """Two tasks sending on one chat at once: the second, sent while the first's prompt is
+    still prefilled, was taken too (both prefilled the same branch); it is refused, and the
+    conversation is the first turn's alone."""
+    chat = kvfork.Chat(chat_ctx, params={"temperature": 0.0})
+    first = asyncio.create_task(chat.send("Tell me a story. " * 40, max_tokens=4))
+    while chat.branch is None:  # noqa: ASYNC110 (until its prefill starts)
+        await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="prefilling a turn"):
+        await chat.send("And another.")
+    await first
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+    await chat.send("Thanks.", max_tokens=4)  # the next turn is taken
+    assert len(chat.messages) == 4
+
+
 async def test_a_turn_that_fails_or_is_cancelled_leaves_the_conversation_as_it_was(
     chat_model: kvfork.Model,
 ) -> None:

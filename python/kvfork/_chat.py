@@ -93,12 +93,15 @@ class Chat:
         self.cold_restarts = 0
         self._text = ""  # the rendered text whose tokens are in the branch's KV cache
         self._reply: _Reply | None = None  # the reply being generated
+        self._opening = False  # a turn is being prefilled (`_open`)
 
     def _begin(self, content: str) -> _Turn:
         """The user turn, rendered: what to prefill so the branch holds the new prompt (all of
         it on a fresh branch when the prompt no longer extends what the branch holds).
         Nothing changes until the prefill succeeds (`_opened`), but a stream left waiting at
         a yield ends first (its reply joins)."""
+        if self._opening:
+            raise RuntimeError("the chat is prefilling a turn: one turn at a time")
         if (left := self._reply) is not None:
             if not left.idle:
                 raise RuntimeError("the chat is generating a reply: one turn at a time")
@@ -177,32 +180,41 @@ class Chat:
         return self.branch.history[:keep], tail
 
     async def _open(self, turn: _Turn) -> Branch:
-        """Prefill the turn (after a reseed that makes room, with "shift"): all or nothing."""
-        branch, base = self._branch_for(turn), None
+        """Prefill the turn (after a reseed that makes room, with "shift"): all or nothing.
+        Another turn meanwhile is refused (`_begin`)."""
+        self._opening = True
         try:
-            if (room := self._room_for(turn.tokens)) is not None:
-                await branch.reseed_context(*room)
-                self.shifts += 1
-            base = branch.position
-            await branch.prefill(turn.tokens)
-        except BaseException:
-            self._failed(turn, base)
-            raise
+            branch, base = self._branch_for(turn), None
+            try:
+                if (room := self._room_for(turn.tokens)) is not None:
+                    await branch.reseed_context(*room)
+                    self.shifts += 1
+                base = branch.position
+                await branch.prefill(turn.tokens)
+            except BaseException:
+                self._failed(turn, base)
+                raise
+        finally:
+            self._opening = False
         self._opened(turn)
         return branch
 
     def _open_sync(self, turn: _Turn) -> Branch:
         """Blocking twin of ``_open``."""
-        branch, base = self._branch_for(turn), None
+        self._opening = True
         try:
-            if (room := self._room_for(turn.tokens)) is not None:
-                branch.reseed_context_sync(*room)
-                self.shifts += 1
-            base = branch.position
-            branch.prefill_sync(turn.tokens)
-        except BaseException:
-            self._failed(turn, base)
-            raise
+            branch, base = self._branch_for(turn), None
+            try:
+                if (room := self._room_for(turn.tokens)) is not None:
+                    branch.reseed_context_sync(*room)
+                    self.shifts += 1
+                base = branch.position
+                branch.prefill_sync(turn.tokens)
+            except BaseException:
+                self._failed(turn, base)
+                raise
+        finally:
+            self._opening = False
         self._opened(turn)
         return branch
 
