@@ -256,3 +256,21 @@ def test_a_subinterpreter_is_refused_at_import() -> None:
     out = in_child(SUBINTERPRETER)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "main interpreter only" in out.stdout, out.stdout
+
+
+def test_the_handles_take_weak_references(model: kvfork.Model) -> None:
+    """A cache of branches (or contexts) by weak reference, as `weakref.WeakValueDictionary`
+    keeps them, does not keep them alive."""
+    import weakref
+
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2) as c:
+        b = root(c, "Hello")
+        store, cache = kvfork.BranchStore(c), kvfork.PrefixCache(c)
+        refs = [weakref.ref(x) for x in (model, c, b, store, cache)]
+        assert all(r() is not None for r in refs)
+        by_handle: weakref.WeakValueDictionary[int, kvfork.Branch] = weakref.WeakValueDictionary()
+        by_handle[b.handle] = b
+        b.prune_sync()
+        del b, store, cache
+        gc.collect()
+        assert not by_handle and refs[2]() is None

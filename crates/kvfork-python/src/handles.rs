@@ -6,7 +6,7 @@
 use pyo3::prelude::*;
 
 /// A llama context: owns a unified KV cache and the engine thread that runs every decode.
-#[pyclass(frozen, module = "kvfork", name = "Context")]
+#[pyclass(frozen, weakref, module = "kvfork", name = "Context")]
 pub struct PyContext {
     pub inner: kvfork::Context,
 }
@@ -15,7 +15,7 @@ pub struct PyContext {
 /// steer, logits snapshot and perplexity trackers; forks share their parent's KV prefix.
 /// Made by `Branch.create(ctx, ...)` or `fork()`; it holds its lease until `prune()`, and any
 /// use after that raises BranchDisposedError.
-#[pyclass(frozen, module = "kvfork", name = "Branch")]
+#[pyclass(frozen, weakref, module = "kvfork", name = "Branch")]
 pub struct PyBranch {
     pub inner: kvfork::Branch,
 }

@@ -12,7 +12,7 @@ use crate::errors::IntoPyResult;
 
 /// Loaded GGUF weights and vocabulary, shareable by several contexts (loaded once).
 /// Load with `Model.load(path)`, or pass a path straight to `create_context`.
-#[pyclass(frozen, module = "kvfork", name = "Model")]
+#[pyclass(frozen, weakref, module = "kvfork", name = "Model")]
 pub struct PyModel {
     pub inner: Arc<kvfork::Model>,
 }

@@ -32,7 +32,7 @@ use crate::params;
 /// prefilled aborts the prefill (rolled back: nothing is kept), a `branch` or `fork` whose
 /// work completed anyway is handed back as an entry, and `release` never waits (call it from
 /// any clean-up).
-#[pyclass(frozen, module = "kvfork", name = "PrefixCache")]
+#[pyclass(frozen, weakref, module = "kvfork", name = "PrefixCache")]
 pub struct PyPrefixCache {
     inner: kvfork::PrefixCache,
 }

@@ -12,7 +12,7 @@ use crate::twins::twins;
 /// Batched operations over many branches of one context: `commit`, `prefill` and `step`
 /// advance N branches in one llama_decode (ceil(N / n_batch) over more than n_batch), and
 /// `retain_only` keeps one branch's KV. `BranchStore(ctx)` is cheap and holds no lease.
-#[pyclass(frozen, module = "kvfork", name = "BranchStore")]
+#[pyclass(frozen, weakref, module = "kvfork", name = "BranchStore")]
 pub struct PyBranchStore {
     inner: kvfork::BranchStore,
 }
