@@ -1219,7 +1219,11 @@ class PrefixCache:
     models an entry carries its recurrent-state checkpoints: a prompt that parts from it
     inside gets it back up to the last checkpoint before that point. `fork` adds forks of its branches (a request's
     other choices), making room the same way. The branches it hands out and its entries are the
-    account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`).
+    account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`). It
+    never parks: on a `park=True` context, `branch` and `fork` raise LeaseExhaustedError once
+    the branches handed out hold every lease, as on any other. With `max_cached_tokens=0`, a
+    released entry's lease comes back once its background eviction ran (at once for the
+    cache's own `branch`, which waits for it; a `Branch.create` right after may not find it).
 
     Nothing leaks when an await is cancelled: a `branch` cancelled while its prompt is being
     prefilled aborts the prefill (rolled back: nothing is kept), a `branch` or `fork` whose
