@@ -51,8 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     model = kvfork.Model.load(kvfork.default_model_path())
     with kvfork.create_context_sync(model, n_ctx=max(1024, args.tokens + 64), n_seq_max=1) as ctx:
-        piece = max(range(ctx.vocab_size), key=lambda t: len(ctx.token_to_text(t)))
-        size = len(ctx.token_to_text(piece).encode())
+        piece = max(range(ctx.vocab_size), key=lambda t: len(ctx.token_to_bytes(t)))
+        size = len(ctx.token_to_bytes(piece))
         print(f"{args.tokens} tokens of a {size}-byte piece ({args.tokens * size} bytes of output)")
         base = None
         for name, lazy in VARIANTS.items():
