@@ -1114,9 +1114,9 @@ class Branch:
         """Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
         words, ints are token ids; `patterns`: regexes searched in the output since the grammar
         was set, the grammar starting at the first non-empty capture group (else at the match),
-        as llama.cpp's lazy grammars. Patterns are matched in linear time (Rust `regex`
-        syntax); one with look-around or back-references goes to llama.cpp's `std::regex`,
-        whose cost grows with the output.
+        as llama.cpp's lazy grammars (words first, then patterns: the first that matches
+        fires). Patterns are in Rust `regex` syntax (Unicode-aware; no look-around or
+        back-references: GrammarError) and matched in time linear in the output.
         """
     def set_adapters(self, adapters: dict[LoraAdapter, float]) -> None:
         """Decode under these LoRA adapters from now on: `{adapter: scale}` replaces the set

@@ -111,6 +111,18 @@ def _branch_cases(ctx: kvfork.Context) -> list[Case]:
             TypeError,
             "triggers",
         ),
+        (
+            "lazy triggers a str",
+            lambda: b.set_grammar_lazy('root ::= "a"', "abc"),
+            TypeError,
+            "not a str",
+        ),
+        (
+            "lazy trigger bool",
+            lambda: b.set_grammar_lazy('root ::= "a"', [True]),
+            TypeError,
+            "not bool",
+        ),
         ("bias not dict", lambda: b.set_logit_bias([(1, 1.0)]), TypeError, "dict"),
         ("bias key str", lambda: b.set_logit_bias({"a": 1.0}), TypeError, "token"),
         ("bias key range", lambda: b.set_logit_bias({vocab: 1.0}), ValueError, "token"),

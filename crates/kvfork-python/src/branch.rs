@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyBool, PyDict, PyString, PyType};
 use pyo3::IntoPyObjectExt;
 
 use crate::adapter::{lora_set, PyControlVector, PyLoraAdapter};
@@ -358,9 +358,9 @@ impl PyBranch {
     /// Grammar that stays inactive until a trigger fires. `triggers`: strings are trigger
     /// words, ints are token ids; `patterns`: regexes searched in the output since the grammar
     /// was set, the grammar starting at the first non-empty capture group (else at the match),
-    /// as llama.cpp's lazy grammars. Patterns are matched in linear time (Rust `regex`
-    /// syntax); one with look-around or back-references goes to llama.cpp's `std::regex`,
-    /// whose cost grows with the output.
+    /// as llama.cpp's lazy grammars (words first, then patterns: the first that matches
+    /// fires). Patterns are in Rust `regex` syntax (Unicode-aware; no look-around or
+    /// back-references: GrammarError) and matched in time linear in the output.
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
     fn set_grammar_lazy(
         &self,
@@ -369,9 +369,20 @@ impl PyBranch {
         patterns: Option<Arg<Vec<String>>>,
     ) -> PyResult<()> {
         let (Arg(gbnf), patterns) = (gbnf, patterns.map(|p| p.0));
+        if triggers.is_instance_of::<PyString>() {
+            // Iterated, it was one trigger per character.
+            return Err(crate::errors::type_error(
+                "triggers is a list of words and token ids, not a str: [word] for one word",
+            ));
+        }
         let (mut words, mut tokens) = (Vec::new(), Vec::new());
         for t in triggers.try_iter()? {
             let t = t?;
+            if t.is_instance_of::<PyBool>() {
+                return Err(crate::errors::type_error(
+                    "triggers must be strings (words) or ints (token ids), not bool",
+                ));
+            }
             if let Ok(w) = t.extract::<String>() {
                 words.push(w);
             } else {

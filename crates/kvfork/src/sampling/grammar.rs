@@ -113,21 +113,6 @@ fn c_string(s: &str, what: &'static str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Grammar(format!("{what} contains a NUL byte")))
 }
 
-/// llama.cpp's regex (ECMAScript) that fires on a literal trigger word anywhere in the output,
-/// the grammar fed from the word on: for the lazy grammars whose patterns llama.cpp matches
-/// (`lazy.rs` watches the others' triggers). A plain group, as the usual
-/// `[\\s\\S]*?(word)[\\s\\S]*` is quadratic there.
-fn word_pattern(word: &str) -> String {
-    let mut escaped = String::with_capacity(word.len() * 2);
-    for ch in word.chars() {
-        if "\\^$.|?*+()[]{}-".contains(ch) {
-            escaped.push('\\');
-        }
-        escaped.push(ch);
-    }
-    format!("({escaped})")
-}
-
 /// The grammar's syntax, rules and left recursion, checked as llama.cpp checks them: its
 /// parser prints the reason for a refusal to stderr, out of reach, where this one says where
 /// and what was expected.
@@ -141,8 +126,7 @@ fn check_gbnf(gbnf: &str) -> Result<()> {
 fn refused(gbnf: &str) -> Error {
     let undefined = kvfork_core::gbnf::undefined_rules(gbnf);
     let reason = if undefined.is_empty() {
-        "a <token> that is not exactly one token of this model, or a bad trigger pattern"
-            .to_string()
+        "a <token> that is not exactly one token of this model".to_string()
     } else {
         // Only if the check and llama.cpp ever disagree.
         format!("undefined rule(s): {}", undefined.join(", "))
@@ -150,41 +134,19 @@ fn refused(gbnf: &str) -> Error {
     Error::Grammar(format!("llama.cpp refused the grammar: {reason}"))
 }
 
-/// A llama.cpp grammar sampler for a GBNF spec (eager, or lazy with llama.cpp matching its
-/// triggers).
-fn llama_grammar(model: &Model, spec: &GrammarSpec) -> Result<RawSampler> {
-    let (GrammarSpec::Eager { gbnf } | GrammarSpec::Lazy { gbnf, .. }) = spec else {
-        unreachable!("llguidance reads the other kinds");
-    };
+/// llama.cpp's grammar sampler for an eager GBNF grammar, checked first.
+fn llama_grammar(model: &Model, gbnf: &str) -> Result<RawSampler> {
     if gbnf.trim().is_empty() {
         // llama.cpp takes "" as "no grammar"; pass None to remove a grammar instead.
         return Err(Error::Grammar("the grammar is empty".into()));
     }
     check_gbnf(gbnf)?;
-    match spec {
-        GrammarSpec::Eager { gbnf } => init_gbnf(model, gbnf, None),
-        GrammarSpec::Lazy {
-            gbnf,
-            words,
-            patterns,
-            tokens,
-        } => {
-            for &t in tokens {
-                model.check_token(t)?;
-            }
-            let all: Vec<String> = words
-                .iter()
-                .map(|w| word_pattern(w))
-                .chain(patterns.iter().cloned())
-                .collect();
-            init_gbnf(model, gbnf, Some((&all, tokens)))
-        }
-        _ => unreachable!("llguidance reads the other kinds"),
-    }
+    init_gbnf(model, gbnf, None)
 }
 
 /// llama.cpp's grammar sampler for `gbnf`: eager, or lazy with these trigger patterns and
-/// tokens (vocabulary ids, checked by the caller).
+/// tokens (vocabulary ids, checked by the caller). kvfork's own patterns only (`fire`):
+/// llama.cpp matches them with `std::regex` over its whole buffer after every token.
 fn init_gbnf(model: &Model, gbnf: &str, lazy: Option<(&[String], &[Token])>) -> Result<RawSampler> {
     let g = c_string(gbnf, "grammar")?;
     let raw = match lazy {
@@ -221,37 +183,38 @@ fn init_gbnf(model: &Model, gbnf: &str, lazy: Option<(&[String], &[Token])>) -> 
     unsafe { RawSampler::from_raw(raw) }.ok_or_else(|| refused(gbnf))
 }
 
-/// A lazy grammar whose triggers kvfork watches (`lazy.rs`): the grammar is checked now and
-/// built when a trigger fires. None for patterns only llama.cpp reads.
-fn awaiting(model: &Model, spec: &GrammarSpec) -> Result<Option<Awaiting>> {
-    let GrammarSpec::Lazy {
-        gbnf,
-        words,
-        patterns,
-        tokens,
-    } = spec
-    else {
-        return Ok(None);
-    };
-    let Some(triggers) = Triggers::new(words, patterns, tokens) else {
-        return Ok(None);
-    };
-    // Refused now, as an eager grammar would be, rather than when the trigger fires.
-    llama_grammar(model, &GrammarSpec::Eager { gbnf: gbnf.clone() })?;
+/// A lazy grammar, whose triggers kvfork watches (`lazy.rs`): the grammar is checked now
+/// and built when a trigger fires.
+fn awaiting(
+    model: &Model,
+    gbnf: &str,
+    words: &[String],
+    patterns: &[String],
+    tokens: &[Token],
+) -> Result<Awaiting> {
     for &t in tokens {
         model.check_token(t)?;
     }
-    Ok(Some(Awaiting::new(triggers)))
+    let triggers = Triggers::new(words, patterns, tokens)?;
+    // Refused now, as an eager grammar would be, rather than when the trigger fires.
+    llama_grammar(model, gbnf)?;
+    Ok(Awaiting::new(triggers))
 }
 
 impl Grammar {
     pub fn new(model: &Model, spec: GrammarSpec) -> Result<Self> {
-        let engine = match spec.guidance() {
-            Some((kind, source)) => Engine::Guidance(Box::new(Guided::new(model, kind, source)?)),
-            None => match awaiting(model, &spec)? {
-                Some(waiting) => Engine::Awaiting(Box::new(waiting)),
-                None => Engine::Llama(llama_grammar(model, &spec)?),
-            },
+        let engine = match &spec {
+            GrammarSpec::Eager { gbnf } => Engine::Llama(llama_grammar(model, gbnf)?),
+            GrammarSpec::Lazy {
+                gbnf,
+                words,
+                patterns,
+                tokens,
+            } => Engine::Awaiting(Box::new(awaiting(model, gbnf, words, patterns, tokens)?)),
+            _ => {
+                let (kind, source) = spec.guidance().expect("llguidance reads the others");
+                Engine::Guidance(Box::new(Guided::new(model, kind, source)?))
+            }
         };
         Ok(Grammar {
             engine,

@@ -1,17 +1,18 @@
 //! A lazy grammar's wait for its trigger, watched here rather than by llama.cpp.
 //!
 //! llama.cpp searches every trigger pattern with `std::regex` over the whole output after
-//! each token: quadratic in the output (200 tokens of 48 bytes took 5.7 s for a plain word,
-//! 74 s for the usual `[\s\S]*?(word)[\s\S]*`, the engine thread busy all along), and
-//! libstdc++'s recursive matcher can exhaust the thread's stack on long outputs. The `regex`
-//! crate's search is linear and needs no stack, so the grammar is built when a trigger fires,
-//! from the output it fires on.
+//! each token: quadratic in the output (the usual `[\s\S]*?(word)[\s\S]*` made 200 tokens of
+//! 48 bytes 11× slower, the engine thread busy all along: BENCHMARKS §32), and
+//! libstdc++'s recursive matcher exhausted the thread's stack after ~5,000 tokens (a SIGSEGV).
+//! The `regex` crate's search is linear in the output and needs no stack, so the grammar is
+//! built when a trigger fires, from the output it fires on; a pattern it does not read
+//! (look-around, back-references) is refused.
 
 use std::sync::Arc;
 
 use regex::bytes::Regex;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{Model, Token};
 
 /// What starts a lazy grammar (shared by a branch's forks).
@@ -21,16 +22,19 @@ pub(crate) struct Triggers {
 }
 
 impl Triggers {
-    /// The triggers, or None when a pattern uses syntax the `regex` crate does not read
-    /// (look-around, back-references): llama.cpp's own matching takes those as before.
-    pub fn new(words: &[String], patterns: &[String], tokens: &[Token]) -> Option<Triggers> {
+    /// The triggers; a pattern the `regex` crate does not read (look-around and
+    /// back-references among them) is a GrammarError naming it.
+    pub fn new(words: &[String], patterns: &[String], tokens: &[Token]) -> Result<Triggers> {
+        // Words first, as llama.cpp's lazy grammars order them: the first that matches fires.
+        let words = words.iter().map(|w| (format!("({})", regex::escape(w)), w));
         let patterns = words
-            .iter()
-            .map(|w| format!("({})", regex::escape(w)))
-            .chain(patterns.iter().cloned())
-            .map(|p| Regex::new(&p).ok())
-            .collect::<Option<Vec<_>>>()?;
-        Some(Triggers {
+            .chain(patterns.iter().map(|p| (p.clone(), p)))
+            .map(|(regex, given)| {
+                Regex::new(&regex)
+                    .map_err(|e| Error::Grammar(format!("bad trigger {given:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Triggers {
             patterns,
             tokens: tokens.to_vec(),
         })
@@ -138,12 +142,14 @@ mod tests {
     }
 
     #[test]
-    fn look_around_and_back_references_are_left_to_llama_cpp() {
-        for p in [r"(?=x)", r"(a)\1"] {
-            assert!(Triggers::new(&[], &[p.to_string()], &[]).is_none());
+    fn look_around_and_back_references_are_refused_and_words_are_literal() {
+        for p in [r"(?=x)", r"(a)\1", "("] {
+            let refused = Triggers::new(&[], &[p.to_string()], &[]).err().expect(p);
+            assert!(refused.to_string().contains("bad trigger"), "{refused}");
         }
-        let words = ["a+b".to_string()]; // a word is literal text
-        let t = Triggers::new(&words, &[], &[]).expect("escaped");
+        let words = ["a+b".to_string()];
+        let t = Triggers::new(&words, &["z".to_string()], &[]).expect("escaped");
         assert!(t.patterns[0].is_match(b"xa+b") && !t.patterns[0].is_match(b"aab"));
+        assert!(t.patterns[1].is_match(b"z")); // the words' patterns first
     }
 }
