@@ -2,7 +2,7 @@
 //! through llama-cpp-sys-2's exception-catching wrappers so a bad grammar never aborts; JSON
 //! schemas, regexes and Lark grammars through llguidance (`guidance.rs`).
 
-use std::ffi::{c_char, CString};
+use std::ffi::CString;
 
 use llama_cpp_sys_2 as sys;
 
@@ -144,12 +144,12 @@ fn llama_grammar(model: &Model, gbnf: &str) -> Result<RawSampler> {
     init_gbnf(model, gbnf, None)
 }
 
-/// llama.cpp's grammar sampler for `gbnf`: eager, or lazy with these trigger patterns and
-/// tokens (vocabulary ids, checked by the caller). kvfork's own patterns only (`fire`):
-/// llama.cpp matches them with `std::regex` over its whole buffer after every token.
-fn init_gbnf(model: &Model, gbnf: &str, lazy: Option<(&[String], &[Token])>) -> Result<RawSampler> {
+/// llama.cpp's grammar sampler for `gbnf`: eager, or, with `skip`, lazy until the first piece
+/// it is fed, which it reads from byte `skip` on (`lazy::skip_pattern`: a grammar starting
+/// inside a token, which llama.cpp's API takes whole).
+fn init_gbnf(model: &Model, gbnf: &str, skip: Option<usize>) -> Result<RawSampler> {
     let g = c_string(gbnf, "grammar")?;
-    let raw = match lazy {
+    let raw = match skip {
         // SAFETY: the vocabulary is live (the model outlives every use of the sampler:
         // branches reach it only through their context, which holds the model); both
         // strings are NUL-terminated and alive for the call. The wrapper catches llama.cpp's
@@ -157,24 +157,21 @@ fn init_gbnf(model: &Model, gbnf: &str, lazy: Option<(&[String], &[Token])>) -> 
         None => unsafe {
             sys::llama_rs_sampler_init_grammar(model.vocab_ptr(), g.as_ptr(), c"root".as_ptr())
         },
-        Some((patterns, tokens)) => {
-            let owned = patterns
-                .iter()
-                .map(|p| c_string(p, "trigger"))
-                .collect::<Result<Vec<_>>>()?;
-            let mut ptrs: Vec<*const c_char> = owned.iter().map(|p| p.as_ptr()).collect();
-            // SAFETY: as for the eager grammar; `ptrs` holds `ptrs.len()` NUL-terminated
-            // patterns alive in `owned`, `tokens` `tokens.len()` vocabulary ids, both copied
-            // by llama.cpp during the call.
+        Some(skip) => {
+            let pattern = c_string(&skip_pattern(skip), "trigger")?;
+            let mut patterns = [pattern.as_ptr()];
+            // SAFETY: as for the eager grammar; `patterns` holds one NUL-terminated pattern,
+            // alive in `pattern`, and no trigger token; llama.cpp copies them during the call.
+            // Its `std::regex` reads one piece only: no long search.
             unsafe {
                 sys::llama_rs_sampler_init_grammar_lazy_patterns(
                     model.vocab_ptr(),
                     g.as_ptr(),
                     c"root".as_ptr(),
-                    ptrs.as_mut_ptr(),
-                    ptrs.len(),
-                    tokens.as_ptr(),
-                    tokens.len(),
+                    patterns.as_mut_ptr(),
+                    1,
+                    std::ptr::null(),
+                    0,
                 )
             }
         }
@@ -326,12 +323,7 @@ impl Grammar {
             Fired::Token(token) => (vec![token], 0),
             Fired::Text { tokens, skip } => (tokens, skip),
         };
-        let sampler = if skip == 0 {
-            init_gbnf(model, gbnf, None)?
-        } else {
-            // llama.cpp's own lazy grammar reads the first piece from `skip` on.
-            init_gbnf(model, gbnf, Some((&[skip_pattern(skip)], &[])))?
-        };
+        let sampler = init_gbnf(model, gbnf, (skip > 0).then_some(skip))?;
         self.engine = Engine::Llama(sampler);
         tokens.iter().try_for_each(|&t| self.accept(model, t))
     }
