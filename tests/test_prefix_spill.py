@@ -307,6 +307,31 @@ def test_a_file_whose_snapshot_is_another_prompts_is_refused_not_restored(
         assert cache.stats()["disk"]["entries"] == 0 and not list(tmp_path.glob("*.kvfe"))
 
 
+def test_two_caches_on_one_directory_keep_their_own_files(
+    model: kvfork.Model, tmp_path: Path
+) -> None:
+    """Each numbers its files in a range of its own (both numbered from 0, and each overwrote
+    the other's: every prompt came back cold); each restores its own prompts, and their
+    counts add up to the files there."""
+    contexts = [kvfork.create_context_sync(model, n_ctx=2048, n_seq_max=2) for _ in range(2)]
+    caches = [kvfork.PrefixCache(c, disk_dir=tmp_path, disk_bytes=200_000_000) for c in contexts]
+    prompts = docs(contexts[0], 4)
+    mine = {0: prompts[:2], 1: prompts[2:]}
+    for i, cache in enumerate(caches):
+        serve_each(cache, mine[i], n=1)
+        assert cache.spill_all() == 2
+    assert len(list(tmp_path.glob("*.kvfe"))) == 4
+    for i, cache in enumerate(caches):
+        for prompt in mine[i]:
+            b = cache.branch_sync(prompt, GREEDY)
+            assert cache.shared_tokens(b) == len(prompt) - 1
+            cache.release(b)
+    on_disk = sum(c.stats()["disk"]["entries"] for c in caches)
+    assert on_disk == len(list(tmp_path.glob("*.kvfe")))
+    for c in contexts:
+        c.close()
+
+
 def test_an_entry_a_prompt_cannot_use_stays_for_the_prompts_that_can(
     model: kvfork.Model, tmp_path: Path
 ) -> None:

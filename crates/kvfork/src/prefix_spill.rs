@@ -273,7 +273,7 @@ impl Spill {
             layout,
             trie: PrefixTrie::new(),
             entries: HashMap::new(),
-            next_id: 0,
+            next_id: first_id(),
             host: LevelStats::default(),
             disk: LevelStats::default(),
             writes: Vec::new(),
@@ -316,7 +316,6 @@ impl Spill {
                 let _ = fs::remove_file(&path);
                 continue;
             };
-            self.next_id = self.next_id.max(id + 1);
             self.insert(id, tokens, anchor, bytes, Place::Disk(path));
         }
         self.fit_disk();
@@ -324,8 +323,11 @@ impl Spill {
     }
 
     fn new_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id - 1
+        while self.entries.contains_key(&self.next_id) {
+            self.next_id = self.next_id.wrapping_add(1);
+        }
+        self.next_id = self.next_id.wrapping_add(1);
+        self.next_id.wrapping_sub(1)
     }
 
     fn insert(&mut self, id: u64, tokens: Vec<Token>, anchor: usize, bytes: usize, place: Place) {
@@ -594,6 +596,17 @@ fn header(layout: u64, anchor: usize, tokens: &[Token]) -> Vec<u8> {
     out
 }
 
+/// The first id of a spill's entries: a random range of 2^32, so that two caches on one
+/// directory (or a cache and the one before a restart) do not number their files alike (the
+/// second overwrote the first's: every prompt then came back cold).
+fn first_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    random & !0xffff_ffff
+}
+
 /// A directory the cache cannot write to is refused when the cache opens, not found out at
 /// its first spill (whose entry would be dropped, a server's warning in its log).
 fn check_writable(dir: &Path) -> Result<()> {
@@ -740,8 +753,8 @@ mod tests {
 
     #[test]
     fn a_file_rewritten_with_other_tokens_is_refused_not_restored() {
-        // Two caches on one directory number their files alike: the second's entry replaces
-        // the first's file, whose index still says the first's tokens.
+        // Two caches on one directory number their files apart; should another hand rewrite
+        // one with another entry, the first's index still says its own tokens.
         let d = dir("rewritten");
         let mut first = Spill::open(config(0, &d, 10_000), 1).unwrap();
         let mut second = Spill::open(config(0, &d, 10_000), 1).unwrap();
@@ -750,7 +763,17 @@ mod tests {
         let ours = first.best(&[1, 2, 3]).unwrap().0;
         second.keep(vec![7, 8, 9], vec![2; 40], 0);
         settle(&mut second);
-        assert_eq!(fs::read_dir(&d).unwrap().count(), 1, "the same file name");
+        let files: Vec<_> = fs::read_dir(&d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        assert_eq!(files.len(), 2, "two names");
+        let (mine, theirs) = match id_of(&files[0]) == Some(ours) {
+            true => (&files[0], &files[1]),
+            false => (&files[1], &files[0]),
+        };
+        fs::copy(theirs, mine).unwrap();
         let err = first.take(ours).unwrap().read().err().unwrap();
         assert!(
             err.to_string().contains("no longer holds the tokens"),
