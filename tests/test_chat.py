@@ -337,6 +337,29 @@ async def test_a_stream_left_unfinished_ends_when_the_next_turn_starts(
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
 
 
+def test_a_fork_ends_a_stream_left_unfinished_first(chat_ctx: kvfork.Context) -> None:
+    """The branch holds the cut reply's tokens: the fork's messages must too (they lacked
+    it, and the fork's next turn was prefilled after tokens its messages did not say)."""
+    chat = kvfork.Chat(chat_ctx, params=GREEDY)
+    pieces = chat.stream_sync("Count from 1 to 30 with commas.", max_tokens=40)
+    for i, _ in enumerate(pieces):
+        if i == 4:
+            break
+    side = chat.fork_sync()
+    assert list(pieces) == []  # ended by the fork
+    for c in (chat, side):
+        assert [m["role"] for m in c.messages] == ["user", "assistant"]
+        assert c.messages[-1]["content"]
+    side.send_sync("Thanks.", max_tokens=4)
+    assert side.branch is not None and side.cold_restarts == 0
+    held = chat_ctx.detokenize(side.branch.history, unparse_special=True)
+    said = chat_ctx.format_chat(side.messages[:-1], add_generation_prompt=True).prompt
+    assert held.startswith(said), (held, said)
+    side.branch.prune_sync()
+    assert chat.branch is not None
+    chat.branch.prune_sync()
+
+
 async def test_a_turn_while_another_is_prefilled_is_refused(chat_ctx: kvfork.Context) -> None:
     """Two tasks sending on one chat at once: the second, sent while the first's prompt is
     still prefilled, was taken too (both prefilled the same branch); it is refused, and the

@@ -100,12 +100,7 @@ class Chat:
         it on a fresh branch when the prompt no longer extends what the branch holds).
         Nothing changes until the prefill succeeds (`_opened`), but a stream left waiting at
         a yield ends first (its reply joins)."""
-        if self._opening:
-            raise RuntimeError("the chat is prefilling a turn: one turn at a time")
-        if (left := self._reply) is not None:
-            if not left.idle:
-                raise RuntimeError("the chat is generating a reply: one turn at a time")
-            self._end(left)
+        self._settle("one turn at a time")
         message = {"role": "user", "content": content}
         chat = self.ctx.format_chat(
             [*self.messages, message],
@@ -119,6 +114,16 @@ class Chat:
             chat.prompt[len(held) :], add_special=not held, parse_special=True
         )
         return _Turn(message, chat.prompt, tokens, StopStrings(chat.stop), restart)
+
+    def _settle(self, rule: str) -> None:
+        """No turn in progress: RuntimeError while one is prefilled or generating; a stream
+        left waiting at a yield ends (its reply joins, as far as it went)."""
+        if self._opening:
+            raise RuntimeError(f"the chat is prefilling a turn: {rule}")
+        if (left := self._reply) is not None:
+            if not left.idle:
+                raise RuntimeError(f"the chat is generating a reply: {rule}")
+            self._end(left)
 
     def _branch_for(self, turn: _Turn) -> Branch:
         """The branch the turn is prefilled on: a fresh one when it restarts."""
@@ -348,11 +353,14 @@ class Chat:
         """A second conversation that shares this one's history, on a fork of its branch (no
         KV is copied): ask different follow-ups on each. Prune ``branch`` of the fork when
         done with it (``await side.branch.prune()``). Either may start over (a cold restart)
-        without the other."""
+        without the other. A stream left unfinished ends first (its reply joins both); while
+        a turn is prefilled or generating, RuntimeError."""
+        self._settle("fork after it")
         return self._forked(None if self.branch is None else await self.branch.fork())
 
     def fork_sync(self) -> Chat:
         """Blocking twin of ``fork``."""
+        self._settle("fork after it")
         return self._forked(None if self.branch is None else self.branch.fork_sync())
 
     def _forked(self, branch: Branch | None) -> Chat:
