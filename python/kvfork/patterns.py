@@ -121,19 +121,12 @@ async def beam_search(
                 for _, total, beam, token, lp in expansions[:per_group]:
                     chosen.append((total, beam, token, lp))
                     picked[token] = picked.get(token, 0) + 1
-            # As they are before this step: what the search returns if the step finds no
-            # room in the cache.
-            standing = [(list(beam.tokens), beam.logprob) for beam in live]
             try:
                 live = await _advance(store, live, chosen, finished, length_penalty)
             except KvCacheFullError:
-                # No cells for another step: the beams stop unfinished, as `generate` stops
-                # at a full context (`_advance` gave back every branch of the step).
-                for tokens, logprob in standing:
-                    text = branch.context.detokenize(tokens)
-                    score = _score(logprob, len(tokens), length_penalty)
-                    finished.append(Beam(tokens, text, logprob, score, False))
-                live = []
+                # No cells for another step: the beams as they stand stop unfinished, as
+                # `generate` stops at a full context (`_advance` gave back every branch of
+                # the step; a beam's tokens and log-probability are its own).
                 break
         for beam in live:
             finished.append(_result(beam, False, length_penalty))

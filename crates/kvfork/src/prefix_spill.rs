@@ -373,10 +373,8 @@ impl Spill {
             return;
         }
         // The same tokens spilled before are stale now.
-        if let Some(m) = self.trie.longest_prefix(&tokens) {
-            if m.exact && m.len == tokens.len() {
-                self.drop_entry(m.key);
-            }
+        if let Some(stale) = self.holding(&tokens) {
+            self.drop_entry(stale);
         }
         let id = self.new_id();
         let bytes = snapshot.len();
@@ -529,11 +527,7 @@ impl Spill {
     /// A taken entry that was not restored (refused by the request, or the request ended
     /// first) goes back where it was, unless the same tokens were spilled again meanwhile.
     pub fn give_back(&mut self, taken: Taken) {
-        let replaced = self
-            .trie
-            .longest_prefix(&taken.tokens)
-            .is_some_and(|m| m.exact && m.len == taken.tokens.len());
-        if replaced {
+        if self.holding(&taken.tokens).is_some() {
             return self.discard(taken);
         }
         let Taken {
@@ -555,6 +549,14 @@ impl Spill {
                 self.fit_host();
             }
         }
+    }
+
+    /// The entry that holds exactly `tokens`, if one does.
+    fn holding(&self, tokens: &[Token]) -> Option<u64> {
+        self.trie
+            .longest_prefix(tokens)
+            .filter(|m| m.exact && m.len == tokens.len())
+            .map(|m| m.key)
     }
 
     /// A taken entry restored into the KV cache (or corrupt): its file goes.

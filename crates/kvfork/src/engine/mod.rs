@@ -46,7 +46,7 @@ mod takeover;
 mod tree;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -268,17 +268,19 @@ pub(crate) fn register(engine: &Arc<Engine>) {
     live.push(Arc::downgrade(engine));
 }
 
+/// The engines still alive, taken off the list (the caller closes them).
+fn take_live(live: &mut Vec<std::sync::Weak<Engine>>) -> Vec<Arc<Engine>> {
+    std::mem::take(live)
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect()
+}
+
 /// Close every context still alive (its work aborted and failed, its thread ended): for a
 /// host's exit, where a thread frozen holding a context would leave its engine decoding while
 /// the process's static destructors run (a crash).
 pub fn close_all() {
-    let live: Vec<Arc<Engine>> = {
-        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-        std::mem::take(&mut *live)
-            .iter()
-            .filter_map(std::sync::Weak::upgrade)
-            .collect()
-    };
+    let live = take_live(&mut LIVE.lock().unwrap_or_else(|e| e.into_inner()));
     for engine in live {
         engine.close();
     }
@@ -286,16 +288,12 @@ pub fn close_all() {
 
 /// In the child of a `fork()`, which has none of the parent's other threads: every context the
 /// parent had is closed without waiting for its engine thread, and any use of it says why.
-/// Skips nothing it can reach; a lock held by a thread the fork did not copy is passed over.
+/// A lock held by a thread the fork did not copy is passed over.
 pub fn forsake_all_after_fork() {
     let Ok(mut live) = LIVE.try_lock() else {
         return;
     };
-    let live: Vec<Arc<Engine>> = std::mem::take(&mut *live)
-        .iter()
-        .filter_map(std::sync::Weak::upgrade)
-        .collect();
-    for engine in live {
+    for engine in take_live(&mut live) {
         engine.forsake();
     }
 }
@@ -304,8 +302,6 @@ pub fn forsake_all_after_fork() {
 pub(crate) struct Engine {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Left behind by a fork (`forsake`): `close` has nothing to do.
-    forsaken: AtomicBool,
     pub shared: Arc<Shared>,
 }
 
@@ -374,7 +370,6 @@ impl Engine {
         Ok(Engine {
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
-            forsaken: AtomicBool::new(false),
             shared,
         })
     }
@@ -500,8 +495,8 @@ impl Engine {
     /// Abort the running decode, fail queued work, free the llama context, join the thread.
     /// Idempotent.
     pub fn close(&self) {
-        if self.forsaken.load(Ordering::Acquire) {
-            return;
+        if self.shared.forked.load(Ordering::Acquire) {
+            return; // left behind by a fork (`forsake`): nothing here to close
         }
         self.shared.closed.store(true, Ordering::Release);
         self.shared.abort.close();
@@ -526,14 +521,11 @@ impl Engine {
             node.data.mark_disposed();
         }
     }
-}
 
-impl Engine {
     /// `close` in a forked child: the engine thread is not in this process, so it is not
     /// waited for (nor are its jobs: nobody here waits for them).
     #[allow(clippy::mem_forget)]
     fn forsake(&self) {
-        self.forsaken.store(true, Ordering::Release);
         self.shared.forked.store(true, Ordering::Release);
         self.shared.closed.store(true, Ordering::Release);
         // Neither the channel's receiver nor the thread is in this process: nothing of theirs
