@@ -68,6 +68,25 @@ def test_a_lazy_pattern_starts_the_grammar_inside_a_token(ctx: kvfork.Context) -
     b.prune_sync()
 
 
+def test_a_token_firing_a_trigger_on_text_the_grammar_refuses_is_never_drawn(
+    ctx: kvfork.Context,
+) -> None:
+    # The pattern fires inside " invention", and the grammar refuses the rest of that token
+    # ("vention" where it wants a digit after "ven"). llama.cpp's lazy grammar drew that
+    # token again and again, each commit failing: a wedged branch. It is masked instead, as
+    # an active grammar masks what it refuses, and the draw goes to the next best token.
+    unconstrained = root(ctx)
+    free = "".join(t.text for t in unconstrained.generate_sync(12))
+    unconstrained.prune_sync()
+    head = free.partition(" invention")[0]
+    assert head != free
+    b = root(ctx)
+    b.set_grammar_lazy('root ::= "ven" [0-9]+', [], patterns=[r" in(vention)"])
+    text = "".join(t.text for t in b.generate_sync(12))
+    b.prune_sync()
+    assert text.startswith(head) and " invention" not in text, text
+
+
 def test_a_lazy_grammar_awaiting_its_trigger_forks_and_restores(ctx: kvfork.Context) -> None:
     (trigger,) = ctx.tokenize(" invention", add_special=False)
     b = root(ctx)

@@ -222,7 +222,8 @@ impl Branch {
     /// except when the chain came to need the row of an output the device drew: the engine
     /// decodes the last token again first, as for `produce` (`engine/refresh.rs`).
     pub fn sample(&self) -> Result<Token> {
-        self.with_row_decoded(false, |s| s.sample())
+        let model = self.ctx.model().clone();
+        self.with_row_decoded(false, move |s| s.sample(&model))
     }
 
     /// Sample and describe the token, on the engine thread after any queued work on this

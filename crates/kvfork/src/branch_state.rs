@@ -585,17 +585,32 @@ impl BranchState {
         self.grammar.is_some() || self.sampler.prefilter_k().is_none()
     }
 
-    /// Draw a token from the snapshot. Mutates only the RNG of stochastic terminals.
-    pub fn sample(&mut self) -> Result<Token> {
-        self.filter_candidates()?;
-        let mut cur = self.candidates.array();
-        Ok(self.sampler.select(&mut cur))
+    /// Draw a token from the snapshot. Mutates only the RNG of stochastic terminals (and a
+    /// waiting lazy grammar's set of refused tokens).
+    pub fn sample(&mut self, model: &Model) -> Result<Token> {
+        loop {
+            self.filter_candidates()?;
+            let before = self.sampler.draw_state();
+            let mut cur = self.candidates.array();
+            let token = self.sampler.select(&mut cur);
+            // The token would fire a lazy grammar's trigger on text the grammar refuses: it is
+            // masked now (as an active grammar masks), so draw again without it. Each round
+            // masks one more token, so the loop ends (at worst "no token satisfies").
+            let refused = match self.grammar.as_mut() {
+                Some(g) => g.trigger_refuses(model, token)?,
+                None => false,
+            };
+            if !refused {
+                return Ok(token);
+            }
+            self.sampler.undo_draw(before);
+        }
     }
 
     /// `sample`, with the token's text and whether it ends generation (the text is a
     /// preview: the UTF-8 carry is not consumed).
     pub fn produce(&mut self, model: &Model) -> Result<Produced> {
-        let token = self.sample()?;
+        let token = self.sample(model)?;
         Ok(Produced {
             token,
             text: self.token_text(model, token, false)?,

@@ -278,6 +278,12 @@ impl SamplerChain {
         Ok(())
     }
 
+    /// Forget a draw whose token was refused after all (Mirostat's mu moved on it); the RNG
+    /// moves on.
+    pub fn undo_draw(&mut self, before: DrawState) {
+        self.mu = before.mu;
+    }
+
     pub fn draw_state(&self) -> DrawState {
         DrawState {
             seed: self.seed,

@@ -245,9 +245,36 @@ impl Grammar {
                 };
                 sampler.apply(&mut cur);
             }
-            Engine::Awaiting(_) => {}
+            Engine::Awaiting(waiting) => {
+                let refused = waiting.refused();
+                if !refused.is_empty() {
+                    candidates
+                        .iter_mut()
+                        .filter(|c| refused.contains(&c.id))
+                        .for_each(|c| c.logit = f32::NEG_INFINITY);
+                }
+            }
             Engine::Guidance(g) => g.apply(candidates),
         }
+    }
+
+    /// Whether `token`, drawn now, would fire this lazy grammar's trigger on text the grammar
+    /// refuses; if so it is masked from now until the next accepted token (the sampler draws
+    /// again). Always false for an active grammar, which masks what it refuses already.
+    pub fn trigger_refuses(&mut self, model: &Model, token: Token) -> Result<bool> {
+        let Engine::Awaiting(waiting) = &mut self.engine else {
+            return Ok(false);
+        };
+        let Some(fired) = waiting.probe(model, token)? else {
+            return Ok(false);
+        };
+        if self.started(model, fired).is_ok() {
+            return Ok(false);
+        }
+        if let Engine::Awaiting(waiting) = &mut self.engine {
+            waiting.refuse(token);
+        }
+        Ok(true)
     }
 
     /// Whether llguidance reads this constraint.
@@ -282,8 +309,9 @@ impl Grammar {
     ///
     /// The token is checked first: llama.cpp aborts the process when an end-of-generation
     /// token reaches an incomplete grammar, and a rejected token leaves the grammar broken
-    /// (its next use aborts). A lazy grammar can still fail when its trigger fires on text the
-    /// grammar rejects: callers restore an undo point then.
+    /// (its next use aborts). A lazy grammar fails when its trigger fires on text the grammar
+    /// rejects (a token the caller chose; sampling never draws one, `trigger_refuses`) and
+    /// is left as it was.
     pub fn accept(&mut self, model: &Model, token: Token) -> Result<()> {
         match &mut self.engine {
             Engine::Guidance(g) => return g.accept(token),
@@ -314,8 +342,14 @@ impl Grammar {
         }
     }
 
-    /// A trigger fired: build the grammar and feed it what it starts with.
+    /// A trigger fired: the grammar, built and fed what it starts with (all or nothing).
     fn fire(&mut self, model: &Model, fired: Fired) -> Result<()> {
+        *self = self.started(model, fired)?;
+        Ok(())
+    }
+
+    /// This lazy grammar as it is once `fired`: built, and fed what it starts with.
+    fn started(&self, model: &Model, fired: Fired) -> Result<Grammar> {
         let GrammarSpec::Lazy { gbnf, .. } = &self.spec else {
             unreachable!("only a lazy grammar awaits a trigger");
         };
@@ -323,9 +357,13 @@ impl Grammar {
             Fired::Token(token) => (vec![token], 0),
             Fired::Text { tokens, skip } => (tokens, skip),
         };
-        let sampler = init_gbnf(model, gbnf, (skip > 0).then_some(skip))?;
-        self.engine = Engine::Llama(sampler);
-        tokens.iter().try_for_each(|&t| self.accept(model, t))
+        let mut grammar = Grammar {
+            engine: Engine::Llama(init_gbnf(model, gbnf, (skip > 0).then_some(skip))?),
+            spec: self.spec.clone(),
+            id: self.id,
+        };
+        tokens.iter().try_for_each(|&t| grammar.accept(model, t))?;
+        Ok(grammar)
     }
 
     /// What puts this grammar back where it is now, should a commit fail.

@@ -6,11 +6,17 @@
 //! libstdc++'s recursive matcher exhausted the thread's stack after ~5,000 tokens (a SIGSEGV).
 //! The `regex` crate's search is linear in the output and needs no stack, so the grammar is
 //! built when a trigger fires, from the output it fires on; a pattern it does not read
-//! (look-around, back-references) is refused.
+//! (look-around, back-references) is refused. All patterns are searched in one pass (a
+//! `RegexSet`); only the one that fires is searched again, for where it starts.
+//!
+//! A token whose text would fire a trigger on output the grammar refuses (the trigger fires
+//! inside a token whose rest the grammar does not allow) is refused like a token an active
+//! grammar masks: sampling draws again without it (`Awaiting::probe`, `refuse`), where
+//! llama.cpp's lazy grammar drew it again and again, each commit failing.
 
 use std::sync::Arc;
 
-use regex::bytes::Regex;
+use regex::bytes::{Regex, RegexSet};
 
 use crate::error::{Error, Result};
 use crate::model::{Model, Token};
@@ -18,6 +24,8 @@ use crate::model::{Model, Token};
 /// What starts a lazy grammar (shared by a branch's forks).
 pub(crate) struct Triggers {
     patterns: Vec<Regex>,
+    /// The patterns together: whether any matches, in one pass over the output.
+    any: RegexSet,
     tokens: Vec<Token>,
 }
 
@@ -34,8 +42,11 @@ impl Triggers {
                     .map_err(|e| Error::Grammar(format!("bad trigger {given:?}: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
+        let any = RegexSet::new(patterns.iter().map(Regex::as_str))
+            .map_err(|e| Error::Grammar(format!("the trigger patterns together: {e}")))?;
         Ok(Triggers {
             patterns,
+            any,
             tokens: tokens.to_vec(),
         })
     }
@@ -57,6 +68,12 @@ pub(crate) struct Awaiting {
     text: Vec<u8>,
     /// Each accepted token and where its piece starts in `text`.
     pieces: Vec<(Token, usize)>,
+    /// Tokens that would fire a trigger here on text the grammar refuses (masked by
+    /// `Grammar::apply` until the next accepted token).
+    refused: Vec<Token>,
+    /// The last `probe`'s token that fired nothing, at this output length: its `accept`
+    /// needs no second search.
+    quiet: Option<(Token, usize)>,
 }
 
 impl Awaiting {
@@ -65,6 +82,8 @@ impl Awaiting {
             triggers: Arc::new(triggers),
             text: Vec::new(),
             pieces: Vec::new(),
+            refused: Vec::new(),
+            quiet: None,
         }
     }
 
@@ -75,42 +94,76 @@ impl Awaiting {
         if self.triggers.tokens.contains(&token) {
             return Ok(Some(Fired::Token(token)));
         }
-        // The piece as llama.cpp's grammar reads it: special tokens rendered.
+        let quiet = self.quiet.take() == Some((token, self.text.len()));
+        self.refused.clear();
+        self.push(model, token)?;
+        Ok(if quiet { None } else { self.fired() })
+    }
+
+    /// What accepting `token` now would fire, the output left as it is.
+    pub fn probe(&mut self, model: &Model, token: Token) -> Result<Option<Fired>> {
+        if self.triggers.tokens.contains(&token) {
+            return Ok(Some(Fired::Token(token)));
+        }
+        let (len, n_pieces) = (self.text.len(), self.pieces.len());
+        self.push(model, token)?;
+        let fired = self.fired();
+        self.text.truncate(len);
+        self.pieces.truncate(n_pieces);
+        self.quiet = fired.is_none().then_some((token, len));
+        Ok(fired)
+    }
+
+    /// Mask `token` until the next accepted one: it would fire a trigger on text the grammar
+    /// refuses.
+    pub fn refuse(&mut self, token: Token) {
+        self.refused.push(token);
+    }
+
+    /// The tokens `refuse` masked at this point of the output.
+    pub fn refused(&self) -> &[Token] {
+        &self.refused
+    }
+
+    /// Append the token's piece as llama.cpp's grammar reads it: special tokens rendered.
+    fn push(&mut self, model: &Model, token: Token) -> Result<()> {
         let piece = model.token_to_bytes(token, true)?;
         self.pieces.push((token, self.text.len()));
         self.text.extend_from_slice(&piece);
-        let Some(start) = self.fired_at() else {
-            return Ok(None);
-        };
+        Ok(())
+    }
+
+    /// Where the grammar starts, if a trigger matches the output now.
+    fn fired(&self) -> Option<Fired> {
+        let start = self.fired_at()?;
         if start == self.text.len() {
             // An empty match at the end: the grammar starts with the next token.
-            return Ok(Some(Fired::Text {
+            return Some(Fired::Text {
                 tokens: Vec::new(),
                 skip: 0,
-            }));
+            });
         }
         // The token whose piece holds `start` (a piece ends where the next begins).
         let first = self.pieces.partition_point(|&(_, at)| at <= start) - 1;
         let skip = start - self.pieces[first].1;
         let tokens = self.pieces[first..].iter().map(|&(t, _)| t).collect();
-        Ok(Some(Fired::Text { tokens, skip }))
+        Some(Fired::Text { tokens, skip })
     }
 
     /// Where the first pattern that matches the output makes the grammar start.
     fn fired_at(&self) -> Option<usize> {
-        self.triggers.patterns.iter().find_map(|re| {
-            if !re.is_match(&self.text) {
-                return None; // the fast path: no captures needed
-            }
-            let caps = re.captures(&self.text)?;
-            let start = caps
-                .iter()
-                .skip(1)
-                .flatten()
-                .find(|m| !m.is_empty())
-                .map_or_else(|| caps.get(0).expect("group 0").start(), |m| m.start());
-            Some(start)
-        })
+        if !self.triggers.any.is_match(&self.text) {
+            return None; // the usual case: one pass, no captures
+        }
+        let first = self.triggers.any.matches(&self.text).iter().next()?;
+        let caps = self.triggers.patterns[first].captures(&self.text)?;
+        let start = caps
+            .iter()
+            .skip(1)
+            .flatten()
+            .find(|m| !m.is_empty())
+            .map_or_else(|| caps.get(0).expect("group 0").start(), |m| m.start());
+        Some(start)
     }
 }
 
