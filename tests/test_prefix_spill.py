@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import struct
 import threading
 import time
@@ -383,6 +384,51 @@ def test_a_request_cancelled_after_restoring_an_entry_gives_it_back(
             assert cache.shared_tokens(again) == len(a) - 1
             assert cache.stats()["disk"]["hits"] == 2
             cache.release(again)
+
+    asyncio.run(scenario())
+
+
+def test_requests_cancelled_at_random_never_lose_the_entry_they_share(
+    model: kvfork.Model,
+) -> None:
+    """Four requests at once for a spilled prompt (two of them for the prompt and a word),
+    each under a random timeout, round after round with `max_cached_tokens=0`: each round
+    restores the entry and then hands back (or releases) branches holding the prompt, so the
+    spill holds it after every round. A request whose source entry was evicted between its
+    lookup and its fork restored the entry itself and took it as spent at once: cancelled
+    during its prefill, it dropped the entry (about one round in ten, then the next request
+    prefilled cold)."""
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+
+    async def scenario() -> None:
+        async with kvfork.create_context(model, n_ctx=2048, n_seq_max=6) as ctx:
+            prompt = ctx.tokenize("Doc: " + " ".join(rng.choice(words) for _ in range(80)))
+            more = ctx.tokenize(" more", add_special=False)
+            # Room in host memory for one entry of this prompt (~2.6 MB), no disk.
+            cache = kvfork.PrefixCache(ctx, max_cached_tokens=0, host_bytes=3_000_000)
+
+            async def spilled() -> int:
+                deadline = time.monotonic() + 10
+                while not cache.stats()["host"]["entries"] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                return int(cache.stats()["host"]["entries"])
+
+            async def request(k: int) -> None:
+                tokens = prompt + ([] if k % 2 else more)
+                timeout = rng.choice([0.01, 0.05, 0.2, 5.0])
+                try:
+                    branch = await asyncio.wait_for(cache.branch(tokens, GREEDY), timeout)
+                except asyncio.TimeoutError:
+                    return
+                cache.release(branch)
+
+            cache.release(await cache.branch(prompt, GREEDY))
+            assert await spilled() == 1
+            for round_ in range(24):
+                await asyncio.gather(*(request(k) for k in range(4)))
+                assert await spilled() == 1, f"round {round_}: the entry was lost"
+            assert cache.stats()["live"] == 0
 
     asyncio.run(scenario())
 

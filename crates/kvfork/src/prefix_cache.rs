@@ -529,6 +529,9 @@ impl PrefixCache {
             },
             None => 0,
         };
+        // An entry restored because the source was evicted meanwhile: spent, like `spilled`,
+        // only once the prefill after it succeeds.
+        let mut late: Option<Restoring> = None;
         let shared = match source {
             _ if restored > 0 => restored,
             Some(source) if shared > 0 => {
@@ -537,7 +540,11 @@ impl PrefixCache {
                 match branch.share_prefix(source, &tokens[..shared]).wait() {
                     // Evicted meanwhile (by another request making room): it may have been
                     // spilled, and come back from there.
-                    Ok(0) if adapters.key().is_empty() => self.restore_evicted(&branch, tokens),
+                    Ok(0) if adapters.key().is_empty() => {
+                        let (n, restoring) = self.restore_evicted(&branch, tokens);
+                        late = restoring.filter(|_| n > 0);
+                        n
+                    }
                     Ok(n) => n,
                     Err(e) => {
                         let _ = branch.prune().wait();
@@ -567,7 +574,7 @@ impl PrefixCache {
             let _ = branch.prune().wait();
             return Err(e); // a restored entry goes back to the spill
         }
-        if let Some(restoring) = spilled.filter(|_| restored > 0) {
+        for restoring in spilled.filter(|_| restored > 0).into_iter().chain(&late) {
             restoring.spent.set(true); // its cells are this branch's now
         }
         self.count(shared, tokens.len() - shared);
@@ -803,16 +810,16 @@ impl PrefixCache {
     }
 
     /// [`PrefixCache::restore_into`] of the spilled entry sharing the most with `tokens`, if
-    /// one is worth it; 0 when none is, or it could not be restored here.
-    fn restore_evicted(&self, branch: &Branch, tokens: &[Token]) -> usize {
+    /// one is worth it: how many tokens it holds (0 when none is, or it could not be restored
+    /// here), and the entry taken out, for the caller to mark spent once its prefill is done
+    /// (dropped unspent, it goes back to its level: a cancelled request loses nothing).
+    fn restore_evicted(&self, branch: &Branch, tokens: &[Token]) -> (usize, Option<Restoring>) {
         self.wait_for_spilling(tokens);
         let Some(restoring) = self.take_spilled(tokens, 0) else {
-            return 0;
+            return (0, None);
         };
         let n = self.restore_into(branch, &restoring).unwrap_or(0);
-        // Spent once restored: should the prefill after it fail, the entry is lost.
-        restoring.spent.set(restoring.spent.get() || n > 0);
-        n
+        (n, Some(restoring))
     }
 
     /// Keep an evicted entry (`pack`ed, without its first `anchor` tokens' cells; nothing
