@@ -297,6 +297,29 @@ def test_step_stops_one_branch_while_others_continue(ctx: kvfork.Context) -> Non
     assert (a.position, b.position) == (before[0] + 1, before[1])  # stop token not committed
 
 
+def test_a_failed_step_leaves_its_seeded_branches_drawing_as_without_it(
+    ctx: kvfork.Context,
+) -> None:
+    # A step fails whole when one branch cannot be sampled (here every token is banned). Its
+    # other branches drew already: the draws are undone, so a seeded branch's stream is the
+    # one it has without the failed steps (it drew on before).
+    seeded = {"temperature": 1.0, "seed": 42, "top_k": 0, "min_p": 0.0}
+    store = kvfork.BranchStore(ctx)
+    alone = root(ctx, "Once upon a time", seeded)
+    expected = [store.step_sync([alone])[0].token for _ in range(12)]
+    alone.prune_sync()
+    b = root(ctx, "Once upon a time", seeded)
+    stuck = root(ctx)
+    stuck.set_logit_bias(dict.fromkeys(range(ctx.vocab_size), -math.inf))
+    for _ in range(3):
+        with pytest.raises(kvfork.KvforkError, match="every candidate token is masked"):
+            store.step_sync([b, stuck])
+    stuck.prune_sync()
+    got = [store.step_sync([b])[0].token for _ in range(12)]
+    b.prune_sync()
+    assert got == expected, (ctx.detokenize(expected), ctx.detokenize(got))
+
+
 def test_retain_only(ctx: kvfork.Context) -> None:
     base = root(ctx)
     kids = [base.fork_sync() for _ in range(3)]

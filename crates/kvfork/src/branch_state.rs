@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::llama_ctx::{Output, OutputRef};
 use crate::model::{Model, Token};
 use crate::produced::Produced;
-use crate::sampling::chain::SamplerChain;
+use crate::sampling::chain::{Draws, SamplerChain};
 use crate::sampling::grammar::{Grammar, GrammarSpec, GrammarUndo};
 use crate::sampling::guidance::Guided;
 use crate::sampling::SamplingParams;
@@ -585,12 +585,22 @@ impl BranchState {
         self.grammar.is_some() || self.sampler.prefilter_k().is_none()
     }
 
+    /// What the next draws change (`rewind_draws` undoes them).
+    pub fn draws(&self) -> Draws {
+        self.sampler.draws()
+    }
+
+    /// Undo the draws since `before` (a failed step's: see `SamplerChain::rewind`).
+    pub fn rewind_draws(&mut self, before: Draws) {
+        self.sampler.rewind(before);
+    }
+
     /// Draw a token from the snapshot. Mutates only the RNG of stochastic terminals (and a
     /// waiting lazy grammar's set of refused tokens).
     pub fn sample(&mut self, model: &Model) -> Result<Token> {
         loop {
             self.filter_candidates()?;
-            let before = self.sampler.draw_state();
+            let before = self.sampler.draws();
             let mut cur = self.candidates.array();
             let token = self.sampler.select(&mut cur);
             // The token would fire a lazy grammar's trigger on text the grammar refuses: it is
@@ -603,7 +613,8 @@ impl BranchState {
             if !refused {
                 return Ok(token);
             }
-            self.sampler.undo_draw(before);
+            // The same random number picks among the rest.
+            self.sampler.rewind(before);
         }
     }
 

@@ -21,12 +21,23 @@ use crate::branch_state::{BranchState, Snapshot};
 use crate::error::{Error, Result};
 use crate::llama_ctx::Output;
 use crate::produced::Produced;
+use crate::sampling::chain::Draws;
 use crate::seq::Seq;
 
 /// Whether a failure of a shared decode may be the fault of one request in it (then the
 /// others are tried again without it). A closed context, an abort or a bug concern all.
 pub(super) fn may_be_one_request(e: &Error) -> bool {
     !matches!(e, Error::Closed | Error::Cancelled(_) | Error::Internal(_))
+}
+
+/// A step's branches and their draws before it sampled them.
+type StepDraws = Vec<(Arc<BranchCell>, Draws)>;
+
+/// Undo a failed step's draws.
+fn rewind(draws: &StepDraws) {
+    for (cell, before) in draws {
+        cell.lock().rewind_draws(*before);
+    }
 }
 
 impl Worker {
@@ -67,7 +78,7 @@ impl Worker {
         early: bool,
     ) -> Vec<Result<Vec<Produced>>> {
         let mut results: Vec<Result<Vec<Produced>>> = vec![Ok(Vec::new()); group.len()];
-        self.sample_steps(group, &mut results);
+        let draws = self.sample_steps(group, &mut results);
         let mut accepted: Vec<(usize, Vec<Snapshot>)> = Vec::with_capacity(group.len());
         for (i, req) in group.iter().enumerate() {
             if req.items.is_empty() {
@@ -85,6 +96,9 @@ impl Worker {
         for (i, snaps) in accepted {
             if let Some((_, e)) = failed.iter().find(|(f, _)| *f == i) {
                 restore(&group[i].items, snaps);
+                if let Some(draws) = &draws[i] {
+                    rewind(draws);
+                }
                 results[i] = Err(e.clone());
             }
         }
@@ -93,21 +107,34 @@ impl Worker {
 
     /// Sample the branches of every step in the group at once (across the cores when it pays).
     /// A step's tokens become its items, except stop tokens: reported, not committed. A step
-    /// with a branch that cannot be sampled fails whole (its first error) and commits nothing.
-    fn sample_steps(&mut self, group: &mut [CommitRequest], results: &mut [Result<Vec<Produced>>]) {
+    /// with a branch that cannot be sampled fails whole (its first error) and commits nothing,
+    /// its branches' draws undone. Returns each step's draws before sampling (by index into
+    /// `group`), to undo should its decode fail.
+    fn sample_steps(
+        &mut self,
+        group: &mut [CommitRequest],
+        results: &mut [Result<Vec<Produced>>],
+    ) -> Vec<Option<StepDraws>> {
+        let mut draws: Vec<Option<StepDraws>> = vec![None; group.len()];
         let steps: Vec<usize> = (0..group.len())
             .filter(|&i| group[i].reply.is_sampled())
             .collect();
         if steps.is_empty() {
-            return;
+            return draws;
         }
         let cells: Vec<Arc<BranchCell>> = steps
             .iter()
             .flat_map(|&i| group[i].items.iter().map(|(cell, _)| cell.clone()))
             .collect();
+        let mut before = cells
+            .iter()
+            .map(|cell| (cell.clone(), cell.lock().draws()))
+            .collect::<Vec<_>>()
+            .into_iter();
         let mut sampled = self.sample_cells(&cells).into_iter();
         for i in steps {
             let items = &mut group[i].items;
+            let step_draws: StepDraws = before.by_ref().take(items.len()).collect();
             let mut produced = Vec::with_capacity(items.len());
             let mut failed = None;
             for p in sampled.by_ref().take(items.len()) {
@@ -119,6 +146,8 @@ impl Worker {
                 }
             }
             if let Some(e) = failed {
+                // Its seeded branches draw next what they would have drawn without it.
+                rewind(&step_draws);
                 items.clear();
                 results[i] = Err(e);
                 continue;
@@ -130,7 +159,9 @@ impl Worker {
                 !p.is_stop
             });
             results[i] = Ok(produced);
+            draws[i] = Some(step_draws);
         }
+        draws
     }
 
     /// Decode the items of `members` (indices into `group`) together; when that fails and

@@ -40,6 +40,15 @@ pub(crate) struct DrawState {
     pub mu: f32,
 }
 
+/// What a draw changes in a chain (its RNG, XTC's roll, Mirostat's mu): taken before a draw,
+/// it undoes it (`SamplerChain::rewind`).
+#[derive(Clone, Copy)]
+pub(crate) struct Draws {
+    rng: Rng,
+    xtc_roll: Option<(u64, f64)>,
+    mu: f32,
+}
+
 /// A penalty window: -1 means the whole context (`whole` tokens).
 /// The longest penalty window: 8 MiB of DRY's ring buffer a branch.
 const MAX_WINDOW: u32 = 1 << 20;
@@ -278,9 +287,20 @@ impl SamplerChain {
         Ok(())
     }
 
-    /// Forget a draw whose token was refused after all (Mirostat's mu moved on it); the RNG
-    /// moves on.
-    pub fn undo_draw(&mut self, before: DrawState) {
+    /// What the next draws change, to `rewind` them.
+    pub fn draws(&self) -> Draws {
+        Draws {
+            rng: self.rng,
+            xtc_roll: self.xtc_roll,
+            mu: self.mu,
+        }
+    }
+
+    /// Undo the draws since `before`: the next draws repeat them (a step that failed leaves a
+    /// seeded branch drawing what it would have drawn without it).
+    pub fn rewind(&mut self, before: Draws) {
+        self.rng = before.rng;
+        self.xtc_roll = before.xtc_roll;
         self.mu = before.mu;
     }
 
