@@ -127,6 +127,8 @@ def test_a_bad_trigger_pattern_is_refused(ctx: kvfork.Context) -> None:
             b.set_grammar_lazy('root ::= "a"', [], patterns=[bad])
     with pytest.raises(kvfork.GrammarError, match="undefined rule"):
         b.set_grammar_lazy("root ::= nowhere", ["x"])
+    with pytest.raises(kvfork.GrammarError, match="an empty word"):
+        b.set_grammar_lazy('root ::= "a"', [""])  # it would fire on any first token
 
 
 def test_grammar_window_equals_full_vocabulary_grammar(ctx: kvfork.Context) -> None:

@@ -7,6 +7,7 @@ client, adapters written by the tests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -53,6 +54,8 @@ def lora_server(serve: Any, lora_dir: Path) -> Server:
         f"a={lora_dir / 'a.gguf'}",
         "--lora",
         f"b={lora_dir / 'b.gguf'}:0.5",
+        "--chat-template",
+        "chatml",  # the default model has none; chat and messages requests need one
     )
     return server
 
@@ -65,14 +68,15 @@ def _at_rest(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def complete(server: Server, prompt: str = PROMPT, **extra: Any) -> Any:
-    return server.client().completions.create(
-        model=extra.pop("model", "default"),
-        prompt=prompt,
-        max_tokens=TOKENS,
-        temperature=0,
-        logprobs=2,
-        extra_body=extra or None,
-    )
+    with server.client() as client:
+        return client.completions.create(
+            model=extra.pop("model", "default"),
+            prompt=prompt,
+            max_tokens=TOKENS,
+            temperature=0,
+            logprobs=2,
+            extra_body=extra or None,
+        )
 
 
 def first_logprob(reply: Any) -> float:
@@ -107,7 +111,8 @@ def test_the_adapters_are_listed(lora_server: Server, lora_dir: Path) -> None:
         {"id": 0, "name": "a", "path": str(lora_dir / "a.gguf"), "scale": 1.0},
         {"id": 1, "name": "b", "path": str(lora_dir / "b.gguf"), "scale": 0.5},
     ]
-    models = lora_server.client().models.list().data
+    with lora_server.client() as client:
+        models = client.models.list().data
     assert [m.id for m in models][1:] == ["a", "b"]
     assert all(getattr(m, "parent", None) == models[0].id for m in models[1:])
 
@@ -161,6 +166,39 @@ def test_requests_on_different_sets_share_no_prefix(lora_server: Server) -> None
     assert base.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_every_api_takes_the_set_and_names_the_adapter_that_answered(
+    lora_server: Server,
+) -> None:
+    # Messages read `lora` too (it was dropped: the base model answered, and an unknown name
+    # got a 200): a request naming a by `lora` reads the prompt a request under `model: "a"`
+    # left in the cache, which no request of another set could.
+    question = [{"role": "user", "content": "Name a lighthouse on the coast of Rome."}]
+
+    def message(**fields: Any) -> dict[str, Any]:
+        body = {"max_tokens": 4, "temperature": 0, "messages": question, **fields}
+        status, reply = lora_server.post("/v1/messages", json.dumps(body).encode())
+        assert status == 200, reply
+        return reply
+
+    by_model = message(model="a")
+    by_lora = message(model="default", lora=["a"])
+    assert by_lora["usage"]["cache_read_input_tokens"] > 0
+    assert by_model["content"] == by_lora["content"]
+    status, refused = lora_server.post(
+        "/v1/messages",
+        json.dumps({"max_tokens": 4, "messages": question, "lora": ["zzz"]}).encode(),
+    )
+    assert status == 400 and "lora" in refused["error"]["message"]
+    # A reply names the adapter its `model` chose (as /v1/models lists it), else the base.
+    with lora_server.client() as client:
+        base = client.models.list().data[0].id
+        assert by_model["model"] == "a" and by_lora["model"] == base
+        assert complete(lora_server, model="a").model == "a"
+        assert complete(lora_server, lora=["a"]).model == base
+        response = client.responses.create(model="a", input="Hi", max_output_tokens=4)
+        assert response.model == "a"
+
+
 def test_concurrent_requests_over_four_sets_each_get_what_they_get_alone(
     lora_server: Server,
 ) -> None:
@@ -207,8 +245,8 @@ def test_concurrent_requests_over_four_sets_each_get_what_they_get_alone(
 def test_bad_lora_fields_get_a_400_naming_the_field(
     lora_server: Server, lora: Any, words: str
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        lora_server.client().completions.create(
+    with lora_server.client() as client, pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
             model="default", prompt="hi", max_tokens=2, extra_body={"lora": lora}
         )
     error = caught.value.body

@@ -387,6 +387,36 @@ def test_count_tokens_is_what_a_message_prefills(client: anthropic.Anthropic) ->
     assert _prompt_tokens(tool_reply) == with_tools.input_tokens
 
 
+def test_a_final_assistant_turn_is_the_start_the_reply_continues(
+    server: Server, client: anthropic.Anthropic
+) -> None:
+    # As Anthropic's API: the reply goes on from the prefill (it was rendered as a closed turn
+    # and a new one opened, so the reply started over). The prompt is the chat prompt of the
+    # turns before it, the prefill after it: the same tokens and text as a completion of that.
+    prefill = "The capital of France is"
+    turns: Any = [*_user(), {"role": "assistant", "content": prefill}]
+    reply = client.messages.create(
+        model="x", max_tokens=8, system=SYSTEM, messages=turns, extra_body=GREEDY
+    )
+    before = [{"role": "system", "content": SYSTEM}, *_user()]
+    status, templated = server.post(
+        "/apply-template", json.dumps({"messages": before}).encode(), KEY
+    )
+    assert status == 200
+    body = {"content": templated["prompt"] + prefill, "add_special": True, "parse_special": True}
+    status, tokenized = server.post("/tokenize", json.dumps(body).encode(), KEY)
+    assert status == 200
+    prompt = tokenized["tokens"]
+    counted = client.messages.count_tokens(model="x", system=SYSTEM, messages=turns)
+    assert counted.input_tokens == len(prompt) == _prompt_tokens(reply)
+    with server.client(KEY) as openai_client:
+        completion = openai_client.completions.create(
+            model="x", prompt=prompt, max_tokens=8, temperature=0
+        )
+    assert _text(reply) == completion.choices[0].text
+    assert "Paris" in _text(reply) and not _text(reply).startswith(prefill)
+
+
 def test_a_repeated_prompt_is_read_from_the_cache(client: anthropic.Anthropic) -> None:
     question = _user(f"Spell the word {uuid.uuid4().hex[:8]}.")
     first = client.messages.create(
@@ -453,6 +483,12 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "messages[0].role",
     ),
     ("/v1/messages/count_tokens", {"messages": _user(), "tools": [{"name": "f"}]}, "input_schema"),
+    (
+        "/v1/messages/count_tokens",
+        {"messages": [*_user(), {"role": "assistant", "content": "It is "}]},
+        "messages[1].content",
+    ),
+    ("/v1/messages", {"max_tokens": 4, "messages": _user(), "lora": ["x"]}, "lora"),
 ]
 
 

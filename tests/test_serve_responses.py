@@ -396,6 +396,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     ({"input": "x", "instructions": 5}, "instructions"),
+    ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "x", "tools": [{**FUNCTION, "parameters": "no"}]}, "tools[0].parameters"),

@@ -360,9 +360,11 @@ impl PyBranch {
     /// was set, the grammar starting at the first non-empty capture group (else at the match),
     /// as llama.cpp's lazy grammars (words first, then patterns: the first that matches
     /// fires). Patterns are in Rust `regex` syntax (Unicode-aware; no look-around or
-    /// back-references: GrammarError) and matched in time linear in the output. A token whose
-    /// text would fire a trigger on text the grammar refuses is never drawn (masked, as an
-    /// active grammar masks the tokens it refuses).
+    /// back-references: GrammarError; an empty word too); after each token all are searched
+    /// in one pass over the output since the grammar was set (time linear in it, so a long
+    /// wait costs more per token). A token whose text would fire a trigger on text the
+    /// grammar refuses is never drawn (masked, as an active grammar masks the tokens it
+    /// refuses).
     #[pyo3(signature = (gbnf, triggers, *, patterns=None))]
     fn set_grammar_lazy(
         &self,

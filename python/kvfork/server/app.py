@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .backend import Backend, Events
+from .backend import Backend, Events, answering_model
 from .errors import APIError, shutting_down
 from .generation import Event, Outcome
 from .messages import Reply, authorized, error_body, error_event, parse_messages
@@ -381,7 +381,7 @@ class Endpoints:
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": s.model_id,
+            "model": answering_model(s, req.sampling.model),
         }
         echo = ""
         if req.echo:  # token ids as text: off the loop (millions of ids take a while)
@@ -452,7 +452,7 @@ class Endpoints:
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": s.model_id,
+            "model": answering_model(s, req.sampling.model),
         }
         req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, request_id)
         tokens = self._answer_at_once(tokens, req.sampling)
@@ -582,7 +582,7 @@ class Endpoints:
         tokens, stop, text = await asyncio.to_thread(s.prompts.rendered_chat, req)
         req.sampling.reasoning = plan(req.reasoning, self.reasoning, text, None)
         tokens = self._answer_at_once(tokens, req.sampling)
-        reply = Reply(req, s.prompts, s.model_id, len(tokens))
+        reply = Reply(req, s.prompts, answering_model(s, req.sampling.model), len(tokens))
         generation = s.generate(tokens, req.sampling, stop, "messages")
         if req.sampling.stream:
             return await _stream(request, reply.events(generation), generation, ANTHROPIC)

@@ -64,3 +64,11 @@ class Backend(Protocol):
     async def metrics_text(self) -> bytes:
         """The Prometheus text of `GET /metrics`."""
         ...
+
+
+def answering_model(backend: Backend, asked: str | None) -> str:
+    """The model a reply names: the adapter its request's `model` chose (an entry of
+    `/v1/models`), else the base model's id."""
+    if asked is not None and any(a["name"] == asked for a in backend.lora_adapters):
+        return asked
+    return backend.model_id

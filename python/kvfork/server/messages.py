@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+from .adapters import parse_lora
 from .backend import Events
 from .errors import APIError, bad_request
 from .generation import Choice, Event, Outcome
@@ -52,14 +53,31 @@ def parse_messages(body: dict[str, Any], *, counting: bool = False) -> ChatReque
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
     thinking = _thinking(body)
+    turns = _turns(body)
+    prefill = _prefill(turns, len(body["messages"]) - 1)
     return ChatRequest(
-        messages=[*_system(body), *_turns(body)],
+        messages=[*_system(body), *turns],
         sampling=_sampling(body, counting),
         tools=tools,
         tool_choice=choice,
         reasoning=thinking,
         template_kwargs=parse_template_kwargs({}, thinking.effort),
+        prefill=prefill,
     )
+
+
+def _prefill(turns: list[dict[str, Any]], last: int) -> str:
+    """A final assistant turn of text is the reply's start, which the reply continues (taken
+    out of `turns`); as Anthropic's API, it may not end with whitespace (a 400)."""
+    final = turns[-1]
+    if final["role"] != "assistant" or final.get("tool_calls"):
+        return ""
+    turns.pop()
+    text: str = final["content"]
+    if text != text.rstrip():
+        where = f"messages[{last}].content"
+        raise bad_request("the final assistant content cannot end with whitespace", where)
+    return text
 
 
 def _thinking(body: dict[str, Any]) -> Asked:
@@ -100,6 +118,7 @@ def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
         top_k=int_field(body, "top_k", 0, 0, 1 << 20) or 0,
         stop=_stop_sequences(body),
         stream=bool_field(body, "stream"),
+        lora=parse_lora(body),
         # As for chat: a LoRA adapter's name as the model selects it, any other the base.
         model=model if isinstance(model := body.get("model"), str) else None,
     )

@@ -67,7 +67,7 @@ class Prompts:
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "chat_template") from None
-        return chat.prompt, list(chat.stop)
+        return chat.prompt + req.prefill, list(chat.stop)
 
     def _renders_calls(self, kwargs: dict[str, Any]) -> bool:
         """Whether the template shows earlier tool calls (`template_renders_calls`), probed once."""

@@ -86,6 +86,9 @@ class ChatRequest:
     reasoning: Asked = field(default_factory=Asked)
     #: Variables for the chat template (`chat_template_kwargs`, `reasoning_effort`).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The start of the reply, which it continues (a Messages request's final assistant
+    #: turn): after the prompt the template opens the reply with.
+    prefill: str = ""
 
 
 @dataclass

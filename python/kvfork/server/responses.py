@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .adapters import parse_lora
-from .backend import Backend
+from .backend import Backend, answering_model
 from .errors import APIError, bad_request
 from .generation import Choice, Event, Outcome
 from .reasoning import EFFORTS, Asked
@@ -449,6 +449,8 @@ def parse_responses(body: dict[str, Any], store: ResponseStore) -> ResponsesRequ
     _check_fields(body)
     instructions = _optional_str(body, "instructions")
     previous_id = _optional_str(body, "previous_response_id")
+    if previous_id == "":
+        raise bad_request("previous_response_id must not be empty", "previous_response_id")
     new = _input(body)
     tools, chat_tools = _tools(body)
     choice, chat_choice = _tool_choice(body, tools)
@@ -574,7 +576,7 @@ class Reply:
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if status == "incomplete" else None
             ),
-            "model": self.api.service.model_id,
+            "model": answering_model(self.api.service, self.req.chat.sampling.model),
             "output": output,
             "store": self.req.store,
             "truncation": "disabled",

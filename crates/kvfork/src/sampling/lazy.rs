@@ -4,7 +4,8 @@
 //! each token: quadratic in the output (the usual `[\s\S]*?(word)[\s\S]*` made 200 tokens of
 //! 48 bytes 11× slower, the engine thread busy all along: BENCHMARKS §32), and
 //! libstdc++'s recursive matcher exhausted the thread's stack after ~5,000 tokens (a SIGSEGV).
-//! The `regex` crate's search is linear in the output and needs no stack, so the grammar is
+//! The `regex` crate's search is linear in the output (no backtracking; still a pass over the
+//! whole output per token while the trigger does not come) and needs no stack, so the grammar is
 //! built when a trigger fires, from the output it fires on; a pattern it does not read
 //! (look-around, back-references) is refused. All patterns are searched in one pass (a
 //! `RegexSet`); only the one that fires is searched again, for where it starts.
@@ -33,6 +34,10 @@ impl Triggers {
     /// The triggers; a pattern the `regex` crate does not read (look-around and
     /// back-references among them) is a GrammarError naming it.
     pub fn new(words: &[String], patterns: &[String], tokens: &[Token]) -> Result<Triggers> {
+        if words.iter().any(String::is_empty) {
+            // It would fire on the first token, whatever it is: a mistake, not a trigger.
+            return Err(Error::Grammar("bad trigger \"\": an empty word".into()));
+        }
         // Words first, as llama.cpp's lazy grammars order them: the first that matches fires.
         let words = words.iter().map(|w| (format!("({})", regex::escape(w)), w));
         let patterns = words
@@ -196,6 +201,10 @@ mod tests {
 
     #[test]
     fn look_around_and_back_references_are_refused_and_words_are_literal() {
+        let empty = Triggers::new(&[String::new()], &[], &[])
+            .err()
+            .expect("refused");
+        assert!(empty.to_string().contains("an empty word"), "{empty}");
         for p in [r"(?=x)", r"(a)\1", "("] {
             let refused = Triggers::new(&[], &[p.to_string()], &[]).err().expect(p);
             assert!(refused.to_string().contains("bad trigger"), "{refused}");
