@@ -33,6 +33,20 @@ pub(super) fn may_be_one_request(e: &Error) -> bool {
 /// A step's branches and their draws before it sampled them.
 type StepDraws = Vec<(Arc<BranchCell>, Draws)>;
 
+/// `e`, naming the branch it concerns when its request has several (a store's commit or
+/// step): whose grammar, bias or chain refused.
+fn naming_branch(e: Error, cell: &BranchCell, several: bool) -> Error {
+    let Some(handle) = cell.handle().filter(|_| several) else {
+        return e;
+    };
+    let named = |m: String| format!("branch handle={}: {m}", handle.to_u64());
+    match e {
+        Error::Grammar(m) => Error::Grammar(named(m)),
+        Error::Other(m) => Error::Other(named(m)),
+        e => e,
+    }
+}
+
 /// Undo a failed step's draws.
 fn rewind(draws: &StepDraws) {
     for (cell, before) in draws {
@@ -137,11 +151,12 @@ impl Worker {
             let step_draws: StepDraws = before.by_ref().take(items.len()).collect();
             let mut produced = Vec::with_capacity(items.len());
             let mut failed = None;
-            for p in sampled.by_ref().take(items.len()) {
+            let several = items.len() > 1;
+            for ((cell, _), p) in items.iter().zip(sampled.by_ref()) {
                 match p {
                     Ok(p) => produced.push(p),
                     Err(e) => {
-                        failed.get_or_insert(e);
+                        failed.get_or_insert_with(|| naming_branch(e, cell, several));
                     }
                 }
             }
@@ -250,7 +265,7 @@ impl Worker {
                 Ok(s) => snaps.push(s),
                 Err(e) => {
                     restore(&items[..i], snaps);
-                    return Err(e);
+                    return Err(naming_branch(e, cell, items.len() > 1));
                 }
             }
         }
