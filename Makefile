@@ -55,6 +55,8 @@ asan: setup
 lint:
 	cargo fmt --all -- --check
 	source scripts/cpu_flags.sh && cargo clippy --release --workspace --all-targets -- -D warnings
+	# The release wheel's build (abi3: pyo3 binds the limited API only).
+	source scripts/cpu_flags.sh && cargo clippy --release -p kvfork-python --features abi3 -- -D warnings
 	$(PY) scripts/check_cycles.py crates/kvfork-core/src crates/kvfork/src crates/kvfork-python/src python/kvfork
 	$(PY) -m ruff check python tests benchmarks examples scripts
 	$(PY) -m ruff format --check python tests benchmarks examples scripts

@@ -114,6 +114,12 @@ fn forward_log(level: kvfork::LogLevel, message: &str) {
 /// let the GIL go when this thread holds it: the engine thread may need it to forward its last
 /// log lines (dropping a busy context hung there).
 fn release_gil_while(wait: &mut dyn FnMut()) {
+    extern "C" {
+        // Outside the limited API's headers (pyo3's abi3 bindings leave it out), but exported
+        // by every CPython since 3.4: an abi3 build resolves it from the interpreter as any.
+        fn PyGILState_Check() -> std::os::raw::c_int;
+    }
+
     /// The wait moves to no other thread: `detach` runs it here, without the GIL.
     struct OnThisThread<'a>(&'a mut dyn FnMut());
     // SAFETY: see above: `detach` calls the closure on the calling thread.
@@ -125,7 +131,7 @@ fn release_gil_while(wait: &mut dyn FnMut()) {
     }
 
     // SAFETY: PyGILState_Check only reads this thread's state (1: it holds the GIL).
-    if unsafe { pyo3::ffi::PyGILState_Check() } != 1 {
+    if unsafe { PyGILState_Check() } != 1 {
         return wait();
     }
     let wait = OnThisThread(wait);

@@ -1,25 +1,18 @@
 //! The raw context layer (lloyal.node's low level: the Node.js library kvfork re-creates) and in-memory snapshots: the
 //! methods `Context` and `Branch` gain from them, beside their other methods.
 
-use std::borrow::Cow;
-
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyBytes, PyType};
 
 use crate::awaitable::Call;
 use crate::branch::{log_base, token_arg};
 use crate::convert::token_int;
-use crate::convert::{self, Arg, Int};
+use crate::convert::{self, Arg, Int, StateBytes};
 use crate::errors::IntoPyResult;
 use crate::handles::PyBranch;
 use crate::handles::PyContext;
 use crate::made;
 use crate::twins::twins;
-
-/// Bytes for Python (`bytes`, not a list of ints).
-fn bytes(data: Vec<u8>) -> PyResult<Cow<'static, [u8]>> {
-    Ok(Cow::Owned(data))
-}
 
 #[pymethods]
 impl PyContext {
@@ -70,9 +63,9 @@ twins! {
         /// `save_state` writes to a file (the same framing and checks), kept in memory.
         #[sync_doc = "returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it \
                       all-or-nothing, as an await would, and raises KeyboardInterrupt."]
-        fn snapshot / snapshot_sync(&self, py) -> Cow<'static, [u8]> {
-            self.inner.snapshot()
-        } => bytes;
+        fn snapshot / snapshot_sync(&self, py) -> Py<PyBytes> {
+            convert::bytes_off_loop(self.inner.snapshot())
+        } => Ok;
 
     }
 }
@@ -86,20 +79,16 @@ impl PyContext {
     /// BranchDisposedError), the whole KV cache is replaced, and the snapshot's branches
     /// come back as new Branch objects, each after its parent, on the sequences they had
     /// (an await cancelled after they came back prunes them: nobody holds them).
-    fn restore<'py>(
-        &self,
-        py: Python<'py>,
-        data: Arg<Cow<'_, [u8]>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let pending = self.inner.restore(data.0.into_owned());
+    fn restore<'py>(&self, py: Python<'py>, data: Arg<StateBytes>) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.inner.restore(data.0);
         made::awaitable_branches(py, Call("Context", "restore"), pending)
     }
 
     /// Blocking twin of `restore`: returns the restored branches, each after its parent;
     /// StateFileError for a corrupt, truncated or foreign snapshot. Waits without the GIL;
     /// Ctrl-C cancels it all-or-nothing, as an await would, and raises KeyboardInterrupt.
-    fn restore_sync(&self, py: Python<'_>, data: Arg<Cow<'_, [u8]>>) -> PyResult<Vec<PyBranch>> {
-        made::wait_branches(py, self.inner.restore(data.0.into_owned()))
+    fn restore_sync(&self, py: Python<'_>, data: Arg<StateBytes>) -> PyResult<Vec<PyBranch>> {
+        made::wait_branches(py, self.inner.restore(data.0))
     }
 }
 
@@ -130,9 +119,9 @@ impl PyBranch {
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
         ctx: Arg<Bound<'py, PyContext>>,
-        data: Arg<Cow<'_, [u8]>>,
+        data: Arg<StateBytes>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0.into_owned());
+        let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0);
         made::awaitable_branch(py, Call("Branch", "restore"), pending)
     }
 
@@ -144,9 +133,9 @@ impl PyBranch {
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
         ctx: Arg<Bound<'_, PyContext>>,
-        data: Arg<Cow<'_, [u8]>>,
+        data: Arg<StateBytes>,
     ) -> PyResult<PyBranch> {
-        let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0.into_owned());
+        let pending = kvfork::Branch::restore(&ctx.0.get().inner, data.0);
         made::wait_branch(py, pending)
     }
 }
@@ -174,8 +163,8 @@ twins! {
         /// back.
         #[sync_doc = "returns the snapshot as bytes. Waits without the GIL; Ctrl-C cancels it \
                       all-or-nothing, as an await would, and raises KeyboardInterrupt."]
-        fn snapshot / snapshot_sync(&self, py) -> Cow<'static, [u8]> {
-            self.inner.snapshot()
-        } => bytes;
+        fn snapshot / snapshot_sync(&self, py) -> Py<PyBytes> {
+            convert::bytes_off_loop(self.inner.snapshot())
+        } => Ok;
     }
 }

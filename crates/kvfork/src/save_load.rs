@@ -46,13 +46,13 @@ impl Branch {
 
     /// A new root branch on a fresh lease of `ctx`, restored from `snapshot` bytes (or a
     /// file's contents): `load` without the file.
-    pub fn restore(ctx: &Context, data: Vec<u8>) -> Pending<Branch> {
+    pub fn restore(ctx: &Context, data: impl AsRef<[u8]> + Send + 'static) -> Pending<Branch> {
         if let Err(e) = ctx.shared().check_open() {
             return Pending::ready(Err(e));
         }
         let ctx2 = ctx.clone();
         ctx.run(move |w| {
-            let (handle, cell) = w.restore_branch(&data)?;
+            let (handle, cell) = w.restore_branch(data.as_ref())?;
             Ok(Branch::from_parts(ctx2, handle, cell))
         })
     }
@@ -73,13 +73,13 @@ impl Context {
     /// cache replaced, and the snapshot's branches come back as new branches, each after its
     /// parent, on the sequences they had. Should llama.cpp refuse the cells after all, the
     /// context is left empty.
-    pub fn restore(&self, data: Vec<u8>) -> Pending<Vec<Branch>> {
+    pub fn restore(&self, data: impl AsRef<[u8]> + Send + 'static) -> Pending<Vec<Branch>> {
         if let Err(e) = self.shared().check_open() {
             return Pending::ready(Err(e));
         }
         let ctx = self.clone();
         self.run(move |w| {
-            let restored = w.restore_context(&data)?;
+            let restored = w.restore_context(data.as_ref())?;
             Ok(restored
                 .into_iter()
                 .map(|(h, cell)| Branch::from_parts(ctx.clone(), h, cell))
