@@ -1219,10 +1219,11 @@ class PrefixCache:
     on disk, least recently used first at each level) and copied back into the KV when a
     prompt shares 16+ more tokens with it than with the cache (~170× faster than prefilling
     them on a CPU); a restarted cache with the same `disk_dir` finds its entries there (a
-    file from another model or cache layout is refused and dropped). Caches may share a
-    `disk_dir`: each numbers its files apart; one opened later also finds the others' files
-    there, and a file restored (or trimmed) by one is gone for the others (their prompts are
-    prefilled, never served another prompt's cells). On recurrent and hybrid
+    file of another model, cache layout or kvfork version is left alone; a restored entry
+    keeps its file). Caches may share a `disk_dir`: each numbers its files apart; one opened
+    later also finds the others' files there (of the same model), and a file trimmed by one
+    is gone for the others (their prompts are prefilled, never served another prompt's
+    cells). On recurrent and hybrid
     models an entry carries its recurrent-state checkpoints: a prompt that parts from it
     inside gets it back up to the last checkpoint before that point. `fork` adds forks of its branches (a request's
     other choices), making room the same way. The branches it hands out and its entries are the

@@ -26,18 +26,21 @@ use crate::engine::{CancelPolicy, Pending, Relay};
 use crate::error::{Error, Result};
 use crate::model::Token;
 use crate::prefix_spill::{
-    pack, unpack, DiskWrite, LevelStats, Spill, SpillConfig, SpilledCheckpoints, Taken, Unpacked,
+    pack, unpack, DiskWrite, LevelStats, Settled, Spill, SpillConfig, SpilledCheckpoints, Taken,
+    Unpacked,
 };
 use crate::sampling::SamplingParams;
 
 /// A spilled entry taken out for a request, and how many of its tokens the prompt shares.
-/// Dropped, it goes back to its level unless `spent` (restored into the KV cache, or found
-/// corrupt): a request that refuses it, runs out of room or is cancelled loses no entry.
+/// Dropped, it is settled (`Spill::settle`): as restored once `spent` (its cells a branch's),
+/// dropped when `corrupt`, else given back: a request that refuses it, runs out of room or
+/// is cancelled loses no entry.
 struct Restoring {
     cache: PrefixCache,
     taken: Option<Taken>,
     len: usize,
     spent: Cell<bool>,
+    corrupt: Cell<bool>,
 }
 
 impl Restoring {
@@ -49,7 +52,14 @@ impl Restoring {
 impl Drop for Restoring {
     fn drop(&mut self) {
         if let Some(taken) = self.taken.take() {
-            self.cache.settle_taken(taken, self.spent.get());
+            let how = if self.corrupt.get() {
+                Settled::Corrupt
+            } else if self.spent.get() {
+                Settled::Restored
+            } else {
+                Settled::NotRestored
+            };
+            self.cache.settle_taken(taken, how);
         }
     }
 }
@@ -198,7 +208,13 @@ impl PrefixCache {
         let cache = PrefixCache::new(ctx, max_cached_tokens);
         if spill.spills() {
             let p = &ctx.shared().params;
-            let layout = (p.type_k.ggml() as u64) << 32 | p.type_v.ggml() as u64;
+            // The model and the cache's element types: a file of another model (or types) on
+            // the same directory is not this cache's to load, count or remove.
+            let mut key = kvfork_core::state_file::Writer::new();
+            key.u64(ctx.model().identity())
+                .u32(p.type_k.ggml())
+                .u32(p.type_v.ggml());
+            let layout = kvfork_core::state_file::checksum(&key.into_bytes());
             cache.lock().spill = Some(Spill::open(spill, layout)?);
         }
         Ok(cache)
@@ -725,16 +741,25 @@ impl PrefixCache {
         }
         let taking = st.spill.as_mut()?.take(id)?;
         drop(st); // a file is read without the lock
-        taking.read().ok().map(|taken| Restoring {
-            cache: self.clone(),
-            taken: Some(taken),
-            len,
-            spent: Cell::new(false),
-        })
+        match taking.read() {
+            Ok(taken) => Some(Restoring {
+                cache: self.clone(),
+                taken: Some(taken),
+                len,
+                spent: Cell::new(false),
+                corrupt: Cell::new(false),
+            }),
+            Err(_) => {
+                if let Some(spill) = self.lock().spill.as_mut() {
+                    spill.drop_unreadable(id);
+                }
+                None
+            }
+        }
     }
 
     /// Copy a spilled entry's first `restoring.len` tokens into `branch`'s empty sequence; how
-    /// many it holds then (0: refused here, or corrupt: then spent, the spill forgets it).
+    /// many it holds then (0: refused here, or corrupt: then marked so, the spill drops it).
     /// KvCacheFullError when its cells find no room (the caller evicts and tries again).
     fn restore_into(&self, branch: &Branch, restoring: &Restoring) -> Result<usize> {
         let taken = restoring.taken();
@@ -752,7 +777,7 @@ impl PrefixCache {
             Ok(n) => n,
             Err(e @ Error::KvCacheFull(_)) => return Err(e),
             Err(_) => {
-                restoring.spent.set(true); // another model's, or not what it was indexed as
+                restoring.corrupt.set(true); // another model's, or not what it was indexed as
                 0
             }
         };
@@ -764,16 +789,11 @@ impl PrefixCache {
         Ok(n)
     }
 
-    /// A taken entry done with: forgotten when `spent` (restored, or corrupt), else given
-    /// back to its level.
-    fn settle_taken(&self, taken: Taken, spent: bool) {
+    /// A taken entry done with (`Spill::settle`); files the spill hands out are written.
+    fn settle_taken(&self, taken: Taken, how: Settled) {
         let writes = match self.lock().spill.as_mut() {
-            Some(spill) if spent => {
-                spill.discard(taken);
-                return;
-            }
             Some(spill) => {
-                spill.give_back(taken);
+                spill.settle(taken, how);
                 spill.take_writes()
             }
             None => return,

@@ -42,6 +42,9 @@ const MAGIC: &[u8; 4] = b"KVFE";
 /// 4: the checkpoints follow the snapshot, the anchor precedes its length.
 const VERSION: u32 = 4;
 const EXTENSION: &str = "kvfe";
+/// A `.tmp` file older than this is what a crash cut short (a write takes seconds at most);
+/// a newer one may be another cache's write under way on the same directory.
+const STALE_WRITE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Where spilled entries go and how much each level holds.
 #[derive(Debug, Clone, Default)]
@@ -98,8 +101,8 @@ struct Entry {
 /// The spilled entries of one prefix cache.
 pub(crate) struct Spill {
     config: SpillConfig,
-    /// The context's cache layout (element types): a file written under another is not
-    /// this cache's (its cells would not load).
+    /// The context's model and cache element types, as one key: a file written under another
+    /// is not this cache's (its cells would not load), and is left alone.
     layout: u64,
     trie: PrefixTrie<u64>,
     entries: HashMap<u64, Entry>,
@@ -146,8 +149,8 @@ pub(crate) struct Taking {
 
 impl Taking {
     /// The entry's bytes: from memory (an entry still being written too), or read from its
-    /// file (which stays until the entry is restored: `Spill::discard`; a file that is not
-    /// the entry it was indexed as is removed).
+    /// file (which stays: `Spill::settle`). A file that is not the entry it was indexed as is
+    /// an error: the caller drops the entry (`Spill::drop_unreadable`).
     pub fn read(self) -> Result<Taken> {
         let from_disk = self.place.on_disk();
         let (entry, file) = match self.place {
@@ -167,13 +170,7 @@ impl Taking {
                     ))),
                     Ok(file) => Ok(file[header.len()..].to_vec()),
                 };
-                match body {
-                    Ok(body) => (Arc::new(body), Some(path)),
-                    Err(e) => {
-                        let _ = fs::remove_file(&path);
-                        return Err(e);
-                    }
-                }
+                (Arc::new(body?), Some(path))
             }
         };
         Ok(Taken {
@@ -187,8 +184,7 @@ impl Taking {
     }
 }
 
-/// A spilled entry taken out to be restored: `Spill::discard`ed once restored (or found
-/// corrupt), else given back (`Spill::give_back`).
+/// A spilled entry taken out to be restored, then settled (`Spill::settle`).
 pub(crate) struct Taken {
     id: u64,
     /// A `Branch::snapshot` and its checkpoints (`pack`).
@@ -198,8 +194,20 @@ pub(crate) struct Taken {
     anchor: usize,
     /// Whether it was on disk (else in host memory).
     pub from_disk: bool,
-    /// Its file, when it was read from one (not when it was still being written).
+    /// Its file, when it was read from one (not when it was still being written): the entry
+    /// stays indexed and counted on disk while it is out.
     file: Option<PathBuf>,
+}
+
+/// How a taken entry's restore ended (`Spill::settle`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// Not restored (refused by the request, or the request ended first).
+    NotRestored,
+    /// Its cells are a branch's now.
+    Restored,
+    /// Not what it was indexed as (another model's, a malformed snapshot).
+    Corrupt,
 }
 
 /// Recurrent-state checkpoints as a spilled entry carries them: (position, state).
@@ -286,28 +294,38 @@ impl Spill {
         Ok(spill)
     }
 
-    /// Index the files of `dir`, oldest first (so the newest are the last evicted).
+    /// Index the files of `dir`, oldest first (so the newest are the last evicted). Only
+    /// regular files are read (a FIFO would block the open); another model's, layout's or
+    /// format version's are left alone; what a crash left (a stale `.tmp`, a cut file) goes.
     fn scan(&mut self, dir: &Path) -> Result<()> {
         let mut found = Vec::new();
         for entry in fs::read_dir(dir).map_err(|e| Error::io(dir, e))?.flatten() {
+            if !entry.file_type().is_ok_and(|t| t.is_file()) {
+                continue;
+            }
             let path = entry.path();
             let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            let modified = entry.metadata().and_then(|m| m.modified()).ok();
             if ext == "tmp" {
-                let _ = fs::remove_file(&path); // a write a crash cut short
+                // A write a crash cut short; a recent one may be another cache's, under way.
+                let age = modified.and_then(|m| m.elapsed().ok());
+                if age.is_some_and(|a| a > STALE_WRITE) {
+                    let _ = fs::remove_file(&path);
+                }
                 continue;
             }
             if ext != EXTENSION {
                 continue;
             }
-            let modified = entry.metadata().and_then(|m| m.modified()).ok();
             match read_header(&path) {
-                Ok((layout, anchor, tokens, bytes)) if layout == self.layout => {
+                Ok(Some((layout, anchor, tokens, bytes))) if layout == self.layout => {
                     found.push((modified, path, tokens, anchor, bytes))
                 }
-                Ok(_) => {} // another cache layout's: not ours to load or remove
-                Err(_) => {
-                    let _ = fs::remove_file(&path);
+                Ok(_) => {} // another model's, layout's or version's: not ours to load or remove
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    let _ = fs::remove_file(&path); // cut short, or not an entry at all
                 }
+                Err(_) => {} // unreadable now (permissions, I/O): left as it is
             }
         }
         found.sort_by_key(|f| f.0);
@@ -512,8 +530,22 @@ impl Spill {
         Some((m.key, m.len, self.entries.get(&m.key)?.anchor))
     }
 
-    /// Take entry `id` out to restore it (`Taking::read` reads its file).
+    /// Take entry `id` out to restore it (`Taking::read` reads its file). An entry on disk
+    /// stays indexed and counted against the disk budget while it is out (its file is there
+    /// all along), only no request finds it; one in memory leaves its level.
     pub fn take(&mut self, id: u64) -> Option<Taking> {
+        let entry = self.entries.get(&id)?;
+        if let Place::Disk(path) = &entry.place {
+            let taking = Taking {
+                id,
+                tokens: entry.tokens.clone(),
+                anchor: entry.anchor,
+                layout: self.layout,
+                place: Place::Disk(path.clone()),
+            };
+            self.trie.remove(id);
+            return Some(taking);
+        }
         let entry = self.remove(id)?;
         Some(Taking {
             id,
@@ -524,31 +556,39 @@ impl Spill {
         })
     }
 
-    /// A taken entry that was not restored (refused by the request, or the request ended
-    /// first) goes back where it was, unless the same tokens were spilled again meanwhile.
-    pub fn give_back(&mut self, taken: Taken) {
-        if self.holding(&taken.tokens).is_some() {
-            return self.discard(taken);
+    /// A taken entry whose file could not be read as the entry: dropped, file and all.
+    pub fn drop_unreadable(&mut self, id: u64) {
+        self.drop_entry(id);
+    }
+
+    /// A taken entry done with. Not restored, it goes back where it was; restored, one on
+    /// disk stays there (a crash then loses nothing that was on disk), one in memory goes
+    /// (its cells are in the KV cache); corrupt, it is dropped, file and all. One whose tokens
+    /// were spilled again meanwhile is dropped as stale.
+    pub fn settle(&mut self, taken: Taken, how: Settled) {
+        if taken.file.is_some() {
+            let stale = self.holding(&taken.tokens).is_some();
+            if how == Settled::Corrupt || stale {
+                self.drop_entry(taken.id);
+            } else if self.entries.contains_key(&taken.id) {
+                self.trie.insert(taken.id, &taken.tokens);
+                self.trie.set_evictable(taken.id, true);
+                self.fit_disk();
+            }
+            return;
+        }
+        if how != Settled::NotRestored || self.holding(&taken.tokens).is_some() {
+            return; // in memory only: nothing to remove
         }
         let Taken {
             id,
             entry,
             tokens,
             anchor,
-            file,
             ..
         } = taken;
-        match file {
-            Some(path) => {
-                let bytes = header_len(&tokens) + entry.len();
-                self.insert(id, tokens, anchor, bytes, Place::Disk(path));
-                self.fit_disk();
-            }
-            None => {
-                self.insert(id, tokens, anchor, entry.len(), Place::Host(entry));
-                self.fit_host();
-            }
-        }
+        self.insert(id, tokens, anchor, entry.len(), Place::Host(entry));
+        self.fit_host();
     }
 
     /// The entry that holds exactly `tokens`, if one does.
@@ -557,13 +597,6 @@ impl Spill {
             .longest_prefix(tokens)
             .filter(|m| m.exact && m.len == tokens.len())
             .map(|m| m.key)
-    }
-
-    /// A taken entry restored into the KV cache (or corrupt): its file goes.
-    pub fn discard(&mut self, taken: Taken) {
-        if let Some(path) = taken.file {
-            let _ = fs::remove_file(path);
-        }
     }
 
     /// An entry restored from a level: counted as a hit there.
@@ -639,31 +672,37 @@ fn write_file(
     fs::rename(&tmp, path)
 }
 
-/// The cache layout, anchor, tokens and size of a file; an error for one that is not an
-/// entry file.
-fn read_header(path: &Path) -> std::io::Result<(u64, usize, Vec<Token>, usize)> {
+/// A file's header: the cache layout, anchor, tokens and size.
+type Header = (u64, usize, Vec<Token>, usize);
+
+/// The header of an entry file; None for an entry file of another format version (another
+/// kvfork's), an InvalidData error for a file that is not an entry file or was cut short.
+fn read_header(path: &Path) -> std::io::Result<Option<Header>> {
     use std::io::Read;
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a kvfork cache entry");
     let mut file = fs::File::open(path)?;
     let size = file.metadata()?.len() as usize;
     let mut head = [0u8; 24];
-    file.read_exact(&mut head)?;
+    file.read_exact(&mut head).map_err(|_| bad())?;
     let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
     let layout = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
-    if &head[..4] != MAGIC || word(4) != VERSION {
+    if &head[..4] != MAGIC {
         return Err(bad());
+    }
+    if word(4) != VERSION {
+        return Ok(None);
     }
     let (anchor, n) = (word(16) as usize, word(20) as usize);
     if 24 + 4 * n > size || anchor > n {
         return Err(bad());
     }
     let mut raw = vec![0u8; 4 * n];
-    file.read_exact(&mut raw)?;
+    file.read_exact(&mut raw).map_err(|_| bad())?;
     let tokens = raw
         .chunks_exact(4)
         .map(|c| Token::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect();
-    Ok((layout, anchor, tokens, size))
+    Ok(Some((layout, anchor, tokens, size)))
 }
 
 fn id_of(path: &Path) -> Option<u64> {
@@ -712,16 +751,31 @@ mod tests {
         let (host, disk) = s.stats();
         assert_eq!((host.entries, host.bytes), (2, 200));
         assert_eq!(disk.entries, 2);
-        // The oldest went to disk: [1, 2, 0] is read back from its file, which goes once
-        // the entry is restored.
+        // The oldest went to disk: [1, 2, 0] is read back from its file. While it is out it
+        // stays counted there (its file is there) but no request finds it; restored, it stays
+        // on disk (a crash then loses nothing that was there).
         let (id, len, _) = s.best(&[1, 2, 0, 9]).unwrap();
         assert_eq!(len, 3);
         let taken = take(&mut s, id);
         assert!(taken.from_disk);
         assert_eq!(*taken.entry, vec![0u8; 100]);
-        assert_eq!(s.stats().1.entries, 1);
+        assert_eq!(s.stats().1.entries, 2);
+        assert!(s.best(&[1, 2, 0, 9]).is_none_or(|(_, len, _)| len < 3));
+        s.settle(taken, Settled::Restored);
+        assert_eq!(s.best(&[1, 2, 0, 9]).map(|(i, ..)| i), Some(id));
         assert_eq!(fs::read_dir(&d).unwrap().count(), 2);
-        s.discard(taken);
+        // A host entry restored is gone from memory (its cells are in the KV cache).
+        let (id, ..) = s.best(&[1, 2, 3]).unwrap();
+        let taken = take(&mut s, id);
+        assert!(!taken.from_disk);
+        s.settle(taken, Settled::Restored);
+        assert!(s.best(&[1, 2, 3]).is_none_or(|(_, len, _)| len < 3));
+        assert_eq!(s.stats().0.entries, 1);
+        // One found corrupt is dropped, file and all.
+        let (id, ..) = s.best(&[1, 2, 0]).unwrap();
+        let taken = take(&mut s, id);
+        s.settle(taken, Settled::Corrupt);
+        assert_eq!(s.stats().1.entries, 1);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
         let _ = fs::remove_dir_all(&d);
     }
@@ -738,7 +792,7 @@ mod tests {
             let (id, ..) = s.best(&tokens).unwrap();
             let taken = take(&mut s, id);
             assert!(s.best(&tokens).is_none_or(|(_, len, _)| len < 3));
-            s.give_back(taken);
+            s.settle(taken, Settled::NotRestored);
             assert_eq!(s.best(&tokens).map(|(i, len, _)| (i, len)), Some((id, 3)));
         }
         assert_eq!(s.stats(), before);
@@ -747,7 +801,7 @@ mod tests {
         let (id, ..) = s.best(&[1, 2, 3]).unwrap();
         let taken = take(&mut s, id);
         s.keep(vec![1, 2, 3], vec![5; 100], 0);
-        s.give_back(taken);
+        s.settle(taken, Settled::NotRestored);
         let (again, ..) = s.best(&[1, 2, 3]).unwrap();
         assert_ne!(again, id);
         let _ = fs::remove_dir_all(&d);
@@ -781,6 +835,34 @@ mod tests {
             err.to_string().contains("no longer holds the tokens"),
             "{err}"
         );
+        first.drop_unreadable(ours);
+        assert_eq!(first.stats().1.entries, 0);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_scan_leaves_what_is_not_its_own_alone() {
+        let d = dir("not-ours");
+        let mut theirs = Spill::open(config(0, &d, 10_000), 2).unwrap(); // another model's
+        theirs.keep(vec![1, 2, 3], vec![1; 40], 0);
+        settle(&mut theirs);
+        // Another format version's file, a write under way, a FIFO (opening it would block).
+        let mut newer = header(1, 0, &[4, 5]);
+        newer[4..8].copy_from_slice(&(VERSION + 1).to_le_bytes());
+        fs::write(d.join("00000000000000aa.kvfe"), &newer).unwrap();
+        fs::write(d.join("00000000000000bb.tmp"), b"half").unwrap();
+        let fifo = d.join("00000000000000cc.kvfe");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        fs::write(d.join("00000000000000dd.kvfe"), b"junk").unwrap(); // cut short: goes
+        let before = fs::read_dir(&d).unwrap().count();
+        let ours = Spill::open(config(0, &d, 1), 1).unwrap(); // a budget nothing fits in
+        assert_eq!(ours.stats().1.entries, 0);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), before - 1);
+        assert!(!d.join("00000000000000dd.kvfe").exists());
+        if made.is_ok_and(|s| s.success()) {
+            assert!(fifo.exists());
+        }
         let _ = fs::remove_dir_all(&d);
     }
 
@@ -811,9 +893,15 @@ mod tests {
             settle(&mut s);
             assert_eq!(s.stats().1.entries, 3);
         }
-        fs::write(d.join("0000000000000009.tmp"), b"cut short").unwrap();
+        // A write a crash cut short long ago, and one under way (another cache's, maybe).
+        let stale = d.join("0000000000000009.tmp");
+        fs::write(&stale, b"cut short").unwrap();
+        let long_ago = std::time::SystemTime::now() - 2 * STALE_WRITE;
+        let file = fs::File::options().write(true).open(&stale).unwrap();
+        file.set_modified(long_ago).unwrap();
+        fs::write(d.join("000000000000000b.tmp"), b"being written").unwrap();
         fs::write(d.join("000000000000000a.kvfe"), b"KVFE garbage").unwrap();
-        // Room for two of the three: one is dropped, the junk removed.
+        // Room for two of the three: one is dropped, the junk and the stale write removed.
         let s = Spill::open(config(0, &d, 2 * (header_len(&[5, 0]) + 50)), 1).unwrap();
         // Another cache layout finds none of them (and removes none).
         assert_eq!(
@@ -825,7 +913,8 @@ mod tests {
             0
         );
         assert_eq!(s.stats().1.entries, 2);
-        assert_eq!(fs::read_dir(&d).unwrap().count(), 2);
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 3);
+        assert!(!stale.exists() && d.join("000000000000000b.tmp").exists());
         assert!(s.best(&[5, 1]).is_some() || s.best(&[5, 2]).is_some());
         let _ = fs::remove_dir_all(&d);
     }
