@@ -268,6 +268,40 @@ def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model
         run(narrow, expected)
 
 
+def test_a_branch_parked_after_its_anchor_ran_a_window_ahead_keeps_its_prefix(
+    model: kvfork.Model,
+) -> None:
+    """The anchor chosen when a branch is parked (or re-anchored) may already be a window
+    past the prefix it shares with the branch: in the sliding-window layers llama.cpp may
+    have reused those cells, so the branch keeps its own copy of what it still reads there.
+    (Its anchor's later moves are `guard_window`'s, the test above.) Here `f1` forks from
+    `late` before `late` runs 600 tokens ahead; `f2` forks from `f1`; bringing `f2` back
+    parks `f1`, which re-anchors `f2` on `late`: `f2`'s rows were 6.5 off, its token
+    another."""
+
+    def run(ctx: kvfork.Context, reference: Trace | None) -> Trace:
+        prompt = ctx.tokenize("The history of the city begins in the twelfth century, when")
+        other = kvfork.Branch.create(ctx, 0, GREEDY)  # takes the second lease
+        other.prefill_sync(prompt)
+        late = kvfork.Branch.create(ctx, 0, GREEDY)
+        late.prefill_sync(prompt)
+        f1 = late.fork_sync()  # parked, anchored on late
+        late.prefill_sync([1000 + k % 700 for k in range(600)])  # a window past the prompt
+        f2 = f1.fork_sync()  # f1 comes back, f2 born parked on it
+        late.commit_sync(506)
+        f2.commit_sync(506)  # f2 comes back, f1 parked: f2 re-anchored on late
+        if reference is None:
+            return record(f2, 4)
+        assert_follows(f2, reference)
+        return reference
+
+    with open_ctx(model, 4, park=False) as wide:
+        expected = run(wide, None)
+    with open_ctx(model, 2, park=True) as narrow:
+        run(narrow, expected)
+        assert narrow.stats()["parks"] > 0
+
+
 def test_bad_park_options(model: kvfork.Model) -> None:
     with pytest.raises(ValueError, match="park"):
         kvfork.create_context_sync(model, embeddings=True, park=True)
