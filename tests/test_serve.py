@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -594,8 +595,17 @@ def test_api_key_and_a_full_queue(serve: Any, chat_ctx: kvfork.Context) -> None:
     )
     status, reply = server.post("/v1/chat/completions", b"{}")
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    status, headers, _ = server.post_raw("/v1/chat/completions", b"{}")
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").models.list()
+    # The scheme in any case (RFC 7235); the probes' routes need no key.
+    lower = urllib.request.Request(
+        server.url + "/v1/models", headers={"Authorization": "bearer secret"}
+    )
+    with urllib.request.urlopen(lower, timeout=10) as resp:
+        assert resp.status == 200
+    assert server.get("/health")[0] == 200
     # A stream holds the one sequence until the test drops it (its stop tokens banned, more
     # tokens than the rest takes on any machine: on a GPU 64 would be done in 0.1 s).
     holder = server.client("secret").chat.completions.create(

@@ -55,7 +55,9 @@ class Chat:
 
     With ``on_context_full="shift"`` the conversation goes on past the context's end: the
     branch keeps the system message (its first tokens) and the most recent half of the rest
-    (``shifts`` counts the shifts), as llama.cpp's ``--context-shift`` does.
+    (``shifts`` counts the shifts), as llama.cpp's ``--context-shift`` does. The context's
+    end is the branch's position reaching n_ctx: cells other branches of the context hold
+    (``fork``, other chats) fill the same cache, so a turn may raise KvCacheFullError first.
     """
 
     def __init__(

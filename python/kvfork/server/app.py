@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .auth import bearer_token, matches
 from .backend import Backend, Events, answering_model
 from .errors import APIError, shutting_down
 from .generation import Event, Outcome
@@ -89,7 +90,7 @@ OPENAI = Dialect(
     error_body=APIError.body,
     error_event=lambda exc: _sse(exc.body()),
     stream_end=b"data: [DONE]\n\n",
-    authorized=lambda headers, key: headers.get("authorization") == f"Bearer {key}",
+    authorized=lambda headers, key: matches(bearer_token(headers), key),
 )
 #: Anthropic's (`messages`): typed errors, streams ending with `message_stop`, `x-api-key`.
 ANTHROPIC = Dialect(error_body, error_event, b"", authorized)
@@ -293,6 +294,7 @@ class Endpoints:
                 "invalid or missing API key",
                 type="invalid_request_error",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
 
     async def read_json(self, request: Request) -> dict[str, Any]:

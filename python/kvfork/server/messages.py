@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from .adapters import parse_lora
+from .auth import bearer_token, matches
 from .backend import Events
 from .errors import APIError, bad_request
 from .generation import Choice, Event, Outcome
@@ -578,4 +579,4 @@ def error_event(exc: APIError) -> bytes:
 
 def authorized(headers: Mapping[str, str], key: str) -> bool:
     """Anthropic's clients send the key as `x-api-key` (older) or as a bearer token."""
-    return headers.get("x-api-key") == key or headers.get("authorization") == f"Bearer {key}"
+    return matches(headers.get("x-api-key"), key) or matches(bearer_token(headers), key)
