@@ -874,7 +874,10 @@ class Branch:
         stream stops (`on_context_full="stop"`, stop_reason "context_full") or shifts the
         context and goes on (`"shift"`, as llama.cpp's --context-shift: the first `keep`
         tokens of the branch's sequence and the most recent half of the rest are kept;
-        `stream.shifts` counts the shifts).
+        `stream.shifts` counts the shifts). The end of the context is the branch's position
+        reaching n_ctx: cells other branches hold fill the same cache, so with neighbours a
+        step may raise KvCacheFullError first (the branch as it was: free cells, or call
+        `shift_context`, and go on).
         """
     @overload
     def generate(
