@@ -18,6 +18,7 @@ from .conftest import (
     SLOW_PREFILL_BATCH,
     assert_same_greedy,
     greedy_with_margins,
+    root,
 )
 
 DOC = " ".join(f"Line {i}: the printing press spread across Europe." for i in range(12))
@@ -422,3 +423,35 @@ def test_an_operation_never_awaited_warns_naming_the_call(ctx: kvfork.Context) -
     b.prune_sync()  # the parent has no live child left
     with pytest.warns(RuntimeWarning, match=r"PrefixCache\.make_room\(\) was never awaited"):
         kvfork.PrefixCache(ctx).make_room(1)
+
+
+def test_on_a_park_context_the_cache_parks_to_make_room(model: kvfork.Model) -> None:
+    """Branches of your own hold every lease: the cache's `branch` and `fork` park the least
+    recently used branches, as `Branch.create` does (they raised LeaseExhaustedError: the
+    cache only evicted its own entries, and it had none)."""
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=2, park=True) as ctx:
+        cache = kvfork.PrefixCache(ctx)
+        mine = [root(ctx, f"Branch {i}: the cat sat on the mat") for i in range(3)]
+        reference = root(ctx)
+        expected, margins = greedy_with_margins(reference, 4)
+        reference.prune_sync()
+        assert ctx.stats()["parked_branches"] > 0
+        b = cache.branch_sync(ctx.tokenize(PROMPT), GREEDY)
+        fork = cache.fork_sync(b)
+        assert cache.make_room_sync(1) == 0  # room is made by parking
+        for got in (b, fork):
+            assert_same_greedy([t.token for t in got.generate_sync(4)], expected, margins)
+            cache.release(got)
+        for branch in mine:
+            branch.prune_sync()
+
+
+def test_clear_forgets_entries_whose_branch_was_pruned_elsewhere(ctx: kvfork.Context) -> None:
+    # An entry forked from a branch of yours goes with it (`prune_subtree`); `clear` then
+    # found an entry to evict, evicted nothing, and raised "all N leases are in use".
+    cache = kvfork.PrefixCache(ctx)
+    mine = root(ctx)
+    cache.release(cache.fork_sync(mine))
+    mine.prune_subtree_sync()
+    cache.clear()
+    assert cache.stats()["entries"] == 0

@@ -1230,9 +1230,12 @@ class PrefixCache:
     models an entry carries its recurrent-state checkpoints: a prompt that parts from it
     inside gets it back up to the last checkpoint before that point. `fork` adds forks of its branches (a request's
     other choices), making room the same way. The branches it hands out and its entries are the
-    account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`). It
-    never parks: on a `park=True` context, `branch` and `fork` raise LeaseExhaustedError once
-    the branches handed out hold every lease, as on any other. With `max_cached_tokens=0`, a
+    account of the sequences its users hold (`stats()["live"]`, `stats()["entries"]`). On a
+    `park=True` context it makes room as `Branch.create` does, parking the least recently used
+    branches (its entries and yours alike) rather than evicting entries (`make_room` is then
+    0); sharing a prefix needs its source and the new branch active at once, so with a single
+    lease a prompt sharing one with a branch handed out raises LeaseExhaustedError (each
+    operation admits its branches). With `max_cached_tokens=0`, a
     released entry's lease comes back once its background eviction ran (at once for the
     cache's own `branch`, which waits for it; a `Branch.create` right after may not find it).
 

@@ -287,7 +287,7 @@ impl PrefixCache {
         loop {
             relay.check()?;
             let (source, shared) = self.lookup(sentinel, tokens)?;
-            if self.ctx.available() == 0 {
+            if self.out_of_leases(1) {
                 self.evict_one(source.as_ref().map(Branch::handle))?;
                 continue;
             }
@@ -355,7 +355,7 @@ impl PrefixCache {
     fn fork_blocking(&self, source: &Branch, seed: Option<u32>) -> Result<Branch> {
         let keep = Some(source.handle());
         loop {
-            if self.ctx.available() == 0 {
+            if self.out_of_leases(1) {
                 self.evict_one_but(keep)?;
                 continue;
             }
@@ -382,9 +382,17 @@ impl PrefixCache {
         }
     }
 
+    /// Whether `n` new branches need entries evicted first: fewer than `n` leases are free, on
+    /// a context that does not park branches (one that does parks the least recently used
+    /// branches, the user's too, to make them room: nothing to evict).
+    fn out_of_leases(&self, n: u32) -> bool {
+        !self.ctx.parks() && self.ctx.available() < n
+    }
+
     /// Evict entries, least recently used first, until `n` leases are free (room for a
     /// request's `n` branches); how many were evicted. LeaseExhaustedError when the entries
-    /// are not enough: branches handed out (or made outside the cache) hold the rest.
+    /// are not enough: branches handed out (or made outside the cache) hold the rest. On a
+    /// `park` context there is always room (branches are parked to make it): 0.
     pub fn make_room(&self, n: u32) -> Pending<usize> {
         if n > self.ctx.n_seq_max() {
             return Pending::ready(Err(Error::invalid(
@@ -399,7 +407,7 @@ impl PrefixCache {
         Pending::spawn("kvfork-prefix", move || {
             cache.ctx.shared().check_open()?; // Closed: not "nothing left"
             let mut evicted = 0;
-            while cache.ctx.available() < n {
+            while cache.out_of_leases(n) {
                 if cache.evict_one_but(None)? {
                     evicted += 1;
                 }
@@ -964,10 +972,18 @@ impl PrefixCache {
 
     /// Prune every entry (live branches stay).
     pub fn clear(&self) -> Result<()> {
-        while self.lock().trie.least_recently_used().is_some() {
+        loop {
+            {
+                // Entries whose branch was disposed elsewhere (a `prune_subtree` above them,
+                // `retain_only`) are forgotten first: evicting them is "nothing to evict".
+                let mut st = self.lock();
+                st.refresh();
+                if st.trie.least_recently_used().is_none() {
+                    return Ok(());
+                }
+            }
             self.evict_one(None)?;
         }
-        Ok(())
     }
 
     /// Evict every entry into the spill levels, then write those in host memory to disk, so
