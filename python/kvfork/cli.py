@@ -708,7 +708,11 @@ def _parser() -> argparse.ArgumentParser:
         "others (the default top_k 0: the whole vocabulary; penalties, logit_bias, "
         "response_format) get whole rows as without it (create_context(device_sampling=))",
     )
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health and /metrics)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (all but /health and /metrics)",
+    )
     serve.add_argument(
         "--loop",
         choices=["auto", "uvloop", "asyncio"],
