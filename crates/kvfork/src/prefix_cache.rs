@@ -32,15 +32,14 @@ use crate::prefix_spill::{
 use crate::sampling::SamplingParams;
 
 /// A spilled entry taken out for a request, and how many of its tokens the prompt shares.
-/// Dropped, it is settled (`Spill::settle`): as restored once `spent` (its cells a branch's),
-/// dropped when `corrupt`, else given back: a request that refuses it, runs out of room or
+/// Dropped, it is settled (`Spill::settle`) as `settled` says: `Restored` once its cells are a
+/// branch's, `Corrupt`, or else given back: a request that refuses it, runs out of room or
 /// is cancelled loses no entry.
 struct Restoring {
     cache: PrefixCache,
     taken: Option<Taken>,
     len: usize,
-    spent: Cell<bool>,
-    corrupt: Cell<bool>,
+    settled: Cell<Settled>,
 }
 
 impl Restoring {
@@ -52,13 +51,7 @@ impl Restoring {
 impl Drop for Restoring {
     fn drop(&mut self) {
         if let Some(taken) = self.taken.take() {
-            let how = if self.corrupt.get() {
-                Settled::Corrupt
-            } else if self.spent.get() {
-                Settled::Restored
-            } else {
-                Settled::NotRestored
-            };
+            let how = self.settled.get();
             self.cache.settle_taken(taken, how);
         }
     }
@@ -553,7 +546,7 @@ impl PrefixCache {
             },
             None => 0,
         };
-        // An entry restored because the source was evicted meanwhile: spent, like `spilled`,
+        // An entry restored because the source was evicted meanwhile: settled, like `spilled`,
         // only once the prefill after it succeeds.
         let mut late: Option<Restoring> = None;
         let shared = match source {
@@ -599,7 +592,7 @@ impl PrefixCache {
             return Err(e); // a restored entry goes back to the spill
         }
         for restoring in spilled.filter(|_| restored > 0).into_iter().chain(&late) {
-            restoring.spent.set(true); // its cells are this branch's now
+            restoring.settled.set(Settled::Restored); // its cells are this branch's now
         }
         self.count(shared, tokens.len() - shared);
         Ok((branch, shared))
@@ -754,8 +747,7 @@ impl PrefixCache {
                 cache: self.clone(),
                 taken: Some(taken),
                 len,
-                spent: Cell::new(false),
-                corrupt: Cell::new(false),
+                settled: Cell::new(Settled::NotRestored),
             }),
             Err(_) => {
                 if let Some(spill) = self.lock().spill.as_mut() {
@@ -785,7 +777,7 @@ impl PrefixCache {
             Ok(n) => n,
             Err(e @ Error::KvCacheFull(_)) => return Err(e),
             Err(_) => {
-                restoring.corrupt.set(true); // another model's, or not what it was indexed as
+                restoring.settled.set(Settled::Corrupt); // another model's, or not as indexed
                 0
             }
         };
@@ -839,8 +831,8 @@ impl PrefixCache {
 
     /// [`PrefixCache::restore_into`] of the spilled entry sharing the most with `tokens`, if
     /// one is worth it: how many tokens it holds (0 when none is, or it could not be restored
-    /// here), and the entry taken out, for the caller to mark spent once its prefill is done
-    /// (dropped unspent, it goes back to its level: a cancelled request loses nothing).
+    /// here), and the entry taken out, for the caller to mark restored once its prefill is
+    /// done (dropped before, it goes back to its level: a cancelled request loses nothing).
     fn restore_evicted(&self, branch: &Branch, tokens: &[Token]) -> (usize, Option<Restoring>) {
         self.wait_for_spilling(tokens);
         let Some(restoring) = self.take_spilled(tokens, 0) else {
