@@ -3,6 +3,9 @@ noise (a parked branch comes back into other cells: conftest's rules)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import kvfork
 import numpy as np
 import pytest
@@ -11,7 +14,6 @@ from .conftest import (
     GREEDY,
     NEAR_TIE,
     PROMPT,
-    Trace,
     assert_close_logits,
     assert_follows,
     assert_same_greedy,
@@ -242,12 +244,28 @@ def test_save_and_load_a_parked_branch(model: kvfork.Model, tmp_path: object) ->
             ctx.save_state_sync(Path(str(tmp_path)) / "ctx.kvs")
 
 
+def assert_exact_when_parked(
+    model: kvfork.Model,
+    scenario: Callable[[kvfork.Context], kvfork.Branch],
+    steps: int,
+    wide: int,
+) -> dict[str, Any]:
+    """The branch `scenario` leaves goes on, on a park context of 2 leases, as it does on one
+    of `wide` (no parking), in lock step for `steps` tokens (`assert_follows`: cells
+    overwritten would move its rows far beyond noise). The park context's stats."""
+    with open_ctx(model, wide, park=False) as ctx:
+        expected = record(scenario(ctx), steps)
+    with open_ctx(model, 2, park=True) as ctx:
+        assert_follows(scenario(ctx), expected)
+        return ctx.stats()
+
+
 def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model) -> None:
     """Gemma 3 has sliding-window layers (512 positions): once the parent runs a window past
     the prefix it shares with a parked child, llama.cpp may reuse those cells (held by the
     parent alone) for new ones, unless the child's copy was taken first."""
 
-    def run(ctx: kvfork.Context, reference: Trace | None) -> Trace:
+    def scenario(ctx: kvfork.Context) -> kvfork.Branch:
         first = kvfork.Branch.create(ctx, 0, GREEDY)
         first.prefill_sync(list(range(3000, 3010)))  # the lowest cells
         parent = kvfork.Branch.create(ctx, 0, GREEDY)
@@ -256,16 +274,9 @@ def test_a_window_past_a_parked_childs_prefix_keeps_it_exact(model: kvfork.Model
         parent.prefill_sync(list(range(2000, 2700)))  # a window past the shared prefix
         first.prune_sync()  # llama.cpp's next search for cells starts at the bottom
         parent.prefill_sync(list(range(2700, 2720)))
-        if reference is None:
-            return record(child, 8)
-        # Cells overwritten would move its rows far beyond noise.
-        assert_follows(child, reference)
-        return reference
+        return child
 
-    with open_ctx(model, 3, park=False) as wide:
-        expected = run(wide, None)
-    with open_ctx(model, 2, park=True) as narrow:
-        run(narrow, expected)
+    assert_exact_when_parked(model, scenario, 8, wide=3)
 
 
 def test_a_branch_parked_after_its_anchor_ran_a_window_ahead_keeps_its_prefix(
@@ -279,7 +290,7 @@ def test_a_branch_parked_after_its_anchor_ran_a_window_ahead_keeps_its_prefix(
     parks `f1`, which re-anchors `f2` on `late`: `f2`'s rows were 6.5 off, its token
     another."""
 
-    def run(ctx: kvfork.Context, reference: Trace | None) -> Trace:
+    def scenario(ctx: kvfork.Context) -> kvfork.Branch:
         prompt = ctx.tokenize("The history of the city begins in the twelfth century, when")
         other = kvfork.Branch.create(ctx, 0, GREEDY)  # takes the second lease
         other.prefill_sync(prompt)
@@ -290,16 +301,10 @@ def test_a_branch_parked_after_its_anchor_ran_a_window_ahead_keeps_its_prefix(
         f2 = f1.fork_sync()  # f1 comes back, f2 born parked on it
         late.commit_sync(506)
         f2.commit_sync(506)  # f2 comes back, f1 parked: f2 re-anchored on late
-        if reference is None:
-            return record(f2, 4)
-        assert_follows(f2, reference)
-        return reference
+        return f2
 
-    with open_ctx(model, 4, park=False) as wide:
-        expected = run(wide, None)
-    with open_ctx(model, 2, park=True) as narrow:
-        run(narrow, expected)
-        assert narrow.stats()["parks"] > 0
+    stats = assert_exact_when_parked(model, scenario, 4, wide=4)
+    assert stats["parks"] > 0
 
 
 def test_bad_park_options(model: kvfork.Model) -> None:

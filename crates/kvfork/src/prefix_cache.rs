@@ -751,7 +751,7 @@ impl PrefixCache {
             }),
             Err(_) => {
                 if let Some(spill) = self.lock().spill.as_mut() {
-                    spill.drop_unreadable(id);
+                    spill.drop_entry(id); // its file is not the entry
                 }
                 None
             }

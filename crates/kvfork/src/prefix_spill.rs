@@ -150,7 +150,7 @@ pub(crate) struct Taking {
 impl Taking {
     /// The entry's bytes: from memory (an entry still being written too), or read from its
     /// file (which stays: `Spill::settle`). A file that is not the entry it was indexed as is
-    /// an error: the caller drops the entry (`Spill::drop_unreadable`).
+    /// an error: the caller drops the entry (`Spill::drop_entry`).
     pub fn read(self) -> Result<Taken> {
         let from_disk = self.place.on_disk();
         let (entry, file) = match self.place {
@@ -489,7 +489,9 @@ impl Spill {
         }
     }
 
-    fn drop_entry(&mut self, id: u64) {
+    /// Forget entry `id` and remove its file (also a taken one whose file could not be read
+    /// as the entry).
+    pub fn drop_entry(&mut self, id: u64) {
         if let Some(Entry {
             place: Place::Disk(path),
             ..
@@ -535,30 +537,28 @@ impl Spill {
     /// all along), only no request finds it; one in memory leaves its level.
     pub fn take(&mut self, id: u64) -> Option<Taking> {
         let entry = self.entries.get(&id)?;
-        if let Place::Disk(path) = &entry.place {
-            let taking = Taking {
-                id,
-                tokens: entry.tokens.clone(),
-                anchor: entry.anchor,
-                layout: self.layout,
-                place: Place::Disk(path.clone()),
-            };
-            self.trie.remove(id);
-            return Some(taking);
-        }
-        let entry = self.remove(id)?;
+        let (tokens, anchor, place) = match &entry.place {
+            Place::Disk(path) => {
+                let out = (
+                    entry.tokens.clone(),
+                    entry.anchor,
+                    Place::Disk(path.clone()),
+                );
+                self.trie.remove(id);
+                out
+            }
+            _ => {
+                let entry = self.remove(id)?;
+                (entry.tokens, entry.anchor, entry.place)
+            }
+        };
         Some(Taking {
             id,
-            tokens: entry.tokens,
-            anchor: entry.anchor,
+            tokens,
+            anchor,
             layout: self.layout,
-            place: entry.place,
+            place,
         })
-    }
-
-    /// A taken entry whose file could not be read as the entry: dropped, file and all.
-    pub fn drop_unreadable(&mut self, id: u64) {
-        self.drop_entry(id);
     }
 
     /// A taken entry done with. Not restored, it goes back where it was; restored, one on
@@ -835,7 +835,7 @@ mod tests {
             err.to_string().contains("no longer holds the tokens"),
             "{err}"
         );
-        first.drop_unreadable(ours);
+        first.drop_entry(ours);
         assert_eq!(first.stats().1.entries, 0);
         assert_eq!(fs::read_dir(&d).unwrap().count(), 1);
         let _ = fs::remove_dir_all(&d);

@@ -33,6 +33,22 @@ pub(super) fn may_be_one_request(e: &Error) -> bool {
 /// A step's branches and their draws before it sampled them.
 type StepDraws = Vec<(Arc<BranchCell>, Draws)>;
 
+/// A cell sampled: its token, and its draws before (taken under the same lock; None when it
+/// was not sampled), which a step that fails undoes.
+struct Drawn {
+    produced: Result<Produced>,
+    before: Option<Draws>,
+}
+
+impl Drawn {
+    fn refused(e: Error) -> Self {
+        Drawn {
+            produced: Err(e),
+            before: None,
+        }
+    }
+}
+
 /// `e`, naming the branch it concerns when its request has several (a store's commit or
 /// step): whose grammar, bias or chain refused.
 fn naming_branch(e: Error, cell: &BranchCell, several: bool) -> Error {
@@ -58,7 +74,7 @@ impl Worker {
     /// A `produce`: sample now and reply (nothing to decode).
     pub(super) fn answer_sample(&mut self, req: CommitRequest) {
         let cell = req.items[0].0.clone();
-        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0)]);
+        let mut result = self.guarded(1, |w| vec![w.sample_cells(&[cell]).remove(0).produced]);
         req.ticket.finish();
         req.reply.send(result.remove(0).map(|p| vec![p]));
     }
@@ -140,20 +156,18 @@ impl Worker {
             .iter()
             .flat_map(|&i| group[i].items.iter().map(|(cell, _)| cell.clone()))
             .collect();
-        let mut before = cells
-            .iter()
-            .map(|cell| (cell.clone(), cell.lock().draws()))
-            .collect::<Vec<_>>()
-            .into_iter();
         let mut sampled = self.sample_cells(&cells).into_iter();
         for i in steps {
             let items = &mut group[i].items;
-            let step_draws: StepDraws = before.by_ref().take(items.len()).collect();
+            let mut step_draws = StepDraws::with_capacity(items.len());
             let mut produced = Vec::with_capacity(items.len());
             let mut failed = None;
             let several = items.len() > 1;
-            for ((cell, _), p) in items.iter().zip(sampled.by_ref()) {
-                match p {
+            for ((cell, _), drawn) in items.iter().zip(sampled.by_ref()) {
+                if let Some(before) = drawn.before {
+                    step_draws.push((cell.clone(), before));
+                }
+                match drawn.produced {
                     Ok(p) => produced.push(p),
                     Err(e) => {
                         failed.get_or_insert_with(|| naming_branch(e, cell, several));
@@ -205,7 +219,7 @@ impl Worker {
     /// Sample each cell (across the cores when a grammar or a full-vocabulary chain makes it
     /// pay); nothing is accepted. A cell whose chain needs the row the device kept gets it
     /// first (`refresh.rs`).
-    fn sample_cells(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Result<Produced>> {
+    fn sample_cells(&mut self, cells: &[Arc<BranchCell>]) -> Vec<Drawn> {
         let refused = self.refresh_rows(cells);
         let model = self.shared().model.clone();
         // Empty (no allocation) unless a cell is disposed, as `refused`.
@@ -214,15 +228,19 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let sample = |i: usize| -> Result<Produced> {
-            let cell = &cells[i];
+        let sample = |i: usize| -> Drawn {
             if gone.get(i) == Some(&true) {
-                return Err(Error::BranchDisposed("in step".into()));
+                return Drawn::refused(Error::BranchDisposed("in step".into()));
             }
             if let Some(Some(e)) = refused.get(i) {
-                return Err(e.clone());
+                return Drawn::refused(e.clone());
             }
-            cell.lock().produce(&model)
+            let mut st = cells[i].lock();
+            let before = st.draws();
+            Drawn {
+                produced: st.produce(&model),
+                before: Some(before),
+            }
         };
         let heavy = cells.len() > 1 && cells.iter().any(|c| c.lock().sampling_is_heavy());
         if heavy {

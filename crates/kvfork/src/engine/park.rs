@@ -118,11 +118,7 @@ impl Worker {
         let seq = cell.seq();
         self.release_dependents(v, seq, |_, _, _| true)?;
         let hi = self.ctx().seq_pos_max(seq)? + 1;
-        let anchor = match self.ledger_anchor(v, None) {
-            Some((a, k)) => Some((a, self.window_safe_k(a, hi as i64, k)?)),
-            None => None,
-        }
-        .filter(|&(_, k)| k > 0);
+        let anchor = self.window_safe(self.ledger_anchor(v, None), hi as i64)?;
         let k = anchor.map_or(0, |(_, k)| k);
         // Taken first: the anchor's cells come with the anchor's state (see `Parked::state`).
         let state = if self.keeps_checkpoints() {
@@ -221,11 +217,8 @@ impl Worker {
                 continue;
             }
             let pos = self.cell_of(d)?.lock().position() as i64;
-            let next = match self.ledger_anchor(d, Some(v)) {
-                Some((a, k2)) => Some((a, self.window_safe_k(a, pos, k2.min(k))?)),
-                None => None,
-            }
-            .filter(|&(_, k2)| k2 > 0);
+            let next = self.ledger_anchor(d, Some(v)).map(|(a, k2)| (a, k2.min(k)));
+            let next = self.window_safe(next, pos)?;
             let lo = next.map_or(0, |(_, k2)| k2);
             let front = if lo < k {
                 Some(self.capture(seq, lo, k)?)
@@ -240,26 +233,31 @@ impl Worker {
         Ok(())
     }
 
-    /// How many of its first `k` cells a branch at `pos` may take from active `anchor`: `k`,
-    /// unless the model has sliding-window layers where the branch still reads some of them
-    /// (from `pos - n_swa` on) and the anchor has already moved a window past them: llama.cpp
-    /// may have reused those cells there (only the anchor's tag held them), so the branch
-    /// keeps its own copy from that point (`guard_window` keeps an anchor from moving past
-    /// later; this is the anchor chosen after it moved).
-    fn window_safe_k(&self, anchor: Handle, pos: i64, k: u32) -> Result<u32> {
+    /// The anchor `(a, k)` found for a branch at `pos`, with `k` cut to what `a` still holds
+    /// for it (None when nothing is left). On a model with sliding-window layers the branch
+    /// still reads its first `k` cells there from `pos - n_swa` on; an anchor that already
+    /// moved a window past them may have lost them (only its tag held them, and llama.cpp
+    /// reuses such cells), so the branch keeps its own copy from that point. (`guard_window`
+    /// keeps an anchor from moving past later; this is an anchor chosen after it moved.)
+    fn window_safe(&self, found: Option<(Handle, u32)>, pos: i64) -> Result<Option<(Handle, u32)>> {
+        let Some((a, k)) = found else {
+            return Ok(None);
+        };
         let n_swa = self.shared().model.n_swa() as i64;
         let floor = (pos - n_swa).max(0);
-        if n_swa == 0 || floor >= k as i64 {
-            return Ok(k);
-        }
-        let last = self.ctx().seq_pos_max(self.cell_of(anchor)?.seq())? as i64;
-        // One past the highest position llama.cpp may have reused (as in `guard_window`).
-        let reusable_below = last + 2 - n_swa;
-        Ok(if reusable_below <= floor {
+        let k = if n_swa == 0 || floor >= k as i64 {
             k
         } else {
-            floor as u32
-        })
+            let last = self.ctx().seq_pos_max(self.cell_of(a)?.seq())? as i64;
+            // One past the highest position llama.cpp may have reused (as in `guard_window`).
+            let reusable_below = last + 2 - n_swa;
+            if reusable_below <= floor {
+                k
+            } else {
+                floor as u32
+            }
+        };
+        Ok((k > 0).then_some((a, k)))
     }
 
     /// Host copy of `seq`'s cells at `[lo, hi)`, through the scratch sequence.

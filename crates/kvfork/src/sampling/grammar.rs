@@ -262,19 +262,15 @@ impl Grammar {
     /// refuses; if so it is masked from now until the next accepted token (the sampler draws
     /// again). Always false for an active grammar, which masks what it refuses already.
     pub fn trigger_refuses(&mut self, model: &Model, token: Token) -> Result<bool> {
-        let Engine::Awaiting(waiting) = &mut self.engine else {
-            return Ok(false);
+        let fired = match &mut self.engine {
+            Engine::Awaiting(waiting) => waiting.probe(model, token)?,
+            Engine::Llama(_) | Engine::Guidance(_) => None,
         };
-        let Some(fired) = waiting.probe(model, token)? else {
-            return Ok(false);
-        };
-        if self.started(model, fired).is_ok() {
-            return Ok(false);
-        }
-        if let Engine::Awaiting(waiting) = &mut self.engine {
+        let refused = fired.is_some_and(|fired| self.started(model, fired).is_err());
+        if let (true, Engine::Awaiting(waiting)) = (refused, &mut self.engine) {
             waiting.refuse(token);
         }
-        Ok(true)
+        Ok(refused)
     }
 
     /// Whether llguidance reads this constraint.
