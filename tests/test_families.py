@@ -13,6 +13,8 @@ checkpoint at or before the position wanted and decode the rest again (`ctx.stat
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -440,6 +442,29 @@ def test_parked_branches_come_back_exactly(tiny: kvfork.Model, parent_first: boo
         stats = ctx.stats()
         moves = 1 if parent_first else 2  # the fork comes back; or it, then the parent
         assert stats["parks"] >= moves and stats["unparks"] >= moves
+
+
+def test_prefills_cancelled_on_a_park_context_roll_back_exactly(tiny: kvfork.Model) -> None:
+    """Prefills cancelled at once (aborted and rolled back) on a `park=True` context: the
+    branch then continues as a fresh prefill of its history does. There a recurrent state
+    rolls back by decoding again from an earlier checkpoint, and that replay was aborted by
+    the very cancel it rolled back: the state stayed where it stopped (rows 20-50 off)."""
+
+    async def cancel_prefills(ctx: kvfork.Context) -> kvfork.Branch:
+        b = prefilled(ctx, ctx.tokenize(PROMPT))
+        cancelled = 0
+        for i in range(12):
+            before = b.position
+            more = ctx.tokenize(" and then" * (5 + i), add_special=False)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(b.prefill(more), (0, 1e-6, 1e-5, 1e-4)[i % 4])
+            cancelled += b.position == before
+            await b.commit(b.sample())
+        assert cancelled > 0
+        return b
+
+    with open_ctx(tiny, n_seq_max=1, park=True) as ctx:
+        assert_continues_as_fresh(tiny, asyncio.run(cancel_prefills(ctx)))
 
 
 def test_snapshots_restore_exactly(tiny: kvfork.Model) -> None:

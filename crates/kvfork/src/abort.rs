@@ -30,6 +30,13 @@ impl AbortSignal {
         self.current.store(run, Ordering::Relaxed);
     }
 
+    /// Take the current run off (a cancel of it aborts nothing now; `close` still does) and
+    /// return it, for `set_running` to put back: a rollback must complete, and the run being
+    /// aborted, the reason for most rollbacks, would abort its replay too.
+    pub fn pause(&self) -> u64 {
+        self.current.swap(0, Ordering::Relaxed)
+    }
+
     /// Abort `run` while it runs.
     pub fn abort(&self, run: u64) {
         self.target.store(run, Ordering::Relaxed);

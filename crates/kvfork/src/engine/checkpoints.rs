@@ -85,7 +85,12 @@ impl Worker {
                 0
             }
         };
-        self.replay(cell, seq, start, &replay)
+        // Not abortable: the cancel that failed the run this rolls back would stop the replay
+        // and leave the state wherever it stopped.
+        let run = self.shared().abort.pause();
+        let replayed = self.replay(cell, seq, start, &replay);
+        self.shared().abort.set_running(run);
+        replayed
     }
 
     /// Make the empty sequence `target` hold `cell`'s first `pos` tokens, `cell` untouched:
