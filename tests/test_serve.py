@@ -342,6 +342,12 @@ BAD = [
     ("/v1/chat/completions", b"{not json", None),
     ("/v1/chat/completions", b"[1, 2]", None),
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+    (
+        "/v1/chat/completions",
+        b'{"model": 5, "messages": [{"role": "user", "content": "x"}]}',
+        "model",
+    ),
+    ("/v1/embeddings", b'{"model": ["x"], "input": "x"}', "model"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0]"),
     (
         "/v1/chat/completions",

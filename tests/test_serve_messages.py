@@ -434,6 +434,7 @@ def test_a_repeated_prompt_is_read_from_the_cache(client: anthropic.Anthropic) -
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/messages", {"model": "x", "messages": _user()}, "max_tokens"),
+    ("/v1/messages", {"model": 5, "max_tokens": 4, "messages": _user()}, "model"),
     (
         "/v1/messages",
         {"model": "x", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},

@@ -385,6 +385,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({}, "input"),
     ({"input": ""}, "input"),
     ({"input": 5}, "input"),
+    ({"input": "x", "model": 5}, "model"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # reasoning alone asks nothing

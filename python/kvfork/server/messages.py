@@ -30,6 +30,7 @@ from .requests import (
     Sampling,
     bool_field,
     int_field,
+    model_field,
     number_field,
     parse_template_kwargs,
 )
@@ -121,7 +122,7 @@ def _sampling(body: dict[str, Any], counting: bool) -> Sampling:
         stream=bool_field(body, "stream"),
         lora=parse_lora(body),
         # As for chat: a LoRA adapter's name as the model selects it, any other the base.
-        model=model if isinstance(model := body.get("model"), str) else None,
+        model=model_field(body),
     )
 
 

@@ -222,6 +222,14 @@ def bool_field(body: dict[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
+def model_field(body: dict[str, Any]) -> str | None:
+    """`body["model"]`: a string (an adapter's name selects it), absent, or a 400."""
+    value = body.get("model")
+    if value is not None and not isinstance(value, str):
+        raise bad_request("model must be a string", "model")
+    return value
+
+
 def _stop(body: dict[str, Any]) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -328,7 +336,7 @@ def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Samplin
         include_usage=include_usage is True,
         json_schema=_response_format(body),
         lora=parse_lora(body),
-        model=model if isinstance(model := body.get("model"), str) else None,
+        model=model_field(body),
     )
 
 
@@ -570,6 +578,7 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
         ):
             continue
         raise bad_request("input items must be non-empty strings or token id lists", "input")
+    model_field(body)  # checked as elsewhere; one model embeds whatever it names
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")

@@ -37,6 +37,7 @@ from .requests import (
     Sampling,
     bool_field,
     int_field,
+    model_field,
     number_field,
     parse_template_kwargs,
 )
@@ -423,7 +424,7 @@ def _sampling(body: dict[str, Any], schema: dict[str, Any] | None) -> Sampling:
         stream=bool_field(body, "stream"),
         json_schema=schema,
         lora=parse_lora(body),
-        model=model if isinstance(model := body.get("model"), str) else None,
+        model=model_field(body),
     )
 
 
