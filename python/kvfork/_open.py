@@ -75,7 +75,9 @@ def create_context(
       free lease return a parked branch (`is_active` False, its own KV cells in host
       memory) instead of raising LeaseExhaustedError, and any operation that needs a parked
       branch's KV brings it back, parking the least recently used idle branch. Results equal
-      those with enough leases. `n_seq_max` then counts leases (at most 255), not branches;
+      those with enough leases up to cell-order noise (a cell may land in a hole below
+      older ones, as after a prune: logits move by up to ~1, greedy tokens agree up to the
+      first near-tie: concepts.md, "More branches than leases"). `n_seq_max` then counts leases (at most 255), not branches;
       `save_state`/`load_state` are refused (save branches one by one).
     - `checkpoints=16`, `checkpoint_bytes=268435456`: on a recurrent or hybrid model
       (`Model.is_recurrent`), the most recurrent-state checkpoints each branch keeps in host
