@@ -107,8 +107,8 @@ macro_rules! sampling_params {
 }
 
 sampling_params! {
-    /// Divides the logits before the draw: higher is more random. `<= 0` is greedy (argmax),
-    /// unless Mirostat is on. Default 0.8.
+    /// Divides the logits before the draw: higher is more random. `<= 0` keeps only the most
+    /// likely token: greedy (with Mirostat on, after its filters, as llama.cpp's). Default 0.8.
     temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables. Default 40.
     top_k: i32,

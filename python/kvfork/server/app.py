@@ -309,13 +309,24 @@ class Endpoints:
     async def models(self, request: Request) -> Response:
         """The model, and each LoRA adapter as a model of its own (a request naming it as its
         `model` decodes under it, as vLLM serves LoRA modules)."""
+        return JSONResponse({"object": "list", "data": self._models()})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: one of `/v1/models`' list, or a 404."""
+        wanted = request.path_params["model_id"]
+        for model in self._models():
+            if model["id"] == wanted:
+                return JSONResponse(model)
+        raise APIError(404, f"no model {wanted!r} here", param="model", code="model_not_found")
+
+    def _models(self) -> list[dict[str, Any]]:
         s = self.service
         model = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "kvfork"}
         adapters = [
             {**model, "id": a["name"], "parent": s.model_id, "root": a["path"]}
             for a in s.lora_adapters
         ]
-        return JSONResponse({"object": "list", "data": [model, *adapters]})
+        return [model, *adapters]
 
     async def lora_adapters(self, request: Request) -> Response:
         """llama-server's `GET /lora-adapters`: `[{"id", "name", "path", "scale"}]`."""
@@ -396,13 +407,14 @@ class Endpoints:
         generation = s.generate(tokens, req.sampling, [], "prompt")
 
         def choice(
-            index: int, text: str, lps: list[dict[str, Any]], finish: str | None
+            index: int, text: str, finish: str | None, lps: list[dict[str, Any]], at: list[int]
         ) -> dict[str, Any]:
+            logprobs = _completion_logprobs(lps, [len(echo) + o for o in at])
             return {
                 "index": index,
                 "text": text,
                 "finish_reason": finish,
-                "logprobs": _completion_logprobs(lps) if req.sampling.logprobs else None,
+                "logprobs": logprobs if req.sampling.logprobs else None,
             }
 
         if req.sampling.stream:
@@ -417,7 +429,13 @@ class Endpoints:
                             {
                                 **head,
                                 "choices": [
-                                    choice(item.index, text, item.logprobs, item.finish_reason)
+                                    choice(
+                                        item.index,
+                                        text,
+                                        item.finish_reason,
+                                        item.logprobs,
+                                        item.logprob_offsets,
+                                    )
                                 ],
                             }
                         )
@@ -432,7 +450,13 @@ class Endpoints:
                 {
                     **head,
                     "choices": [
-                        choice(c.index, echo + c.content, c.logprobs, c.finish_reason)
+                        choice(
+                            c.index,
+                            echo + c.content,
+                            c.finish_reason,
+                            c.logprobs,
+                            c.logprob_offsets,
+                        )
                         for c in outcome.choices
                     ],
                     "usage": outcome.usage(),
@@ -485,6 +509,7 @@ class Endpoints:
 
             async def chunks() -> AsyncGenerator[bytes, None]:
                 texts: dict[int, str] = {}
+                held: dict[int, list[dict[str, Any]]] = {}  # a tools reply's, until its end
                 async for item in generation:
                     if isinstance(item, Outcome):
                         if req.sampling.include_usage:
@@ -502,6 +527,7 @@ class Endpoints:
                         if delta or item.finish_reason or lp:
                             yield chunk(item.index, delta, item.finish_reason, lp)
                         continue
+                    held.setdefault(item.index, []).extend(item.logprobs)
                     if item.reasoning:  # the reasoning streams; a call is only known whole
                         yield chunk(item.index, _reasoning_delta(item), None, None)
                     if item.finish_reason is None:
@@ -509,6 +535,7 @@ class Endpoints:
                     message, finish = finished(texts[item.index], item.finish_reason)
                     for delta in _message_deltas(message):
                         yield chunk(item.index, delta, None, None)
+                    lp = {"content": held.pop(item.index)} if req.sampling.logprobs else None
                     yield chunk(item.index, {}, finish, lp)
 
             return await _stream(request, chunks(), generation)
@@ -676,12 +703,9 @@ async def _stream(
     return response
 
 
-def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The legacy completions shape of per-token logprobs."""
-    offset, offsets = 0, []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
+def _completion_logprobs(entries: list[dict[str, Any]], offsets: list[int]) -> dict[str, Any]:
+    """The legacy completions shape of per-token logprobs (`offsets`: where each token's
+    text starts in the choice's text)."""
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -728,6 +752,7 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/models", e.guarded("models", e.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", e.guarded("models", e.model), methods=["GET"]),
         Route("/tokenize", e.guarded("tokenize", e.tokenize), methods=["POST"]),
         Route("/detokenize", e.guarded("detokenize", e.detokenize), methods=["POST"]),
         Route("/apply-template", e.guarded("apply_template", e.apply_template), methods=["POST"]),

@@ -143,6 +143,12 @@ class Choice:
     content: str = ""
     #: Completion tokens that were reasoning (counted once, for the choice that thought).
     reasoning_tokens: int = 0
+    #: Logprobs entries not handed out yet, each with where its token's text starts: an
+    #: entry goes out with the first of its token's text, and a stop string drops those of
+    #: the tokens it cut whole (so a stream's entries add up to the reply's, and to its text).
+    held_logprobs: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    #: Where each token of `logprobs` starts in the text (`/v1/completions`' text_offset).
+    logprob_offsets: list[int] = field(default_factory=list)
 
     @classmethod
     def start(cls, index: int, stop: list[str], plan: Plan | None, limit: int) -> Choice:
@@ -154,8 +160,11 @@ class Choice:
             choice.keeps_markup = plan.keeps_markup
         return choice
 
-    def add(self, text: str, tokens: int = 1) -> bool:
-        """A sampled token's text: True once a stop string has appeared."""
+    def add(self, text: str, tokens: int = 1, logprobs: dict[str, Any] | None = None) -> bool:
+        """A sampled token's text (and its logprobs entry): True once a stop string has
+        appeared."""
+        if logprobs is not None:
+            self.held_logprobs.append((len(self.text.text), logprobs))
         self.tokens += tokens
         if self.thought is not None:
             self.reasoning_tokens += self.thought.saw(text, tokens)
@@ -169,12 +178,12 @@ class Choice:
         self.thought.forced(text, tokens)
         return self.text.add(text)
 
-    def event(
-        self, logprobs: list[dict[str, Any]] | None = None, finish: str | None = None
-    ) -> Event | None:
+    def event(self, finish: str | None = None) -> Event | None:
         """The text not handed out yet as an event (its reasoning and content apart), with
-        `logprobs`; with `finish`, the choice's end. None when there is nothing to tell."""
+        its tokens' logprobs; with `finish`, the choice's end. None when there is nothing to
+        tell."""
         piece = self.text.take(final=finish is not None)
+        logprobs = self._release_logprobs(final=finish is not None)
         reasoning, content = "", piece
         if self.split is not None:
             reasoning, content = self.split.feed(piece)
@@ -189,7 +198,24 @@ class Choice:
             self.finish_reason = finish
         if not (reasoning or content or logprobs or finish):
             return None
-        return Event(self.index, content, logprobs or [], finish, reasoning)
+        offsets = self.logprob_offsets[len(self.logprob_offsets) - len(logprobs) :]
+        return Event(self.index, content, logprobs, finish, reasoning, offsets)
+
+    def _release_logprobs(self, final: bool) -> list[dict[str, Any]]:
+        """The held entries whose token's text has begun to go out (at the end: all, but
+        those of tokens a stop string cut whole)."""
+        if final and not self.text.stopped:
+            out = len(self.text.text) + 1
+        else:
+            out = len(self.text.content) if final else self.text.given
+        n = 0
+        while n < len(self.held_logprobs) and self.held_logprobs[n][0] < out:
+            n += 1
+        released = self.held_logprobs[:n]
+        self.held_logprobs = [] if final else self.held_logprobs[n:]
+        self.logprobs += [entry for _, entry in released]
+        self.logprob_offsets += [start for start, _ in released]
+        return [entry for _, entry in released]
 
     def fork(self, index: int) -> Choice:
         """A copy for a choice forked from this one's branch now (shared reasoning): the same
@@ -210,6 +236,8 @@ class Event:
     logprobs: list[dict[str, Any]]
     finish_reason: str | None = None
     reasoning: str = ""
+    #: Where each of `logprobs`' tokens starts in the choice's text.
+    logprob_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -838,13 +866,11 @@ async def _next_token(
     entry = _logprobs(branch, tok, sampling.top_logprobs) if sampling.logprobs else None
     # Queued before the event goes out: see `_plain`.
     committed = branch.commit(tok)
-    if entry is not None:
-        choice.logprobs.append(entry)
-    if choice.add(tok.text):
+    if choice.add(tok.text, logprobs=entry):
         _finish(out, choice, "stop")
         committed.close()  # the generation is over, the commit not awaited
         return False
-    _tell(out, choice.event([entry] if entry else None))
+    _tell(out, choice.event())
     try:
         await _with_room(cache, lambda: branch.commit(tok), committed)
     except _NoRoom:
@@ -860,14 +886,20 @@ def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
     ctx = branch.context
     best = branch.top_logprobs(top) if top else []
     return {
-        "token": tok.text,
-        "logprob": branch.logprob(tok.token),
-        "bytes": list(tok.text.encode()),
-        "top_logprobs": [
-            {"token": (t := ctx.token_to_text(i)), "logprob": lp, "bytes": list(t.encode())}
-            for i, lp in best
-        ],
+        **_token_entry(ctx.token_to_bytes(tok.token), branch.logprob(tok.token)),
+        "top_logprobs": [_token_entry(ctx.token_to_bytes(i), lp) for i, lp in best],
     }
+
+
+def _token_entry(piece: bytes, logprob: float) -> dict[str, Any]:
+    """A token as OpenAI's logprobs give it: its text, or for a piece that is part of a
+    UTF-8 character, `bytes:` and its bytes escaped (as OpenAI's API writes them); the raw
+    bytes beside it."""
+    try:
+        token = piece.decode()
+    except UnicodeDecodeError:
+        token = "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+    return {"token": token, "logprob": logprob, "bytes": list(piece)}
 
 
 async def _generate_choice(cache: PrefixCache, branch: Branch, choice: Choice, out: Sink) -> None:

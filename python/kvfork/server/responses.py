@@ -58,6 +58,7 @@ IGNORED = frozenset(
         "truncation",
         "include",
         "stream_options",
+        "top_logprobs",  # logprobs come only with an `include` entry, which is ignored
     }
 )
 #: Fields read here (`lora` is kvfork's, as in chat); any other is refused (OpenAI's own

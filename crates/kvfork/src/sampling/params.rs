@@ -5,7 +5,8 @@ use crate::error::{Error, Result};
 /// Parameters of a branch's sampler chain. `temperature <= 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Divides the logits before the draw; `<= 0` is greedy unless Mirostat is on.
+    /// Divides the logits before the draw; `<= 0` keeps only the most likely token (greedy;
+    /// with Mirostat on, after the filters).
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables.
     pub top_k: i32,

@@ -144,9 +144,22 @@ pub(crate) fn xtc(
 
 /// Divide the logits by `t`; `t <= 0` keeps only the best candidate (ties: the first), as
 /// llama.cpp does (reachable with Mirostat, which is never plain greedy).
+///
+/// Overflow is kept out of the draw's softmax: where the best logit over a tiny `t` would be
+/// infinite, all are first taken relative to it (the softmax is the same); where a logit
+/// already is `+inf` (penalties or a bias pushed it past `f32::MAX`), the `+inf` ones share
+/// the mass (the limit), every other is dropped.
 pub(crate) fn temperature(c: Window<'_>, t: f32) {
     if t > 0.0 {
-        c.iter_mut().for_each(|x| x.logit /= t);
+        let max = c.iter().map(|x| x.logit).fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::INFINITY {
+            c.iter_mut().for_each(|x| {
+                x.logit = if x.logit == f32::INFINITY { 0.0 } else { f32::NEG_INFINITY }
+            });
+            return;
+        }
+        let shift = if (max / t).is_finite() { 0.0 } else { max };
+        c.iter_mut().for_each(|x| x.logit = (x.logit - shift) / t);
         return;
     }
     let best = argmax(c);
@@ -300,6 +313,28 @@ mod tests {
             let mean = surprise / n as f32;
             assert!((mean - tau).abs() < 0.5, "v2={v2} mean surprise {mean}");
         }
+    }
+
+    #[test]
+    fn a_tiny_temperature_or_an_infinite_logit_draws_the_best_not_nan() {
+        for t in [1e-38, 1e-45, 1e-30] {
+            let mut c = cands(&[-16.0, 30.0, 29.9, -3e38]);
+            temperature(&mut c, t);
+            assert!(c.iter().all(|x| !x.logit.is_nan()), "t={t}");
+            for seed in 0..20 {
+                let i = dist(&mut c, &mut Rng::from_seed(seed));
+                assert_eq!(c[i].id, 1, "t={t}");
+            }
+        }
+        let mut c = cands(&[f32::INFINITY, 5.0, f32::INFINITY]);
+        temperature(&mut c, 0.7);
+        let drawn: Vec<i32> = (0..200)
+            .map(|seed| {
+                let i = dist(&mut c, &mut Rng::from_seed(seed));
+                c[i].id
+            })
+            .collect();
+        assert!(drawn.iter().all(|&id| id != 1) && drawn.contains(&0) && drawn.contains(&2));
     }
 
     #[test]

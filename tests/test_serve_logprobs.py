@@ -1,0 +1,189 @@
+"""`kvfork serve`'s logprobs as OpenAI's clients read them: the entries of a reply are the
+tokens its text is made of (a stop string drops those it cut whole), the same whether
+streamed or not, each with its own bytes (a piece of a UTF-8 character too) and, on
+`/v1/completions`, where it starts in the text. Checked as invariants of each reply: two
+requests for the same greedy reply may part at a near-tie (cells placed otherwise)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from .serving import Server, servers
+
+#: Greedy, SmolLM2 goes on with another emoji, whose first tokens are pieces of it.
+EMOJI = "Emoji list: \U0001f431\U0001f436"
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Callable[..., Server]]:
+    yield from servers()
+
+
+@pytest.fixture(scope="module")
+def chat_server(serve: Any) -> Server:
+    server: Server = serve("chat", "--n-ctx", "4096", "--n-seq-max", "4")
+    return server
+
+
+@pytest.fixture(autouse=True)
+def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "chat_server" in request.fixturenames:
+        server: Server = request.getfixturevalue("chat_server")
+        server.assert_at_rest()
+
+
+def _completion(server: Server, stream: bool, **body: Any) -> tuple[str, dict[str, Any], str]:
+    """A `/v1/completions` reply's text, logprobs (a stream's chunks' put together) and
+    finish reason."""
+    request = {"model": "x", "temperature": 0, **body}
+    if not stream:
+        status, reply = server.post("/v1/completions", json.dumps(request).encode())
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        return choice["text"], choice["logprobs"], choice["finish_reason"]
+    text, finish = "", None
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    whole: dict[str, list[Any]] = {key: [] for key in keys}
+    for chunk in server.client().completions.create(**request, stream=True):
+        choice = chunk.choices[0]
+        text += choice.text
+        finish = choice.finish_reason or finish
+        assert choice.logprobs is not None
+        for key in keys:
+            whole[key] += getattr(choice.logprobs, key) or []
+    assert finish is not None
+    return text, whole, finish
+
+
+def _token_bytes(token: str) -> bytes:
+    """The bytes a logprobs token string stands for (`bytes:\\xNN...` for a piece of a
+    character, as OpenAI writes one)."""
+    if token.startswith("bytes:"):
+        return bytes.fromhex(token.removeprefix("bytes:").replace("\\x", ""))
+    return token.encode()
+
+
+def _assert_made_of(text: str, tokens: list[str], cut: bool) -> None:
+    """`tokens` are those `text` is made of: all of it (less the bytes of a character the
+    last ones began but did not finish), or (`cut` by a stop string) the tokens that begin
+    before the cut."""
+    pieces = [_token_bytes(t) for t in tokens]
+    whole = b"".join(pieces)
+    if not cut:
+        assert whole.decode("utf-8", "ignore") == text, (text, tokens)
+        return
+    assert whole.startswith(text.encode()), (text, tokens)
+    assert len(whole) - len(pieces[-1] if pieces else b"") < max(len(text.encode()), 1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_stop_string_keeps_the_logprobs_of_the_tokens_it_returns(
+    chat_server: Server, stream: bool
+) -> None:
+    """The stop string's token (cut whole) has no entry, streamed or not; a token it cut
+    inside keeps its own."""
+    prompt = "The capital of France is"
+    for stop in (".", "aris"):
+        text, logprobs, finish = _completion(
+            chat_server, stream, prompt=prompt, max_tokens=8, stop=stop, logprobs=2
+        )
+        assert finish == "stop" and stop not in text, text
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"])
+        _assert_made_of(text, logprobs["tokens"], cut=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_piece_of_a_character_has_its_own_bytes_and_offsets_point_into_the_text(
+    chat_server: Server, stream: bool
+) -> None:
+    """Tokens holding part of an emoji: their token strings say `bytes:`, the tokens' bytes
+    add up to the text's, the five alternatives asked for are five keys, and each offset is
+    where its token starts in the text (after the prompt, with `echo`)."""
+    text, logprobs, _ = _completion(
+        chat_server, stream, prompt=EMOJI, max_tokens=4, logprobs=5, echo=True
+    )
+    assert text.startswith(EMOJI)
+    generated = text.removeprefix(EMOJI)
+    tokens = logprobs["tokens"]
+    assert any(t.startswith("bytes:") for t in tokens), tokens
+    _assert_made_of(generated, tokens, cut=False)
+    assert all(len(alternatives) == 5 for alternatives in logprobs["top_logprobs"])
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == len(EMOJI) and offsets == sorted(offsets), offsets
+    for offset, token in zip(offsets, tokens):
+        assert token.startswith("bytes:") or text[offset:].startswith(token), (offset, token)
+
+
+def test_chat_logprobs_give_each_token_its_own_bytes(chat_server: Server) -> None:
+    reply = chat_server.client().chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Repeat exactly: \U0001f431\U0001f436\U0001f98a"}],
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = reply.choices[0].logprobs and reply.choices[0].logprobs.content
+    assert content
+    text = reply.choices[0].message.content or ""
+    assert any(e.token.startswith("bytes:") for e in content)
+    _assert_made_of(text, [e.token for e in content], cut=False)
+    for entry in content:
+        assert _token_bytes(entry.token) == bytes(entry.bytes or [])
+        for alternative in entry.top_logprobs:
+            assert _token_bytes(alternative.token) == bytes(alternative.bytes or [])
+
+
+def test_a_streamed_reply_with_tools_keeps_its_logprobs(chat_server: Server) -> None:
+    """With tools the reply is held back to its end (it may be a call), its logprobs too:
+    one entry per completion token, as without tools."""
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    stream = chat_server.client().chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Say hello in five words."}],
+        tools=tools,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    entries: list[Any] = []
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            entries += choice.logprobs.content or [] if choice.logprobs else []
+    assert usage is not None and usage.completion_tokens > 0
+    assert len(entries) == usage.completion_tokens
+
+
+def test_a_listed_model_is_retrieved_and_another_is_a_404(chat_server: Server) -> None:
+    client = chat_server.client()
+    listed = client.models.list().data[0]
+    assert client.models.retrieve(listed.id).id == listed.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_responses_take_top_logprobs_as_openai_s_api_does(chat_server: Server) -> None:
+    """Logprobs come with an `include` entry, which the server ignores: `top_logprobs` is
+    accepted beside it, not refused as unknown."""
+    reply = chat_server.client().responses.create(
+        model="x", input="Hi", max_output_tokens=2, top_logprobs=2
+    )
+    assert reply.status == "incomplete" and reply.output_text
