@@ -111,6 +111,30 @@ def test_penalty_field_changes_greedy_output(
     assert generate(ctx, {"temperature": 0.0, **disabled}, 24, prompt) == greedy
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"temperature": 1e-38, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+        {"temperature": 1e-40},
+        {"temperature": 0.8, "top_k": 0, "repeat_penalty": 1e-38},
+        {"temperature": 0.8, "top_k": 0, "presence_penalty": -3e38},
+    ],
+    ids=["tiny_temperature_untruncated", "tiny_temperature", "repeat", "presence"],
+)
+def test_values_that_overflow_the_logits_still_draw_a_likely_token(
+    ctx: kvfork.Context, field: dict[str, object]
+) -> None:
+    """A temperature so small, or a penalty so large, that the logits overflow `f32`: the
+    draw takes the best (or the pushed-up) tokens, as the limit would, not a token of
+    probability 0 (the stop token here) or an error that every token is masked."""
+    greedy = generate(ctx, {"temperature": 0.0}, 4)
+    got = generate(ctx, {**field, "seed": 3}, 4)
+    if "temperature" in field and float(field["temperature"]) < 1e-30:  # type: ignore[arg-type]
+        assert got == greedy
+    else:
+        assert len(got) == 4  # no stop token of probability 0, no error
+
+
 def test_steer_and_bias(ctx: kvfork.Context) -> None:
     b = root(ctx)
     top = int(np.argmax(b.logits()))

@@ -259,8 +259,8 @@ class SamplingParams:
     ) -> SamplingParams: ...
     @property
     def temperature(self) -> float:
-        """Divides the logits before the draw: higher is more random. `<= 0` is greedy (argmax),
-        unless Mirostat is on. Default 0.8.
+        """Divides the logits before the draw: higher is more random. `<= 0` keeps only the most
+        likely token: greedy (with Mirostat on, after its filters, as llama.cpp's). Default 0.8.
         """
     @property
     def top_k(self) -> int:
