@@ -130,6 +130,14 @@ def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
     }
 
 
+def text_before_calls(text: str) -> str:
+    """What a reply says before its first `<tool_call>` block, trailing whitespace left out
+    ("" without such a block): kept beside the calls, as OpenAI's and Anthropic's replies
+    keep it."""
+    found = _CALL.search(text)
+    return text[: found.start()].rstrip() if found else ""
+
+
 def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The calls of known functions in a reply: `<tool_call>` blocks, or a reply that is one
     JSON call object. Empty when the reply is plain text."""

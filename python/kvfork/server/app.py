@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .._tools import text_before_calls
 from .auth import bearer_token, matches
 from .backend import Backend, Events, answering_model
 from .errors import APIError, shutting_down
@@ -489,7 +490,8 @@ class Endpoints:
             """The message of a finished choice, and its finish reason."""
             calls = s.prompts.tool_calls(req, text) if tools else []
             if calls:
-                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                said = text_before_calls(text) or None
+                return {"role": "assistant", "content": said, "tool_calls": calls}, "tool_calls"
             return {"role": "assistant", "content": text}, finish
 
         if req.sampling.stream:
@@ -641,12 +643,10 @@ def _reasoning_delta(event: Event) -> dict[str, Any]:
 
 
 def _message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A finished message as OpenAI streams it: its content, or each tool call's id, type and
-    name first and then its arguments in fragments."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return [{"content": message["content"]}] if message["content"] else []
-    deltas: list[dict[str, Any]] = []
+    """A finished message as OpenAI streams it: its content, then each tool call's id, type
+    and name first and its arguments in fragments."""
+    deltas: list[dict[str, Any]] = [{"content": message["content"]}] if message["content"] else []
+    calls = message.get("tool_calls") or []
     for i, call in enumerate(calls):
         fn = call["function"]
         deltas.append(

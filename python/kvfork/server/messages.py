@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+from .._tools import text_before_calls
 from .adapters import parse_lora
 from .auth import bearer_token, matches
 from .backend import Events
@@ -467,7 +468,9 @@ class Reply:
         text = choice.content
         calls = self.prompts.tool_calls(self.req, text) if self.tools else []
         if calls:
-            return [_tool_use(call) for call in calls], "tool_use", None
+            said = text_before_calls(text)
+            text_block = [{"type": "text", "text": said}] if said else []
+            return [*text_block, *(_tool_use(call) for call in calls)], "tool_use", None
         sequence = matched_stop_sequence(choice, self.req.sampling.stop)
         if sequence is not None:
             reason = "stop_sequence"

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._tools import text_before_calls
 from .adapters import parse_lora
 from .backend import Backend, answering_model
 from .errors import APIError, bad_request
@@ -610,15 +611,24 @@ class Reply:
         }
 
     def _answer(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
-        """The status and the items of the reply's answer: its calls, or one message."""
+        """The status and the items of the reply's answer: its calls (after a message of what
+        it said before them), or one message."""
         text = choice.content
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         req, prompts = self.req, self.api.service.prompts
         calls = prompts.tool_calls(req.chat, text) if req.uses_tools else []
         if not req.echo["parallel_tool_calls"]:
             calls = calls[:1]
+        said = text_before_calls(text) if calls else text
+        message = {
+            "type": "message",
+            "id": self.message_id,
+            "role": "assistant",
+            "status": status,
+            "content": [{"type": "output_text", "text": said, "annotations": [], "logprobs": []}],
+        }
         if calls:
-            return status, [
+            return status, ([message] if said else []) + [
                 {
                     "type": "function_call",
                     "id": f"fc_{uuid.uuid4().hex}",
@@ -629,14 +639,6 @@ class Reply:
                 }
                 for call in calls
             ]
-        content = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        message = {
-            "type": "message",
-            "id": self.message_id,
-            "role": "assistant",
-            "status": status,
-            "content": [content],
-        }
         return status, [message]
 
     def finish(self, outcome: Outcome) -> dict[str, Any]:

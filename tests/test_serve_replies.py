@@ -1,8 +1,11 @@
-"""`kvfork serve`'s logprobs as OpenAI's clients read them: the entries of a reply are the
-tokens its text is made of (a stop string drops those it cut whole), the same whether
-streamed or not, each with its own bytes (a piece of a UTF-8 character too) and, on
-`/v1/completions`, where it starts in the text. Checked as invariants of each reply: two
-requests for the same greedy reply may part at a near-tie (cells placed otherwise)."""
+"""What `kvfork serve`'s replies hold, as OpenAI's and Anthropic's clients read them.
+
+Logprobs: the entries of a reply are the tokens its text is made of (a stop string drops
+those it cut whole), the same whether streamed or not, each with its own bytes (a piece of a
+UTF-8 character too) and, on `/v1/completions`, where it starts in the text. Checked as
+invariants of each reply: two requests for the same greedy reply may part at a near-tie
+(cells placed otherwise). Text a model says before a tool call stays beside the call on
+every API."""
 
 from __future__ import annotations
 
@@ -187,3 +190,84 @@ def test_responses_take_top_logprobs_as_openai_s_api_does(chat_server: Server) -
         model="x", input="Hi", max_output_tokens=2, top_logprobs=2
     )
     assert reply.status == "incomplete" and reply.output_text
+
+
+#: A few-shot conversation in which SmolLM2 says something, then calls (greedy).
+_WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def _says_then_calls() -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for city in ("London", "Berlin", "Rome", "Madrid"):
+        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+        messages += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": f"Checking now. <tool_call>{call}</tool_call>"},
+        ]
+    return [*messages, {"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_what_a_reply_says_before_its_tool_call_stays_beside_the_call(
+    chat_server: Server, stream: bool
+) -> None:
+    tools: Any = [{"type": "function", "function": _WEATHER}]
+    client = chat_server.client()
+    request: Any = {"model": "x", "messages": _says_then_calls(), "tools": tools}
+    request |= {"temperature": 0, "max_tokens": 40}
+    if stream:
+        content, names = "", []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                names += [c.function.name for c in choice.delta.tool_calls or [] if c.function]
+    else:
+        message = client.chat.completions.create(**request).choices[0].message
+        content, names = message.content or "", [c.function.name for c in message.tool_calls or []]
+    assert content == "Checking now." and "get_weather" in names, (content, names)
+
+    status, reply = chat_server.post(
+        "/v1/messages",
+        json.dumps(
+            {
+                "model": "x",
+                "messages": _says_then_calls(),
+                "max_tokens": 40,
+                "temperature": 0,
+                "tools": [{"name": "get_weather", "input_schema": _WEATHER["parameters"]}],
+            }
+        ).encode(),
+    )
+    assert status == 200, reply
+    assert [b["type"] for b in reply["content"]] == ["text", "tool_use"], reply
+    assert reply["content"][0]["text"] == "Checking now." and reply["stop_reason"] == "tool_use"
+
+    response = client.responses.create(
+        model="x",
+        input=_says_then_calls(),  # type: ignore[arg-type]
+        tools=[{"type": "function", **_WEATHER}],  # type: ignore[list-item]
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output_text == "Checking now."
+    again = client.responses.create(
+        model="x",
+        previous_response_id=response.id,
+        input=[
+            {
+                "type": "function_call_output",
+                "call_id": response.output[1].call_id,  # type: ignore[union-attr]
+                "output": "Sunny, 21 C",
+            }
+        ],
+        max_output_tokens=8,
+    )
+    assert again.status in ("completed", "incomplete")
