@@ -430,6 +430,14 @@ def test_a_repeated_prompt_is_read_from_the_cache(client: anthropic.Anthropic) -
     # All of it but its last token (whose logits the next token needs) came from the cache.
     assert second.usage.cache_read_input_tokens == total - 1 and second.usage.input_tokens == 1
     assert (first.usage.cache_read_input_tokens or 0) < total - 1
+    # A stream's start says so too (clients take the input's usage from `message_start`).
+    with client.messages.stream(
+        model="x", max_tokens=4, system=SYSTEM, messages=question, extra_body=GREEDY
+    ) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        final = stream.get_final_message()
+    assert start.message.usage.cache_read_input_tokens == total - 1
+    assert start.message.usage.input_tokens == 1 == final.usage.input_tokens
 
 
 BAD: list[tuple[str, dict[str, Any], str]] = [

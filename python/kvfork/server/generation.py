@@ -238,6 +238,9 @@ class Event:
     reasoning: str = ""
     #: Where each of `logprobs`' tokens starts in the choice's text.
     logprob_offsets: list[int] = field(default_factory=list)
+    #: On a generation's first event: the prompt's tokens its prefill found in the prefix
+    #: cache (known from then on; a stream's start can say so).
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -519,11 +522,13 @@ class Generation:
             self._check_ended()
             self.choices = choices = self._start_choices()
             self._tasks = [asyncio.create_task(_reporting(w, self._out)) for w in self._work()]
-            done = 0
+            done, first = 0, True
             while done < len(choices):
                 event = await self._out.get()
                 if isinstance(event, BaseException):
                     raise event
+                if first:
+                    event.cached_tokens, first = cached, False
                 done += event.finish_reason is not None
                 yield event
             outcome = Outcome(choices, len(self.tokens), cached)

@@ -378,7 +378,7 @@ class Reply:
         async for item in generation:
             if not started:
                 started = True
-                yield self._start()
+                yield self._start(item.cached_tokens if isinstance(item, Event) else None)
             if isinstance(item, Event):
                 for chunk in self._deltas(item):
                     yield chunk
@@ -438,14 +438,15 @@ class Reply:
             "usage": usage,
         }
 
-    def _start(self) -> bytes:
-        """`message_start` (the prompt's tokens: which came from the cache is known at the
-        end, in `message_delta`); the blocks start with their first delta."""
+    def _start(self, cached: int | None) -> bytes:
+        """`message_start`, after the prompt's prefill: its usage splits the prompt into input
+        and cache reads as the end's does; the blocks start with their first delta."""
+        cached = cached or 0
         usage = {
-            "input_tokens": self.prompt_tokens,
+            "input_tokens": self.prompt_tokens - cached,
             "output_tokens": 0,
             "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "cache_read_input_tokens": cached,
         }
         return _event("message_start", {"message": self._head([], None, None, usage)})
 
