@@ -430,6 +430,24 @@ def test_messages_reply_with_a_thinking_block_streamed_alike(think_server: Serve
     assert again.content
 
 
+def test_a_message_that_only_thought_has_no_empty_text_block(think_server: Server) -> None:
+    """Cut by `max_tokens` inside its thinking: the reply is its thinking block alone,
+    streamed or not (Anthropic refuses an empty text block passed back)."""
+    kwargs: Any = {
+        "model": "x",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "extra_body": {"temperature": 0},
+    }
+    with anthropic.Anthropic(base_url=think_server.url, api_key="x", max_retries=0) as client:
+        plain = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            final = stream.get_final_message()
+    for reply in (plain, final):
+        assert reply.stop_reason == "max_tokens"
+        assert [block.type for block in reply.content] == ["thinking"], reply.content
+
+
 def test_a_constrained_reply_answers_without_thinking_in_every_api(think_server: Server) -> None:
     """The template opens a think block; a `response_format` or a required tool call would
     shape the thinking instead of the answer (the JSON came out split between the two). The

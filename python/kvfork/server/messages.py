@@ -364,10 +364,13 @@ class Reply:
 
     def message(self, outcome: Outcome) -> dict[str, Any]:
         """The finished Message: its thinking block (when it reasoned), then its text or
-        calls."""
+        calls (no empty text block after thinking: Anthropic refuses one sent back)."""
         choice = outcome.choices[0]
         content, reason, sequence = self._ending(choice)
-        return self._head(_thinking_block(choice) + content, reason, sequence, _usage(outcome))
+        thinking = _thinking_block(choice)
+        if thinking and content == [{"type": "text", "text": ""}]:
+            content = []
+        return self._head(thinking + content, reason, sequence, _usage(outcome))
 
     async def events(self, generation: Events) -> AsyncGenerator[bytes, None]:
         """The Message's stream: `message_start` once the generation has begun (so a request
@@ -457,6 +460,8 @@ class Reply:
             chunks = self._stop_block()
             first = self._blocks
             chunks += [c for i, b in enumerate(content) for c in _block_events(first + i, b)]
+        elif self._blocks and self._block != "text":
+            chunks = self._stop_block()  # all thinking: no empty text block after it
         else:
             chunks = self._switch("text") + self._stop_block()  # a text block, even empty
         delta = {"stop_reason": reason, "stop_sequence": sequence}
