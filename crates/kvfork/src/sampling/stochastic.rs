@@ -154,7 +154,11 @@ pub(crate) fn temperature(c: Window<'_>, t: f32) {
         let max = c.iter().map(|x| x.logit).fold(f32::NEG_INFINITY, f32::max);
         if max == f32::INFINITY {
             c.iter_mut().for_each(|x| {
-                x.logit = if x.logit == f32::INFINITY { 0.0 } else { f32::NEG_INFINITY }
+                x.logit = if x.logit == f32::INFINITY {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
             });
             return;
         }
