@@ -258,16 +258,14 @@ def test_what_a_reply_says_before_its_tool_call_stays_beside_the_call(
     )
     assert [item.type for item in response.output] == ["message", "function_call"]
     assert response.output_text == "Checking now."
+    call = response.output[1]
+    assert call.type == "function_call"
+    result: Any = {
+        "type": "function_call_output",
+        "call_id": call.call_id,
+        "output": "Sunny, 21 C",
+    }
     again = client.responses.create(
-        model="x",
-        previous_response_id=response.id,
-        input=[
-            {
-                "type": "function_call_output",
-                "call_id": response.output[1].call_id,  # type: ignore[union-attr]
-                "output": "Sunny, 21 C",
-            }
-        ],
-        max_output_tokens=8,
+        model="x", previous_response_id=response.id, input=[result], max_output_tokens=8
     )
     assert again.status in ("completed", "incomplete")
