@@ -4,6 +4,8 @@ leases given back, bad arguments, and the sync form refusing a running event loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import warnings
 from typing import Any
 
@@ -69,6 +71,28 @@ async def test_diverse_groups_spread_and_plain_groups_do_not(ctx: kvfork.Context
     diverse = await beam_search(start, 2, 3, groups=2, diversity=50.0)
     assert diverse[0].tokens[0] != diverse[1].tokens[0]
     assert max(b.logprob for b in diverse) == pytest.approx(plain[0].logprob, abs=LOGPROB_NOISE)
+
+
+async def test_a_search_cancelled_at_any_point_gives_every_branch_back(
+    ctx: kvfork.Context,
+) -> None:
+    """Cancelled after 0, 1, 2... turns of the event loop, the loop then held up long enough
+    for the engine to finish what the search asked (a fork done but its await not resumed:
+    the cancel wins, the child exists): the forks it made are pruned, those too, and the
+    start branch is as it was."""
+    start = root(ctx)
+    store = kvfork.BranchStore(ctx)
+    free, position = store.available, start.position
+    for turns in range(16):
+        search = asyncio.ensure_future(beam_search(start, 2, 50))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine finishes)
+        search.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await search
+        assert start.children == [] and store.available == free, turns
+    assert start.position == position
 
 
 def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
