@@ -3,8 +3,11 @@ recycled, prune (RESTRICT, CASCADE, keep_children), and a beam search that fits 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import resource
+import time
 
 import kvfork
 import numpy as np
@@ -167,6 +170,30 @@ def test_prune_keep_children_frees_the_lease_and_keeps_the_children_exact(
     trunk.prune_sync(keep_children=True)
     assert all(k.parent is None for k in kids)
     middle.prune_sync(keep_children=True)  # a second prune is a no-op
+
+
+async def test_a_fork_whose_await_is_cancelled_leaves_no_child(ctx: kvfork.Context) -> None:
+    """Cancelled before it ran, nothing happens; cancelled once the engine made the child
+    (the loop held up, the await not resumed), the child nobody holds is pruned and its
+    lease comes back."""
+    parent = root(ctx)
+    store = kvfork.BranchStore(ctx)
+    free = store.available
+    for turns in (0, 1, 2):
+        fork = asyncio.ensure_future(parent.fork())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine forks)
+        fork.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await (await fork).prune()  # it had come back: the caller holds it
+        deadline = time.monotonic() + 10
+        while parent.children or store.available != free:  # a prune queued, not awaited
+            assert time.monotonic() < deadline, turns
+            await asyncio.sleep(0.01)
+    child = await parent.fork()  # forks still work
+    assert parent.children == [child]
+    await child.prune()
 
 
 async def test_a_fork_asked_for_before_a_prune_survives_it(ctx: kvfork.Context) -> None:

@@ -931,7 +931,7 @@ class Branch:
     def fork(self, *, seed: int | None = None, seq_id: int | None = None) -> Operation[Branch]:
         """A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
         grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
-        ran (no lease taken) or completed (the child exists, as a child of this branch).
+        ran (no lease taken) or the child it made is pruned (nobody holds it).
 
         Without `seed` the child samples exactly like its parent until reseeded: forks made
         for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
@@ -939,7 +939,10 @@ class Branch:
         sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
         """
     def fork_sync(self, *, seed: int | None = None, seq_id: int | None = None) -> Branch:
-        """Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease is free. Waits without the GIL; on Ctrl-C a started fork completes (the child exists), then KeyboardInterrupt is raised."""
+        """Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease
+        is free. Waits without the GIL; on Ctrl-C a fork made is pruned, and
+        KeyboardInterrupt is raised.
+        """
     def save(self, path: str | PathLike[str]) -> Operation[None]:
         """Save the branch to `path` (its KV cells, position, history, sampler params and RNG
         state, grammar, biases, steer, perplexity accumulators), after queued work on it.

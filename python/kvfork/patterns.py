@@ -90,11 +90,9 @@ async def beam_search(
     _check(width, max_tokens, groups, diversity, length_penalty)
     store = BranchStore(branch.context)
     per_group = width // groups
-    children_before = {child.handle for child in branch.children}
     root: Branch | None = None
     live: list[_Live] = []
     finished: list[Beam] = []
-    done = False
     try:
         root = await branch.fork()
         # Groups share the root until their first step forks it.
@@ -134,19 +132,12 @@ async def beam_search(
                 break
         for beam in live:
             finished.append(_result(beam, False, length_penalty))
-        done = True
     finally:
         for beam in live:
             if not beam.branch.disposed:
                 await beam.branch.prune(keep_children=True)
         if root is not None and not root.disposed:
             await root.prune(keep_children=True)
-        if not done:
-            # A fork whose await was cancelled still completes (`Branch.fork`): its child,
-            # unknown here, ends up among `branch`'s children once the beams are pruned.
-            for child in branch.children:
-                if child.handle not in children_before:
-                    await child.prune_subtree()
     finished.sort(key=lambda b: -b.score)
     return finished[:width]
 

@@ -51,6 +51,17 @@ fn max_count(max_tokens: Option<Int>) -> PyResult<Option<usize>> {
 }
 
 impl PyBranch {
+    /// `fork`'s arguments checked and its work queued.
+    fn fork_pending(
+        &self,
+        seed: Option<Int>,
+        seq_id: Option<Int>,
+    ) -> PyResult<kvfork::Pending<kvfork::Branch>> {
+        let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
+        let seq_id = seq_id.map(|s| s.i32("seq_id", 0)).transpose()?;
+        Ok(self.inner.fork_on(seed, seq_id))
+    }
+
     fn pruning(&self, keep_children: bool) -> kvfork::Pending<()> {
         if keep_children {
             self.inner.prune_keep_children()
@@ -222,6 +233,35 @@ impl PyBranch {
         path: Arg<PathBuf>,
     ) -> PyResult<Self> {
         made::wait_branch(py, kvfork::Branch::load(&ctx.0.get().inner, path.0))
+    }
+
+    // ---- forks ----
+
+    /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
+    /// grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
+    /// ran (no lease taken) or the child it made is pruned (nobody holds it).
+    ///
+    /// Without `seed` the child samples exactly like its parent until reseeded: forks made
+    /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
+    /// is free. `seq_id` (lloyal.node's `fork(newSeqId)`) puts the child on that very
+    /// sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
+    #[pyo3(signature = (*, seed=None, seq_id=None))]
+    fn fork<'py>(
+        &self,
+        py: Python<'py>,
+        seed: Option<Int>,
+        seq_id: Option<Int>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let pending = self.fork_pending(seed, seq_id)?;
+        made::awaitable_branch(py, Call("Branch", "fork"), pending)
+    }
+
+    /// Blocking twin of `fork`: returns the child Branch; LeaseExhaustedError when no lease
+    /// is free. Waits without the GIL; on Ctrl-C a fork made is pruned, and
+    /// KeyboardInterrupt is raised.
+    #[pyo3(signature = (*, seed=None, seq_id=None))]
+    fn fork_sync(&self, py: Python<'_>, seed: Option<Int>, seq_id: Option<Int>) -> PyResult<Self> {
+        made::wait_branch(py, self.fork_pending(seed, seq_id)?)
     }
 
     // ---- tree and state ----
@@ -609,23 +649,6 @@ twins! {
         ) -> (Vec<PyToken>, PyToken) {
             self.inner.speculate(token_arg(pending)?, draft_tokens(&draft.0)?)
         } => speculated;
-
-        /// A child on a new lease sharing the whole KV prefix; clones sampler (with RNG),
-        /// grammar, perplexity, logits and logit bias; not steer. Cancelled, it either never
-        /// ran (no lease taken) or completed (the child exists, as a child of this branch).
-        ///
-        /// Without `seed` the child samples exactly like its parent until reseeded: forks made
-        /// for diversity need `seed=` (or `reseed_sampler`). LeaseExhaustedError when no lease
-        /// is free. `seq_id` (lloyal.node's `fork(newSeqId)`) puts the child on that very
-        /// sequence: LeaseExhaustedError when a branch holds it; cells it held are replaced.
-        #[sync_doc = "returns the child Branch; LeaseExhaustedError when no lease is free. \
-                      Waits without the GIL; on Ctrl-C a started fork completes (the child \
-                      exists), then KeyboardInterrupt is raised."]
-        #[pyo3(signature = (*, seed=None, seq_id=None))]
-        fn fork / fork_sync(&self, py, seed: Option<Int>, seq_id: Option<Int>) -> PyBranch {
-            let seed = seed.map(|s| s.u32("seed", 0)).transpose()?;
-            self.inner.fork_on(seed, seq_id.map(|s| s.i32("seq_id", 0)).transpose()?)
-        } => |b| Ok(wrap(b));
 
         /// Save the branch to `path` (its KV cells, position, history, sampler params and RNG
         /// state, grammar, biases, steer, perplexity accumulators), after queued work on it.
