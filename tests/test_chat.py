@@ -488,3 +488,19 @@ def test_the_documented_system_prompt_gets_answers(
 def test_the_readme_uses_the_documented_system_prompt() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f'system="{HELPFUL_ASSISTANT}"' in readme
+
+
+def test_a_turn_cut_inside_a_character_leaves_the_next_reply_whole(
+    chat_ctx: kvfork.Context,
+) -> None:
+    """A reply cut by `max_tokens` inside an emoji (SmolLM2 writes them as byte tokens, greedy
+    here) leaves the character's first bytes unfinished: the next turn's prefill comes
+    between, so the next reply starts clean (its first character was U+FFFD)."""
+    chat = kvfork.Chat(chat_ctx, params={"temperature": 0}, system="You are a helpful assistant.")
+    chat.send_sync("Réponds en emoji \U0001f389\U0001f1eb\U0001f1f7 — 日本語?", max_tokens=30)
+    for question in ("Count to five.", "And Germany?"):
+        before = chat.branch.position
+        reply = chat.send_sync(question, max_tokens=30)
+        generated = chat_ctx.detokenize(chat.branch.history[before:], unparse_special=True)
+        assert generated.endswith("\ufffd")  # cut inside a character: what this test is about
+        assert reply and "\ufffd" not in reply and reply == chat.messages[-1]["content"], reply

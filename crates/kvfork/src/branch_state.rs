@@ -254,13 +254,31 @@ impl BranchState {
     }
 
     /// After `tokens` were prefilled into the branch (`row`: the last one's logits). A token
-    /// `accept`ed before is no longer waiting for its decode: the prefill was it.
+    /// `accept`ed before is no longer waiting for its decode: the prefill was it. Other
+    /// tokens are not the branch's output: a character its output left unfinished (a reply
+    /// cut inside an emoji) is not finished by what comes after them, so its carried bytes
+    /// are dropped (they would turn the next output's first character into U+FFFD).
     pub fn prefilled(&mut self, tokens: &[Token], output: Option<&Output>) {
         if let Some(output) = output {
             self.logits.set_output(output.as_ref());
         }
+        let the_accepted_one = tokens.len() == 1 && self.accepted_undecoded == Some(tokens[0]);
         self.decoded(tokens);
         self.accepted_undecoded = None;
+        if !the_accepted_one {
+            self.utf8 = Utf8Carry::default();
+        }
+    }
+
+    /// The unfinished character carried to the next token's text (`prefilled` drops it).
+    pub fn utf8_carry(&self) -> Utf8Carry {
+        self.utf8.clone()
+    }
+
+    /// Carry `carry` again: a re-prefill of the branch's own tokens (`reseed_context`)
+    /// leaves its output where it was.
+    pub fn set_utf8_carry(&mut self, carry: Utf8Carry) {
+        self.utf8 = carry;
     }
 
     /// The branch's KV sequence was emptied: it starts again at position 0 (sampler,

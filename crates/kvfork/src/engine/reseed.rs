@@ -135,7 +135,9 @@ impl Worker {
         self.empty_seq(seq)?;
         self.sever(cell);
         let record = cell.lock().sequence_emptied();
+        let carry = cell.lock().utf8_carry();
         let Err(e) = self.prefill(&[&(cell.clone(), tokens)]) else {
+            cell.lock().set_utf8_carry(carry);
             return Ok(());
         };
         let restored = undo.is_some_and(|cells| {
