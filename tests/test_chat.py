@@ -499,8 +499,33 @@ def test_a_turn_cut_inside_a_character_leaves_the_next_reply_whole(
     chat = kvfork.Chat(chat_ctx, params={"temperature": 0}, system="You are a helpful assistant.")
     chat.send_sync("Réponds en emoji \U0001f389\U0001f1eb\U0001f1f7 — 日本語?", max_tokens=30)
     for question in ("Count to five.", "And Germany?"):
+        assert chat.branch is not None
         before = chat.branch.position
         reply = chat.send_sync(question, max_tokens=30)
         generated = chat_ctx.detokenize(chat.branch.history[before:], unparse_special=True)
         assert generated.endswith("\ufffd")  # cut inside a character: what this test is about
         assert reply and "\ufffd" not in reply and reply == chat.messages[-1]["content"], reply
+
+
+@pytest.mark.parametrize("bad", [-1, "5", 2.5, True], ids=["negative", "str", "float", "bool"])
+async def test_a_bad_max_tokens_is_refused_before_the_turn_starts(
+    chat_ctx: kvfork.Context, bad: Any
+) -> None:
+    chat = kvfork.Chat(chat_ctx, params={"temperature": 0})
+    chat.send_sync("Hi", max_tokens=4)
+    assert chat.branch is not None
+    branch = chat.branch
+    before = (list(chat.messages), branch.position, chat.cold_restarts)
+    error = TypeError if not isinstance(bad, int) or isinstance(bad, bool) else ValueError
+    with pytest.raises(error, match="max_tokens"):
+        chat.send_sync("What is 2+2?", max_tokens=bad)
+    with pytest.raises(error, match="max_tokens"):
+        await chat.send("What is 2+2?", max_tokens=bad)
+    with pytest.raises(error, match="max_tokens"):
+        async for _ in chat.stream("What is 2+2?", max_tokens=bad):
+            pass
+    with pytest.raises(error, match="max_tokens"):
+        list(chat.stream_sync("What is 2+2?", max_tokens=bad))
+    assert (chat.messages, branch.position, chat.cold_restarts) == before
+    assert chat.send_sync("What is 3+3?", max_tokens=4)
+    assert chat.cold_restarts == before[2]  # still warm

@@ -97,11 +97,17 @@ class Chat:
         self._reply: _Reply | None = None  # the reply being generated
         self._opening = False  # a turn is being prefilled (`_open`)
 
-    def _begin(self, content: str) -> _Turn:
+    def _begin(self, content: str, max_tokens: int) -> _Turn:
         """The user turn, rendered: what to prefill so the branch holds the new prompt (all of
         it on a fresh branch when the prompt no longer extends what the branch holds).
         Nothing changes until the prefill succeeds (`_opened`), but a stream left waiting at
-        a yield ends first (its reply joins)."""
+        a yield ends first (its reply joins). A bad `max_tokens` is refused before anything."""
+        if max_tokens is None:  # as generate's: no limit but the context's
+            pass
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise TypeError(f"max_tokens must be an int, not {type(max_tokens).__name__}")
+        elif max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
         self._settle("one turn at a time")
         message = {"role": "user", "content": content}
         chat = self.ctx.format_chat(
@@ -257,7 +263,7 @@ class Chat:
         was. A reply cut short by an error or a cancel is added as far as it went (with the
         token a cancelled step committed: as far as the branch holds it). One turn at a
         time: RuntimeError while another is generating."""
-        turn = self._begin(content)
+        turn = self._begin(content, max_tokens)
         branch = await self._open(turn)
         stream = self._generate(max_tokens)
         r = self._replying(turn, stream)
@@ -276,7 +282,7 @@ class Chat:
         appended to ``messages`` when the stream ends (also when it is closed early). A stream
         left unfinished (a ``break`` out of its loop) ends when the next turn starts: its
         reply joins as far as it went, and the stream yields no more."""
-        turn = self._begin(content)
+        turn = self._begin(content, max_tokens)
         branch = await self._open(turn)
         stream = self._generate(max_tokens)
         r = self._replying(turn, stream)
@@ -301,7 +307,7 @@ class Chat:
 
     def stream_sync(self, content: str, *, max_tokens: int = 256) -> Iterator[str]:
         """Blocking twin of ``stream``."""
-        turn = self._begin(content)
+        turn = self._begin(content, max_tokens)
         branch = self._open_sync(turn)
         stream = self._generate_sync(max_tokens)
         r = self._replying(turn, stream)
@@ -326,7 +332,7 @@ class Chat:
 
     def send_sync(self, content: str, *, max_tokens: int = 256) -> str:
         """Blocking twin of ``send``."""
-        turn = self._begin(content)
+        turn = self._begin(content, max_tokens)
         branch = self._open_sync(turn)
         stream = self._generate_sync(max_tokens)
         r = self._replying(turn, stream)
