@@ -246,6 +246,46 @@ def test_an_embeddings_batch_whose_client_left_stops(chat_server: Server) -> Non
     assert len(embedded.data) == 1
 
 
+def test_a_small_embeddings_request_is_not_held_behind_a_large_one(chat_server: Server) -> None:
+    """A large batch runs a slice of inputs at a time: a one-text request sent after it
+    starts is answered before it ends (it waited for the whole batch)."""
+    texts = ["Words of a long document go on and on. " * 20] * 24  # 3 slices of 8
+    big = _posted(chat_server, "/v1/embeddings", json.dumps({"input": texts}).encode())
+    time.sleep(0.5)
+    small = chat_server.client().embeddings.create(model="x", input=["A cat."])
+    assert len(small.data) == 1
+    big.settimeout(0.05)  # the large one still runs: no reply yet
+    with pytest.raises(TimeoutError):
+        big.recv(1)
+    big.settimeout(300)
+    head, body = _reply_to_close(big)
+    assert head.startswith(b"HTTP/1.1 200") and len(json.loads(body)["data"]) == 24
+
+
+def test_embeddings_take_the_model_s_own_dimensions_only(chat_server: Server) -> None:
+    client = chat_server.client()
+    width = len(client.embeddings.create(model="x", input="A cat.").data[0].embedding)
+    same = client.embeddings.create(model="x", input="A cat.", dimensions=width)
+    assert len(same.data[0].embedding) == width
+    for dimensions in (16, 0, "a"):
+        status, reply = chat_server.post(
+            "/v1/embeddings", json.dumps({"input": "A cat.", "dimensions": dimensions}).encode()
+        )
+        assert status == 400 and reply["error"]["param"] == "dimensions", reply
+
+
+def test_embeddings_inputs_may_be_as_long_as_n_batch(serve: Any) -> None:
+    """`--n-batch` (and `--threads`) reach the embedding context too."""
+    server = serve("chat", "--n-ctx", "2048", "--n-seq-max", "2", "--embeddings")
+    wide = serve("chat", "--n-ctx", "2048", "--n-seq-max", "2", "--embeddings", "--n-batch", "1024")
+    text = "word " * 700
+    status, reply = server.post("/v1/embeddings", json.dumps({"input": text}).encode())
+    assert status == 400 and "longer than 512" in reply["error"]["message"], reply
+    assert len(wide.client().embeddings.create(model="x", input=text).data) == 1
+    server.stop()
+    wide.stop()
+
+
 def test_models_lists_the_file_stem(chat_server: Server) -> None:
     models = chat_server.client().models.list()
     assert [m.id for m in models.data] == [kvfork.default_chat_model_path().stem]

@@ -55,6 +55,8 @@ class CliError(Exception):
 
 #: The most MiB `--cache-ram` or `--cache-disk` takes: 2**63 bytes.
 MAX_CACHE_MIB = 1 << 43
+#: Cells of `kvfork serve --embeddings`' own context (more when --n-batch asks for more).
+EMBED_N_CTX = 4096
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -418,8 +420,11 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         ctx = await open_context(path, n_ctx=512, n_seq_max=1)  # the front's tokenizer
     embed_ctx = None
     if args.embeddings:
+        # --threads and --n-batch as for generation (an input may hold n_batch tokens).
+        embed_options = {k: v for k, v in options.items() if k != "device_sampling"}
+        n_ctx = max(EMBED_N_CTX, args.n_batch or 0)
         embed_ctx = await open_context(
-            path, n_ctx=4096, n_seq_max=8, embeddings=True, pooling="mean"
+            path, n_ctx=n_ctx, n_seq_max=8, embeddings=True, pooling="mean", **embed_options
         )
     prompts = Prompts(ctx, chat_template=_chat_template(args.chat_template), embed_ctx=embed_ctx)
     metrics = Metrics()

@@ -112,6 +112,12 @@ class Prompts:
                 code="embeddings_disabled",
             )
         ctx = self.embed_ctx
+        if req.dimensions is not None and req.dimensions != ctx.embedding_dim:
+            raise bad_request(
+                f"this model's embeddings have {ctx.embedding_dim} dimensions, not "
+                f"{req.dimensions} (it was not trained to be cut short)",
+                "dimensions",
+            )
 
         def tokenize() -> list[list[int]]:
             return [
@@ -123,7 +129,11 @@ class Prompts:
         token_lists = await asyncio.to_thread(tokenize)
         if any(len(t) > ctx.n_batch for t in token_lists):
             raise bad_request(f"an input is longer than {ctx.n_batch} tokens", "input")
-        rows = await ctx.embed_batch(token_lists)
+        # A slice at a time: another request's inputs wait for one slice, not for all of
+        # a request of thousands (the context runs its calls in order).
+        rows: list[Any] = []
+        for start, end in _slices([len(t) for t in token_lists], ctx.n_seq_max, ctx.n_ctx):
+            rows.extend(await ctx.embed_batch(token_lists[start:end]))
         data = []
         for i, row in enumerate(rows):
             vector = np.asarray(row, dtype=np.float32)
@@ -146,3 +156,18 @@ class Prompts:
             name = None if req.tool_choice == "required" else req.tool_choice
             req.sampling.json_schema = call_schema(req.tools, name)
             req.sampling.json_schema_param = "tools"
+
+
+def _slices(lengths: list[int], most: int, tokens: int) -> list[tuple[int, int]]:
+    """`[start, end)` slices of inputs of `lengths`, in order, each of at most `most` inputs
+    and `tokens` tokens (an input longer than that alone)."""
+    slices: list[tuple[int, int]] = []
+    start, held = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start == most or held + n > tokens):
+            slices.append((start, i))
+            start, held = i, 0
+        held += n
+    if start < len(lengths):
+        slices.append((start, len(lengths)))
+    return slices

@@ -97,6 +97,9 @@ class EmbeddingRequest:
 
     inputs: list[str | list[int]]
     encoding_format: str = "float"
+    #: OpenAI's `dimensions`: only the model's own is given (a vector cut short is not an
+    #: embedding of a model that was not trained for it).
+    dimensions: int | None = None
 
 
 #: The deepest nesting of arrays and objects a body may have (a real request needs a
@@ -582,7 +585,8 @@ def parse_embeddings(body: dict[str, Any], vocab_size: int) -> EmbeddingRequest:
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
-    return EmbeddingRequest(inputs=items, encoding_format=fmt)
+    dimensions = int_field(body, "dimensions", None, 1, 1 << 20)
+    return EmbeddingRequest(inputs=items, encoding_format=fmt, dimensions=dimensions)
 
 
 @dataclass
