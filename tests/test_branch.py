@@ -155,6 +155,8 @@ def test_bad_tokens_and_positions(ctx: kvfork.Context) -> None:
         ctx.kv_seq_remove(0, 5, 2)
     with pytest.raises(TypeError):
         b.prefill_sync("not tokens")  # type: ignore[arg-type]  # the refusal under test
+    with pytest.raises(TypeError, match=r"\(token ids\), not bytes"):  # bytes are no ids
+        b.prefill_sync(b"not tokens")
     # the branch still works after every refusal
     b.commit_sync(b.produce_sync().token)
 

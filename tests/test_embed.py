@@ -80,6 +80,15 @@ def test_pooling_none_gives_one_row_per_token(model: kvfork.Model) -> None:
 def test_embedding_errors(emb: kvfork.Context, ctx: kvfork.Context) -> None:
     with pytest.raises(kvfork.KvforkError, match="embeddings=True"):
         ctx.embed_sync(CAT)
+    with pytest.raises(kvfork.KvforkError, match="embeddings=True"):
+        ctx.embed_batch_sync([CAT])  # not a word about its pooling
+    for text in (CAT.encode(), bytearray(CAT.encode())):
+        with pytest.raises(TypeError, match="token ids"):  # not the bytes as token ids
+            emb.embed_sync(text)
+        with pytest.raises(TypeError, match="token ids"):
+            emb.embed_batch_sync([text])
+    with pytest.raises(UnicodeEncodeError):  # a lone surrogate named as such
+        emb.embed_sync("a\ud800")
     with pytest.raises(ValueError, match="n_batch"):
         emb.embed_sync("word " * 400)
     with pytest.raises(ValueError, match="no tokens"):

@@ -30,6 +30,13 @@ pub fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
             "{name} must be a sequence of ints, not str"
         )));
     }
+    // Bytes are a sequence of ints, but never token ids: text passed as bytes.
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
+        let kind = obj.get_type().name()?;
+        return Err(type_error(format!(
+            "{name} must be a sequence of ints (token ids), not {kind}: decode text to str"
+        )));
+    }
     if let Ok(list) = obj.cast::<PyList>() {
         let v = list
             .iter()

@@ -44,6 +44,7 @@ impl Request {
         texts: &Bound<'_, PyAny>,
         normalize: bool,
     ) -> PyResult<Self> {
+        ctx.check_computes_embeddings().py()?; // before a word about its pooling
         if !ctx.embeddings_pooled() {
             return Err(PyValueError::new_err(
                 "embed_batch needs a pooled context (pooling 'mean', 'cls' or 'last'); \
@@ -87,6 +88,8 @@ impl Request {
 fn input(ctx: &kvfork::Context, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     match obj.extract::<String>() {
         Ok(text) => ctx.tokenize(&text, true, false).py(),
+        // A str that is not UTF-8 (a lone surrogate): its own error, not "not a str".
+        Err(e) if obj.is_instance_of::<pyo3::types::PyString>() => Err(e),
         Err(_) => convert::tokens(obj, "text_or_tokens"),
     }
 }

@@ -22,6 +22,16 @@ impl Context {
         }
     }
 
+    /// An error unless the context was made with `embeddings=True`.
+    pub fn check_computes_embeddings(&self) -> Result<()> {
+        if !self.shared().params.embeddings {
+            return Err(Error::Other(
+                "this context computes no embeddings: create it with embeddings=True".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `embed` pools each text into one vector (pooling other than "none").
     pub fn embeddings_pooled(&self) -> bool {
         self.shared().pooling != POOLING_NONE
@@ -43,11 +53,7 @@ impl Context {
 
     fn check_embed_args(&self, texts: &[Vec<Token>]) -> Result<()> {
         self.shared().check_open()?;
-        if !self.shared().params.embeddings {
-            return Err(Error::Other(
-                "this context computes no embeddings: create it with embeddings=True".into(),
-            ));
-        }
+        self.check_computes_embeddings()?;
         if !self.shared().registry().is_empty() {
             return Err(Error::Other(
                 "embed borrows the context's sequences: prune its branches first".into(),
