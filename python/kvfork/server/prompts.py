@@ -66,7 +66,15 @@ class Prompts:
                 messages = calls_as_text(messages)
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages", "chat_template") from None
+            message = str(exc)
+            if self.chat_template is None and "has no chat template" in message:
+                # The library's advice (`template=`) is not the server user's.
+                message = (
+                    "the model has no chat template: start the server with --chat-template "
+                    "(a llama.cpp built-in name such as chatml or gemma, or a Jinja file), or use "
+                    "/v1/completions"
+                )
+            raise bad_request(message, "messages", "chat_template") from None
         return chat.prompt + req.prefill, list(chat.stop)
 
     def _renders_calls(self, kwargs: dict[str, Any]) -> bool:
