@@ -367,10 +367,7 @@ class Reply:
         calls (no empty text block after thinking: Anthropic refuses one sent back)."""
         choice = outcome.choices[0]
         content, reason, sequence = self._ending(choice)
-        thinking = _thinking_block(choice)
-        if thinking and content == [{"type": "text", "text": ""}]:
-            content = []
-        return self._head(thinking + content, reason, sequence, _usage(outcome))
+        return self._head(_thinking_block(choice) + content, reason, sequence, _usage(outcome))
 
     async def events(self, generation: Events) -> AsyncGenerator[bytes, None]:
         """The Message's stream: `message_start` once the generation has begun (so a request
@@ -486,6 +483,8 @@ class Reply:
             reason = "model_context_window_exceeded" if full else "max_tokens"
         else:
             reason = "end_turn"
+        if not text and choice.reasoning:
+            return [], reason, sequence  # all thinking: no empty text block after it
         return [{"type": "text", "text": text}], reason, sequence
 
 
