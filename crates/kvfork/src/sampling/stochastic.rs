@@ -60,12 +60,21 @@ impl Rng {
 /// Mirostat cut the front or the back).
 pub(crate) type Window<'a> = &'a mut [Candidate];
 
-/// Unnormalised softmax weights into `p` (-inf logits get 0); returns their sum.
+fn max_logit(c: &[Candidate]) -> f32 {
+    c.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Unnormalised softmax weights into `p` (-inf logits get 0); returns their sum. Where some
+/// logits are `+inf` (penalties or a bias pushed them past `f32::MAX`) they share the mass
+/// (the limit), every other gets 0.
 fn weigh(c: &mut [Candidate]) -> f64 {
-    let max = c.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
+    let max = max_logit(c);
     c.iter_mut()
         .map(|x| {
-            x.p = (x.logit - max).exp();
+            x.p = match max {
+                f32::INFINITY => f32::from(x.logit == f32::INFINITY),
+                _ => (x.logit - max).exp(),
+            };
             f64::from(x.p)
         })
         .sum()
@@ -143,26 +152,18 @@ pub(crate) fn xtc(
 }
 
 /// Divide the logits by `t`; `t <= 0` keeps only the best candidate (ties: the first), as
-/// llama.cpp does (reachable with Mirostat, which is never plain greedy).
-///
-/// Overflow is kept out of the draw's softmax: where the best logit over a tiny `t` would be
-/// infinite, all are first taken relative to it (the softmax is the same); where a logit
-/// already is `+inf` (penalties or a bias pushed it past `f32::MAX`), the `+inf` ones share
-/// the mass (the limit), every other is dropped.
+/// llama.cpp does (reachable with Mirostat, which is never plain greedy). Where the best
+/// logit over a tiny `t` would overflow, all are first taken relative to it (the softmax is
+/// the same): no `inf - inf` in the draw's softmax.
 pub(crate) fn temperature(c: Window<'_>, t: f32) {
     if t > 0.0 {
-        let max = c.iter().map(|x| x.logit).fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::INFINITY {
-            c.iter_mut().for_each(|x| {
-                x.logit = if x.logit == f32::INFINITY {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            });
-            return;
-        }
-        let shift = if (max / t).is_finite() { 0.0 } else { max };
+        // Only a `t` below 1 makes a finite logit infinite: no extra pass otherwise.
+        let max = if t < 1.0 { max_logit(c) } else { 0.0 };
+        let shift = if max.is_finite() && !(max / t).is_finite() {
+            max
+        } else {
+            0.0
+        };
         c.iter_mut().for_each(|x| x.logit = (x.logit - shift) / t);
         return;
     }
