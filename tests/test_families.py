@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -595,6 +596,39 @@ def test_speculation_with_rejected_guesses_is_exact(
         if guesses == "all_rejected":
             assert stream.accepted == 0
         assert_continues_as_fresh(tiny, streamed)
+
+
+class _NoGuess:
+    """A drafter that never guesses: each round decodes the pending token alone, as a plain
+    step does."""
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        return []
+
+
+def test_a_speculative_stream_shifts_the_context_as_plain_generation_does(
+    tiny: kvfork.Model,
+) -> None:
+    """With `on_context_full="shift"` and a drafter that never guesses, the speculative
+    stream makes plain generation's decodes: the same tokens through the shifts (the token
+    after a shift is drawn from the shifted context's logits, not from those before it)."""
+    with open_ctx(tiny, n_ctx=128, n_seq_max=2) as ctx:
+        prompt = ctx.tokenize(DOC)[:24]
+        streams: list[list[int]] = []
+        no_stop = {t: -math.inf for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+        for draft in (None, _NoGuess()):
+            b = prefilled(ctx, prompt)
+            b.set_logit_bias(no_stop)  # it runs past the context's end
+            stream = (
+                b.generate_sync(ctx.n_ctx, on_context_full="shift")
+                if draft is None
+                else b.generate_sync(ctx.n_ctx, draft=draft, on_context_full="shift")
+            )
+            streams.append([t.token for t in stream])
+            assert stream.shifts >= 1 and stream.stop_reason == "max_tokens"
+            b.prune_sync()
+        plain, speculative = streams
+        assert speculative == plain
 
 
 # ---- 7. beam search

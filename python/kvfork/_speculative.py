@@ -267,7 +267,10 @@ class SpeculativeStream(_Rounds):
     waits on it). A round cancelled (or interrupted by Ctrl-C) once it runs completes: its
     tokens are committed, not yielded, and count against `max_tokens`, as a cancelled step
     of plain generation. When the branch moved between two tokens (a `store.step`, a commit,
-    another stream), the stream samples afresh from where it is, as plain generation does."""
+    another stream), the stream samples afresh from where it is, as plain generation does.
+    With `on_context_full="shift"` the token drawn before a shift is drawn again from the
+    shifted context's logits: a greedy stream equals plain generation through shifts, a
+    seeded one has drawn one number more at each shift (its draws part from plain's there)."""
 
     def __aiter__(self) -> SpeculativeStream:
         return self
@@ -286,7 +289,8 @@ class SpeculativeStream(_Rounds):
         keep = self.schedule.shift_due(self.branch)
         if keep is not None:
             await self.branch.shift_context(keep)
-            self._at = self.branch.position
+            # Drawn from the logits before the shift: drawn again from the shifted context's.
+            self.drew(await self.branch.produce())
         pending, at = self.pending, self._at
         assert pending is not None
         n = self.schedule.guess_len(self.branch, pending)
@@ -327,7 +331,7 @@ class SpeculativeStreamSync(_Rounds):
         keep = self.schedule.shift_due(self.branch)
         if keep is not None:
             self.branch.shift_context_sync(keep)
-            self._at = self.branch.position
+            self.drew(self.branch.produce_sync())  # as in the async stream
         pending, at = self.pending, self._at
         assert pending is not None
         n = self.schedule.guess_len(self.branch, pending)
