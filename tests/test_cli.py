@@ -159,6 +159,13 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["serve", "default", "--ray", "local", "--warmup", "on"], 2, "--warmup on"),
         (["serve", "default", "--cache-ram", str(1 << 43)], 2, "--cache-ram must be in"),
         (["serve", "default", "--cache-disk", "-1"], 2, "--cache-disk must be in"),
+        (["serve", "default", "--log-level", "bogus"], 2, "--log-level: invalid choice"),
+        (
+            ["serve", "chat", "--warmup", "off", "--chat-template", "chatmll"],
+            2,
+            "--chat-template 'chatmll' does not render the messages",
+        ),
+        (["serve", "chat", "--warmup", "off", "--chat-template", "{{ x"], 2, "syntax error"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(

@@ -32,6 +32,7 @@ from ._models import cache_dir, default_chat_model_path, default_model_path, mod
 from ._native import (
     Branch,
     BranchStore,
+    ChatTemplateError,
     Context,
     KvforkError,
     Model,
@@ -348,6 +349,26 @@ def _chat_template(arg: str | None) -> str | None:
     return file.read_text() if file.is_file() else arg
 
 
+def _check_chat_template(ctx: Context, template: str | None) -> None:
+    """A `--chat-template` must render a conversation: a misspelt built-in name or file path
+    is read as a template's text, which would drop every message (a CliError instead)."""
+    if template is None:
+        return
+    probe = "kvfork-probe-7f3a"
+    try:
+        chat = ctx.format_chat(
+            [{"role": "user", "content": probe}], add_generation_prompt=True, template=template
+        )
+    except ChatTemplateError as exc:
+        raise CliError(f"--chat-template: {exc}") from None
+    if probe not in chat.prompt:
+        raise CliError(
+            f"--chat-template {template[:60]!r} does not render the messages: not a "
+            "llama.cpp built-in name (chatml, gemma, llama3, ...), a file, or a Jinja "
+            "template that shows them"
+        )
+
+
 async def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible server; concurrent requests share prefixes and decodes. With
     ``--ray``, each request runs on one of ``--actors`` Ray actors, routed by prefix."""
@@ -426,7 +447,15 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         embed_ctx = await open_context(
             path, n_ctx=n_ctx, n_seq_max=8, embeddings=True, pooling="mean", **embed_options
         )
-    prompts = Prompts(ctx, chat_template=_chat_template(args.chat_template), embed_ctx=embed_ctx)
+    template = _chat_template(args.chat_template)
+    try:
+        _check_chat_template(ctx, template)
+    except CliError:
+        ctx.close()
+        if embed_ctx is not None:
+            embed_ctx.close()
+        raise
+    prompts = Prompts(ctx, chat_template=template, embed_ctx=embed_ctx)
     metrics = Metrics()
     backend: Backend
     if args.ray is None:
@@ -829,7 +858,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="text forced before the end marker when the reasoning budget is spent",
     )
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        type=str.lower,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the server's and uvicorn's log level",
+    )
     serve.set_defaults(run=cmd_serve)
 
     info = sub.add_parser("info", help="model metadata, chat template, system info")
