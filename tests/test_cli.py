@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
+import os
+import pty
+import signal
 import subprocess
 import sys
 import time
@@ -272,3 +276,27 @@ def test_progress_shows_only_for_slow_work_and_erases_its_line() -> None:
         time.sleep(0.3)
     text = slow.getvalue()
     assert "slow … 4/10" in text and text.endswith("slow: done in 0.3s\n")
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_the_chat_at_once() -> None:
+    """On a terminal, Ctrl-C while `kvfork chat` waits at `you>` exits with 130 at once (the
+    thread reading stdin kept the process until the next Enter)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat on the pseudo-terminal
+        os.execv(sys.executable, [sys.executable, "-m", "kvfork", "chat", "chat", "--n-ctx", "512"])
+    try:
+        seen, deadline = b"", time.monotonic() + 120
+        while b"you> " not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += os.read(fd, 4096)
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while not (status := os.waitpid(pid, os.WNOHANG))[0]:
+            assert time.monotonic() < deadline, "the chat went on after Ctrl-C"
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status[1]) == 130
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
@@ -217,6 +219,34 @@ async def _best_of_n(ctx: Context, root: Branch, args: argparse.Namespace) -> No
         print(args.prompt + texts[i])
 
 
+async def _read_line() -> str:
+    """A line of stdin without holding up the event loop, read by a daemon thread: Ctrl-C at
+    the prompt ends the command at once (the default executor's thread would be waited for
+    at exit, until the next Enter)."""
+    loop = asyncio.get_running_loop()
+    line: asyncio.Future[str] = loop.create_future()
+
+    def deliver(text: str, error: Exception | None) -> None:
+        if line.done():
+            return
+        if error is not None:
+            line.set_exception(error)
+        else:
+            line.set_result(text)
+
+    def read() -> None:
+        text, error = "", None
+        try:
+            text = sys.stdin.readline()
+        except Exception as exc:  # noqa: BLE001 (any: the awaiting task raises it)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(deliver, text, error)
+
+    threading.Thread(target=read, daemon=True).start()
+    return await line
+
+
 async def cmd_chat(args: argparse.Namespace) -> int:
     """A warm multi-turn conversation: each turn prefills only what it adds."""
     model = resolve_model(args.model, fallback="chat")
@@ -230,7 +260,7 @@ async def cmd_chat(args: argparse.Namespace) -> int:
             if interactive:
                 sys.stdout.write("you> ")
                 sys.stdout.flush()
-            line = await asyncio.to_thread(sys.stdin.readline)
+            line = await _read_line()
             if not line:
                 break
             content = line.strip()
