@@ -300,3 +300,20 @@ def test_ctrl_c_at_the_chat_prompt_ends_the_chat_at_once() -> None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`kvfork generate ... | head -c 5`: the pipe closed under it ends the command with 141
+    (as SIGPIPE ends other tools) and nothing on stderr (it printed a BrokenPipeError and
+    exited 1)."""
+    command = [sys.executable, "-m", "kvfork", "generate", "chat", "Count from one to a thousand:"]
+    process = subprocess.Popen(
+        [*command, "--max-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.read(5)
+    process.stdout.close()
+    assert process.wait(timeout=300) == 141
+    with process.stderr:
+        said = process.stderr.read().decode().splitlines()
+    assert [line for line in said if not line.startswith(("llama", "load"))] == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -276,7 +276,7 @@ class Chat:
             self._end(r)
         return r.text.content
 
-    async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncIterator[str]:
+    async def stream(self, content: str, *, max_tokens: int = 256) -> AsyncGenerator[str, None]:
         """Like ``send``, yielding the reply's text as it is generated. Text that could be
         the start of a stop string is held back until it is not; the whole reply is
         appended to ``messages`` when the stream ends (also when it is closed early). A stream

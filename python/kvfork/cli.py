@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -75,6 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     except CliError as exc:
         parser.exit(2, f"kvfork: error: {exc}\n")
+    except BrokenPipeError:
+        # The reader went away (`| head`): no message; stdout is pointed at /dev/null so the
+        # interpreter's own flush at exit does not complain again. 141: as SIGPIPE ends tools.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (KvforkError, ValueError, OSError) as exc:
         parser.exit(1, f"kvfork: {type(exc).__name__}: {exc}\n")
     except KeyboardInterrupt:
@@ -271,9 +278,12 @@ async def cmd_chat(args: argparse.Namespace) -> int:
             if interactive:
                 sys.stdout.write("assistant> ")
             before = chat.prefilled_tokens
-            async for piece in chat.stream(content, max_tokens=args.max_tokens):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            # Closed here whatever happens (a reader gone: the context closes after it).
+            stream = chat.stream(content, max_tokens=args.max_tokens)
+            async with contextlib.aclosing(stream):
+                async for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
             sys.stdout.write("\n")
             if args.verbose:
                 added = chat.prefilled_tokens - before
