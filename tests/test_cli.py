@@ -207,6 +207,20 @@ def test_chat_reads_turns_from_piped_stdin_and_keeps_the_conversation_warm(
     assert prefilled[1] < prefilled[0]  # the second turn prefills only what it adds
 
 
+def test_chat_goes_on_past_a_full_context_and_a_turn_too_long_for_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn longer than the context is refused alone (the next is answered), and a session
+    longer than the context shifts it (it ended with KvCacheFullError, exit status 1)."""
+    turns = "word " * 700 + "\n" + "".join(f"Tell me about the sea, part {i}.\n" for i in range(8))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(turns))
+    status, out, err = run_cli(capsys, "chat", "--n-ctx", "512", "--max-tokens", "60", "--verbose")
+    assert status == 0, err
+    assert "does not fit (--n-ctx 512)" in err
+    assert len([line for line in err.splitlines() if "prefilled" in line]) == 8  # all answered
+    assert out.strip()
+
+
 def test_chat_stream_holds_back_a_partial_stop_string() -> None:
     ctx = kvfork.create_context_sync(kvfork.default_chat_model_path(), n_ctx=1024, n_seq_max=1)
     with ctx:

@@ -37,6 +37,7 @@ from ._native import (
     BranchStore,
     ChatTemplateError,
     Context,
+    KvCacheFullError,
     KvforkError,
     Model,
     SamplingParams,
@@ -260,7 +261,14 @@ async def cmd_chat(args: argparse.Namespace) -> int:
     ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=1)
     interactive = sys.stdin.isatty()
     with ctx:
-        chat = Chat(ctx, params=sampling_params(args), system=args.system or None)
+        # A long session shifts the context (keeping the system message), as llama.cpp's
+        # own chat does, rather than end when it fills --n-ctx.
+        chat = Chat(
+            ctx,
+            params=sampling_params(args),
+            system=args.system or None,
+            on_context_full="shift",
+        )
         if interactive:
             print(f"chatting with {model.name}; /exit or Ctrl-D ends.", file=sys.stderr)
         while True:
@@ -280,10 +288,16 @@ async def cmd_chat(args: argparse.Namespace) -> int:
             before = chat.prefilled_tokens
             # Closed here whatever happens (a reader gone: the context closes after it).
             stream = chat.stream(content, max_tokens=args.max_tokens)
-            async with contextlib.aclosing(stream):
-                async for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
+            try:
+                async with contextlib.aclosing(stream):
+                    async for piece in stream:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+            except KvCacheFullError as exc:  # this turn alone: the conversation goes on
+                print(
+                    f"\nkvfork: the turn does not fit (--n-ctx {ctx.n_ctx}): {exc}", file=sys.stderr
+                )
+                continue
             sys.stdout.write("\n")
             if args.verbose:
                 added = chat.prefilled_tokens - before
