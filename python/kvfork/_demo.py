@@ -90,7 +90,10 @@ async def run(
     out = out if out is not None else sys.stdout
     live = out.isatty() if live is None else live
     with Progress("loading the model"):
-        ctx = await create_context(model, n_ctx=1024, n_seq_max=n + 1)
+        # Room for every fork's tokens beside the prompt's (the prompt takes well under 256).
+        ctx = await create_context(
+            model, n_ctx=max(1024, 256 + n * (max_tokens + 1)), n_seq_max=n + 1
+        )
     with ctx:
         params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
         root = Branch.create(ctx, 0, params)

@@ -332,7 +332,9 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     close the stepping loop runs to the bare `llama_decode` time."""
     model = resolve_model(args.model)
     widths = [1, *args.n] if 1 not in args.n else list(args.n)
-    ctx = await open_context(model, n_ctx=2048, n_seq_max=max(widths) + 1)
+    # Room for the widest step's forks beside the prompt (~170 tokens), as asked.
+    n_ctx = max(2048, 512 + max(widths) * (args.steps + 2))
+    ctx = await open_context(model, n_ctx=n_ctx, n_seq_max=max(widths) + 1)
     with ctx:
         root = Branch.create(ctx, 0, SamplingParams(temperature=0.0))
         prompt = ctx.tokenize("The history of the printing press begins with " * 16)
