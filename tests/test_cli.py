@@ -89,6 +89,18 @@ def test_generate_best_of_n_ranks_candidates_by_perplexity(
     assert ppl == sorted(ppl)
 
 
+def test_best_of_n_takes_any_seed_and_keeps_its_candidates_at_the_context_s_end(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The largest seed (forks derive theirs from it), and more tokens than the context
+    holds: the candidates as far as they went (they were all lost, exit status 1)."""
+    argv = ["generate", "chat", "Write a story:", "--n", "2", "--n-ctx", "256"]
+    status, out, err = run_cli(capsys, *argv, "--max-tokens", "300", "--seed", str(2**32 - 1))
+    assert status == 0, err
+    assert len([line for line in out.splitlines() if line.startswith("--- candidate")]) == 2
+    assert "stopped at the context's end" in err
+
+
 def test_generate_follows_a_json_schema_file(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -205,7 +205,8 @@ async def _stream(branch: Branch, args: argparse.Namespace) -> None:
 
 
 async def _best_of_n(ctx: Context, root: Branch, args: argparse.Namespace) -> None:
-    forks = [await root.fork(seed=args.seed * 1000 + i) for i in range(args.n)]
+    # Each candidate its own stream, from the one --seed (any seed --n 1 takes).
+    forks = [await root.fork(seed=(args.seed * 1000 + i) % 2**32) for i in range(args.n)]
     store = BranchStore(ctx)
     texts = [""] * len(forks)
     running = list(range(len(forks)))
@@ -213,7 +214,11 @@ async def _best_of_n(ctx: Context, root: Branch, args: argparse.Namespace) -> No
         for step in range(args.max_tokens):
             if not running:
                 break
-            drawn = await store.step([forks[i] for i in running])
+            try:
+                drawn = await store.step([forks[i] for i in running])
+            except KvCacheFullError:  # the candidates as they stand (a step is all or nothing)
+                sys.stderr.write(f"\n[stopped at the context's end: --n-ctx {ctx.n_ctx}]\n")
+                break
             for i, token in zip(list(running), drawn):
                 if token.is_stop:
                     running.remove(i)
