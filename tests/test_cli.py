@@ -176,6 +176,10 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["serve", "default", "--cache-ram", str(1 << 43)], 2, "--cache-ram must be in"),
         (["serve", "default", "--cache-disk", "-1"], 2, "--cache-disk must be in"),
         (["serve", "default", "--log-level", "bogus"], 2, "--log-level: invalid choice"),
+        (["serve", "default", "--n-seq-max", "0"], 2, "--n-seq-max: must be at least 1"),
+        (["generate", "default", "x", "--top-p", "5"], 2, "--top-p: must be in [0, 1]"),
+        (["generate", "default", "x", "--seed", "-1"], 2, "--seed: must be in [0, 4294967295]"),
+        (["chat", "--temperature", "nan"], 2, "--temperature: must be a finite number"),
         (
             ["serve", "chat", "--warmup", "off", "--chat-template", "chatmll"],
             2,

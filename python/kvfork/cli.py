@@ -668,6 +668,31 @@ def _float_from(low: float, *, above: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1] (top-p, min-p)."""
+    value = _float_from(0)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+_fraction.__name__ = "float"
+
+
+def _finite(text: str) -> float:
+    """An argparse type: any finite number (a temperature: <= 0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+_finite.__name__ = "float"
+
+
 def _widths(text: str) -> list[int]:
     """`bench --n`: comma-separated fork counts, each in [1, 255] (a sequence each, and one more)."""
     return [_int_in(1, 255)(part) for part in text.split(",")]
@@ -675,12 +700,12 @@ def _widths(text: str) -> list[int]:
 
 def _sampling_options(parser: argparse.ArgumentParser, temperature: float) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=float, default=temperature)
-    group.add_argument("--top-k", type=int, default=40)
-    group.add_argument("--top-p", type=float, default=0.95)
-    group.add_argument("--min-p", type=float, default=0.05)
-    group.add_argument("--repeat-penalty", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=1)
+    group.add_argument("--temperature", type=_finite, default=temperature)
+    group.add_argument("--top-k", type=_int_in(0), default=40)
+    group.add_argument("--top-p", type=_fraction, default=0.95)
+    group.add_argument("--min-p", type=_fraction, default=0.05)
+    group.add_argument("--repeat-penalty", type=_float_from(0, above=True), default=1.0)
+    group.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -705,7 +730,7 @@ def _parser() -> argparse.ArgumentParser:
         "--n", type=_int_in(1, 255), default=1, help="candidates; >1 ranks them by perplexity"
     )
     gen.add_argument("--max-tokens", type=_int_in(0), default=128)
-    gen.add_argument("--n-ctx", type=int, default=4096)
+    gen.add_argument("--n-ctx", type=_int_in(1), default=4096)
     constraint = gen.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", metavar="FILE", help="output follows this schema")
     constraint.add_argument("--grammar", metavar="FILE", help="output follows this GBNF grammar")
@@ -724,7 +749,7 @@ def _parser() -> argparse.ArgumentParser:
         "follows; '' for none, i.e. the template's own)",
     )
     chat.add_argument("--max-tokens", type=_int_in(0), default=256)
-    chat.add_argument("--n-ctx", type=int, default=4096)
+    chat.add_argument("--n-ctx", type=_int_in(1), default=4096)
     chat.add_argument("--verbose", action="store_true", help="tokens prefilled per turn")
     _sampling_options(chat, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
@@ -750,19 +775,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_int_in(1, 65535), default=8000)
     serve.add_argument(
         "--n-ctx",
-        type=int,
+        type=_int_in(1),
         default=20480,
         help="KV cells shared by every request (default: 16 x ~1,250 tokens)",
     )
     serve.add_argument(
         "--n-seq-max",
-        type=int,
+        type=_int_in(1),
         default=32,
         help="sequences: requests' choices plus prefix-cache entries",
     )
     serve.add_argument(
         "--n-batch",
-        type=int,
+        type=_int_in(1),
         default=None,
         help="tokens one decode holds (default 512): prompt chunks and the running streams' "
         "steps share it, so a stream waits at most one such decode while prompts arrive",
@@ -834,7 +859,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--threads",
-        type=int,
+        type=_int_in(1),
         default=None,
         help="threads of each context, batches included (default: adaptive)",
     )
