@@ -180,6 +180,7 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["generate", "default", "x", "--top-p", "5"], 2, "--top-p: must be in [0, 1]"),
         (["generate", "default", "x", "--seed", "-1"], 2, "--seed: must be in [0, 4294967295]"),
         (["chat", "--temperature", "nan"], 2, "--temperature: must be a finite number"),
+        (["generate", "chat", ""], 2, "the prompt is empty"),
         (
             ["serve", "chat", "--warmup", "off", "--chat-template", "chatmll"],
             2,
@@ -347,3 +348,17 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     with process.stderr:
         said = process.stderr.read().decode().splitlines()
     assert [line for line in said if not line.startswith(("llama", "load"))] == []
+
+
+def test_chat_reads_lines_that_are_not_utf_8() -> None:
+    """Bytes on stdin that are not UTF-8 are read as U+FFFD: the turn and the next one are
+    answered (a codec error ended the chat)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfork", "chat", "chat", "--max-tokens", "4", "--verbose"],
+        input=b"Hi \xff\xfe there\nWhat is 2+2?\n",
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stderr.decode().count("prefilled") == 2

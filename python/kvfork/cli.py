@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import math
@@ -160,9 +161,12 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=args.n + 1)
     with ctx:
+        tokens = ctx.tokenize(args.prompt)
+        if not tokens:  # a model that adds no BOS, and an empty prompt: nothing to go on
+            raise CliError("the prompt is empty: give PROMPT some text")
         root = Branch.create(ctx, 0, sampling_params(args))
         _constrain(root, args)
-        await prefill(root, ctx.tokenize(args.prompt), ctx.n_batch)
+        await prefill(root, tokens, ctx.n_batch)
         if args.n == 1:
             await _stream(root, args)
         else:
@@ -232,6 +236,13 @@ async def _best_of_n(ctx: Context, root: Branch, args: argparse.Namespace) -> No
         print(args.prompt + texts[i])
 
 
+def _lenient_stdin() -> None:
+    """Bytes on stdin that are not UTF-8 become U+FFFD (they ended the command with a codec
+    error, the lines after them unread)."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+
+
 async def _read_line() -> str:
     """A line of stdin without holding up the event loop, read by a daemon thread: Ctrl-C at
     the prompt ends the command at once (the default executor's thread would be waited for
@@ -264,6 +275,7 @@ async def cmd_chat(args: argparse.Namespace) -> int:
     """A warm multi-turn conversation: each turn prefills only what it adds."""
     model = resolve_model(args.model, fallback="chat")
     ctx = await open_context(model, n_ctx=args.n_ctx, n_seq_max=1)
+    _lenient_stdin()
     interactive = sys.stdin.isatty()
     with ctx:
         # A long session shifts the context (keeping the system message), as llama.cpp's
@@ -312,6 +324,7 @@ async def cmd_chat(args: argparse.Namespace) -> int:
 
 async def cmd_embed(args: argparse.Namespace) -> int:
     """Embeddings of TEXT arguments (or stdin lines) as JSON lines, or ranked by --rank."""
+    _lenient_stdin()
     texts = list(args.text) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise CliError("nothing to embed: give TEXT arguments or lines on stdin")
