@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -362,3 +363,20 @@ def test_chat_reads_lines_that_are_not_utf_8() -> None:
     )
     assert done.returncode == 0, done.stderr[-500:]
     assert done.stderr.decode().count("prefilled") == 2
+
+
+def test_serve_on_a_port_taken_is_a_usage_error_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvfork", "serve", "chat", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "kvfork serve:" not in done.stderr  # no start-up line announced it

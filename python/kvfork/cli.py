@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -423,6 +424,23 @@ def _chat_template(arg: str | None) -> str | None:
     return file.read_text() if file.is_file() else arg
 
 
+def _check_address(host: str, port: int) -> None:
+    """The address the server is to listen on can be bound, checked before the model loads
+    (taken, it failed after the start-up line had announced it, exit status 3). The
+    server binds it again itself, as uvicorn does (SO_REUSEADDR)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise CliError(f"--host {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def _check_chat_template(ctx: Context, template: str | None) -> None:
     """A `--chat-template` must render a conversation: a misspelt built-in name or file path
     is read as a template's text, which would drop every message (a CliError instead)."""
@@ -461,6 +479,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         ) from exc
     if args.actors < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--actors and --threads must be at least 1")
+    _check_address(args.host, args.port)
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     for flag, size in (("--cache-ram", args.cache_ram), ("--cache-disk", args.cache_disk)):
