@@ -485,6 +485,10 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     for flag, size in (("--cache-ram", args.cache_ram), ("--cache-disk", args.cache_disk)):
         if not 0 <= size < MAX_CACHE_MIB:  # in bytes, below 2**63
             raise CliError(f"{flag} must be in [0, {MAX_CACHE_MIB}) MiB, got {size}")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
+        raise CliError("--api-key must be printable ASCII (a client's header could not carry it)")
+    if args.api_key is not None and (not args.api_key.strip() or " " in args.api_key):
+        raise CliError("--api-key must be a token without spaces (empty, it would match no one)")
     if args.ray is not None and (args.cache_ram or args.cache_dir is not None):
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
     if args.ray is not None and args.lora:
@@ -725,6 +729,20 @@ def _finite(text: str) -> float:
 _finite.__name__ = "float"
 
 
+def _directory(text: str) -> Path:
+    """An argparse type: a directory's path, made if missing (empty, it was the current
+    directory; a file's path failed later with "File exists")."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty: give a directory")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return path
+
+
+_directory.__name__ = "directory"
+
+
 def _widths(text: str) -> list[int]:
     """`bench --n`: comma-separated fork counts, each in [1, 255] (a sequence each, and one more)."""
     return [_int_in(1, 255)(part) for part in text.split(",")]
@@ -834,7 +852,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--cache-dir",
-        type=Path,
+        type=_directory,
         default=None,
         help="a directory for entries host memory cannot hold, written there at shutdown too: "
         "a restarted server finds them",
