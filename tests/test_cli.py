@@ -183,6 +183,8 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["chat", "--temperature", "nan"], 2, "--temperature: must be a finite number"),
         (["generate", "chat", ""], 2, "the prompt is empty"),
         (["serve", "chat", "--cache-dir", ""], 2, "--cache-dir: empty: give a directory"),
+        (["serve", "chat", "--actors", "3"], 2, "--actors and --route apply to --ray"),
+        (["serve", "chat", "--route", "hash"], 2, "--actors and --route apply to --ray"),
         (["serve", "chat", "--cache-dir", __file__], 2, "is not a directory"),
         (["serve", "chat", "--api-key", ""], 2, "--api-key must be a token without spaces"),
         (["serve", "chat", "--api-key", "clé"], 2, "--api-key must be printable ASCII"),

@@ -668,6 +668,19 @@ def test_one_candidate_keeps_greedy_on_the_device_and_gives_rows_to_the_rest(
         assert draws[1] == draws[0]
 
 
+@pytest.mark.parametrize("value", ["0", "65", "-1", "junk", ""])
+def test_a_candidate_count_out_of_range_is_refused_naming_the_variable(
+    model: kvfork.Model, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """`KVFORK_DEVICE_CANDIDATES` outside [1, 64], or not a count, is an error when a
+    device-sampling context is made (0 and junk quietly chose the argmax mode or the
+    default); a context without device sampling does not read it."""
+    monkeypatch.setenv("KVFORK_DEVICE_CANDIDATES", value)
+    with pytest.raises(ValueError, match="KVFORK_DEVICE_CANDIDATES"):
+        kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2, device_sampling=True)
+    kvfork.create_context_sync(model, n_ctx=512, n_seq_max=2).close()
+
+
 def test_the_stage_is_made_once_a_decode_not_once_a_row(
     model: kvfork.Model, caplog: pytest.LogCaptureFixture
 ) -> None:

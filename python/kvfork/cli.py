@@ -477,6 +477,10 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(
             f"kvfork serve needs the server extra: pip install 'kvfork[server]' ({exc})"
         ) from exc
+    if args.ray is None and (args.actors is not None or args.route is not None):
+        raise CliError("--actors and --route apply to --ray")
+    args.actors = 2 if args.actors is None else args.actors
+    args.route = args.route or "affinity"
     if args.actors < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--actors and --threads must be at least 1")
     _check_address(args.host, args.port)
@@ -921,12 +925,15 @@ def _parser() -> argparse.ArgumentParser:
         "machine) or 'local' (start one here); needs kvfork[ray]",
     )
     serve.add_argument(
-        "--actors", type=int, default=2, help="with --ray: actors, each its own context"
+        "--actors",
+        type=int,
+        default=None,
+        help="with --ray: actors, each its own context (default 2)",
     )
     serve.add_argument(
         "--route",
         choices=["affinity", "hash", "random"],
-        default="affinity",
+        default=None,
         help="with --ray: by the longest prefix an actor holds (default), a consistent hash "
         "of the prompt's leading block, or at random",
     )

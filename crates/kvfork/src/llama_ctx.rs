@@ -95,7 +95,12 @@ impl LlamaCtx {
     /// A context of `model`; with `p.device_sampling`, its stages keep the candidates
     /// `KVFORK_DEVICE_CANDIDATES` says now.
     pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Self> {
-        Self::keeping(model, p, candidates_from_env())
+        let kept = if p.device_sampling {
+            candidates_from_env()?
+        } else {
+            CANDIDATES
+        };
+        Self::keeping(model, p, kept)
     }
 
     /// A context of `model` whose device stages (with `p.device_sampling`) keep `kept`

@@ -26,15 +26,22 @@ use crate::seq::Seq;
 /// How many of each row's best logits come back from the device, at most and by default.
 pub(crate) const CANDIDATES: usize = 64;
 
-/// The candidates a context's stage keeps: `KVFORK_DEVICE_CANDIDATES` (1 to 64; other values
-/// are clamped, anything unreadable is the default), else [`CANDIDATES`]. With 1 the stage is
-/// an argmax, cheaper on a GPU than a top-k (a sort of the row there): greedy chains draw on
-/// the device, every other chain gets its rows (BENCHMARKS §26).
-pub(crate) fn candidates_from_env() -> usize {
-    std::env::var("KVFORK_DEVICE_CANDIDATES")
-        .ok()
-        .and_then(|v| v.trim().parse::<i64>().ok())
-        .map_or(CANDIDATES, |k| k.clamp(1, CANDIDATES as i64) as usize)
+/// The candidates a context's stage keeps: `KVFORK_DEVICE_CANDIDATES` (1 to 64), else
+/// [`CANDIDATES`]; any other value is an error naming it (0 or junk quietly became the
+/// argmax mode, or the default). With 1 the stage is an argmax, cheaper on a GPU than a
+/// top-k (a sort of the row there): greedy chains draw on the device, every other chain gets
+/// its rows (BENCHMARKS §26).
+pub(crate) fn candidates_from_env() -> Result<usize> {
+    let Ok(text) = std::env::var("KVFORK_DEVICE_CANDIDATES") else {
+        return Ok(CANDIDATES);
+    };
+    match text.trim().parse::<usize>() {
+        Ok(k) if (1..=CANDIDATES).contains(&k) => Ok(k),
+        _ => Err(Error::invalid(
+            "KVFORK_DEVICE_CANDIDATES",
+            format!("{text:?} is not a count in [1, {CANDIDATES}]"),
+        )),
+    }
 }
 
 /// What the device kept of one output row: its best logits with their tokens, best first (on
