@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import IO, Any
 
 import openai
+import pytest
 
 
 @dataclass
@@ -135,6 +136,15 @@ class Server:
         assert "Traceback" not in text, text  # no request may reach an unexpected failure
         assert "ASGI callable" not in text, text  # every response ended properly
         return text
+
+
+def assert_used_servers_at_rest(request: pytest.FixtureRequest, *names: str) -> None:
+    """After a test: each of the server fixtures `names` it used is at rest — its sequences
+    all free or prefix-cache entries, its admission free, its queue empty."""
+    for name in names:
+        if name in request.fixturenames:
+            server: Server = request.getfixturevalue(name)
+            server.assert_at_rest()
 
 
 def bench_serve_module() -> ModuleType:

@@ -186,8 +186,8 @@ def test_generate_with_prompt_lookup_draft_matches_plain_greedy(
         (["serve", "chat", "--actors", "3"], 2, "--actors and --route apply to --ray"),
         (["serve", "chat", "--route", "hash"], 2, "--actors and --route apply to --ray"),
         (["serve", "chat", "--cache-dir", __file__], 2, "is not a directory"),
-        (["serve", "chat", "--api-key", ""], 2, "--api-key must be a token without spaces"),
-        (["serve", "chat", "--api-key", "clé"], 2, "--api-key must be printable ASCII"),
+        (["serve", "chat", "--api-key", ""], 2, "--api-key must be a printable ASCII token"),
+        (["serve", "chat", "--api-key", "clé"], 2, "--api-key must be a printable ASCII token"),
         (
             ["serve", "chat", "--warmup", "off", "--chat-template", "chatmll"],
             2,

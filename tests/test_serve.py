@@ -22,7 +22,13 @@ import openai
 import pytest
 
 from .conftest import ON_CPU, SLOW_PREFILL_BATCH, assert_same_text, greedy_with_margins, margin
-from .serving import Server, bench_serve_module, logprob_margin, servers
+from .serving import (
+    Server,
+    assert_used_servers_at_rest,
+    bench_serve_module,
+    logprob_margin,
+    servers,
+)
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -37,13 +43,9 @@ def serve() -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every test, each server it used is at rest: its sequences are all free or
-    prefix-cache entries, its admission free, its queue empty."""
+    """After every test, each server it used is at rest."""
     yield
-    for name in ("chat_server", "base_server", "small_server"):
-        if name in request.fixturenames:
-            server: Server = request.getfixturevalue(name)
-            server.assert_at_rest()
+    assert_used_servers_at_rest(request, "chat_server", "base_server", "small_server")
 
 
 @pytest.fixture(scope="module")

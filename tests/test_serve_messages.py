@@ -19,7 +19,7 @@ from anthropic.types import Message, TextBlock, ToolUseBlock
 from kvfork.server.errors import APIError
 from kvfork.server.messages import error_body
 
-from .serving import Server, servers
+from .serving import Server, assert_used_servers_at_rest, servers
 
 KEY = "k"
 SYSTEM = "You are a helpful assistant."
@@ -60,12 +60,9 @@ def server(serve: Any) -> Server:
 
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every test the shared server is at rest: every sequence free or a prefix-cache
-    entry, admission free, the queue empty."""
+    """After every test the shared server is at rest."""
     yield
-    if "server" in request.fixturenames:
-        shared: Server = request.getfixturevalue("server")
-        shared.assert_at_rest()
+    assert_used_servers_at_rest(request, "server")
 
 
 def _client(server: Server, key: str = KEY) -> anthropic.Anthropic:

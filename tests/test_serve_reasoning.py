@@ -34,7 +34,7 @@ from kvfork.server.reasoning import (
 from openai.types.responses import ResponseReasoningItem
 
 from .conftest import assert_same_greedy, assert_same_text
-from .serving import Server, logprob_margin, servers
+from .serving import Server, assert_used_servers_at_rest, logprob_margin, servers
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -84,11 +84,9 @@ def think_server(serve: Any, tmp_path_factory: pytest.TempPathFactory) -> Server
 
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every server test: its sequences all free or cache entries, admission free."""
+    """After every server test, the server is at rest."""
     yield
-    if "think_server" in request.fixturenames:
-        server: Server = request.getfixturevalue("think_server")
-        server.assert_at_rest()
+    assert_used_servers_at_rest(request, "think_server")
 
 
 def _chat(server: Server, **fields: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .serving import Server, servers
+from .serving import Server, assert_used_servers_at_rest, servers
 
 #: Greedy, SmolLM2 goes on with another emoji, whose first tokens are pieces of it.
 EMOJI = "Emoji list: \U0001f431\U0001f436"
@@ -35,10 +35,9 @@ def chat_server(serve: Any) -> Server:
 
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test, the server is at rest."""
     yield
-    if "chat_server" in request.fixturenames:
-        server: Server = request.getfixturevalue("chat_server")
-        server.assert_at_rest()
+    assert_used_servers_at_rest(request, "chat_server")
 
 
 def _completion(server: Server, stream: bool, **body: Any) -> tuple[str, dict[str, Any], str]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 from kvfork.server.responses import ResponseStore, Stored
 
-from .serving import Server, servers
+from .serving import Server, assert_used_servers_at_rest, servers
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -53,12 +53,9 @@ def chat_server(serve: Any) -> Server:
 
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every test that used the server: its sequences all free or prefix-cache entries,
-    its admission free, its queue empty."""
+    """After every test that used the server, it is at rest."""
     yield
-    if "chat_server" in request.fixturenames:
-        server: Server = request.getfixturevalue("chat_server")
-        server.assert_at_rest()
+    assert_used_servers_at_rest(request, "chat_server")
 
 
 def _create(server: Server, **kwargs: Any) -> Any:

@@ -102,12 +102,11 @@ class Chat:
         it on a fresh branch when the prompt no longer extends what the branch holds).
         Nothing changes until the prefill succeeds (`_opened`), but a stream left waiting at
         a yield ends first (its reply joins). A bad `max_tokens` is refused before anything."""
-        if max_tokens is None:  # as generate's: no limit but the context's
-            pass
-        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, not {type(max_tokens).__name__}")
-        elif max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
+        if max_tokens is not None:  # None: as generate's, no limit but the context's
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+                raise TypeError(f"max_tokens must be an int, not {type(max_tokens).__name__}")
+            if max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
         self._settle("one turn at a time")
         message = {"role": "user", "content": content}
         chat = self.ctx.format_chat(

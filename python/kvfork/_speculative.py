@@ -284,12 +284,10 @@ class SpeculativeStream(_Rounds):
             return self.pop()
         if self.schedule.ended():
             raise StopAsyncIteration
-        if self.current() is None:
-            self.drew(await self.branch.produce())
         keep = self.schedule.shift_due(self.branch)
-        if keep is not None:
+        if keep is not None:  # a token drawn before it is stale after it (`current`)
             await self.branch.shift_context(keep)
-            # Drawn from the logits before the shift: drawn again from the shifted context's.
+        if self.current() is None:
             self.drew(await self.branch.produce())
         pending, at = self.pending, self._at
         assert pending is not None
@@ -326,12 +324,11 @@ class SpeculativeStreamSync(_Rounds):
             return self.pop()
         if self.schedule.ended():
             raise StopIteration
+        keep = self.schedule.shift_due(self.branch)
+        if keep is not None:  # a token drawn before it is stale after it (`current`)
+            self.branch.shift_context_sync(keep)
         if self.current() is None:
             self.drew(self.branch.produce_sync())
-        keep = self.schedule.shift_due(self.branch)
-        if keep is not None:
-            self.branch.shift_context_sync(keep)
-            self.drew(self.branch.produce_sync())  # as in the async stream
         pending, at = self.pending, self._at
         assert pending is not None
         n = self.schedule.guess_len(self.branch, pending)

@@ -479,20 +479,18 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         ) from exc
     if args.ray is None and (args.actors is not None or args.route is not None):
         raise CliError("--actors and --route apply to --ray")
-    args.actors = 2 if args.actors is None else args.actors
+    args.actors = args.actors or 2
     args.route = args.route or "affinity"
-    if args.actors < 1 or (args.threads is not None and args.threads < 1):
-        raise CliError("--actors and --threads must be at least 1")
     _check_address(args.host, args.port)
     if args.ray is not None and args.n_batch is not None:
         raise CliError("--n-batch applies to a local server; the Ray actors use the default")
     for flag, size in (("--cache-ram", args.cache_ram), ("--cache-disk", args.cache_disk)):
         if not 0 <= size < MAX_CACHE_MIB:  # in bytes, below 2**63
             raise CliError(f"{flag} must be in [0, {MAX_CACHE_MIB}) MiB, got {size}")
-    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
-        raise CliError("--api-key must be printable ASCII (a client's header could not carry it)")
-    if args.api_key is not None and (not args.api_key.strip() or " " in args.api_key):
-        raise CliError("--api-key must be a token without spaces (empty, it would match no one)")
+    key = args.api_key
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        # Empty, or with a space or a letter a header cannot carry, no client could match it.
+        raise CliError("--api-key must be a printable ASCII token without spaces")
     if args.ray is not None and (args.cache_ram or args.cache_dir is not None):
         raise CliError("--cache-ram and --cache-dir apply to a local server, not --ray")
     if args.ray is not None and args.lora:
@@ -690,47 +688,30 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _float_from(low: float, *, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite float at least `low` (above it with `above`), else a usage
-    error (an infinite grace period overflowed uvicorn's deadline: a traceback)."""
+def _float_from(
+    low: float, *, above: bool = False, high: float = math.inf
+) -> Callable[[str], float]:
+    """An argparse type: a finite float at least `low` (above it with `above`) and at most
+    `high`, else a usage error (an infinite grace period overflowed uvicorn's deadline: a
+    traceback)."""
+    if high < math.inf:
+        wanted = f"must be in [{low:g}, {high:g}]"
+    elif low > -math.inf:
+        wanted = f"must be a finite number {'above' if above else 'at least'} {low:g}"
+    else:
+        wanted = "must be a finite number"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(value) or value < low or (above and value == low):
-            bound = f"above {low:g}" if above else f"at least {low:g}"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        if not math.isfinite(value) or not low <= value <= high or (above and value == low):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text}")
         return value
 
     parse.__name__ = "float"
     return parse
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number in [0, 1] (top-p, min-p)."""
-    value = _float_from(0)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-_fraction.__name__ = "float"
-
-
-def _finite(text: str) -> float:
-    """An argparse type: any finite number (a temperature: <= 0 is greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-_finite.__name__ = "float"
 
 
 def _directory(text: str) -> Path:
@@ -754,10 +735,10 @@ def _widths(text: str) -> list[int]:
 
 def _sampling_options(parser: argparse.ArgumentParser, temperature: float) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=_finite, default=temperature)
+    group.add_argument("--temperature", type=_float_from(-math.inf), default=temperature)
     group.add_argument("--top-k", type=_int_in(0), default=40)
-    group.add_argument("--top-p", type=_fraction, default=0.95)
-    group.add_argument("--min-p", type=_fraction, default=0.05)
+    group.add_argument("--top-p", type=_float_from(0, high=1), default=0.95)
+    group.add_argument("--min-p", type=_float_from(0, high=1), default=0.05)
     group.add_argument("--repeat-penalty", type=_float_from(0, above=True), default=1.0)
     group.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=1)
 
@@ -926,7 +907,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--actors",
-        type=int,
+        type=_int_in(1),
         default=None,
         help="with --ray: actors, each its own context (default 2)",
     )

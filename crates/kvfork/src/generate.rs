@@ -433,15 +433,16 @@ impl<D: Drafter> SpeculativeStream<D> {
     }
 
     fn round(&mut self) -> Result<bool> {
-        let mut pending = match self.pending.take() {
+        if let Some(keep) = self.schedule.shift_due(&self.branch) {
+            self.branch.shift_context(keep).wait()?;
+            // A token drawn from the logits before the shift: drawn again from the shifted
+            // context's.
+            self.pending = None;
+        }
+        let pending = match self.pending.take() {
             Some(p) => p,
             None => self.branch.produce().wait()?,
         };
-        if let Some(keep) = self.schedule.shift_due(&self.branch) {
-            self.branch.shift_context(keep).wait()?;
-            // Drawn from the logits before the shift: drawn again from the shifted context's.
-            pending = self.branch.produce().wait()?;
-        }
         let Some(len) = self.schedule.guess_len(&self.branch, &pending) else {
             return Ok(false);
         };

@@ -183,7 +183,8 @@ class Choice:
         its tokens' logprobs; with `finish`, the choice's end. None when there is nothing to
         tell."""
         piece = self.text.take(final=finish is not None)
-        logprobs = self._release_logprobs(final=finish is not None)
+        released = self._release_logprobs(final=finish is not None)
+        logprobs = [entry for _, entry in released]
         reasoning, content = "", piece
         if self.split is not None:
             reasoning, content = self.split.feed(piece)
@@ -198,16 +199,18 @@ class Choice:
             self.finish_reason = finish
         if not (reasoning or content or logprobs or finish):
             return None
-        offsets = self.logprob_offsets[len(self.logprob_offsets) - len(logprobs) :]
+        offsets = [start for start, _ in released]
         return Event(self.index, content, logprobs, finish, reasoning, offsets)
 
-    def _release_logprobs(self, final: bool) -> list[dict[str, Any]]:
+    def _release_logprobs(self, final: bool) -> list[tuple[int, dict[str, Any]]]:
         """The held entries whose token's text has begun to go out (at the end: all, but
         those of tokens a stop string cut whole)."""
-        if final and not self.text.stopped:
-            out = len(self.text.text) + 1
+        if not final:
+            out = self.text.given  # the text handed out so far
+        elif self.text.stopped:
+            out = len(self.text.content)  # up to the stop string's cut
         else:
-            out = len(self.text.content) if final else self.text.given
+            out = len(self.text.text) + 1  # all of it
         n = 0
         while n < len(self.held_logprobs) and self.held_logprobs[n][0] < out:
             n += 1
@@ -215,7 +218,7 @@ class Choice:
         self.held_logprobs = [] if final else self.held_logprobs[n:]
         self.logprobs += [entry for _, entry in released]
         self.logprob_offsets += [start for start, _ in released]
-        return [entry for _, entry in released]
+        return released
 
     def fork(self, index: int) -> Choice:
         """A copy for a choice forked from this one's branch now (shared reasoning): the same

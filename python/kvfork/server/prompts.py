@@ -67,7 +67,7 @@ class Prompts:
             chat = self.ctx.format_chat(messages, tools=tools, **kwargs)
         except ChatTemplateError as exc:
             message = str(exc)
-            if self.chat_template is None and "has no chat template" in message:
+            if self.chat_template is None and self.ctx.model.chat_template is None:
                 # The library's advice (`template=`) is not the server user's.
                 message = (
                     "the model has no chat template: start the server with --chat-template "
@@ -137,11 +137,11 @@ class Prompts:
         token_lists = await asyncio.to_thread(tokenize)
         if any(len(t) > ctx.n_batch for t in token_lists):
             raise bad_request(f"an input is longer than {ctx.n_batch} tokens", "input")
-        # A slice at a time: another request's inputs wait for one slice, not for all of
-        # a request of thousands (the context runs its calls in order).
+        # A slice of n_seq_max inputs at a time: another request's inputs wait for one slice,
+        # not for all of a request of thousands (the context runs its calls in order).
         rows: list[Any] = []
-        for start, end in _slices([len(t) for t in token_lists], ctx.n_seq_max, ctx.n_ctx):
-            rows.extend(await ctx.embed_batch(token_lists[start:end]))
+        for start in range(0, len(token_lists), ctx.n_seq_max):
+            rows.extend(await ctx.embed_batch(token_lists[start : start + ctx.n_seq_max]))
         data = []
         for i, row in enumerate(rows):
             vector = np.asarray(row, dtype=np.float32)
@@ -164,18 +164,3 @@ class Prompts:
             name = None if req.tool_choice == "required" else req.tool_choice
             req.sampling.json_schema = call_schema(req.tools, name)
             req.sampling.json_schema_param = "tools"
-
-
-def _slices(lengths: list[int], most: int, tokens: int) -> list[tuple[int, int]]:
-    """`[start, end)` slices of inputs of `lengths`, in order, each of at most `most` inputs
-    and `tokens` tokens (an input longer than that alone)."""
-    slices: list[tuple[int, int]] = []
-    start, held = 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and (i - start == most or held + n > tokens):
-            slices.append((start, i))
-            start, held = i, 0
-        held += n
-    if start < len(lengths):
-        slices.append((start, len(lengths)))
-    return slices
