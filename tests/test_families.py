@@ -631,6 +631,41 @@ def test_a_speculative_stream_shifts_the_context_as_plain_generation_does(
         assert speculative == plain
 
 
+# ---- 6b. scoring
+
+
+def test_scores_match_fresh_prefills_and_a_failed_score_rolls_back(
+    tiny: kvfork.Model, family: str
+) -> None:
+    """`score` in decodes of 32 rows: each score is the logprob a fresh prefill up to that
+    token gives it, and the branch continues as a fresh prefill of its tokens. A score that
+    runs out of cells after some decodes (families with a KV cache) is rolled back, on hybrids
+    through a checkpoint, and the branch continues as before it."""
+    with open_ctx(tiny, n_ctx=256, n_seq_max=2, n_batch=32) as ctx:
+        text = ctx.tokenize(DOC * 8, add_special=False)
+        b = prefilled(ctx, text[:1])
+        scores = b.score_sync(text[1:100])
+        for k in (1, 31, 32, 33, 64, 99):
+            with open_ctx(tiny) as c:
+                reference = prefilled(c, text[:k]).logprob(text[k])
+            assert scores[k - 1] == pytest.approx(reference, abs=LOGIT_ATOL), k
+        assert_continues_as_fresh(tiny, b)
+
+        a = prefilled(ctx, text[:8])
+        before = restores(ctx)
+        if KIND[family] == "recurrent":  # no cells to run out of
+            assert len(a.score_sync(text[8:150])) == 142
+            assert_continues_as_fresh(tiny, a)
+            return
+        with pytest.raises(kvfork.KvCacheFullError):
+            a.score_sync(text[8:150])
+        assert (a.position, a.history) == (8, text[:8])
+        assert ctx.kv_seq_pos_max_sync(a.seq_id) == 7
+        if family in RECURRENT:
+            assert restores(ctx) > before, "the decoded chunks were undone from a checkpoint"
+        assert_continues_as_fresh(tiny, a)
+
+
 # ---- 7. beam search
 
 

@@ -839,6 +839,30 @@ class Branch:
         """
     def prefill_sync(self, tokens: _Tokens) -> None:
         """Blocking twin of `prefill`: returns None once the tokens are decoded. Waits without the GIL; Ctrl-C aborts and rolls the prefill back, then raises KeyboardInterrupt."""
+    @overload
+    def score(self, tokens: _Tokens, top_logprobs: None = None) -> Operation[list[float]]:
+        """Prefill `tokens` (as `prefill`: no accept, the last logits become the snapshot) and
+        score each: its natural-log probability given the branch's tokens and those before
+        it, under the raw logits (model level: no grammar, bias or chain; -inf for a masked
+        token). `sum(await b.score(continuation))` is the continuation's log-likelihood.
+        The first token is scored from the snapshot: KvforkError before the first prefill
+        or commit (prefill a text's first token, BOS, then score the rest). With
+        `top_logprobs=k`, each entry is `(logprob, [(token, logprob), ...])`, the `k` most
+        likely tokens at its position, best first. Costs about a prefill plus the output
+        layer at every position; on failure nothing changed. Cancelled, it either never
+        ran or completed.
+        """
+    @overload
+    def score(
+        self, tokens: _Tokens, top_logprobs: int
+    ) -> Operation[list[tuple[float, list[tuple[int, float]]]]]: ...
+    @overload
+    def score_sync(self, tokens: _Tokens, top_logprobs: None = None) -> list[float]:
+        """Blocking twin of `score`: returns the scores once the tokens are decoded. Waits without the GIL; on Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."""
+    @overload
+    def score_sync(
+        self, tokens: _Tokens, top_logprobs: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]: ...
     def produce(self) -> Operation[Token]:
         """Sample a token from the snapshot on the engine thread, after any queued work on
         this branch (no KV write, no accept; only a stochastic sampler's RNG moves).

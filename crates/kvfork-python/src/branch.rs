@@ -614,6 +614,32 @@ twins! {
             self.inner.prefill(convert::tokens(tokens, "tokens")?)
         } => convert::none;
 
+        /// Prefill `tokens` (as `prefill`: no accept, the last logits become the snapshot) and
+        /// score each: its natural-log probability given the branch's tokens and those before
+        /// it, under the raw logits (model level: no grammar, bias or chain; -inf for a masked
+        /// token). `sum(await b.score(continuation))` is the continuation's log-likelihood.
+        /// The first token is scored from the snapshot: KvforkError before the first prefill
+        /// or commit (prefill a text's first token, BOS, then score the rest). With
+        /// `top_logprobs=k`, each entry is `(logprob, [(token, logprob), ...])`, the `k` most
+        /// likely tokens at its position, best first. Costs about a prefill plus the output
+        /// layer at every position; on failure nothing changed. Cancelled, it either never
+        /// ran or completed.
+        #[sync_doc = "returns the scores once the tokens are decoded. Waits without the GIL; \
+                      on Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."]
+        #[pyo3(signature = (tokens, top_logprobs = None))]
+        fn score / score_sync(
+            &self,
+            py,
+            tokens: &Bound<'_, PyAny>,
+            top_logprobs: Option<Int>,
+        ) -> Scores {
+            let top = match &top_logprobs {
+                Some(k) => k.within("top_logprobs", 0, i64::from(i32::MAX))? as usize,
+                None => 0,
+            };
+            self.inner.score(convert::tokens(tokens, "tokens")?, top)
+        } => scores(top_logprobs.is_some());
+
         /// Sample a token from the snapshot on the engine thread, after any queued work on
         /// this branch (no KV write, no accept; only a stochastic sampler's RNG moves).
         #[sync_doc = "returns the sampled Token, not committed. Waits without the GIL; Ctrl-C \
@@ -789,6 +815,24 @@ fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
          prompt into a sequence first (`await ctx.decode(tokens, 0, seq_id)`)"
     );
     crate::errors::warn(py, msg)
+}
+
+/// What `Branch.score` returns: logprobs alone, or each with its most likely tokens.
+#[derive(IntoPyObject)]
+pub(crate) enum Scores {
+    Plain(Vec<f64>),
+    WithTop(Vec<(f64, Vec<(i32, f64)>)>),
+}
+
+/// The conversion of `score`'s reply, as the call asked for it.
+fn scores(with_top: bool) -> impl FnOnce(Vec<kvfork::TokenScore>) -> PyResult<Scores> {
+    move |scores| {
+        Ok(if with_top {
+            Scores::WithTop(scores.into_iter().map(|s| (s.logprob, s.top)).collect())
+        } else {
+            Scores::Plain(scores.into_iter().map(|s| s.logprob).collect())
+        })
+    }
 }
 
 fn speculated(s: kvfork::Speculated) -> PyResult<(Vec<PyToken>, PyToken)> {

@@ -26,9 +26,11 @@ mod produced;
 mod raw_layer;
 pub mod sampling;
 mod save_load;
+mod score;
 mod seq;
 mod speculate;
 mod store;
+mod token_score;
 
 pub use adapter::{Adapters, ControlVector, LoraAdapter, SteeringVector};
 pub use backend::{
@@ -60,3 +62,4 @@ pub use sampling::json_schema::{json_schema_to_grammar, MAX_SCHEMA_DEPTH};
 pub use sampling::{GrammarSpec, SamplingParams};
 pub use speculate::Speculated;
 pub use store::BranchStore;
+pub use token_score::TokenScore;

@@ -16,7 +16,7 @@
 //! `landing.rs`), `continuous.rs` (prefills chunk by chunk, with
 //! the streams' steps riding their decodes), `prefill.rs` (packed prefills), `tree.rs` (fork, prunes,
 //! retain_only), `park.rs` (parked branches of a `park` context), `reseed.rs`,
-//! `speculate.rs`, `state_io.rs` (save, load, snapshots), `embed.rs`, `kv.rs` (raw KV),
+//! `speculate.rs`, `score.rs`, `state_io.rs` (save, load, snapshots), `embed.rs`, `kv.rs` (raw KV),
 //! `takeover.rs` (the raw layer: `Context::decode`, a branch taking a sequence's cells over).
 
 mod adapters;
@@ -36,6 +36,7 @@ mod pending;
 mod prefill;
 mod refresh;
 mod reseed;
+mod score;
 mod scratch;
 mod share;
 pub(crate) mod shared;

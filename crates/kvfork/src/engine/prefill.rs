@@ -3,12 +3,14 @@
 //! narrowed down (a cancelled member leaves, the rest run again; otherwise halves are tried)
 //! so that only the request at fault fails.
 
+use std::sync::Arc;
+
 use kvfork_core::packer::{logits_index, plan_prefill};
 
 use super::adapters::group_by_adapters;
 use super::commit::may_be_one_request;
 use super::gather::start_run;
-use super::{PrefillItem, PrefillRequest, Worker};
+use super::{BranchCell, PrefillItem, PrefillRequest, Worker};
 use crate::error::{Error, Result};
 use crate::llama_ctx::Output;
 use crate::seq::Seq;
@@ -88,14 +90,18 @@ impl Worker {
 
     /// The first position of an item's tokens, or why they cannot go there.
     pub(super) fn prefill_place(&self, (cell, tokens): &PrefillItem) -> Result<i32> {
+        self.place(cell, tokens.len())
+    }
+
+    /// The first position of `n` tokens decoded into `cell`, or why they cannot go there.
+    pub(super) fn place(&self, cell: &Arc<BranchCell>, n: usize) -> Result<i32> {
         if self.is_gone(cell) {
             return Err(Error::BranchDisposed("in prefill".into()));
         }
         let st = cell.lock();
-        if st.position() as u64 + tokens.len() as u64 > self.shared().n_ctx as u64 {
+        if st.position() as u64 + n as u64 > self.shared().n_ctx as u64 {
             return Err(Error::KvCacheFull(format!(
-                "prefill of {} tokens at position {} exceeds n_ctx = {}",
-                tokens.len(),
+                "prefill of {n} tokens at position {} exceeds n_ctx = {}",
                 st.position(),
                 self.shared().n_ctx
             )));
@@ -150,8 +156,7 @@ impl Worker {
         starts: &[i32],
         rows: &mut [Option<Output>],
     ) -> Result<()> {
-        let cells: Vec<&std::sync::Arc<super::BranchCell>> =
-            items.iter().map(|(cell, _)| cell).collect();
+        let cells: Vec<&Arc<BranchCell>> = items.iter().map(|(cell, _)| cell).collect();
         self.give_leases(&cells)?;
         for ((cell, tokens), &start) in items.iter().copied().zip(starts) {
             self.guard_window(cell, start + tokens.len() as i32 - 1)?;

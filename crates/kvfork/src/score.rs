@@ -1,0 +1,30 @@
+//! Scoring: how likely the model finds given tokens. `Branch::score` prefills them as
+//! `prefill` does, with logits at every position, and returns each token's log-probability
+//! given everything before it (the log-likelihood of a continuation, a prompt's
+//! `echo` + `logprobs` in the server). The engine's half is `engine/score.rs`.
+
+use crate::branch::{check_tokens, Branch};
+use crate::engine::Pending;
+use crate::model::Token;
+use crate::token_score::TokenScore;
+
+impl Branch {
+    /// Decode `tokens` at the branch's position, as `prefill` does (no accept: penalties,
+    /// grammar and perplexity are untouched; the last logits become the snapshot), and score
+    /// each: its log-probability given the branch's tokens and those before it, with the
+    /// `top` most likely tokens at its position. The first token is scored from the branch's
+    /// snapshot, so the branch needs one (an error before its first prefill or commit: a
+    /// text's first token, BOS, has nothing to predict it; prefill it, then score the rest).
+    /// Costs about a prefill plus the model's output layer at every position. On failure
+    /// nothing changed.
+    pub fn score(&self, tokens: Vec<Token>, top: usize) -> Pending<Vec<TokenScore>> {
+        if let Err(e) = self
+            .check_live()
+            .and_then(|_| check_tokens(self.context(), &tokens))
+        {
+            return Pending::ready(Err(e));
+        }
+        let cell = self.cell().clone();
+        self.context().run(move |w| w.score(&cell, &tokens, top))
+    }
+}
