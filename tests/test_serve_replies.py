@@ -106,18 +106,20 @@ def test_a_piece_of_a_character_has_its_own_bytes_and_offsets_point_into_the_tex
 ) -> None:
     """Tokens holding part of an emoji: their token strings say `bytes:`, the tokens' bytes
     add up to the text's, the five alternatives asked for are five keys, and each offset is
-    where its token starts in the text (after the prompt, with `echo`)."""
+    where its token starts in the text (the prompt's tokens first, with `echo`)."""
     text, logprobs, _ = _completion(
         chat_server, stream, prompt=EMOJI, max_tokens=4, logprobs=5, echo=True
     )
     assert text.startswith(EMOJI)
-    generated = text.removeprefix(EMOJI)
-    tokens = logprobs["tokens"]
-    assert any(t.startswith("bytes:") for t in tokens), tokens
-    _assert_made_of(generated, tokens, cut=False)
-    assert all(len(alternatives) == 5 for alternatives in logprobs["top_logprobs"])
-    offsets = logprobs["text_offset"]
-    assert offsets[0] == len(EMOJI) and offsets == sorted(offsets), offsets
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    in_prompt = sum(offset < len(EMOJI) for offset in offsets)
+    _assert_made_of(EMOJI, tokens[:in_prompt], cut=False)
+    _assert_made_of(text.removeprefix(EMOJI), tokens[in_prompt:], cut=False)
+    assert any(t.startswith("bytes:") for t in tokens[in_prompt:]), tokens
+    assert logprobs["top_logprobs"][0] is None
+    assert all(len(alternatives) == 5 for alternatives in logprobs["top_logprobs"][1:])
+    assert offsets[0] == 0 and offsets[in_prompt] == len(EMOJI), offsets
+    assert offsets == sorted(offsets), offsets
     for offset, token in zip(offsets, tokens):
         assert token.startswith("bytes:") or text[offset:].startswith(token), (offset, token)
 
@@ -268,3 +270,52 @@ def test_what_a_reply_says_before_its_tool_call_stays_beside_the_call(
         model="x", previous_response_id=response.id, input=[result], max_output_tokens=8
     )
     assert again.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_echo_with_logprobs_scores_the_prompt_as_generation_would(
+    chat_server: Server, stream: bool
+) -> None:
+    """`echo` + `logprobs` with `max_tokens: 0` (an evaluation harness's log-likelihood
+    request): the prompt's tokens, the first without a logprob, each other's logprob the one
+    generation gives that token after the same text, and the best alternative at least as
+    likely. Generating past the prompt appends the reply's entries."""
+    prompt = "The capital of France is Paris"
+    text, logprobs, finish = _completion(
+        chat_server, stream, prompt=prompt, max_tokens=0, logprobs=1, echo=True
+    )
+    assert (text, finish) == (prompt, "length")
+    tokens, scores = logprobs["tokens"], logprobs["token_logprobs"]
+    _assert_made_of(prompt, tokens, cut=False)
+    assert scores[0] is None and logprobs["top_logprobs"][0] is None
+    assert all(s <= 0 for s in scores[1:]), scores
+    for score, best in zip(scores[1:], logprobs["top_logprobs"][1:]):
+        assert len(best) == 1 and max(best.values()) >= score - 1e-6, (score, best)
+    assert logprobs["text_offset"] == [prompt.index(t.strip()) - t.startswith(" ") for t in tokens]
+
+    # " Paris" generated after the same text: the same logprob, up to batch rounding.
+    head = prompt.removesuffix(tokens[-1])
+    _, generated, _ = _completion(chat_server, stream, prompt=head, max_tokens=1, logprobs=1)
+    assert generated["tokens"] == [tokens[-1]]
+    assert generated["token_logprobs"][0] == pytest.approx(scores[-1], abs=0.05)
+
+    text, longer, _ = _completion(
+        chat_server, stream, prompt=prompt, max_tokens=3, logprobs=1, echo=True
+    )
+    n = len(tokens)
+    assert longer["tokens"][:n] == tokens and len(longer["tokens"]) == n + 3
+    assert longer["token_logprobs"][:n] == pytest.approx(scores, abs=0.05, nan_ok=True)
+    assert longer["text_offset"][n] == len(prompt)
+
+
+def test_max_tokens_zero_needs_echo_and_the_usage_counts_the_prompt(chat_server: Server) -> None:
+    """Without `echo`, `max_tokens: 0` is a 400 that says what it is for; with it (and no
+    logprobs) the reply is the prompt, every token billed as prompt."""
+    body = {"model": "x", "prompt": "Hello there", "max_tokens": 0}
+    status, reply = chat_server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+    assert "echo" in reply["error"]["message"]
+    reply = chat_server.client().completions.create(**body, echo=True)  # type: ignore[call-overload]
+    assert reply.choices[0].text == "Hello there" and reply.choices[0].logprobs is None
+    assert reply.usage is not None and reply.usage.completion_tokens == 0
+    assert reply.usage.prompt_tokens > 0

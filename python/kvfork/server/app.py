@@ -35,6 +35,7 @@ from .auth import bearer_token, matches
 from .backend import Backend, Events, answering_model
 from .errors import APIError, shutting_down
 from .generation import Event, Outcome
+from .logprobs import PromptLogprobs
 from .messages import Reply, authorized, error_body, error_event, parse_messages
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import Defaults, plan
@@ -408,9 +409,17 @@ class Endpoints:
         generation = s.generate(tokens, req.sampling, [], "prompt")
 
         def choice(
-            index: int, text: str, finish: str | None, lps: list[dict[str, Any]], at: list[int]
+            index: int,
+            text: str,
+            finish: str | None,
+            lps: list[dict[str, Any]],
+            at: list[int],
+            prompt: PromptLogprobs | None = None,
         ) -> dict[str, Any]:
-            logprobs = _completion_logprobs(lps, [len(echo) + o for o in at])
+            at = [len(echo) + o for o in at]
+            if prompt is not None:  # the echoed prompt's own, ahead of the choice's
+                lps, at = prompt.entries + lps, prompt.offsets + at
+            logprobs = _completion_logprobs(lps, at)
             return {
                 "index": index,
                 "text": text,
@@ -422,9 +431,11 @@ class Endpoints:
 
             async def chunks() -> AsyncGenerator[bytes, None]:
                 started: set[int] = set()
+                scored: PromptLogprobs | None = None
                 async for item in generation:
                     if isinstance(item, Event):
-                        text = item.text if item.index in started else echo + item.text
+                        scored = item.prompt_logprobs or scored
+                        opening = item.index not in started
                         started.add(item.index)
                         yield _sse(
                             {
@@ -432,10 +443,11 @@ class Endpoints:
                                 "choices": [
                                     choice(
                                         item.index,
-                                        text,
+                                        echo + item.text if opening else item.text,
                                         item.finish_reason,
                                         item.logprobs,
                                         item.logprob_offsets,
+                                        scored if opening else None,
                                     )
                                 ],
                             }
@@ -457,6 +469,7 @@ class Endpoints:
                             c.finish_reason,
                             c.logprobs,
                             c.logprob_offsets,
+                            outcome.prompt_logprobs,
                         )
                         for c in outcome.choices
                     ],
@@ -709,7 +722,12 @@ def _completion_logprobs(entries: list[dict[str, Any]], offsets: list[int]) -> d
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None
+            if e["top_logprobs"] is None
+            else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 

@@ -37,6 +37,7 @@ from .._native import (
 from .._stops import StopStrings
 from .adapters import Adapters
 from .errors import APIError, bad_request, shutting_down
+from .logprobs import PromptLogprobs, prompt_logprobs, score_prompt, token_entry
 from .reasoning import Plan, Splitter, Thought
 from .requests import Sampling
 
@@ -244,6 +245,8 @@ class Event:
     #: On a generation's first event: the prompt's tokens its prefill found in the prefix
     #: cache (known from then on; a stream's start can say so).
     cached_tokens: int | None = None
+    #: On a generation's first event, when it scored its prompt: the prompt's logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -253,6 +256,8 @@ class Outcome:
     choices: list[Choice]
     prompt_tokens: int
     cached_tokens: int
+    #: The prompt's logprobs, when it was scored (`Sampling.score_prompt`).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -465,6 +470,8 @@ class Generation:
         self._end_reasoning = False  # asked before its choices began
         #: The prompt's prefill while it runs (`_prefilled`).
         self._prefill: asyncio.Future[int] | None = None
+        #: The prompt's logprobs, once it is scored (`Sampling.score_prompt`).
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         generator.generations.add(self)
         plan = sampling.reasoning
@@ -532,9 +539,10 @@ class Generation:
                     raise event
                 if first:
                     event.cached_tokens, first = cached, False
+                    event.prompt_logprobs = self.prompt_logprobs
                 done += event.finish_reason is not None
                 yield event
-            outcome = Outcome(choices, len(self.tokens), cached)
+            outcome = Outcome(choices, len(self.tokens), cached, self.prompt_logprobs)
             g.finished(outcome)
             yield outcome
         finally:
@@ -623,6 +631,8 @@ class Generation:
         constrained = sampling.logit_bias or sampling.json_schema is not None
         last = g.ctx.device_sampling and constrained and len(self.tokens) > 1
         prompt = self.tokens[:-1] if last else self.tokens
+        if sampling.score_prompt:  # the rest is scored below (whole rows: no `last`)
+            prompt, last = self.tokens[:1], False
         try:
             first = await g.cache.branch(prompt, sampling.params(0), adapters=self.adapters or None)
         except LeaseExhaustedError:
@@ -648,10 +658,23 @@ class Generation:
                 await _with_room(g.cache, lambda: first.prefill(self.tokens[-1:]))
             except _NoRoom:
                 raise _no_free_cell() from None
+        if sampling.score_prompt:
+            self.prompt_logprobs = await self._scored(first)
         plan = sampling.reasoning
         if plan is None or not plan.shared:
             await self._fork(first, sampling.n)
         return cached
+
+    async def _scored(self, first: Branch) -> PromptLogprobs:
+        """Score the prompt after its first token into `first` (see `logprobs.py`)."""
+        g, top = self.generator, self.sampling.top_logprobs
+        try:
+            scores = await score_prompt(
+                first, self.tokens[1:], top, lambda call: _with_room(g.cache, call)
+            )
+        except _NoRoom:
+            raise _no_free_cell() from None
+        return await asyncio.to_thread(prompt_logprobs, g.ctx, self.tokens, scores)
 
 
 def _ended_copy(first: Choice, index: int) -> Choice:
@@ -894,20 +917,9 @@ def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
     ctx = branch.context
     best = branch.top_logprobs(top) if top else []
     return {
-        **_token_entry(ctx.token_to_bytes(tok.token), branch.logprob(tok.token)),
-        "top_logprobs": [_token_entry(ctx.token_to_bytes(i), lp) for i, lp in best],
+        **token_entry(ctx.token_to_bytes(tok.token), branch.logprob(tok.token)),
+        "top_logprobs": [token_entry(ctx.token_to_bytes(i), lp) for i, lp in best],
     }
-
-
-def _token_entry(piece: bytes, logprob: float) -> dict[str, Any]:
-    """A token as OpenAI's logprobs give it: its text, or for a piece that is part of a
-    UTF-8 character, `bytes:` and its bytes escaped (as OpenAI's API writes them); the raw
-    bytes beside it."""
-    try:
-        token = piece.decode()
-    except UnicodeDecodeError:
-        token = "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
-    return {"token": token, "logprob": logprob, "bytes": list(piece)}
 
 
 async def _generate_choice(cache: PrefixCache, branch: Branch, choice: Choice, out: Sink) -> None:

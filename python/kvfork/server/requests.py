@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .adapters import Choice, parse_lora
@@ -46,6 +46,8 @@ class Sampling:
     model: str | None = None
     #: How its choices reason (chat requests: `reasoning.plan`); None: no reasoning followed.
     reasoning: Plan | None = None
+    #: The prompt's tokens get logprobs too (`/v1/completions` with `echo` and `logprobs`).
+    score_prompt: bool = False
 
     def params(self, choice: int = 0) -> dict[str, Any]:
         """kvfork SamplingParams fields for choice `choice` (seeded choices differ)."""
@@ -287,11 +289,14 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     raise bad_request(f"response_format type {kind!r} is not supported", "response_format")
 
 
-def parse_sampling(body: dict[str, Any], vocab_size: int, max_n: int) -> Sampling:
-    """The sampling fields every generation endpoint shares."""
-    max_tokens = int_field(body, "max_completion_tokens", None, 1, 1 << 20)
+def parse_sampling(
+    body: dict[str, Any], vocab_size: int, max_n: int, min_tokens: int = 1
+) -> Sampling:
+    """The sampling fields every generation endpoint shares (`min_tokens`: the least
+    `max_tokens` may be)."""
+    max_tokens = int_field(body, "max_completion_tokens", None, min_tokens, 1 << 20)
     if max_tokens is None:
-        max_tokens = int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 20)
+        max_tokens = int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, min_tokens, 1 << 20)
     n = int_field(body, "n", 1, 1, 1 << 20)
     assert n is not None and max_tokens is not None
     if n > max_n:
@@ -358,12 +363,23 @@ def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> Compl
     # Refused rather than ignored: a reply that silently left them out would look like theirs.
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix (text to insert before) is not supported", "suffix")
-    sampling = parse_sampling(body, vocab_size, max_n)
+    echo = bool_field(body, "echo")
+    # `max_tokens: 0` with echo scores the prompt alone (evaluation harnesses ask so).
+    for name in ("max_tokens", "max_completion_tokens"):
+        if type(body.get(name)) is int and body[name] == 0 and not echo:
+            raise bad_request(
+                f"{name} 0 generates nothing: it is for scoring the prompt, with echo: true "
+                "and logprobs",
+                name,
+            )
+    sampling = parse_sampling(body, vocab_size, max_n, min_tokens=0 if echo else 1)
     if body.get("best_of") not in (None, sampling.n):
         raise bad_request(
             "best_of is not supported: ask for n choices (with logprobs to rank them)", "best_of"
         )
-    return CompletionRequest(prompt=prompt, sampling=sampling, echo=bool_field(body, "echo"))
+    if echo and sampling.logprobs:
+        sampling = replace(sampling, score_prompt=True)
+    return CompletionRequest(prompt=prompt, sampling=sampling, echo=echo)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
