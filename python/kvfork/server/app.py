@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from .._tools import text_before_calls
 from .auth import bearer_token, matches
 from .backend import Backend, Events, answering_model
+from .completions import Several, usage
 from .errors import APIError, shutting_down
 from .generation import Event, Outcome
 from .logprobs import PromptLogprobs
@@ -387,26 +388,31 @@ class Endpoints:
         return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
+        """`/v1/completions`: one prompt or several (`completions.py`), each with `n` choices;
+        with `echo`, each choice's text and logprobs begin with its prompt's."""
         s = self.service
         req = parse_completion(
             await self.read_json(request), s.prompts.ctx.vocab_size, s.max_choices
         )
-        tokens = await asyncio.to_thread(s.prompts.completion_prompt, req)
+        token_lists = await asyncio.to_thread(s.prompts.completion_prompts, req)
+        n = req.sampling.n
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": answering_model(s, req.sampling.model),
         }
-        echo = ""
+        echoes = [""] * len(token_lists)
         if req.echo:  # token ids as text: off the loop (millions of ids take a while)
-            prompt = req.prompt
-            echo = (
-                prompt
-                if isinstance(prompt, str)
-                else await asyncio.to_thread(s.prompts.ctx.detokenize, prompt)
+            echoes = await asyncio.to_thread(
+                lambda: [
+                    p if isinstance(p, str) else s.prompts.ctx.detokenize(p) for p in req.prompts
+                ]
             )
-        generation = s.generate(tokens, req.sampling, [], "prompt")
+        generations = [s.generate(t, req.sampling, [], "prompt") for t in token_lists]
+        generation: Events = (
+            generations[0] if len(generations) == 1 else Several(generations, n, s.max_choices // n)
+        )
 
         def choice(
             index: int,
@@ -416,7 +422,7 @@ class Endpoints:
             at: list[int],
             prompt: PromptLogprobs | None = None,
         ) -> dict[str, Any]:
-            at = [len(echo) + o for o in at]
+            at = [len(echoes[index // n]) + o for o in at]
             if prompt is not None:  # the echoed prompt's own, ahead of the choice's
                 lps, at = prompt.entries + lps, prompt.offsets + at
             logprobs = _completion_logprobs(lps, at)
@@ -431,49 +437,62 @@ class Endpoints:
 
             async def chunks() -> AsyncGenerator[bytes, None]:
                 started: set[int] = set()
-                scored: PromptLogprobs | None = None
+                scored: dict[int, PromptLogprobs] = {}  # by prompt
+                outcomes: list[Outcome] = []
                 async for item in generation:
-                    if isinstance(item, Event):
-                        scored = item.prompt_logprobs or scored
-                        opening = item.index not in started
-                        started.add(item.index)
-                        yield _sse(
-                            {
-                                **head,
-                                "choices": [
-                                    choice(
-                                        item.index,
-                                        echo + item.text if opening else item.text,
-                                        item.finish_reason,
-                                        item.logprobs,
-                                        item.logprob_offsets,
-                                        scored if opening else None,
-                                    )
-                                ],
-                            }
-                        )
-                    elif req.sampling.include_usage:
-                        yield _sse({**head, "choices": [], "usage": item.usage()})
+                    if isinstance(item, Outcome):
+                        outcomes.append(item)
+                        continue
+                    prompt = item.index // n
+                    if item.prompt_logprobs is not None:
+                        scored[prompt] = item.prompt_logprobs
+                    opening = item.index not in started
+                    started.add(item.index)
+                    text = echoes[prompt] + item.text if opening else item.text
+                    lps = scored.get(prompt) if opening else None
+                    yield _sse(
+                        {
+                            **head,
+                            "choices": [
+                                choice(
+                                    item.index,
+                                    text,
+                                    item.finish_reason,
+                                    item.logprobs,
+                                    item.logprob_offsets,
+                                    lps,
+                                )
+                            ],
+                        }
+                    )
+                if req.sampling.include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage(outcomes)})
 
             return await _stream(request, chunks(), generation)
 
         async def whole() -> Response:
-            outcome = await _outcome(generation)
+            outcomes = (
+                [await _outcome(generation)]
+                if len(generations) == 1
+                else await _outcomes(generation, len(generations))
+            )
+            choices = [c for o in outcomes for c in o.choices]
+            scored = {c.index: o.prompt_logprobs for o in outcomes for c in o.choices}
             return JSONResponse(
                 {
                     **head,
                     "choices": [
                         choice(
                             c.index,
-                            echo + c.content,
+                            echoes[c.index // n] + c.content,
                             c.finish_reason,
                             c.logprobs,
                             c.logprob_offsets,
-                            outcome.prompt_logprobs,
+                            scored[c.index],
                         )
-                        for c in outcome.choices
+                        for c in sorted(choices, key=lambda c: c.index)
                     ],
-                    "usage": outcome.usage(),
+                    "usage": usage(outcomes),
                 }
             )
 
@@ -687,6 +706,14 @@ async def _outcome(generation: Events) -> Outcome:
         if isinstance(item, Outcome):
             return item
     raise APIError(500, "the generation ended without a result", type="server_error")
+
+
+async def _outcomes(generation: Events, count: int) -> list[Outcome]:
+    """The `count` Outcomes of several prompts' generations (the caller closes it)."""
+    outcomes = [item async for item in generation if isinstance(item, Outcome)]
+    if len(outcomes) != count:
+        raise APIError(500, "a generation ended without a result", type="server_error")
+    return outcomes
 
 
 async def _stream(

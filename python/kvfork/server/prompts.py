@@ -105,10 +105,14 @@ class Prompts:
         """`/detokenize`: the text of `tokens`, special tokens written out."""
         return self.ctx.detokenize(tokens, unparse_special=True)
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return list(req.prompt)
-        return self.ctx.tokenize(req.prompt, add_special=True, parse_special=False)
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The tokens of each of a `/v1/completions` request's prompts."""
+        return [
+            list(p)
+            if isinstance(p, list)
+            else self.ctx.tokenize(p, add_special=True, parse_special=False)
+            for p in req.prompts
+        ]
 
     async def embed(self, req: EmbeddingRequest) -> tuple[list[Any], int]:
         """(data items, prompt tokens) of an embeddings request."""

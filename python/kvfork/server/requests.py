@@ -70,7 +70,8 @@ class Sampling:
 class CompletionRequest:
     """`/v1/completions`."""
 
-    prompt: str | list[int]
+    #: One or more prompts: each a string or a list of token ids.
+    prompts: list[str | list[int]]
     sampling: Sampling
     echo: bool = False
 
@@ -349,17 +350,8 @@ def parse_sampling(
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> CompletionRequest:
-    """`/v1/completions`: one prompt (a string or a list of token ids)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise bad_request("prompt must be a string or a list of token ids", "prompt")
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise bad_request("prompt must be a non-empty string (one prompt per request)", "prompt")
+    """`/v1/completions`: a prompt (a string or a list of token ids), or a list of them."""
+    prompts = _completion_prompts(body.get("prompt"), vocab_size)
     # Refused rather than ignored: a reply that silently left them out would look like theirs.
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix (text to insert before) is not supported", "suffix")
@@ -379,7 +371,45 @@ def parse_completion(body: dict[str, Any], vocab_size: int, max_n: int) -> Compl
         )
     if echo and sampling.logprobs:
         sampling = replace(sampling, score_prompt=True)
-    return CompletionRequest(prompt=prompt, sampling=sampling, echo=echo)
+    return CompletionRequest(prompts=prompts, sampling=sampling, echo=echo)
+
+
+#: Most prompts one `/v1/completions` request may hold.
+MAX_PROMPTS = 1024
+
+
+def _completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: a string, a list of token ids, or a list of either."""
+
+    def token_ids(item: Any) -> bool:
+        return (
+            isinstance(item, list)
+            and bool(item)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        )
+
+    if isinstance(prompt, str) or token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise bad_request(
+            "prompt must be a non-empty string, a list of token ids, or a list of either",
+            "prompt",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"a request holds at most {MAX_PROMPTS} prompts", "prompt")
+    for item in prompts:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("a prompt must not be empty", "prompt")
+        elif not token_ids(item):
+            raise bad_request(
+                "each prompt must be a non-empty string or a list of token ids", "prompt"
+            )
+        elif not all(0 <= t < vocab_size for t in item):
+            raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
+    return prompts
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
