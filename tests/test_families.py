@@ -666,6 +666,23 @@ def test_scores_match_fresh_prefills_and_a_failed_score_rolls_back(
         assert_continues_as_fresh(tiny, a)
 
 
+def test_a_store_scores_two_branches_packed_as_each_scores_alone(tiny: kvfork.Model) -> None:
+    """Two runs packed into decodes of 32 rows (each decode holding both): each run's
+    scores are those it gets alone in a fresh context, and both branches continue as fresh
+    prefills of their tokens."""
+    with open_ctx(tiny, n_ctx=512, n_seq_max=3, n_batch=32) as ctx:
+        text = ctx.tokenize(DOC * 3, add_special=False)
+        x, y = prefilled(ctx, text[:3]), prefilled(ctx, text[:5])
+        runs = [text[3:70], text[5:50]]
+        together = kvfork.BranchStore(ctx).score_sync(list(zip((x, y), runs)))
+        for start, run, scores in zip((3, 5), runs, together):
+            with open_ctx(tiny) as c:
+                alone = prefilled(c, text[:start]).score_sync(run)
+            assert scores == pytest.approx(alone, abs=LOGIT_ATOL)
+        assert_continues_as_fresh(tiny, x)
+        assert_continues_as_fresh(tiny, y)
+
+
 # ---- 7. beam search
 
 

@@ -119,7 +119,7 @@ def test_a_score_that_cannot_run_changes_nothing(ctx: kvfork.Context) -> None:
 def test_a_score_that_fails_mid_way_is_rolled_back(model: kvfork.Model) -> None:
     """Cells for its first decodes but not the rest: KvCacheFullError after some decodes,
     the cells they wrote removed, and the branch goes on as it was."""
-    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=2) as ctx:
+    with kvfork.create_context_sync(model, n_ctx=256, n_seq_max=3) as ctx:
         tokens = ctx.tokenize(TEXT)
         neighbour = _prefilled(ctx, tokens)  # over half the cells
         b = _prefilled(ctx, tokens[:8])
@@ -129,6 +129,14 @@ def test_a_score_that_fails_mid_way_is_rolled_back(model: kvfork.Model) -> None:
             b.score_sync(tokens[8:])
         assert (b.position, b.history) == (8, tokens[:8])
         assert ctx.kv_seq_pos_max_sync(b.seq_id) == 7
+        # Two branches' runs in a store: the same, for both.
+        c = neighbour.fork_sync()
+        with pytest.raises(kvfork.KvCacheFullError):
+            kvfork.BranchStore(ctx).score_sync([(c, tokens[:40]), (b, tokens[8:])])
+        assert (b.position, b.history, c.position) == (8, tokens[:8], len(tokens))
+        assert ctx.kv_seq_pos_max_sync(b.seq_id) == 7
+        assert ctx.kv_seq_pos_max_sync(c.seq_id) == len(tokens) - 1
+        c.prune_sync()
         neighbour.prune_sync()
         assert len(b.score_sync(tokens[8:])) == len(tokens) - 8
         assert b.history == tokens
@@ -151,3 +159,73 @@ def test_scoring_on_a_device_sampling_context_reads_whole_rows(model: kvfork.Mod
         assert len(best_d) == 2
         near_tie = best_a[0][1] - best_a[1][1] < ATOL
         assert best_d[0][0] == best_a[0][0] or near_tie, (best_a, best_d)
+
+
+def test_a_store_scores_many_branches_packed_into_one_decode(model: kvfork.Model) -> None:
+    """Four answers to one question, each on its fork: one decode for all of them, each
+    run's scores those its branch alone gives (up to the rounding of another batch), and
+    the branches left as their own scores leave them."""
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=12) as ctx:
+        store = kvfork.BranchStore(ctx)
+        question = _prefilled(ctx, ctx.tokenize("Q: What is the capital of France?\nA:"))
+        answers = [
+            ctx.tokenize(a, add_special=False)
+            for a in (" Paris", " Lyon", " Paris, of course", " Rome")
+        ]
+        forks = [question.fork_sync() for _ in answers]
+        calls = ctx.stats()["decode_calls"]
+        together = store.score_sync(list(zip(forks, answers)))
+        assert ctx.stats()["decode_calls"] == calls + 1
+        alone = [question.fork_sync() for _ in answers]
+        for fork, answer, scores in zip(alone, answers, together):
+            assert scores == pytest.approx(fork.score_sync(answer), abs=ATOL)
+        for fork, other in zip(forks, alone):
+            assert (fork.position, fork.history) == (other.position, other.history)
+        likelihoods = [sum(s) for s in together]
+        assert likelihoods[0] > max(likelihoods[1], likelihoods[3])  # Paris, not Lyon or Rome
+        with_top = asyncio.run(_store_score(store, list(zip(alone, answers))))
+        assert [len(run) for run in with_top] == [len(a) for a in answers]
+        assert all(len(best) == 2 for run in with_top for _, best in run)
+
+
+async def _store_score(
+    store: kvfork.BranchStore, entries: list[tuple[kvfork.Branch, list[int]]]
+) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+    return await store.score(entries, top_logprobs=2)
+
+
+def test_a_store_score_is_all_or_nothing(ctx: kvfork.Context) -> None:
+    store = kvfork.BranchStore(ctx)
+    tokens = ctx.tokenize(TEXT)
+    a, b = _prefilled(ctx, tokens[:5]), _prefilled(ctx, tokens[:9])
+    fresh = kvfork.Branch.create(ctx, 0, GREEDY)
+    calls = ctx.stats()["decode_calls"]
+    with pytest.raises(kvfork.KvforkError, match="no logits"):
+        store.score_sync([(a, tokens[5:20]), (fresh, tokens[:3])])
+    with pytest.raises(kvfork.KvCacheFullError):
+        store.score_sync([(a, tokens[5:20]), (b, tokens * (ctx.n_ctx // len(tokens) + 1))])
+    with pytest.raises(ValueError, match="twice"):
+        store.score_sync([(a, tokens[5:8]), (a, tokens[8:9])])
+    assert ctx.stats()["decode_calls"] == calls  # each refused before any decode
+    assert [(x.position, x.history) for x in (a, b, fresh)] == [
+        (5, tokens[:5]),
+        (9, tokens[:9]),
+        (0, []),
+    ]
+    assert store.score_sync([(a, []), (b, tokens[9:12])])[0] == []
+    assert (a.position, b.position) == (5, 12)
+
+
+def test_a_store_scores_more_branches_than_leases_on_a_park_context(
+    model: kvfork.Model,
+) -> None:
+    """Six branches over two leases: scored two at a time, each as it scores alone."""
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=2, park=True) as ctx:
+        tokens = ctx.tokenize(COUNTING)
+        branches = [_prefilled(ctx, tokens[: 2 + i]) for i in range(6)]
+        runs = [tokens[2 + i : 12 + i] for i in range(6)]
+        scores = kvfork.BranchStore(ctx).score_sync(list(zip(branches, runs)))
+        for i, (b, run) in enumerate(zip(branches, runs)):
+            assert b.history == tokens[: 12 + i]
+            alone = _prefilled(ctx, tokens[: 2 + i]).score_sync(run)
+            assert scores[i] == pytest.approx(alone, abs=ATOL)

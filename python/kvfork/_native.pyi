@@ -1390,6 +1390,30 @@ class BranchStore:
         """
     def prefill_sync(self, entries: Iterable[tuple[Branch, _Tokens]]) -> None:
         """Blocking twin of `prefill`: returns None once every run is decoded. Waits without the GIL; Ctrl-C aborts and rolls the whole prefill back, then raises KeyboardInterrupt."""
+    @overload
+    def score(
+        self, entries: Iterable[tuple[Branch, _Tokens]], top_logprobs: None = None
+    ) -> Operation[list[list[float]]]:
+        """`Branch.score` for many branches: each `(branch, tokens)` run scored as that call
+        scores it (the first token from the branch's snapshot), the runs packed into the
+        same decodes, so a handful of short continuations (the answers to rank, forks of
+        one prompt) take one decode, not one each. All or nothing. Returns one list per
+        entry, in order: logprobs, or with `top_logprobs=k` `(logprob, [(token, logprob),
+        ...])` pairs. Cancelled, it either never ran or completed.
+        """
+    @overload
+    def score(
+        self, entries: Iterable[tuple[Branch, _Tokens]], top_logprobs: int
+    ) -> Operation[list[list[tuple[float, list[tuple[int, float]]]]]]: ...
+    @overload
+    def score_sync(
+        self, entries: Iterable[tuple[Branch, _Tokens]], top_logprobs: None = None
+    ) -> list[list[float]]:
+        """Blocking twin of `score`: returns the scores once every run is decoded. Waits without the GIL; on Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."""
+    @overload
+    def score_sync(
+        self, entries: Iterable[tuple[Branch, _Tokens]], top_logprobs: int
+    ) -> list[list[tuple[float, list[tuple[int, float]]]]]: ...
     def retain_only(self, winner: Branch) -> Operation[None]:
         """Keep `winner`'s KV only; every other branch of the context is disposed at once, and
         the rest always happens, even if the await is cancelled.

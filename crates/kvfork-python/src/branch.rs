@@ -17,6 +17,7 @@ use crate::generate::{PyGenerator, PyGeneratorSync};
 use crate::handles::{wrap, PyBranch, PyContext};
 use crate::made;
 use crate::params;
+use crate::scores;
 use crate::token::PyToken;
 use crate::twins::twins;
 
@@ -632,13 +633,10 @@ twins! {
             py,
             tokens: &Bound<'_, PyAny>,
             top_logprobs: Option<Int>,
-        ) -> Scores {
-            let top = match &top_logprobs {
-                Some(k) => k.within("top_logprobs", 0, i64::from(i32::MAX))? as usize,
-                None => 0,
-            };
+        ) -> scores::Scores {
+            let top = scores::top_count(top_logprobs.as_ref())?;
             self.inner.score(convert::tokens(tokens, "tokens")?, top)
-        } => scores(top_logprobs.is_some());
+        } => scores::one(top_logprobs.is_some());
 
         /// Sample a token from the snapshot on the engine thread, after any queued work on
         /// this branch (no KV write, no accept; only a stochastic sampler's RNG moves).
@@ -815,24 +813,6 @@ fn warn_nothing_behind(py: Python<'_>, position: i32) -> PyResult<()> {
          prompt into a sequence first (`await ctx.decode(tokens, 0, seq_id)`)"
     );
     crate::errors::warn(py, msg)
-}
-
-/// What `Branch.score` returns: logprobs alone, or each with its most likely tokens.
-#[derive(IntoPyObject)]
-pub(crate) enum Scores {
-    Plain(Vec<f64>),
-    WithTop(Vec<(f64, Vec<(i32, f64)>)>),
-}
-
-/// The conversion of `score`'s reply, as the call asked for it.
-fn scores(with_top: bool) -> impl FnOnce(Vec<kvfork::TokenScore>) -> PyResult<Scores> {
-    move |scores| {
-        Ok(if with_top {
-            Scores::WithTop(scores.into_iter().map(|s| (s.logprob, s.top)).collect())
-        } else {
-            Scores::Plain(scores.into_iter().map(|s| s.logprob).collect())
-        })
-    }
 }
 
 fn speculated(s: kvfork::Speculated) -> PyResult<(Vec<PyToken>, PyToken)> {

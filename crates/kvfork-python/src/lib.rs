@@ -20,6 +20,7 @@ mod model;
 mod params;
 mod prefix_cache;
 mod raw_layer;
+mod scores;
 mod store;
 mod token;
 mod twins;

@@ -3,9 +3,10 @@
 use pyo3::prelude::*;
 
 use crate::branch::token_arg;
-use crate::convert::{self, Arg};
+use crate::convert::{self, Arg, Int};
 use crate::handles::PyBranch;
 use crate::handles::PyContext;
+use crate::scores;
 use crate::token::PyToken;
 use crate::twins::twins;
 
@@ -113,6 +114,25 @@ twins! {
         fn prefill / prefill_sync(&self, py, entries: &Bound<'_, PyAny>) -> Option<()> {
             self.inner.prefill(prefill_entries(entries)?)
         } => convert::none;
+
+        /// `Branch.score` for many branches: each `(branch, tokens)` run scored as that call
+        /// scores it (the first token from the branch's snapshot), the runs packed into the
+        /// same decodes, so a handful of short continuations (the answers to rank, forks of
+        /// one prompt) take one decode, not one each. All or nothing. Returns one list per
+        /// entry, in order: logprobs, or with `top_logprobs=k` `(logprob, [(token, logprob),
+        /// ...])` pairs. Cancelled, it either never ran or completed.
+        #[sync_doc = "returns the scores once every run is decoded. Waits without the GIL; on \
+                      Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."]
+        #[pyo3(signature = (entries, top_logprobs = None))]
+        fn score / score_sync(
+            &self,
+            py,
+            entries: &Bound<'_, PyAny>,
+            top_logprobs: Option<Int>,
+        ) -> Vec<scores::Scores> {
+            let top = scores::top_count(top_logprobs.as_ref())?;
+            self.inner.score(prefill_entries(entries)?, top)
+        } => scores::each(top_logprobs.is_some());
 
         /// Keep `winner`'s KV only; every other branch of the context is disposed at once, and
         /// the rest always happens, even if the await is cancelled.

@@ -6,6 +6,7 @@
 use crate::branch::{check_tokens, Branch};
 use crate::engine::Pending;
 use crate::model::Token;
+use crate::store::BranchStore;
 use crate::token_score::TokenScore;
 
 impl Branch {
@@ -24,7 +25,27 @@ impl Branch {
         {
             return Pending::ready(Err(e));
         }
-        let cell = self.cell().clone();
-        self.context().run(move |w| w.score(&cell, &tokens, top))
+        let item = (self.cell().clone(), tokens);
+        self.context().run(move |w| {
+            let mut scores = w.score(std::slice::from_ref(&item), top)?;
+            Ok(scores.pop().unwrap_or_default())
+        })
+    }
+}
+
+impl BranchStore {
+    /// `Branch::score` for many branches at once: each `(branch, tokens)` run scored as that
+    /// call scores it, the runs packed together into the same decodes (a handful of short
+    /// continuations in one). All or nothing; one list of scores per entry, in order.
+    pub fn score(
+        &self,
+        entries: Vec<(Branch, Vec<Token>)>,
+        top: usize,
+    ) -> Pending<Vec<Vec<TokenScore>>> {
+        let items = match self.prefill_items(entries) {
+            Ok(items) => items,
+            Err(e) => return Pending::ready(Err(e)),
+        };
+        self.context().run(move |w| w.score(&items, top))
     }
 }

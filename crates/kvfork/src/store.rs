@@ -74,22 +74,26 @@ impl BranchStore {
 
     /// Decode variable-length token runs into their branches, packed into ceil(total/n_batch) decodes.
     pub fn prefill(&self, entries: Vec<(Branch, Vec<Token>)>) -> Pending<()> {
-        let prepared = self
-            .cells(entries.iter().map(|(b, _)| b))
-            .and_then(|cells| {
-                for (_, toks) in &entries {
-                    check_tokens(&self.ctx, toks)?;
-                }
-                Ok(cells
-                    .into_iter()
-                    .zip(entries.into_iter().map(|(_, t)| t))
-                    .collect::<Vec<_>>())
-            });
-        match prepared {
+        match self.prefill_items(entries) {
             Ok(items) if items.is_empty() => Pending::ready(Ok(())),
             Ok(items) => self.ctx.engine().prefill(items),
             Err(e) => Pending::ready(Err(e)),
         }
+    }
+
+    /// `(branch, tokens)` entries as the engine's items, checked (`cells`, token ids).
+    pub(crate) fn prefill_items(
+        &self,
+        entries: Vec<(Branch, Vec<Token>)>,
+    ) -> Result<Vec<(Arc<BranchCell>, Vec<Token>)>> {
+        let cells = self.cells(entries.iter().map(|(b, _)| b))?;
+        for (_, toks) in &entries {
+            check_tokens(&self.ctx, toks)?;
+        }
+        Ok(cells
+            .into_iter()
+            .zip(entries.into_iter().map(|(_, t)| t))
+            .collect())
     }
 
     /// Keep only `winner`'s KV; every other lease is freed and its branch disposed.

@@ -1,13 +1,15 @@
-//! `Branch::score` on the engine thread: the tokens decoded into the branch in chunks with
-//! an output at every position, each row read for the next token's log-probability before
-//! the next chunk's decode overwrites it. All or nothing, as a prefill.
+//! `Branch::score` and `BranchStore::score` on the engine thread: each branch's tokens
+//! decoded with an output at every position, the branches' runs packed together into decodes
+//! of at most `SCORE_ROWS` outputs, each row read for the next token's log-probability before
+//! the next decode overwrites it. All or nothing, as a prefill.
 
 use std::sync::Arc;
 
 use kvfork_core::metrics::{log_sum_exp, top_k_sorted};
 
+use super::adapters::group_by_adapters;
 use super::shared::BranchCell;
-use super::Worker;
+use super::{PrefillItem, Worker};
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Output, OutputRef};
 use crate::model::Token;
@@ -17,79 +19,128 @@ use crate::token_score::TokenScore;
 /// floats as large as the largest decode asked for (64 MiB for a 262k vocabulary here).
 const SCORE_ROWS: usize = 64;
 
+/// What a score has gathered so far: each item's scores and last row.
+struct Scored {
+    scores: Vec<Vec<TokenScore>>,
+    lasts: Vec<Option<Output>>,
+}
+
 impl Worker {
-    /// Decode `tokens` into `cell` with every row read (see the module).
+    /// Decode each item's tokens into its branch with every row read (see the module).
     pub(crate) fn score(
         &mut self,
-        cell: &Arc<BranchCell>,
-        tokens: &[Token],
+        items: &[PrefillItem],
         top: usize,
-    ) -> Result<Vec<TokenScore>> {
-        let start = self.place(cell, tokens.len())?;
-        let Some(&first) = tokens.first() else {
-            return Ok(Vec::new());
-        };
-        let top = top.min(self.ctx().n_vocab);
-        self.give_leases(&[cell])?;
-        self.guard_window(cell, start + tokens.len() as i32 - 1)?;
-        // A row the device drew from holds only its best candidates: the whole row first.
-        self.refresh_drawn(cell)?;
-        let mut scores = Vec::with_capacity(tokens.len());
-        scores.push(score_row(cell.lock().logits().require()?, first, top));
-        if !self.parks() {
-            // A recurrent state rolls back to a checkpoint: one where the scoring starts.
-            self.take_checkpoint(cell, start)?;
+    ) -> Result<Vec<Vec<TokenScore>>> {
+        let mut starts = Vec::with_capacity(items.len());
+        for (cell, tokens) in items {
+            starts.push(self.place(cell, tokens.len())?);
         }
-        let decoded = self.score_chunks(cell, tokens, start, top, &mut scores);
-        let last = match decoded {
-            Ok(last) => last,
-            Err(e) => {
-                self.truncate(cell, start);
-                return Err(e);
+        // A first token is scored from its branch's snapshot: refused before any decode.
+        for (cell, tokens) in items {
+            let st = cell.lock();
+            if !tokens.is_empty() && st.logits().row().is_none() && st.logits().drawn().is_none() {
+                return Err(Error::Other(
+                    "the branch has no logits yet: prefill or commit a token first (a text's \
+                     first token, BOS, has nothing to be scored from)"
+                        .into(),
+                ));
             }
+        }
+        let top = top.min(self.ctx().n_vocab);
+        let live: Vec<usize> = (0..items.len())
+            .filter(|&i| !items[i].1.is_empty())
+            .collect();
+        let mut got = Scored {
+            scores: items
+                .iter()
+                .map(|(_, t)| Vec::with_capacity(t.len()))
+                .collect(),
+            lasts: vec![None; items.len()],
         };
-        cell.lock().prefilled(tokens, Some(&last));
-        Ok(scores)
+        // With `park`, at most as many branches at a time as there are leases.
+        let room = if self.parks() {
+            self.shared().n_seq_max as usize
+        } else {
+            live.len().max(1)
+        };
+        let decoded = live
+            .chunks(room)
+            .try_for_each(|group| self.score_group(items, &starts, group, top, &mut got));
+        if let Err(e) = decoded {
+            for &i in &live {
+                self.truncate(&items[i].0, starts[i]);
+            }
+            return Err(e);
+        }
+        for &i in &live {
+            let (cell, tokens) = &items[i];
+            cell.lock().prefilled(tokens, got.lasts[i].as_ref());
+        }
+        Ok(got.scores)
     }
 
-    /// The decodes of `score`: each row but the last scores the token after it; the last
-    /// row is returned (the branch's new snapshot). On failure the caller removes what was
-    /// written.
-    fn score_chunks(
+    /// The decodes of `score` for `group` (indices into `items`, all holding a lease at
+    /// once). On failure the caller removes what was written.
+    fn score_group(
         &mut self,
-        cell: &Arc<BranchCell>,
-        tokens: &[Token],
-        start: i32,
+        items: &[PrefillItem],
+        starts: &[i32],
+        group: &[usize],
         top: usize,
-        scores: &mut Vec<TokenScore>,
-    ) -> Result<Output> {
-        let seq = cell.seq();
-        let adapters = cell.lock().adapters().clone();
-        let rows = SCORE_ROWS.min(self.ctx().n_batch as usize).max(1);
-        let mut last = None;
-        for (c, chunk) in tokens.chunks(rows).enumerate() {
-            let first = c * rows;
-            self.use_adapters(&adapters)?;
-            let batch = self.start_batch();
-            for (j, &t) in chunk.iter().enumerate() {
-                batch.push(t, start + (first + j) as i32, seq, true);
+        got: &mut Scored,
+    ) -> Result<()> {
+        let cells: Vec<&Arc<BranchCell>> = group.iter().map(|&i| &items[i].0).collect();
+        self.give_leases(&cells)?;
+        for &i in group {
+            let (cell, tokens) = &items[i];
+            self.guard_window(cell, starts[i] + tokens.len() as i32 - 1)?;
+            // A row the device drew from holds only its best candidates: the whole row first.
+            self.refresh_drawn(cell)?;
+            let first = score_row(cell.lock().logits().require()?, tokens[0], top);
+            got.scores[i].push(first);
+            if !self.parks() {
+                // A recurrent state rolls back to a checkpoint: one where the scoring starts.
+                self.take_checkpoint(cell, starts[i])?;
             }
-            // On a device-sampling context: rows, not draws.
-            batch.want_row(seq);
-            self.decode()?;
-            for j in 0..chunk.len() {
-                let OutputRef::Row(row) = self.ctx().output_ith(j)? else {
-                    return Err(Error::Internal("a scoring decode gave no row".into()));
-                };
-                match tokens.get(first + j + 1) {
-                    Some(&next) => scores.push(score_row(row, next, top)),
-                    None => last = Some(Output::Row(row.to_vec())),
+        }
+        let rows = SCORE_ROWS.min(self.ctx().n_batch as usize).max(1);
+        // Branches under different adapters are decoded apart.
+        for (set, members) in group_by_adapters(&cells) {
+            // Every (item, token) of the members, each item's run in order.
+            let entries: Vec<(usize, usize)> = members
+                .iter()
+                .flat_map(|&m| (0..items[group[m]].1.len()).map(move |j| (group[m], j)))
+                .collect();
+            for chunk in entries.chunks(rows) {
+                self.use_adapters(&set)?;
+                let batch = self.start_batch();
+                for &(i, j) in chunk {
+                    let (cell, tokens) = &items[i];
+                    batch.push(tokens[j], starts[i] + j as i32, cell.seq(), true);
+                    // On a device-sampling context: rows, not draws.
+                    batch.want_row(cell.seq());
+                }
+                self.decode()?;
+                for (k, &(i, j)) in chunk.iter().enumerate() {
+                    let OutputRef::Row(row) = self.ctx().output_ith(k)? else {
+                        return Err(Error::Internal("a scoring decode gave no row".into()));
+                    };
+                    match items[i].1.get(j + 1) {
+                        Some(&next) => got.scores[i].push(score_row(row, next, top)),
+                        None => got.lasts[i] = Some(Output::Row(row.to_vec())),
+                    }
+                }
+                // Recurrent models: a checkpoint where each run's part of the chunk ends, as a
+                // prefill keeps them.
+                for (k, &(i, j)) in chunk.iter().enumerate() {
+                    if chunk.get(k + 1).is_none_or(|&(next, _)| next != i) {
+                        self.take_checkpoint(&items[i].0, starts[i] + j as i32 + 1)?;
+                    }
                 }
             }
-            // Recurrent models: a checkpoint where each chunk ends, as a prefill keeps them.
-            self.take_checkpoint(cell, start + (first + chunk.len()) as i32)?;
         }
-        last.ok_or_else(|| Error::Internal("a scoring run decoded nothing".into()))
+        Ok(())
     }
 }
 
