@@ -139,3 +139,38 @@ fn an_engine_panic_is_reported_and_closes_the_context() {
     assert!(ctx.is_closed());
     assert!(matches!(b.commit(1).wait(), Err(Error::Internal(m)) if m.contains("panic")));
 }
+
+#[test]
+fn scores_match_the_snapshot_logprobs_and_a_store_packs_runs_into_one_decode() {
+    let ctx = context(6);
+    let root = greedy_root(&ctx);
+    let answer = ctx.tokenize(" a new way to print", false, false).unwrap();
+    let alone = root.fork(None).wait().unwrap();
+    let first = alone.logprob(answer[0]).unwrap();
+    let scores = alone.score(answer.clone(), 2).wait().unwrap();
+    assert_eq!(scores.len(), answer.len());
+    assert!((scores[0].logprob - first).abs() < 1e-6);
+    assert!(scores.iter().all(|s| s.logprob <= 0.0 && s.top.len() == 2));
+    assert!(scores.iter().all(|s| s.top[0].1 >= s.logprob));
+    assert_eq!(alone.history().unwrap(), {
+        let mut h = root.history().unwrap();
+        h.extend(&answer);
+        h
+    });
+
+    let forks: Vec<Branch> = (0..3).map(|_| root.fork(None).wait().unwrap()).collect();
+    let before = ctx.stats().decode_calls;
+    let entries = forks.iter().map(|b| (b.clone(), answer.clone())).collect();
+    let packed = BranchStore::new(&ctx).score(entries, 0).wait().unwrap();
+    assert_eq!(ctx.stats().decode_calls - before, 1);
+    for run in &packed {
+        for (p, s) in run.iter().zip(&scores) {
+            assert!((p.logprob - s.logprob).abs() < 0.5, "{p:?} vs {s:?}");
+        }
+    }
+
+    // Nothing to score a fresh branch's first token from.
+    let fresh = Branch::create(&ctx, 0, &SamplingParams::greedy(), None).unwrap();
+    assert!(fresh.score(answer, 0).wait().is_err());
+    assert_eq!(fresh.position().unwrap(), 0);
+}
