@@ -267,6 +267,15 @@ def test_embed_ranks_texts_and_prints_json_lines(capsys: pytest.CaptureFixture[s
     assert len(rows[0]["embedding"]) == 640 and abs(norm - 1) < 1e-3
 
 
+def test_embed_sizes_its_context_for_a_long_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """A text longer than a batch gets a context that holds it (one text is one batch); one
+    longer than the model was trained on is a usage error that says so."""
+    status, out, _ = run_cli(capsys, "embed", "default", "word " * 700)
+    assert status == 0 and len(json.loads(out)["embedding"]) == 640
+    status, _, err = run_cli(capsys, "embed", "default", "word " * 33000)
+    assert status == 2 and "embeds at most 32768" in err
+
+
 def test_bench_prints_one_row_per_width(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run_cli(capsys, "bench", "--n", "2", "--steps", "2")
     assert status == 0 and "prefill:" in out

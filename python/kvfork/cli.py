@@ -331,11 +331,20 @@ async def cmd_embed(args: argparse.Namespace) -> int:
         raise CliError("nothing to embed: give TEXT arguments or lines on stdin")
     model = resolve_model(args.model)
     queries = [args.rank] if args.rank is not None else []
-    ctx = await open_context(
-        model, embeddings=True, pooling=args.pooling, n_seq_max=min(len(texts) + 1, 64)
-    )
+    options = {"embeddings": True, "pooling": args.pooling, "n_seq_max": min(len(texts) + 1, 64)}
+    ctx = await open_context(model, **options)
     with ctx:
-        vectors = await ctx.embed_batch(queries + texts, normalize=True)
+        longest = max(len(ctx.tokenize(text)) for text in queries + texts)
+        if longest > ctx.n_batch:  # one text is one batch: a context sized for the longest
+            if longest > ctx.model.n_ctx_train:
+                raise CliError(
+                    f"a text has {longest} tokens; this model embeds at most "
+                    f"{ctx.model.n_ctx_train} (split the text)"
+                )
+            ctx.close()
+            ctx = await create_context(ctx.model, n_ctx=longest, n_batch=longest, **options)
+        with ctx:
+            vectors = await ctx.embed_batch(queries + texts, normalize=True)
     if args.rank is not None:
         scores = vectors[1:] @ vectors[0]
         for i in sorted(range(len(texts)), key=lambda i: -scores[i]):
