@@ -33,11 +33,18 @@ def chat_server(serve: Any) -> Server:
     return server
 
 
+@pytest.fixture(scope="module")
+def small_server(serve: Any) -> Server:
+    """A 256-cell context: prompts that fill it."""
+    server: Server = serve("chat", "--n-ctx", "256", "--n-seq-max", "2")
+    return server
+
+
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every test, the server is at rest."""
+    """After every test, the servers it used are at rest."""
     yield
-    assert_used_servers_at_rest(request, "chat_server")
+    assert_used_servers_at_rest(request, "chat_server", "small_server")
 
 
 def _completion(server: Server, stream: bool, **body: Any) -> tuple[str, dict[str, Any], str]:
@@ -388,3 +395,20 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(chat_server: Server) -> 
             "/v1/completions", json.dumps({"model": "x", "prompt": bad}).encode()
         )
         assert status == 400 and error["error"]["param"] == "prompt", (bad, error)
+
+
+def test_a_prompt_that_fills_the_context_is_scored_but_not_continued(
+    small_server: Server,
+) -> None:
+    """`max_tokens: 0` generates nothing: a prompt of all 256 cells is scored; asked for a
+    token more, the same prompt is a 400, as is one past the context."""
+    prompt = (_tokens(small_server, "The printing press spread across Europe. ") * 40)[:256]
+    body = {"model": "x", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+    status, reply = small_server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    assert len(reply["choices"][0]["logprobs"]["token_logprobs"]) == 256
+    for changed in ({"max_tokens": 1}, {"prompt": prompt + prompt[:1]}):
+        status, reply = small_server.post(
+            "/v1/completions", json.dumps({**body, **changed}).encode()
+        )
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply

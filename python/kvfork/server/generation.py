@@ -327,9 +327,10 @@ class Generator:
         """The largest `n` a request may ask for: one lease per choice."""
         return self.ctx.n_seq_max
 
-    def check_room(self, tokens: list[int], param: str) -> None:
-        """A 400 naming `param` (the request's prompt field) when the prompt cannot fit."""
-        if len(tokens) >= self.ctx.n_ctx:
+    def check_room(self, tokens: list[int], param: str, generates: bool = True) -> None:
+        """A 400 naming `param` (the request's prompt field) when the prompt cannot fit, with
+        room for a token after it if it `generates` (`max_tokens: 0` scores a prompt alone)."""
+        if len(tokens) + generates > self.ctx.n_ctx:
             raise bad_request(
                 f"the prompt has {len(tokens)} tokens; this server's context holds "
                 f"{self.ctx.n_ctx} (start it with a larger --n-ctx)",
@@ -343,7 +344,7 @@ class Generator:
         """A request's generation: iterate it for the events of every choice as they come,
         then the Outcome; `close()` it when done or gone (see `Generation`). `prompt_param`
         names the request's prompt field in errors."""
-        self.check_room(tokens, prompt_param)
+        self.check_room(tokens, prompt_param, generates=sampling.max_tokens > 0)
         adapters = self.adapters.resolve(sampling.lora, sampling.model)
         # A reply the schema constrains (`response_format`, a required tool call) ends where
         # the schema does: a stop string would cut it into text that is neither.
