@@ -409,7 +409,14 @@ class Endpoints:
                     p if isinstance(p, str) else s.prompts.ctx.detokenize(p) for p in req.prompts
                 ]
             )
-        generations = [s.generate(t, req.sampling, [], "prompt") for t in token_lists]
+        generations: list[Events] = []
+        try:
+            for tokens in token_lists:
+                generations.append(s.generate(tokens, req.sampling, [], "prompt"))
+        except APIError:  # a prompt that cannot fit: the others made so far go too
+            for made in generations:
+                made.close()
+            raise
         generation: Events = (
             generations[0] if len(generations) == 1 else Several(generations, n, s.max_choices // n)
         )
@@ -471,11 +478,7 @@ class Endpoints:
             return await _stream(request, chunks(), generation)
 
         async def whole() -> Response:
-            outcomes = (
-                [await _outcome(generation)]
-                if len(generations) == 1
-                else await _outcomes(generation, len(generations))
-            )
+            outcomes = await _outcomes(generation, len(generations))
             choices = [c for o in outcomes for c in o.choices]
             scored = {c.index: o.prompt_logprobs for o in outcomes for c in o.choices}
             return JSONResponse(
@@ -709,7 +712,8 @@ async def _outcome(generation: Events) -> Outcome:
 
 
 async def _outcomes(generation: Events, count: int) -> list[Outcome]:
-    """The `count` Outcomes of several prompts' generations (the caller closes it)."""
+    """The `count` Outcomes of a request's generations, one per prompt (the caller closes
+    it)."""
     outcomes = [item async for item in generation if isinstance(item, Outcome)]
     if len(outcomes) != count:
         raise APIError(500, "a generation ended without a result", type="server_error")
