@@ -82,8 +82,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "kvfork.patterns",
-        "kvfork.patterns: search over forks",
-        ["beam_search", "beam_search_sync", "Beam"],
+        "kvfork.patterns: search and ranking over forks",
+        ["beam_search", "beam_search_sync", "Beam", "rank", "rank_sync", "Ranked"],
     ),
     (
         "kvfork.ray",

@@ -1,5 +1,6 @@
 """kvfork.patterns: beam search against greedy and a brute-force search, diverse groups,
-leases given back, bad arguments, and the sync form refusing a running event loop."""
+leases given back, bad arguments, and the sync form refusing a running event loop; `rank`
+against each candidate scored alone, over more candidates than leases, cancelled."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import kvfork
 import pytest
-from kvfork.patterns import beam_search, beam_search_sync
+from kvfork.patterns import beam_search, beam_search_sync, rank, rank_sync
 
 from .conftest import (
     COUNTING,
@@ -53,11 +54,11 @@ def test_two_steps_match_a_brute_force_search(ctx: kvfork.Context) -> None:
     beams = beam_search_sync(start, width, 2)
     assert len(beams) == width and len({tuple(b.tokens) for b in beams}) == width
     assert [b.logprob for b in beams] == sorted((b.logprob for b in beams), reverse=True)
-    for rank, beam in enumerate(beams):
+    for place, beam in enumerate(beams):
         logprob = scored[(beam.tokens[0], beam.tokens[1])]
         assert beam.logprob == pytest.approx(logprob, abs=LOGPROB_NOISE)
         # Among the best: as good as the pair of its rank, but for noise on both.
-        assert logprob >= best[rank] - 2 * LOGPROB_NOISE, (beam.tokens, logprob, best)
+        assert logprob >= best[place] - 2 * LOGPROB_NOISE, (beam.tokens, logprob, best)
     assert store.available == free and start.position == position  # nothing left behind
 
 
@@ -159,3 +160,66 @@ async def test_beam_search_sync_inside_a_running_loop_names_the_async_form(
     # The engine-waiting twins stay allowed inside a loop (they block it, as documented).
     b.commit_sync(b.produce_sync().token)
     await asyncio.sleep(0)
+
+
+QUESTION = "Q: What is the capital of France?\nA:"
+ANSWERS = [" Lyon, a city in France.", " Paris.", " Rome, in Italy.", " Berlin.", " Madrid."]
+
+
+def test_rank_scores_each_candidate_as_it_scores_alone(model: kvfork.Model) -> None:
+    """Five answers over two free leases: three rounds of one decode each, each answer's
+    logprob the sum of its scores on a fork of its own, " Paris." first; the question's
+    branch as it was, every fork pruned; a mean per token with length_penalty=1."""
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=3) as ctx:
+        question = root(ctx, QUESTION)
+        store = kvfork.BranchStore(ctx)
+        free, history = store.available, question.history
+        calls = ctx.stats()["decode_calls"]
+        ranked = rank_sync(question, ANSWERS)
+        assert ctx.stats()["decode_calls"] - calls == 3
+        assert (store.available, question.history, question.children) == (free, history, [])
+        assert ranked[0].text == " Paris." and sorted(r.index for r in ranked) == list(range(5))
+        for r in ranked:
+            fork = question.fork_sync()
+            alone = fork.score_sync(ctx.tokenize(ANSWERS[r.index], add_special=False))
+            fork.prune_sync()
+            assert r.logprob == pytest.approx(sum(alone), abs=1.0)  # rounding of another batch
+            assert r.score == r.logprob and r.tokens == ctx.tokenize(r.text, add_special=False)
+        assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
+        by_mean = rank_sync(
+            question, [ctx.tokenize(a, add_special=False) for a in ANSWERS], length_penalty=1.0
+        )
+        for r in by_mean:
+            assert r.score == pytest.approx(r.logprob / len(r.tokens))
+
+
+async def test_rank_refuses_what_it_cannot_score_and_cancelled_gives_every_fork_back(
+    ctx: kvfork.Context,
+) -> None:
+    start = root(ctx, QUESTION)
+    store = kvfork.BranchStore(ctx)
+    free = store.available
+    with pytest.raises(ValueError, match="candidate 1 has no tokens"):
+        await rank(start, [" Paris", ""])
+    with pytest.raises(ValueError, match="length_penalty"):
+        await rank(start, [" Paris"], length_penalty=float("nan"))
+    fresh = kvfork.Branch.create(ctx, 0, GREEDY)
+    with pytest.raises(kvfork.KvforkError, match="no logits"):
+        await rank(fresh, [" Paris"])
+    await fresh.prune()
+    assert await rank(start, []) == []
+    for turns in range(8):
+        ranking = asyncio.ensure_future(rank(start, ANSWERS))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine finishes)
+        ranking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ranking
+        deadline = time.monotonic() + 10
+        while store.available != free:
+            assert time.monotonic() < deadline, turns
+            await asyncio.sleep(0.01)
+        assert start.children == [], turns
+    with pytest.raises(RuntimeError, match="await rank"):
+        rank_sync(start, [" Paris"])

@@ -1,20 +1,23 @@
-"""Search patterns built on branches: beam search and diverse beam search.
+"""Search patterns built on branches: beam search and diverse beam search, and ranking
+candidate continuations by likelihood.
 
 Every step of a search advances all of its live beams with ONE decode (`BranchStore.commit`):
 a beam kept twice is forked (no tensor copy), a dropped beam is pruned with
 `keep_children=True` so its lease comes back while forks of it live on. A search of width W
-holds at most W + 1 leases.
+holds at most W + 1 leases. `rank` scores candidates on forks, as many at once as leases are
+free, in the same decodes (`BranchStore.score`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._native import Branch, BranchStore, KvCacheFullError
 
-__all__ = ["Beam", "beam_search", "beam_search_sync"]
+__all__ = ["Beam", "Ranked", "beam_search", "beam_search_sync", "rank", "rank_sync"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,83 @@ def beam_search_sync(
             diversity=diversity,
         )
     )
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One candidate continuation, as `rank` scored it."""
+
+    index: int
+    """Its place in the candidates given."""
+    tokens: list[int]
+    """Its tokens."""
+    text: str
+    """The tokens' text."""
+    logprob: float
+    """Sum of the natural-log probabilities of its tokens, each given the branch and the
+    tokens before it (raw logits)."""
+    score: float
+    """`logprob / len(tokens) ** length_penalty`: what the candidates are ranked by."""
+
+
+async def rank(
+    branch: Branch,
+    candidates: Sequence[str | Sequence[int]],
+    *,
+    length_penalty: float = 0.0,
+) -> list[Ranked]:
+    """`candidates` (texts, tokenized without special tokens, or token lists) ranked as
+    continuations of `branch` by the model's likelihood, best first (ties keep their order).
+
+    Each candidate is scored on a fork of `branch`, so the branch's tokens are not decoded
+    again, as many at once as leases are free, their tokens packed into the same decodes
+    (`BranchStore.score`): a handful of short answers take one decode. `branch` is left as it
+    was; every fork is pruned before this returns, or raises. `length_penalty` ranks by
+    `logprob / len ** length_penalty` (0: the plain sum; 1: the mean per token). Needs a
+    branch with logits (after a prefill or commit) and one free lease.
+    """
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be finite, not {length_penalty}")
+    ctx = branch.context
+    runs = [
+        ctx.tokenize(c, add_special=False) if isinstance(c, str) else list(c) for c in candidates
+    ]
+    for i, run in enumerate(runs):
+        if not run:
+            raise ValueError(f"candidate {i} has no tokens")
+    store = BranchStore(ctx)
+    logprobs: list[float] = []
+    forks: list[Branch] = []
+    try:
+        while len(logprobs) < len(runs):
+            group = runs[len(logprobs) : len(logprobs) + max(1, store.available)]
+            for _ in group:
+                forks.append(await branch.fork())
+            scores = await store.score(list(zip(forks, group)))
+            logprobs += [math.fsum(s) for s in scores]
+            while forks:
+                await forks.pop().prune()
+    finally:
+        for fork in forks:
+            if not fork.disposed:
+                await fork.prune()
+    ranked = [
+        Ranked(i, run, ctx.detokenize(run), lp, _score(lp, len(run), length_penalty))
+        for i, (run, lp) in enumerate(zip(runs, logprobs))
+    ]
+    return sorted(ranked, key=lambda r: -r.score)
+
+
+def rank_sync(
+    branch: Branch,
+    candidates: Sequence[str | Sequence[int]],
+    *,
+    length_penalty: float = 0.0,
+) -> list[Ranked]:
+    """`rank` for code without an event loop (runs one). Inside a running loop it raises
+    RuntimeError before anything starts: ``await rank(...)`` there."""
+    _refuse_inside_a_loop("rank_sync", "await rank(...)")
+    return asyncio.run(rank(branch, candidates, length_penalty=length_penalty))
 
 
 def _refuse_inside_a_loop(name: str, instead: str) -> None:
