@@ -10,11 +10,14 @@ every API."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
+from kvfork.server.logprobs import char_offsets
 
 from .serving import Server, assert_used_servers_at_rest, servers
 
@@ -40,11 +43,18 @@ def small_server(serve: Any) -> Server:
     return server
 
 
+@pytest.fixture(scope="module")
+def one_waiter_server(serve: Any) -> Server:
+    """Two sequences, and a queue of one request."""
+    server: Server = serve("chat", "--n-ctx", "1024", "--n-seq-max", "2", "--max-queue", "1")
+    return server
+
+
 @pytest.fixture(autouse=True)
 def _every_sequence_comes_back(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every test, the servers it used are at rest."""
     yield
-    assert_used_servers_at_rest(request, "chat_server", "small_server")
+    assert_used_servers_at_rest(request, "chat_server", "small_server", "one_waiter_server")
 
 
 def _completion(server: Server, stream: bool, **body: Any) -> tuple[str, dict[str, Any], str]:
@@ -412,3 +422,64 @@ def test_a_prompt_that_fills_the_context_is_scored_but_not_continued(
             "/v1/completions", json.dumps({**body, **changed}).encode()
         )
         assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+
+
+def test_a_list_of_prompts_takes_one_place_in_the_queue(one_waiter_server: Server) -> None:
+    """While a request holds both sequences, a three-prompt list waits in the one place the
+    queue has, as one prompt would (it was refused 503 queue_full: its prompts queued
+    apart); another request meanwhile finds the queue full."""
+    server = one_waiter_server
+    body = {"model": "x", "max_tokens": 40, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        holder = pool.submit(
+            server.post, "/v1/completions", json.dumps({**body, "prompt": "Tale:", "n": 2}).encode()
+        )
+        _wait_for(lambda: server.sequences()["admitted"] == 2)
+        listed = pool.submit(
+            server.post,
+            "/v1/completions",
+            json.dumps({**body, "max_tokens": 3, "prompt": ["a", "b", "c"]}).encode(),
+        )
+        _wait_for(lambda: server.sequences()["queue"] == 1)
+        status, reply = server.post("/v1/completions", json.dumps({**body, "prompt": "x"}).encode())
+        assert status == 503 and reply["error"]["code"] == "queue_full", reply
+        status, reply = listed.result(timeout=120)
+        assert status == 200 and [c["index"] for c in reply["choices"]] == [0, 1, 2], reply
+        assert holder.result(timeout=120)[0] == 200
+
+
+def test_scored_prompts_of_a_list_are_scored_one_at_a_time(small_server: Server) -> None:
+    """Two prompts of 150 tokens in a 256-cell context: each fits alone, not both at once
+    (a scored prompt holds cells the prefix cache cannot share). They are scored one after
+    the other (both at once was a 503 no_free_cell every time); an error about one prompt of
+    a list names it."""
+    first = (_tokens(small_server, "The printing press spread across Europe. ") * 20)[:150]
+    second = (_tokens(small_server, "Ships crossed the wide ocean at night. ") * 20)[:150]
+    body = {"model": "x", "echo": True, "logprobs": 1, "max_tokens": 0}
+    status, reply = small_server.post(
+        "/v1/completions", json.dumps({**body, "prompt": [first, second]}).encode()
+    )
+    assert status == 200, reply
+    assert [len(c["logprobs"]["tokens"]) for c in reply["choices"]] == [150, 150]
+    status, reply = small_server.post(
+        "/v1/completions", json.dumps({**body, "prompt": [first, first * 2]}).encode()
+    )
+    assert status == 400 and reply["error"]["message"].startswith("prompt 1: "), reply
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_offsets_count_characters_across_split_and_invalid_bytes() -> None:
+    """Where each piece starts in the text its bytes make (U+FFFD for an invalid sequence):
+    a piece continuing a character starts where the character does; one after bytes that
+    no piece completes starts after their U+FFFD."""
+    assert char_offsets([b"Hello", b" \xf0\x9f", b"\x90", b"\xb1", b" world"]) == [0, 5, 6, 6, 7]
+    assert char_offsets([b"\xe2\x80", b"="]) == [0, 1]
+    assert char_offsets([b"a\xff", b"\xf0\x9f", b"\x90\xb1", b"x"]) == [0, 2, 2, 3]
+    assert char_offsets([b"", b"ab", b"\xe2", b"c"]) == [0, 0, 2, 3]
+    assert char_offsets([b"x\xe2\x80", b"\x80y"]) == [0, 1]

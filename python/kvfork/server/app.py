@@ -413,12 +413,16 @@ class Endpoints:
         try:
             for tokens in token_lists:
                 generations.append(s.generate(tokens, req.sampling, [], "prompt"))
-        except APIError:  # a prompt that cannot fit: the others made so far go too
+        except APIError as exc:  # a prompt that cannot fit: the others made so far go too
             for made in generations:
                 made.close()
+            if len(token_lists) > 1:
+                exc.message = f"prompt {len(generations)}: {exc.message}"
             raise
+        # Scored prompts one at a time (see `completions.py`).
+        at_once = 1 if req.sampling.score_prompt else s.max_choices // n
         generation: Events = (
-            generations[0] if len(generations) == 1 else Several(generations, n, s.max_choices // n)
+            generations[0] if len(generations) == 1 else Several(generations, n, at_once)
         )
 
         def choice(

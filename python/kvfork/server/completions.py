@@ -2,9 +2,13 @@
 evaluation harnesses batch their requests): one generation per prompt, its choices numbered
 `prompt * n + choice` as OpenAI numbers them.
 
-The prompts of one request share the server as separate requests would, but at most as many
-run at once as there are sequences for their choices: a long list waits for its own earlier
-prompts, not in the admission queue, which it would otherwise fill (503s for everyone)."""
+The prompts of one request share the server as separate requests would, but they take one
+place in the admission queue, as one request does: a prompt starts once the one before it
+has started (been admitted), at most as many running as there are sequences for their
+choices, so a long list waits for its own earlier prompts rather than filling the queue
+(503s for everyone). Scored prompts (`echo` + `logprobs`) run one at a time: each holds the
+cells of its whole prompt, which the prefix cache cannot share, so two long ones at once
+could need more cells than there are."""
 
 from __future__ import annotations
 
@@ -40,8 +44,10 @@ class Several:
     async def _events(self) -> AsyncIterator[Event | Outcome]:
         out: asyncio.Queue[Event | Outcome | BaseException] = asyncio.Queue()
         turns = asyncio.Semaphore(self.at_once)
+        started = [asyncio.Event() for _ in self.generations]
         self._tasks = [
-            asyncio.create_task(self._run(i, g, turns, out)) for i, g in enumerate(self.generations)
+            asyncio.create_task(self._run(i, g, turns, started, out))
+            for i, g in enumerate(self.generations)
         ]
         try:
             ended = 0
@@ -59,13 +65,18 @@ class Several:
         prompt: int,
         generation: Events,
         turns: asyncio.Semaphore,
+        started: list[asyncio.Event],
         out: asyncio.Queue[Event | Outcome | BaseException],
     ) -> None:
-        """Prompt `prompt`'s generation, when its turn comes, onto `out`."""
+        """Prompt `prompt`'s generation, when its turn comes (a free turn, and the prompt
+        before it started: its first item came), onto `out`."""
         first = prompt * self.n
         try:
+            if prompt > 0:
+                await started[prompt - 1].wait()
             async with turns:
                 async for item in generation:
+                    started[prompt].set()
                     if isinstance(item, Event):
                         out.put_nowait(dataclasses.replace(item, index=first + item.index))
                     else:

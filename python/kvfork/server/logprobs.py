@@ -53,13 +53,11 @@ async def score_prompt(
 def prompt_logprobs(
     ctx: Context, tokens: list[int], scores: list[tuple[float, list[tuple[int, float]]]]
 ) -> PromptLogprobs:
-    """The entries of a prompt whose tokens after the first were scored as `scores`. Offsets
-    count the characters of the prompt's text as llama.cpp detokenizes it (a special token
-    such as BOS adds none; a character split across tokens starts at the first)."""
+    """The entries of a prompt whose tokens after the first were scored as `scores`, and
+    where each token starts in the prompt's text (`char_offsets`; a special token such as BOS
+    is not in the text: its piece counts for nothing there)."""
     entries: list[dict[str, Any]] = []
-    offsets: list[int] = []
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    length = 0
+    in_text: list[bytes] = []
     for i, token in enumerate(tokens):
         piece = ctx.token_to_bytes(token)
         if i == 0:
@@ -71,10 +69,51 @@ def prompt_logprobs(
                 "top_logprobs": [token_entry(ctx.token_to_bytes(t), lp) for t, lp in best],
             }
         entries.append(entry)
-        offsets.append(length)
-        if ctx.detokenize([token]):  # a special token's piece is not in the text
+        in_text.append(piece if ctx.detokenize([token]) else b"")
+    return PromptLogprobs(entries, char_offsets(in_text))
+
+
+def char_offsets(pieces: list[bytes]) -> list[int]:
+    """Where each piece starts in the text of their bytes decoded with U+FFFD for invalid
+    sequences (as llama.cpp detokenizes): the index of the character its first byte belongs
+    to, so a piece that continues a character split across pieces starts where it does."""
+    data = b"".join(pieces)
+    offsets: list[int] = []
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        pass
+    else:  # valid text (the usual case): one pass, a held character starting where it began
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        length = 0
+        for piece in pieces:
+            offsets.append(length)
             length += len(decoder.decode(piece))
-    return PromptLogprobs(entries, offsets)
+        return offsets
+    # Invalid bytes turn into U+FFFD at the first byte that cannot continue them: count the
+    # characters before the one each piece begins in (quadratic, on such prompts only).
+    start = 0
+    for piece in pieces:
+        offsets.append(len(data[: _char_start(data, start)].decode("utf-8", "replace")))
+        start += len(piece)
+    return offsets
+
+
+def _char_start(data: bytes, at: int) -> int:
+    """The first byte of the valid character that byte `at` continues, else `at`."""
+    for lead in range(at, max(at - 4, -1), -1):
+        if lead >= len(data):
+            return at
+        byte = data[lead]
+        if byte & 0xC0 == 0x80:
+            continue  # a continuation byte: the lead is further back
+        width = 1 if byte < 0xC0 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+        try:
+            data[lead : lead + width].decode()
+        except UnicodeDecodeError:
+            return at
+        return lead if lead + width > at else at
+    return at
 
 
 def token_entry(piece: bytes, logprob: float) -> dict[str, Any]:

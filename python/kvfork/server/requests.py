@@ -399,16 +399,17 @@ def _completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
         )
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"a request holds at most {MAX_PROMPTS} prompts", "prompt")
-    for item in prompts:
+    for i, item in enumerate(prompts):
+        which = f"prompt {i}" if len(prompts) > 1 else "prompt"
         if isinstance(item, str):
             if not item:
-                raise bad_request("a prompt must not be empty", "prompt")
+                raise bad_request(f"{which} is empty", "prompt")
         elif not token_ids(item):
             raise bad_request(
-                "each prompt must be a non-empty string or a list of token ids", "prompt"
+                f"{which} is neither a non-empty string nor a list of token ids", "prompt"
             )
         elif not all(0 <= t < vocab_size for t in item):
-            raise bad_request("prompt holds a token id outside the vocabulary", "prompt")
+            raise bad_request(f"{which} holds a token id outside the vocabulary", "prompt")
     return prompts
 
 
