@@ -17,7 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from kvfork.server.logprobs import char_offsets
+from kvfork.server.logprobs import ScoreCache, char_offsets
 
 from .serving import Server, assert_used_servers_at_rest, servers
 
@@ -483,3 +483,56 @@ def test_offsets_count_characters_across_split_and_invalid_bytes() -> None:
     assert char_offsets([b"a\xff", b"\xf0\x9f", b"\x90\xb1", b"x"]) == [0, 2, 2, 3]
     assert char_offsets([b"", b"ab", b"\xe2", b"c"]) == [0, 0, 2, 3]
     assert char_offsets([b"x\xe2\x80", b"\x80y"]) == [0, 1]
+
+
+def test_a_score_cache_gives_the_scores_of_the_longest_shared_beginning() -> None:
+    """Scores of a kept prompt's tokens before the first difference (each depends only on
+    what comes before it), cut to the alternatives asked for, never from a prompt scored
+    with fewer; the least recently used prompts go first past the budget."""
+    cache = ScoreCache(max_tokens=6)
+    a = [
+        (-1.0, [(7, -0.5), (8, -1.0)]),
+        (-2.0, [(9, -0.1), (7, -2.0)]),
+        (-3.0, [(1, -1.0), (2, -3.0)]),
+    ]
+    cache.keep([5, 6, 7, 8], 2, a)
+    assert cache.known([5, 6, 7, 9, 9], 1) == [(-1.0, [(7, -0.5)]), (-2.0, [(9, -0.1)])]
+    assert cache.known([5, 6, 7, 8, 1], 2) == a
+    assert cache.known([5, 6], 2) == a[:1]
+    assert cache.known([4, 6, 7], 0) == [] and cache.known([5, 6, 7], 3) == []
+    cache.keep([1, 2, 3], 0, [(-1.0, []), (-1.0, [])])
+    cache.keep([2, 3, 4], 0, [(-1.0, []), (-1.0, [])])  # 7 tokens: the oldest goes
+    assert cache.known([5, 6, 7], 0) == [] and cache.known([1, 2, 3], 0) == [(-1.0, [])] * 2
+
+
+def test_questions_sharing_a_context_score_it_once(chat_server: Server) -> None:
+    """Four answers after one few-shot context, each its own scoring request: the later
+    ones take the context's scores from the first (the same numbers) and its cells from the
+    prefix cache (`cached_tokens`), and score only their answer, which scores as it does
+    after the same context scored cold."""
+    context = "".join(f"Q: What is {i} plus {i}? A: {2 * i}.\n" for i in range(1, 12))
+    answers = [" 24.", " 25.", " twenty-four.", " 42."]
+    body = {"model": "x", "echo": True, "logprobs": 1, "max_tokens": 0}
+    replies = []
+    for answer in answers:
+        prompt = context + "Q: What is 12 plus 12? A:" + answer
+        status, reply = chat_server.post(
+            "/v1/completions", json.dumps({**body, "prompt": prompt}).encode()
+        )
+        assert status == 200, reply
+        replies.append(reply)
+    n_context = len(_tokens(chat_server, context))
+    first = replies[0]["choices"][0]["logprobs"]["token_logprobs"]
+    for reply in replies[1:]:
+        scores = reply["choices"][0]["logprobs"]["token_logprobs"]
+        assert scores[:n_context] == first[:n_context]
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_context
+    # Cold: the last answer's prompt with a different first token, so nothing is shared.
+    cold_prompt = "\n" + context + "Q: What is 12 plus 12? A:" + answers[-1]
+    status, cold = chat_server.post(
+        "/v1/completions", json.dumps({**body, "prompt": cold_prompt}).encode()
+    )
+    assert status == 200, cold
+    tail = len(_tokens(chat_server, answers[-1]))
+    warm = replies[-1]["choices"][0]["logprobs"]["token_logprobs"][-tail:]
+    assert warm == pytest.approx(cold["choices"][0]["logprobs"]["token_logprobs"][-tail:], abs=0.5)

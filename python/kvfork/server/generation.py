@@ -37,7 +37,14 @@ from .._native import (
 from .._stops import StopStrings
 from .adapters import Adapters
 from .errors import APIError, bad_request, shutting_down
-from .logprobs import PromptLogprobs, prompt_logprobs, score_prompt, token_entry
+from .logprobs import (
+    PromptLogprobs,
+    Score,
+    ScoreCache,
+    prompt_logprobs,
+    score_prompt,
+    token_entry,
+)
 from .reasoning import Plan, Splitter, Thought
 from .requests import Sampling
 
@@ -314,6 +321,9 @@ class Generator:
             disk_bytes=spill.disk_bytes,
         )
         self.spill = spill
+        #: The scores of prompts scored last (`echo` + `logprobs`), for prompts that share
+        #: their beginning.
+        self.scores = ScoreCache()
         self.store = BranchStore(ctx)  # holds no lease: the free count
         self.admission = Admission(ctx.n_seq_max, max_queue)
         self.finished = finished
@@ -632,8 +642,10 @@ class Generation:
         constrained = sampling.logit_bias or sampling.json_schema is not None
         last = g.ctx.device_sampling and constrained and len(self.tokens) > 1
         prompt = self.tokens[:-1] if last else self.tokens
+        known: list[Score] = []
         if sampling.score_prompt:  # the rest is scored below (whole rows: no `last`)
-            prompt, last = self.tokens[:1], False
+            known = await asyncio.to_thread(g.scores.known, self.tokens, sampling.top_logprobs)
+            prompt, last = self.tokens[: len(known) + 1], False
         try:
             first = await g.cache.branch(prompt, sampling.params(0), adapters=self.adapters or None)
         except LeaseExhaustedError:
@@ -660,21 +672,24 @@ class Generation:
             except _NoRoom:
                 raise _no_free_cell() from None
         if sampling.score_prompt:
-            self.prompt_logprobs = await self._scored(first)
+            self.prompt_logprobs = await self._scored(first, known)
         plan = sampling.reasoning
         if plan is None or not plan.shared:
             await self._fork(first, sampling.n)
         return cached
 
-    async def _scored(self, first: Branch) -> PromptLogprobs:
-        """Score the prompt after its first token into `first` (see `logprobs.py`)."""
+    async def _scored(self, first: Branch, known: list[Score]) -> PromptLogprobs:
+        """Score the prompt into `first`, which holds its tokens whose scores are `known`
+        and one more (see `logprobs.py`); kept for later prompts."""
         g, top = self.generator, self.sampling.top_logprobs
+        rest = self.tokens[first.position :]
         try:
-            scores = await score_prompt(
-                first, self.tokens[1:], top, lambda call: _with_room(g.cache, call)
+            scores = known + await score_prompt(
+                first, rest, top, lambda call: _with_room(g.cache, call)
             )
         except _NoRoom:
             raise _no_free_cell() from None
+        g.scores.keep(self.tokens, top, scores)
         return await asyncio.to_thread(prompt_logprobs, g.ctx, self.tokens, scores)
 
 

@@ -5,12 +5,15 @@ their logprobs too (the first has none: nothing comes before it), as OpenAI's le
 evaluation harnesses (lm-eval's log-likelihood tasks, `max_tokens: 0`) read them.
 
 The prompt is scored on the request's own branch (`Branch.score`: a prefill with every
-position's logits read), not taken from the prefix cache, whose cells keep no logits: a
-scored prompt costs a prefill plus the output layer at each position."""
+position's logits read): the prefix cache's cells keep no logits. What was scored is kept
+(`ScoreCache`): a later prompt that begins the same (a multiple-choice question's few-shot
+context, asked once per answer) has the scores of that part from there and its cells from
+the prefix cache, and scores only the rest."""
 
 from __future__ import annotations
 
 import codecs
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,57 @@ from .._native import Branch, Context
 #: Tokens a scoring call takes at a time: between calls other requests' steps decode (a
 #: call is one engine job; 128 tokens take ~0.5 s on 2 CPU cores with Gemma's vocabulary).
 PIECE = 128
+
+
+#: A token's score: its logprob, and the best alternatives at its position.
+Score = tuple[float, list[tuple[int, float]]]
+
+#: Scored tokens a server keeps (`ScoreCache`): some 200 bytes each with one alternative.
+SCORE_CACHE_TOKENS = 1 << 18
+
+
+class ScoreCache:
+    """The scores of the prompts scored last, up to `max_tokens` tokens in all (least
+    recently used out first), each with the number of alternatives it was scored with."""
+
+    def __init__(self, max_tokens: int = SCORE_CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._prompts: OrderedDict[tuple[int, ...], tuple[int, list[Score]]] = OrderedDict()
+        self._tokens = 0
+
+    def known(self, tokens: list[int], top: int) -> list[Score]:
+        """The scores of the longest beginning of `tokens` some kept prompt shares (its
+        tokens after the first: each depends only on the tokens before it), with at least
+        `top` alternatives each (cut to `top`)."""
+        asked = tuple(tokens)
+        best: list[Score] = []
+        found: tuple[int, ...] | None = None
+        for prompt, (kept_top, scores) in self._prompts.items():
+            if kept_top < top:
+                continue
+            shared = _shared(prompt, asked)
+            if shared - 1 > len(best):
+                best, found = scores[: shared - 1], prompt
+        if found is None:
+            return []
+        self._prompts.move_to_end(found)
+        return [(lp, alternatives[:top]) for lp, alternatives in best]
+
+    def keep(self, tokens: list[int], top: int, scores: list[Score]) -> None:
+        """Keep the scores of a prompt (`scores`: of its tokens after the first)."""
+        key = tuple(tokens)
+        if key in self._prompts or len(scores) > self.max_tokens:
+            return
+        self._prompts[key] = (top, scores)
+        self._tokens += len(scores)
+        while self._tokens > self.max_tokens:
+            _, (_, dropped) = self._prompts.popitem(last=False)
+            self._tokens -= len(dropped)
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass
