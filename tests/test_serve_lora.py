@@ -166,6 +166,23 @@ def test_requests_on_different_sets_share_no_prefix(lora_server: Server) -> None
     assert base.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_a_prompt_scored_under_a_set_keeps_its_own_scores(lora_server: Server) -> None:
+    """A prompt scored without adapters and then under `a`: the second is scored under `a`
+    (its scores kept apart, not the first's), and again under `a` it gets its own back."""
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+    scores = []
+    for lora in (None, "a", "a"):
+        extra = {"lora": [lora]} if lora else {}
+        status, reply = lora_server.post(
+            "/v1/completions", json.dumps({**body, **extra, "model": "x"}).encode()
+        )
+        assert status == 200, reply
+        scores.append(reply["choices"][0]["logprobs"]["token_logprobs"][1:])
+    plain, under_a, again = scores
+    assert max(abs(x - y) for x, y in zip(plain, under_a)) > 0.5  # the adapter moves them
+    assert again == under_a
+
+
 def test_every_api_takes_the_set_and_names_the_adapter_that_answered(
     lora_server: Server,
 ) -> None:

@@ -497,6 +497,7 @@ def test_a_score_cache_gives_the_scores_of_the_longest_shared_beginning() -> Non
     ]
     cache.keep([5, 6, 7, 8], 2, a)
     assert cache.known([5, 6, 7, 9, 9], 1) == [(-1.0, [(7, -0.5)]), (-2.0, [(9, -0.1)])]
+    assert cache.known([5, 6, 7, 8], 2, under="adapter") == []  # scored by another model
     assert cache.known([5, 6, 7, 8, 1], 2) == a
     assert cache.known([5, 6], 2) == a[:1]
     assert cache.known([4, 6, 7], 0) == [] and cache.known([5, 6, 7], 3) == []

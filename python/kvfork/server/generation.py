@@ -644,7 +644,9 @@ class Generation:
         prompt = self.tokens[:-1] if last else self.tokens
         known: list[Score] = []
         if sampling.score_prompt:  # the rest is scored below (whole rows: no `last`)
-            known = await asyncio.to_thread(g.scores.known, self.tokens, sampling.top_logprobs)
+            known = await asyncio.to_thread(
+                g.scores.known, self.tokens, sampling.top_logprobs, self._adapters_key
+            )
             prompt, last = self.tokens[: len(known) + 1], False
         try:
             first = await g.cache.branch(prompt, sampling.params(0), adapters=self.adapters or None)
@@ -678,6 +680,11 @@ class Generation:
             await self._fork(first, sampling.n)
         return cached
 
+    @property
+    def _adapters_key(self) -> frozenset[tuple[LoraAdapter, float]]:
+        """The adapters it decodes under, as a key (scores differ with them)."""
+        return frozenset(self.adapters.items())
+
     async def _scored(self, first: Branch, known: list[Score]) -> PromptLogprobs:
         """Score the prompt into `first`, which holds its tokens whose scores are `known`
         and one more (see `logprobs.py`); kept for later prompts."""
@@ -689,7 +696,7 @@ class Generation:
             )
         except _NoRoom:
             raise _no_free_cell() from None
-        g.scores.keep(self.tokens, top, scores)
+        g.scores.keep(self.tokens, top, scores, self._adapters_key)
         return await asyncio.to_thread(prompt_logprobs, g.ctx, self.tokens, scores)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import codecs
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,34 +34,38 @@ SCORE_CACHE_TOKENS = 1 << 18
 
 class ScoreCache:
     """The scores of the prompts scored last, up to `max_tokens` tokens in all (least
-    recently used out first), each with the number of alternatives it was scored with."""
+    recently used out first), each with the number of alternatives it was scored with and
+    the model it was scored by (`under`: the LoRA adapters applied, a hashable key)."""
 
     def __init__(self, max_tokens: int = SCORE_CACHE_TOKENS) -> None:
         self.max_tokens = max_tokens
-        self._prompts: OrderedDict[tuple[int, ...], tuple[int, list[Score]]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[Hashable, tuple[int, ...]], tuple[int, list[Score]]]
+        self._prompts = OrderedDict()
         self._tokens = 0
 
-    def known(self, tokens: list[int], top: int) -> list[Score]:
-        """The scores of the longest beginning of `tokens` some kept prompt shares (its
-        tokens after the first: each depends only on the tokens before it), with at least
-        `top` alternatives each (cut to `top`)."""
+    def known(self, tokens: list[int], top: int, under: Hashable = None) -> list[Score]:
+        """The scores of the longest beginning of `tokens` some prompt kept `under` the same
+        adapters shares (its tokens after the first: each depends only on the tokens before
+        it), with at least `top` alternatives each (cut to `top`)."""
         asked = tuple(tokens)
         best: list[Score] = []
-        found: tuple[int, ...] | None = None
-        for prompt, (kept_top, scores) in self._prompts.items():
-            if kept_top < top:
+        found: tuple[Hashable, tuple[int, ...]] | None = None
+        for key, (kept_top, scores) in self._prompts.items():
+            if key[0] != under or kept_top < top:
                 continue
-            shared = _shared(prompt, asked)
+            shared = _shared(key[1], asked)
             if shared - 1 > len(best):
-                best, found = scores[: shared - 1], prompt
+                best, found = scores[: shared - 1], key
         if found is None:
             return []
         self._prompts.move_to_end(found)
         return [(lp, alternatives[:top]) for lp, alternatives in best]
 
-    def keep(self, tokens: list[int], top: int, scores: list[Score]) -> None:
+    def keep(
+        self, tokens: list[int], top: int, scores: list[Score], under: Hashable = None
+    ) -> None:
         """Keep the scores of a prompt (`scores`: of its tokens after the first)."""
-        key = tuple(tokens)
+        key = (under, tuple(tokens))
         if key in self._prompts or len(scores) > self.max_tokens:
             return
         self._prompts[key] = (top, scores)
