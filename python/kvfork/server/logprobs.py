@@ -28,8 +28,9 @@ PIECE = 128
 #: A token's score: its logprob, and the best alternatives at its position.
 Score = tuple[float, list[tuple[int, float]]]
 
-#: Scored tokens a server keeps (`ScoreCache`): some 200 bytes each with one alternative.
-SCORE_CACHE_TOKENS = 1 << 18
+#: Scored tokens a server keeps (`ScoreCache`): ~265 bytes each with one alternative (17 MB
+#: in all), some 30 few-shot contexts of 2,000 tokens.
+SCORE_CACHE_TOKENS = 1 << 16
 
 
 class ScoreCache:
