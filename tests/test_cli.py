@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import os
 import pty
 import signal
@@ -274,6 +275,47 @@ def test_embed_sizes_its_context_for_a_long_text(capsys: pytest.CaptureFixture[s
     assert status == 0 and len(json.loads(out)["embedding"]) == 640
     status, _, err = run_cli(capsys, "embed", "default", "word " * 33000)
     assert status == 2 and "embeds at most 32768" in err
+
+
+def test_perplexity_scores_each_chunk_s_second_half(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`kvfork perplexity` as llama-perplexity computes it: chunks of --n-ctx tokens, the
+    first made BOS, the tokens after the middle scored; the same perplexity as committing
+    those tokens one by one gives (up to the rounding of other batch shapes). Too short a
+    text is a usage error."""
+    text = " ".join(f"Line {i}: the printing press spread across Europe." for i in range(40))
+    (tmp_path / "text.txt").write_text(text)
+    status, out, _ = run_cli(
+        capsys,
+        "perplexity",
+        "default",
+        str(tmp_path / "text.txt"),
+        "--n-ctx",
+        "64",
+        "--max-chunks",
+        "2",
+    )
+    assert status == 0, out
+    ppl = float(out.split()[1])
+    assert "2 chunks of 64 tokens, 62 tokens scored" in out
+    with kvfork.create_context_sync(kvfork.default_model_path(), n_ctx=64) as ctx:
+        tokens = ctx.tokenize(text)
+        total = 0.0
+        for i in range(2):
+            chunk = tokens[i * 64 : (i + 1) * 64]
+            chunk[0] = ctx.bos_token or chunk[0]
+            b = kvfork.Branch.create(ctx)
+            b.prefill_sync(chunk[:33])
+            for t in chunk[33:]:
+                b.commit_sync(t)
+            total += 31 * math.log(b.perplexity)
+            b.prune_sync()
+    assert ppl == pytest.approx(math.exp(total / 62), rel=0.03)
+    status, _, err = run_cli(
+        capsys, "perplexity", "default", str(tmp_path / "text.txt"), "--n-ctx", "4096"
+    )
+    assert status == 2 and "at least --n-ctx (4096)" in err
 
 
 def test_bench_prints_one_row_per_width(capsys: pytest.CaptureFixture[str]) -> None:

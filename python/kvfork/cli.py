@@ -355,6 +355,48 @@ async def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_perplexity(args: argparse.Namespace) -> int:
+    """Perplexity of a text file (or stdin) as llama.cpp's `llama-perplexity` measures it:
+    the text's tokens cut into chunks of --n-ctx, each decoded from the start of a context
+    with its first token made BOS (where the model has one), the tokens of its second half
+    after the first scored given everything before them."""
+    _lenient_stdin()
+    text = _read(args.file) if args.file else sys.stdin.read()
+    model = resolve_model(args.model)
+    n_ctx = args.n_ctx
+    ctx = await open_context(model, n_ctx=n_ctx, n_batch=n_ctx)
+    with ctx:
+        bos = ctx.bos_token if ctx.tokenize("") else None  # a model that adds one
+        tokens = ctx.tokenize(text)
+        count = len(tokens) // n_ctx
+        if args.max_chunks:
+            count = min(count, args.max_chunks)
+        if count == 0:
+            raise CliError(
+                f"the text has {len(tokens)} tokens: give at least --n-ctx ({n_ctx}), "
+                "or a smaller --n-ctx"
+            )
+        first = n_ctx // 2
+        logprobs: list[float] = []
+        with Progress("scoring", total=count) as progress:
+            for i in range(count):
+                chunk = tokens[i * n_ctx : (i + 1) * n_ctx]
+                if bos is not None:
+                    chunk[0] = bos
+                branch = Branch.create(ctx)
+                await branch.prefill(chunk[: first + 1])
+                logprobs += await branch.score(chunk[first + 1 :])
+                await branch.prune()
+                progress.update(i + 1)
+    nll = -math.fsum(logprobs) / len(logprobs)
+    # The standard error of the mean negative log-likelihood, carried to the perplexity.
+    spread = math.sqrt(math.fsum((-lp - nll) ** 2 for lp in logprobs) / max(len(logprobs) - 1, 1))
+    error = math.exp(nll) * spread / math.sqrt(len(logprobs))
+    print(f"perplexity: {math.exp(nll):.4f} +/- {error:.4f}")
+    print(f"{count} chunks of {n_ctx} tokens, {len(logprobs)} tokens scored")
+    return 0
+
+
 async def cmd_bench(args: argparse.Namespace) -> int:
     """Tokens per second for one sequence and for N forks in one decode per step, and how
     close the stepping loop runs to the bare `llama_decode` time."""
@@ -804,6 +846,17 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--rank", metavar="QUERY", help="print the texts ranked by similarity")
     embed.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"])
     embed.set_defaults(run=cmd_embed)
+
+    ppl = sub.add_parser(
+        "perplexity", help="perplexity of a text file, as llama-perplexity measures it"
+    )
+    ppl.add_argument("model", help="GGUF file, 'default' or 'chat'")
+    ppl.add_argument("file", nargs="?", help="a text file (default: stdin)")
+    ppl.add_argument(
+        "--n-ctx", type=_int_in(16, 1 << 20), default=512, help="chunk size in tokens (512)"
+    )
+    ppl.add_argument("--max-chunks", type=_int_in(0), default=0, help="at most this many (0: all)")
+    ppl.set_defaults(run=cmd_perplexity)
 
     bench = sub.add_parser("bench", help="tokens/s: one sequence against N forks")
     bench.add_argument("model", nargs="?", default=None, help="GGUF file (default: default)")
