@@ -85,3 +85,22 @@ class NeedsTwoArgs(Exception):
 
 async def raise_unpicklable_error(ctx: kvfork.Context) -> None:
     raise NeedsTwoArgs(1, 2)  # a pickle round trip calls NeedsTwoArgs("1/2") and fails
+
+
+async def raise_base(ctx: kvfork.Context, kind: str) -> None:
+    """Raise a BaseException that is no Exception."""
+    raise {"interrupt": KeyboardInterrupt, "exit": SystemExit}[kind]()
+
+
+async def hold_a_lease(ctx: kvfork.Context, seconds: float) -> None:
+    """A branch held for `seconds`, pruned however the job ends (a cancel included)."""
+    branch = kvfork.Branch.create(ctx)
+    try:
+        await branch.prefill(ctx.tokenize("hold"))
+        await asyncio.sleep(seconds)
+    finally:
+        await branch.prune()
+
+
+async def free_leases(ctx: kvfork.Context) -> int:
+    return kvfork.BranchStore(ctx).available

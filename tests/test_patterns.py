@@ -223,3 +223,17 @@ async def test_rank_refuses_what_it_cannot_score_and_cancelled_gives_every_fork_
         assert start.children == [], turns
     with pytest.raises(RuntimeError, match="await rank"):
         rank_sync(start, [" Paris"])
+
+
+async def test_concurrent_ranks_share_the_free_leases(model: kvfork.Model) -> None:
+    """Two ranks at once over four free leases: each goes on with the forks it could make
+    (both read four free and asked for four: one got LeaseExhaustedError)."""
+    with kvfork.create_context_sync(model, n_ctx=1024, n_seq_max=6) as ctx:
+        questions = [root(ctx, QUESTION), root(ctx, "Q: Which city is the capital of Italy?\nA:")]
+        together = await asyncio.gather(*(rank(q, ANSWERS) for q in questions))
+        assert kvfork.BranchStore(ctx).available == 4
+        for question, ranked in zip(questions, together):
+            alone = {r.index: r.logprob for r in await rank(question, ANSWERS)}
+            assert [r.logprob for r in ranked] == pytest.approx(
+                [alone[r.index] for r in ranked], abs=1.0
+            )

@@ -120,6 +120,34 @@ async def test_a_job_error_keeps_its_type(pool1: kray.ContextPool) -> None:
     assert await pool1.run(jobs.greedy, jobs.PROMPT, 2)
 
 
+async def test_a_job_raising_what_is_no_exception_leaves_the_actor_serving(
+    pool1: kray.ContextPool,
+) -> None:
+    """A job's KeyboardInterrupt or SystemExit comes back as a KvforkError naming it (it
+    stopped the actor's event loop: every later call hung), and the actor goes on."""
+    for kind, name in (("interrupt", "KeyboardInterrupt"), ("exit", "SystemExit")):
+        with pytest.raises(kvfork.KvforkError, match=f"the job raised {name}"):
+            await pool1.run(jobs.raise_base, kind)
+        assert await asyncio.wait_for(pool1.run(jobs.greedy, jobs.PROMPT, 2), 60)
+
+
+async def test_a_cancelled_job_stops_on_its_actor(pool1: kray.ContextPool) -> None:
+    """A call cancelled (a timeout) cancels its job at its next await in the actor: it ran
+    on, holding its lease, until it ended by itself. A job that prunes in `finally` gives
+    its lease back."""
+    free = await pool1.run(jobs.free_leases)
+    for _ in range(3):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(pool1.run(jobs.hold_a_lease, 3600), 2)
+    for _ in range(100):
+        stats = (await pool1.stats())[0]
+        if stats["running"] == 0 and await pool1.run(jobs.free_leases) == free:
+            break
+        await asyncio.sleep(0.1)
+    assert stats["running"] == 0
+    assert await pool1.run(jobs.free_leases) == free
+
+
 async def test_an_unpicklable_result_is_a_clear_error(pool1: kray.ContextPool) -> None:
     with pytest.raises(kvfork.KvforkError, match="cannot be pickled"):
         await pool1.run(jobs.unpicklable)

@@ -345,3 +345,27 @@ def test_a_client_that_disconnects_gives_the_actors_lease_back(cluster: Server) 
 def test_health_sums_the_actors(cluster: Server) -> None:
     status, state = cluster.get("/health")
     assert status == 200 and state == {"status": "ok", "free_sequences": 16, "queue": 0}
+
+
+def test_prompts_are_scored_and_listed_as_on_one_process(cluster: Server) -> None:
+    """`/v1/completions` with a list of prompts, `echo` and `logprobs` over the actors: each
+    prompt's tokens scored (the first without a logprob), its choices numbered as OpenAI
+    numbers them; a prompt of the list that cannot fit is refused up front with its index,
+    streamed or not (it was a 200 whose stream ended in an error, prompt 0 generated)."""
+    body = {"model": "x", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    prompts = ["The capital of France is", "Two plus two is"]
+    status, reply = cluster.post(
+        "/v1/completions", json.dumps({**body, "prompt": prompts}).encode()
+    )
+    assert status == 200, reply
+    for choice, prompt in zip(reply["choices"], prompts):
+        assert choice["text"].startswith(prompt)
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"][1:])
+    too_long = {**body, "prompt": ["Hello", "word " * 5000]}
+    for stream in (False, True):
+        status, reply = cluster.post(
+            "/v1/completions", json.dumps({**too_long, "stream": stream}).encode()
+        )
+        assert status == 400 and reply["error"]["message"].startswith("prompt 1: "), reply
+        assert reply["error"]["code"] == "context_length_exceeded"

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ._native import Branch, BranchStore, KvCacheFullError
+from ._native import Branch, BranchStore, KvCacheFullError, LeaseExhaustedError
 
 __all__ = ["Beam", "Ranked", "beam_search", "beam_search_sync", "rank", "rank_sync"]
 
@@ -247,7 +247,8 @@ async def rank(
     (`BranchStore.score`): a handful of short answers take one decode. `branch` is left as it
     was; every fork is pruned before this returns, or raises. `length_penalty` ranks by
     `logprob / len ** length_penalty` (0: the plain sum; 1: the mean per token). Needs a
-    branch with logits (after a prefill or commit) and one free lease.
+    branch with logits (after a prefill or commit) and one free lease (LeaseExhaustedError
+    when none is); concurrent calls share the free leases as they come.
     """
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite, not {length_penalty}")
@@ -263,9 +264,15 @@ async def rank(
     forks: list[Branch] = []
     try:
         while len(logprobs) < len(runs):
-            group = runs[len(logprobs) : len(logprobs) + max(1, store.available)]
-            for _ in group:
-                forks.append(await branch.fork())
+            wanted = runs[len(logprobs) : len(logprobs) + max(1, store.available)]
+            for _ in wanted:
+                try:
+                    forks.append(await branch.fork())
+                except LeaseExhaustedError:
+                    if not forks:
+                        raise
+                    break  # others took the leases meanwhile: go on with the forks made
+            group = wanted[: len(forks)]
             scores = await store.score(list(zip(forks, group)))
             logprobs += [math.fsum(s) for s in scores]
             while forks:

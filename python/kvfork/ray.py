@@ -89,6 +89,12 @@ class _ContextActor:
             result = await fn(ctx, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001  (any job error goes back to the caller)
             return False, _pickled_failure(exc, traceback.format_exc())
+        except BaseException as exc:  # noqa: BLE001  (see below: none may stop the actor)
+            # A job's KeyboardInterrupt or SystemExit would stop the actor's event loop (every
+            # later call would hang), and a cancellation (the caller's, through `ray.cancel`)
+            # needs no answer: each becomes the job's error, and the actor goes on.
+            error = KvforkError(f"the job raised {type(exc).__name__}: {exc}".rstrip(": "))
+            return False, _pickled_failure(error, traceback.format_exc())
         finally:
             self._running -= 1
             self._jobs_done += 1
@@ -212,6 +218,9 @@ class ContextPool:
         slot, handle, ref = self._submit(fn, args, kwargs, affinity)
         try:
             ok, data = await self._await(slot, handle, ref)
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # the job stops at its next await in the actor, not later
+            raise
         finally:
             slot.running -= 1
         result: T = self._unwrap(ok, data)
@@ -229,6 +238,9 @@ class ContextPool:
         slot, handle, ref = self._submit(fn, args, kwargs, affinity)
         try:
             ok, data = self._get(slot, handle, ref)
+        except KeyboardInterrupt:
+            ray.cancel(ref)
+            raise
         finally:
             slot.running -= 1
         result: T = self._unwrap(ok, data)

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from .actors import ActorSet, Failure
 from .errors import APIError, shutting_down
-from .generation import Event, Outcome, health_body
+from .generation import Event, Outcome, check_room, health_body
 from .metrics import LIVE, Metrics
 from .prompts import Prompts
 from .requests import Sampling
@@ -42,6 +42,7 @@ class ClusterService:
         router: Router,
         *,
         model_id: str,
+        n_ctx: int,
         n_seq_max: int,
         metrics: Metrics,
     ) -> None:
@@ -51,6 +52,7 @@ class ClusterService:
         self.model_id = model_id
         self.lora_adapters: list[dict[str, Any]] = []  # --lora is a local server's
         self.created = int(time.time())
+        self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.metrics = metrics
         self.retries = 0  # requests moved to another actor after theirs died
@@ -73,9 +75,11 @@ class ClusterService:
     def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> RemoteGeneration:
-        """The routed actor's events, then the Outcome (see `RemoteGeneration`)."""
+        """The routed actor's events, then the Outcome (see `RemoteGeneration`). A prompt
+        that cannot fit an actor's context is refused here, as a local server refuses it."""
         if sampling.reasoning is not None and sampling.reasoning.control:
             raise _no_control("reasoning_control")
+        check_room(tokens, self.n_ctx, sampling, prompt_param)
         return RemoteGeneration(self, tokens, sampling, stop, prompt_param)
 
     def end_reasoning(self, request_id: str) -> bool:
@@ -307,5 +311,11 @@ async def open_cluster(
     await pool.ready()
     router = Router(actors, route, capacity_tokens=n_ctx)
     return ClusterService(
-        prompts, pool, router, model_id=model_id, n_seq_max=n_seq_max, metrics=metrics
+        prompts,
+        pool,
+        router,
+        model_id=model_id,
+        n_ctx=n_ctx,
+        n_seq_max=n_seq_max,
+        metrics=metrics,
     )

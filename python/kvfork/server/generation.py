@@ -337,24 +337,13 @@ class Generator:
         """The largest `n` a request may ask for: one lease per choice."""
         return self.ctx.n_seq_max
 
-    def check_room(self, tokens: list[int], param: str, generates: bool = True) -> None:
-        """A 400 naming `param` (the request's prompt field) when the prompt cannot fit, with
-        room for a token after it if it `generates` (`max_tokens: 0` scores a prompt alone)."""
-        if len(tokens) + generates > self.ctx.n_ctx:
-            raise bad_request(
-                f"the prompt has {len(tokens)} tokens; this server's context holds "
-                f"{self.ctx.n_ctx} (start it with a larger --n-ctx)",
-                param,
-                "context_length_exceeded",
-            )
-
     def generate(
         self, tokens: list[int], sampling: Sampling, stop: list[str], prompt_param: str
     ) -> Generation:
         """A request's generation: iterate it for the events of every choice as they come,
         then the Outcome; `close()` it when done or gone (see `Generation`). `prompt_param`
         names the request's prompt field in errors."""
-        self.check_room(tokens, prompt_param, generates=sampling.max_tokens > 0)
+        check_room(tokens, self.ctx.n_ctx, sampling, prompt_param)
         adapters = self.adapters.resolve(sampling.lora, sampling.model)
         # A reply the schema constrains (`response_format`, a required tool call) ends where
         # the schema does: a stop string would cut it into text that is neither.
@@ -431,6 +420,19 @@ class Generator:
         if self.spill.disk_dir is None:
             return 0
         return self.cache.spill_all()
+
+
+def check_room(tokens: list[int], n_ctx: int, sampling: Sampling, param: str) -> None:
+    """A 400 naming `param` (the request's prompt field) when the prompt cannot fit `n_ctx`
+    cells, with room for a token after it if it generates one (`max_tokens: 0` scores a
+    prompt alone)."""
+    if len(tokens) + (sampling.max_tokens > 0) > n_ctx:
+        raise bad_request(
+            f"the prompt has {len(tokens)} tokens; this server's context holds "
+            f"{n_ctx} (start it with a larger --n-ctx)",
+            param,
+            "context_length_exceeded",
+        )
 
 
 def health_body(degraded: bool, free: int, queue: int) -> dict[str, Any]:
