@@ -100,7 +100,3 @@ async def hold_a_lease(ctx: kvfork.Context, seconds: float) -> None:
         await asyncio.sleep(seconds)
     finally:
         await branch.prune()
-
-
-async def free_leases(ctx: kvfork.Context) -> int:
-    return kvfork.BranchStore(ctx).available

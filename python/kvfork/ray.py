@@ -109,10 +109,15 @@ class _ContextActor:
             return False, _pickled_failure(error, traceback.format_exc())
 
     async def stats(self) -> dict[str, Any]:
-        """The context's counters plus this actor's: pid, jobs_done, running."""
+        """The context's counters plus this actor's: pid, jobs_done, running, free_leases."""
         ctx = await self._context()
         out: dict[str, Any] = dict(ctx.stats())
-        out.update(pid=os.getpid(), jobs_done=self._jobs_done, running=self._running)
+        out.update(
+            pid=os.getpid(),
+            jobs_done=self._jobs_done,
+            running=self._running,
+            free_leases=_native.BranchStore(ctx).available,
+        )
         return out
 
 
@@ -248,7 +253,9 @@ class ContextPool:
 
     async def stats(self) -> list[dict[str, Any]]:
         """Each actor's ``ctx.stats()`` plus ``actor`` (its index), ``pid``, ``jobs_done``,
-        ``running`` and ``replaced`` (how many times the pool replaced that actor)."""
+        ``running``, ``free_leases`` (a job that leaves a branch unpruned keeps its lease as
+        long as the actor lives) and ``replaced`` (how many times the pool replaced that
+        actor)."""
         self._check_open()
         refs = [(slot, slot.handle, slot.handle.stats.remote()) for slot in self._slots]
         out = []
@@ -313,8 +320,10 @@ class ContextPool:
             raise self._actor_died(slot, handle, exc) from exc
 
     def _actor_died(self, slot: _Slot, handle: Any, exc: BaseException) -> KvforkError:
+        if self._closed:
+            return KvforkError("the pool was shut down while this job ran")
         # Several jobs may see the same death: only the first replaces the actor.
-        if slot.handle is handle and not self._closed:
+        if slot.handle is handle:
             ray.kill(handle, no_restart=True)
             slot.handle = self._spawn()
             slot.replaced += 1
