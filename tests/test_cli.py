@@ -316,6 +316,17 @@ def test_perplexity_scores_each_chunk_s_second_half(
         capsys, "perplexity", "default", str(tmp_path / "text.txt"), "--n-ctx", "4096"
     )
     assert status == 2 and "at least --n-ctx (4096)" in err
+    # Bytes that are not UTF-8 read as U+FFFD, as llama-perplexity reads any file.
+    (tmp_path / "binary").write_bytes(bytes(range(256)) * 4)
+    status, out, _ = run_cli(
+        capsys, "perplexity", "default", str(tmp_path / "binary"), "--n-ctx", "64"
+    )
+    assert status == 0 and "tokens scored" in out
+    (tmp_path / "schema.json").write_bytes(b"\xff{}")
+    status, _, err = run_cli(
+        capsys, "generate", "default", "x", "--json-schema", str(tmp_path / "schema.json")
+    )
+    assert status == 2 and "is not UTF-8 text" in err
 
 
 def test_bench_prints_one_row_per_width(capsys: pytest.CaptureFixture[str]) -> None:

@@ -182,11 +182,16 @@ def _constrain(branch: Branch, args: argparse.Namespace) -> None:
         branch.set_grammar(_read(args.grammar))
 
 
-def _read(path: str) -> str:
+def _read(path: str, lenient: bool = False) -> str:
+    """The text of `path` (`lenient`: bytes that are not UTF-8 read as U+FFFD)."""
     try:
-        return Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return data.decode("utf-8", "replace" if lenient else "strict")
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
 
 
 async def _stream(branch: Branch, args: argparse.Namespace) -> None:
@@ -361,7 +366,7 @@ async def cmd_perplexity(args: argparse.Namespace) -> int:
     with its first token made BOS (where the model has one), the tokens of its second half
     after the first scored given everything before them."""
     _lenient_stdin()
-    text = _read(args.file) if args.file else sys.stdin.read()
+    text = _read(args.file, lenient=True) if args.file else sys.stdin.read()
     model = resolve_model(args.model)
     n_ctx = args.n_ctx
     ctx = await open_context(model, n_ctx=n_ctx, n_batch=n_ctx)
