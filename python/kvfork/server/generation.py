@@ -634,8 +634,9 @@ class Generation:
     async def _choices(self) -> int:
         """One branch per choice (`self.branches`): the first from the prefix cache, the
         others forked from it (one prefill for all; entries evicted for their sequences) —
-        unless they share its reasoning, when they are forked at its end. The prompt tokens
-        that came from the cache."""
+        unless they share its reasoning, when they are forked at its end. A scored prompt
+        (`score_prompt`) comes from the cache only as far as its kept scores go, the rest
+        scored on the branch. The prompt tokens that came from the cache."""
         g, sampling = self.generator, self.sampling
         # With device sampling, a bias or a schema wants a row from the decode whose output
         # it samples: the prompt's last token is prefilled after them. Otherwise the first
