@@ -316,6 +316,10 @@ def test_perplexity_scores_each_chunk_s_second_half(
         capsys, "perplexity", "default", str(tmp_path / "text.txt"), "--n-ctx", "4096"
     )
     assert status == 2 and "at least --n-ctx (4096)" in err
+    status, _, err = run_cli(
+        capsys, "perplexity", "default", str(tmp_path / "text.txt"), "--n-ctx", "40000"
+    )
+    assert status == 2 and "more than this model was trained on (32768)" in err
     # Bytes that are not UTF-8 read as U+FFFD, as llama-perplexity reads any file.
     (tmp_path / "binary").write_bytes(bytes(range(256)) * 4)
     status, out, _ = run_cli(

@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 import kvfork
+import numpy as np
 import pytest
 from kvfork.patterns import beam_search, beam_search_sync, rank, rank_sync
 
@@ -237,3 +238,32 @@ async def test_concurrent_ranks_share_the_free_leases(model: kvfork.Model) -> No
             assert [r.logprob for r in ranked] == pytest.approx(
                 [alone[r.index] for r in ranked], abs=1.0
             )
+
+
+def test_rank_scores_candidates_alone_when_they_do_not_fit_together(model: kvfork.Model) -> None:
+    """Two 300-token candidates in a 512-cell context: each fits beside the question, not
+    both at once (a KvCacheFullError before): scored one after the other."""
+    with kvfork.create_context_sync(model, n_ctx=512, n_seq_max=4) as ctx:
+        question = root(ctx, QUESTION)
+        long_answers = [(ctx.tokenize(a, add_special=False) * 80)[:300] for a in ANSWERS[:2]]
+        ranked = rank_sync(question, long_answers)
+        assert sorted(r.index for r in ranked) == [0, 1]
+        assert kvfork.BranchStore(ctx).available == 3 and question.children == []
+
+
+def test_rank_refuses_what_is_not_a_candidate(ctx: kvfork.Context) -> None:
+    """A text where a list is wanted, bytes, a mapping, bools: TypeErrors naming the
+    candidate (bytes were ranked as their byte values, a text as one candidate a letter);
+    NumPy integers are token ids."""
+    start = root(ctx, QUESTION)
+    free = kvfork.BranchStore(ctx).available
+    for bad in (" Paris", b" Paris", 5):
+        with pytest.raises(TypeError, match="candidates must be a list"):
+            rank_sync(start, bad)  # type: ignore[arg-type]
+    for candidate in (b" Paris", {1: 2}, [1, True], [1.0], 7):
+        with pytest.raises(TypeError, match="candidate 1 must"):
+            rank_sync(start, [" Paris", candidate])  # type: ignore[list-item]
+    paris = ctx.tokenize(" Paris", add_special=False)
+    ranked = rank_sync(start, [np.array(paris, dtype=np.int32), (t for t in paris)])
+    assert [r.tokens for r in ranked] == [paris, paris]
+    assert kvfork.BranchStore(ctx).available == free  # every fork pruned

@@ -10,6 +10,7 @@ every API."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -488,8 +489,9 @@ def test_offsets_count_characters_across_split_and_invalid_bytes() -> None:
 def test_a_score_cache_gives_the_scores_of_the_longest_shared_beginning() -> None:
     """Scores of a kept prompt's tokens before the first difference (each depends only on
     what comes before it), cut to the alternatives asked for, never from a prompt scored
-    with fewer; the least recently used prompts go first past the budget."""
-    cache = ScoreCache(max_tokens=6)
+    with fewer (until kept again with more); the least recently used prompts go first past
+    the budget, which counts every prompt's tokens."""
+    cache = ScoreCache(max_tokens=8)
     a = [
         (-1.0, [(7, -0.5), (8, -1.0)]),
         (-2.0, [(9, -0.1), (7, -2.0)]),
@@ -502,8 +504,32 @@ def test_a_score_cache_gives_the_scores_of_the_longest_shared_beginning() -> Non
     assert cache.known([5, 6], 2) == a[:1]
     assert cache.known([4, 6, 7], 0) == [] and cache.known([5, 6, 7], 3) == []
     cache.keep([1, 2, 3], 0, [(-1.0, []), (-1.0, [])])
-    cache.keep([2, 3, 4], 0, [(-1.0, []), (-1.0, [])])  # 7 tokens: the oldest goes
+    cache.keep([1, 2, 3], 1, [(-1.0, [(1, -1.0)]), (-1.0, [(1, -1.0)])])  # kept again: more
+    assert cache.known([1, 2, 3], 1) == [(-1.0, [(1, -1.0)])] * 2
+    cache.keep([2, 3, 4], 0, [(-1.0, []), (-1.0, [])])  # 10 tokens: the oldest goes
     assert cache.known([5, 6, 7], 0) == [] and cache.known([1, 2, 3], 0) == [(-1.0, [])] * 2
+
+
+def test_a_score_cache_is_read_and_written_from_threads_at_once() -> None:
+    """Lookups off the event loop while requests keep scores on it (an OrderedDict mutated
+    during a lookup's iteration was a 500 for concurrent scoring requests)."""
+    cache = ScoreCache(max_tokens=2000)
+    stop = threading.Event()
+
+    def keep() -> None:
+        for i in range(20000):
+            if stop.is_set():
+                return
+            cache.keep([i % 97, i], 0, [(-1.0, [])])
+
+    writer = threading.Thread(target=keep)
+    writer.start()
+    try:
+        for i in range(3000):
+            cache.known([i % 97, 5, 6], 0)
+    finally:
+        stop.set()
+        writer.join()
 
 
 def test_questions_sharing_a_context_score_it_once(chat_server: Server) -> None:

@@ -367,20 +367,25 @@ async def cmd_perplexity(args: argparse.Namespace) -> int:
     after the first scored given everything before them."""
     _lenient_stdin()
     text = _read(args.file, lenient=True) if args.file else sys.stdin.read()
-    model = resolve_model(args.model)
     n_ctx = args.n_ctx
-    ctx = await open_context(model, n_ctx=n_ctx, n_batch=n_ctx)
-    with ctx:
-        bos = ctx.bos_token if ctx.tokenize("") else None  # a model that adds one
-        tokens = ctx.tokenize(text)
-        count = len(tokens) // n_ctx
-        if args.max_chunks:
-            count = min(count, args.max_chunks)
-        if count == 0:
+    # The text and the limits first, on a small context: the chunks' is made for them.
+    with await open_context(resolve_model(args.model), n_ctx=64) as small:
+        model = small.model
+        if n_ctx > model.n_ctx_train:
             raise CliError(
-                f"the text has {len(tokens)} tokens: give at least --n-ctx ({n_ctx}), "
-                "or a smaller --n-ctx"
+                f"--n-ctx {n_ctx} is more than this model was trained on ({model.n_ctx_train})"
             )
+        bos = small.bos_token if small.tokenize("") else None  # a model that adds one
+        tokens = small.tokenize(text)
+    count = len(tokens) // n_ctx
+    if args.max_chunks:
+        count = min(count, args.max_chunks)
+    if count == 0:
+        raise CliError(
+            f"the text has {len(tokens)} tokens: give at least --n-ctx ({n_ctx}), "
+            "or a smaller --n-ctx"
+        )
+    with await create_context(model, n_ctx=n_ctx, n_batch=n_ctx) as ctx:
         first = n_ctx // 2
         logprobs: list[float] = []
         with Progress("scoring", total=count) as progress:
@@ -858,7 +863,7 @@ def _parser() -> argparse.ArgumentParser:
     ppl.add_argument("model", help="GGUF file, 'default' or 'chat'")
     ppl.add_argument("file", nargs="?", help="a text file (default: stdin)")
     ppl.add_argument(
-        "--n-ctx", type=_int_in(16, 1 << 20), default=512, help="chunk size in tokens (512)"
+        "--n-ctx", type=_int_in(16, 65536), default=512, help="chunk size in tokens (512)"
     )
     ppl.add_argument("--max-chunks", type=_int_in(0), default=0, help="at most this many (0: all)")
     ppl.set_defaults(run=cmd_perplexity)

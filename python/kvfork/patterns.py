@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ._native import Branch, BranchStore, KvCacheFullError, LeaseExhaustedError
+from ._native import Branch, BranchStore, Context, KvCacheFullError, LeaseExhaustedError
 
 __all__ = ["Beam", "Ranked", "beam_search", "beam_search_sync", "rank", "rank_sync"]
 
@@ -235,7 +236,7 @@ class Ranked:
 
 async def rank(
     branch: Branch,
-    candidates: Sequence[str | Sequence[int]],
+    candidates: Sequence[str | Iterable[int]],
     *,
     length_penalty: float = 0.0,
 ) -> list[Ranked]:
@@ -246,34 +247,32 @@ async def rank(
     again, as many at once as leases are free, their tokens packed into the same decodes
     (`BranchStore.score`): a handful of short answers take one decode. `branch` is left as it
     was; every fork is pruned before this returns, or raises. `length_penalty` ranks by
-    `logprob / len ** length_penalty` (0: the plain sum; 1: the mean per token). Needs a
-    branch with logits (after a prefill or commit) and one free lease (LeaseExhaustedError
-    when none is); concurrent calls share the free leases as they come.
+    `logprob / len ** length_penalty` (0: the plain sum; 1: the mean per token). Candidates
+    that do not fit the KV cache together are scored one at a time. Needs a branch with
+    logits (after a prefill or commit) and a free lease: concurrent calls each go on with the
+    forks they could make, and one that finds none waits up to `LEASE_WAIT` seconds for one
+    (concurrent ranks give theirs back as they finish), then raises LeaseExhaustedError.
     """
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite, not {length_penalty}")
     ctx = branch.context
-    runs = [
-        ctx.tokenize(c, add_special=False) if isinstance(c, str) else list(c) for c in candidates
-    ]
-    for i, run in enumerate(runs):
-        if not run:
-            raise ValueError(f"candidate {i} has no tokens")
+    runs = [_candidate_tokens(ctx, c, i) for i, c in enumerate(_candidate_list(candidates))]
     store = BranchStore(ctx)
     logprobs: list[float] = []
     forks: list[Branch] = []
     try:
         while len(logprobs) < len(runs):
             wanted = runs[len(logprobs) : len(logprobs) + max(1, store.available)]
-            for _ in wanted:
-                try:
-                    forks.append(await branch.fork())
-                except LeaseExhaustedError:
-                    if not forks:
-                        raise
-                    break  # others took the leases meanwhile: go on with the forks made
-            group = wanted[: len(forks)]
-            scores = await store.score(list(zip(forks, group)))
+            await _fork_into(forks, branch, len(wanted))
+            group = list(zip(forks, wanted))
+            try:
+                scores = await store.score(group)
+            except KvCacheFullError:
+                if len(group) == 1:
+                    raise
+                # Together they need more cells than are free: one at a time (each alone
+                # may fit; a failed score left every branch as it was).
+                scores = [await fork.score(run) for fork, run in group]
             logprobs += [math.fsum(s) for s in scores]
             while forks:
                 await forks.pop().prune()
@@ -288,9 +287,59 @@ async def rank(
     return sorted(ranked, key=lambda r: -r.score)
 
 
+#: Seconds `rank` waits for a free lease when it has none (see `rank`).
+LEASE_WAIT = 10.0
+
+
+async def _fork_into(forks: list[Branch], branch: Branch, n: int) -> None:
+    """Up to `n` forks of `branch` into `forks` (the caller's, so that it prunes them
+    whatever happens): as many as leases allow, at least one, waiting for it."""
+    deadline = asyncio.get_running_loop().time() + LEASE_WAIT
+    start = len(forks)
+    while len(forks) - start < n:
+        try:
+            forks.append(await branch.fork())
+        except LeaseExhaustedError:
+            if len(forks) > start:
+                return  # others took the leases meanwhile: go on with the forks made
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.01)
+
+
+def _candidate_list(candidates: object) -> list[object]:
+    """`candidates` as a list: a sequence of them, not one text or bytes."""
+    if isinstance(candidates, str | bytes | bytearray) or not isinstance(candidates, Sequence):
+        raise TypeError(
+            f"candidates must be a list of texts or token lists, not {type(candidates).__name__}"
+        )
+    return list(candidates)
+
+
+def _candidate_tokens(ctx: Context, candidate: object, i: int) -> list[int]:
+    """A candidate's tokens: a text tokenized without special tokens, or token ids."""
+    if isinstance(candidate, str):
+        tokens = ctx.tokenize(candidate, add_special=False)
+    elif isinstance(candidate, Iterable) and not isinstance(candidate, bytes | bytearray | Mapping):
+        items = list(candidate)
+        try:  # ints, or anything with __index__ (NumPy integers); no bools
+            tokens = [operator.index(t) for t in items if not isinstance(t, bool)]
+        except TypeError:
+            tokens = []
+        if len(tokens) != len(items):
+            raise TypeError(f"candidate {i} must hold token ids (ints)")
+    else:
+        raise TypeError(
+            f"candidate {i} must be a text or a list of token ids, not {type(candidate).__name__}"
+        )
+    if not tokens:
+        raise ValueError(f"candidate {i} has no tokens")
+    return tokens
+
+
 def rank_sync(
     branch: Branch,
-    candidates: Sequence[str | Sequence[int]],
+    candidates: Sequence[str | Iterable[int]],
     *,
     length_penalty: float = 0.0,
 ) -> list[Ranked]:

@@ -13,6 +13,7 @@ the prefix cache, and scores only the rest."""
 from __future__ import annotations
 
 import codecs
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
@@ -36,13 +37,15 @@ SCORE_CACHE_TOKENS = 1 << 16
 class ScoreCache:
     """The scores of the prompts scored last, up to `max_tokens` tokens in all (least
     recently used out first), each with the number of alternatives it was scored with and
-    the model it was scored by (`under`: the LoRA adapters applied, a hashable key)."""
+    the model it was scored by (`under`: the LoRA adapters applied, a hashable key).
+    Thread-safe: a lookup runs off the event loop while requests keep scores on it."""
 
     def __init__(self, max_tokens: int = SCORE_CACHE_TOKENS) -> None:
         self.max_tokens = max_tokens
         self._prompts: OrderedDict[tuple[Hashable, tuple[int, ...]], tuple[int, list[Score]]]
         self._prompts = OrderedDict()
         self._tokens = 0
+        self._lock = threading.Lock()
 
     def known(self, tokens: list[int], top: int, under: Hashable = None) -> list[Score]:
         """The scores of the longest beginning of `tokens` some prompt kept `under` the same
@@ -51,29 +54,38 @@ class ScoreCache:
         asked = tuple(tokens)
         best: list[Score] = []
         found: tuple[Hashable, tuple[int, ...]] | None = None
-        for key, (kept_top, scores) in self._prompts.items():
-            if key[0] != under or kept_top < top:
-                continue
-            shared = _shared(key[1], asked)
-            if shared - 1 > len(best):
-                best, found = scores[: shared - 1], key
-        if found is None:
-            return []
-        self._prompts.move_to_end(found)
+        with self._lock:
+            for key, (kept_top, scores) in self._prompts.items():
+                if key[0] != under or kept_top < top:
+                    continue
+                shared = _shared(key[1], asked)
+                if shared - 1 > len(best):
+                    best, found = scores[: shared - 1], key
+            if found is None:
+                return []
+            self._prompts.move_to_end(found)
         return [(lp, alternatives[:top]) for lp, alternatives in best]
 
     def keep(
         self, tokens: list[int], top: int, scores: list[Score], under: Hashable = None
     ) -> None:
-        """Keep the scores of a prompt (`scores`: of its tokens after the first)."""
+        """Keep the scores of a prompt (`scores`: of its tokens after the first), in place of
+        those kept with fewer alternatives. A prompt counts its tokens against the budget."""
         key = (under, tuple(tokens))
-        if key in self._prompts or len(scores) > self.max_tokens:
+        if len(tokens) > self.max_tokens:
             return
-        self._prompts[key] = (top, scores)
-        self._tokens += len(scores)
-        while self._tokens > self.max_tokens:
-            _, (_, dropped) = self._prompts.popitem(last=False)
-            self._tokens -= len(dropped)
+        with self._lock:
+            kept = self._prompts.get(key)
+            if kept is not None and kept[0] >= top:
+                return
+            if kept is not None:
+                del self._prompts[key]
+                self._tokens -= len(tokens)
+            self._prompts[key] = (top, scores)
+            self._tokens += len(tokens)
+            while self._tokens > self.max_tokens:
+                (_, dropped), _ = self._prompts.popitem(last=False)
+                self._tokens -= len(dropped)
 
 
 def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
