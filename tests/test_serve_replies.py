@@ -490,30 +490,32 @@ def test_a_score_cache_gives_the_scores_of_the_longest_shared_beginning() -> Non
     """Scores of a kept prompt's tokens before the first difference (each depends only on
     what comes before it), cut to the alternatives asked for, never from a prompt scored
     with fewer (until kept again with more); the least recently used prompts go first past
-    the budget, which counts every prompt's tokens."""
-    cache = ScoreCache(max_tokens=8)
+    the budget, which counts a token's own entry and its alternatives'."""
+    cache = ScoreCache(max_entries=20)
     a = [
         (-1.0, [(7, -0.5), (8, -1.0)]),
         (-2.0, [(9, -0.1), (7, -2.0)]),
         (-3.0, [(1, -1.0), (2, -3.0)]),
     ]
-    cache.keep([5, 6, 7, 8], 2, a)
+    cache.keep([5, 6, 7, 8], 2, a)  # 12 entries
     assert cache.known([5, 6, 7, 9, 9], 1) == [(-1.0, [(7, -0.5)]), (-2.0, [(9, -0.1)])]
     assert cache.known([5, 6, 7, 8], 2, under="adapter") == []  # scored by another model
     assert cache.known([5, 6, 7, 8, 1], 2) == a
     assert cache.known([5, 6], 2) == a[:1]
     assert cache.known([4, 6, 7], 0) == [] and cache.known([5, 6, 7], 3) == []
-    cache.keep([1, 2, 3], 0, [(-1.0, []), (-1.0, [])])
-    cache.keep([1, 2, 3], 1, [(-1.0, [(1, -1.0)]), (-1.0, [(1, -1.0)])])  # kept again: more
+    cache.keep([1, 2, 3], 0, [(-1.0, []), (-1.0, [])])  # 15
+    cache.keep([1, 2, 3], 1, [(-1.0, [(1, -1.0)]), (-1.0, [(1, -1.0)])])  # kept again: 18
     assert cache.known([1, 2, 3], 1) == [(-1.0, [(1, -1.0)])] * 2
-    cache.keep([2, 3, 4], 0, [(-1.0, []), (-1.0, [])])  # 10 tokens: the oldest goes
+    cache.keep([2, 3, 4], 0, [(-1.0, []), (-1.0, [])])  # 21: the oldest goes
     assert cache.known([5, 6, 7], 0) == [] and cache.known([1, 2, 3], 0) == [(-1.0, [])] * 2
+    cache.keep([9] * 11, 1, [(-1.0, [(1, -1.0)])] * 10)  # 22 entries alone: not kept
+    assert cache.known([9] * 11, 0) == [] and cache.known([2, 3, 4], 0) == [(-1.0, [])] * 2
 
 
 def test_a_score_cache_is_read_and_written_from_threads_at_once() -> None:
     """Lookups off the event loop while requests keep scores on it (an OrderedDict mutated
     during a lookup's iteration was a 500 for concurrent scoring requests)."""
-    cache = ScoreCache(max_tokens=2000)
+    cache = ScoreCache(max_entries=2000)
     stop = threading.Event()
 
     def keep() -> None:

@@ -29,22 +29,24 @@ PIECE = 128
 #: A token's score: its logprob, and the best alternatives at its position.
 Score = tuple[float, list[tuple[int, float]]]
 
-#: Scored tokens a server keeps (`ScoreCache`): ~265 bytes each with one alternative (17 MB
-#: in all), some 30 few-shot contexts of 2,000 tokens.
-SCORE_CACHE_TOKENS = 1 << 16
+#: Logprob entries a server keeps (`ScoreCache`): a scored token's own and each of its
+#: alternatives', ~125 bytes each (measured: 265 bytes a token with one alternative), so
+#: ~16 MB in all: 65,536 tokens' scores with one alternative, 21,845 with five.
+SCORE_CACHE_ENTRIES = 1 << 17
 
 
 class ScoreCache:
-    """The scores of the prompts scored last, up to `max_tokens` tokens in all (least
-    recently used out first), each with the number of alternatives it was scored with and
-    the model it was scored by (`under`: the LoRA adapters applied, a hashable key).
-    Thread-safe: a lookup runs off the event loop while requests keep scores on it."""
+    """The scores of the prompts scored last, up to `max_entries` logprob entries in all (a
+    token's own and each of its alternatives'; least recently used out first), each with the
+    number of alternatives it was scored with and the model it was scored by (`under`: the
+    LoRA adapters applied, a hashable key). Thread-safe: a lookup runs off the event loop
+    while requests keep scores on it."""
 
-    def __init__(self, max_tokens: int = SCORE_CACHE_TOKENS) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_entries: int = SCORE_CACHE_ENTRIES) -> None:
+        self.max_entries = max_entries
         self._prompts: OrderedDict[tuple[Hashable, tuple[int, ...]], tuple[int, list[Score]]]
         self._prompts = OrderedDict()
-        self._tokens = 0
+        self._entries = 0
         self._lock = threading.Lock()
 
     def known(self, tokens: list[int], top: int, under: Hashable = None) -> list[Score]:
@@ -70,9 +72,9 @@ class ScoreCache:
         self, tokens: list[int], top: int, scores: list[Score], under: Hashable = None
     ) -> None:
         """Keep the scores of a prompt (`scores`: of its tokens after the first), in place of
-        those kept with fewer alternatives. A prompt counts its tokens against the budget."""
+        those kept with fewer alternatives. Each of its tokens counts `1 + top` entries."""
         key = (under, tuple(tokens))
-        if len(tokens) > self.max_tokens:
+        if len(tokens) * (1 + top) > self.max_entries:
             return
         with self._lock:
             kept = self._prompts.get(key)
@@ -80,12 +82,12 @@ class ScoreCache:
                 return
             if kept is not None:
                 del self._prompts[key]
-                self._tokens -= len(tokens)
+                self._entries -= len(tokens) * (1 + kept[0])
             self._prompts[key] = (top, scores)
-            self._tokens += len(tokens)
-            while self._tokens > self.max_tokens:
-                (_, dropped), _ = self._prompts.popitem(last=False)
-                self._tokens -= len(dropped)
+            self._entries += len(tokens) * (1 + top)
+            while self._entries > self.max_entries:
+                (_, dropped), (dropped_top, _) = self._prompts.popitem(last=False)
+                self._entries -= len(dropped) * (1 + dropped_top)
 
 
 def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
