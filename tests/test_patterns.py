@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 import warnings
+from collections.abc import Coroutine
 from typing import Any
 
 import kvfork
@@ -86,20 +87,31 @@ async def test_a_search_cancelled_at_any_point_gives_every_branch_back(
     store = kvfork.BranchStore(ctx)
     free, position = store.available, start.position
     for turns in range(16):
-        search = asyncio.ensure_future(beam_search(start, 2, 50))
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine finishes)
-        search.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await search
+        await _cancel_after(turns, beam_search(start, 2, 50))
         assert start.children == [], turns
-        # A fork made as its await was cancelled is pruned by a queued call: it comes back.
-        deadline = time.monotonic() + 10
-        while store.available != free:
-            assert time.monotonic() < deadline, turns
-            await asyncio.sleep(0.01)
+        await _leases_back(store, free, turns)
     assert start.position == position
+
+
+async def _cancel_after(turns: int, work: Coroutine[Any, Any, Any]) -> None:
+    """Run `work`, let the event loop turn `turns` times, hold the loop up long enough for
+    the engine to finish what was asked, then cancel it."""
+    task = asyncio.ensure_future(work)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine finishes)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _leases_back(store: kvfork.BranchStore, free: int, turns: int) -> None:
+    """`free` leases again soon: a fork made as its await was cancelled is pruned by a
+    queued call."""
+    deadline = time.monotonic() + 10
+    while store.available != free:
+        assert time.monotonic() < deadline, turns
+        await asyncio.sleep(0.01)
 
 
 def test_length_penalty_and_finished_beams(chat_ctx: kvfork.Context) -> None:
@@ -210,17 +222,8 @@ async def test_rank_refuses_what_it_cannot_score_and_cancelled_gives_every_fork_
     await fresh.prune()
     assert await rank(start, []) == []
     for turns in range(8):
-        ranking = asyncio.ensure_future(rank(start, ANSWERS))
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the loop held up, the engine finishes)
-        ranking.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ranking
-        deadline = time.monotonic() + 10
-        while store.available != free:
-            assert time.monotonic() < deadline, turns
-            await asyncio.sleep(0.01)
+        await _cancel_after(turns, rank(start, ANSWERS))
+        await _leases_back(store, free, turns)
         assert start.children == [], turns
     with pytest.raises(RuntimeError, match="await rank"):
         rank_sync(start, [" Paris"])

@@ -41,9 +41,9 @@ from .logprobs import (
     PromptLogprobs,
     Score,
     ScoreCache,
+    logprob_entry,
     prompt_logprobs,
     score_prompt,
-    token_entry,
 )
 from .reasoning import Plan, Splitter, Thought
 from .requests import Sampling
@@ -940,12 +940,8 @@ def _logprobs(branch: Branch, tok: Token, top: int) -> dict[str, Any]:
     """A drawn token's logprob and the `top` best alternatives (before sampling). The list
     first: where the device kept fewer candidates, it has the row decoded again, and the
     token's logprob then comes from that same row."""
-    ctx = branch.context
     best = branch.top_logprobs(top) if top else []
-    return {
-        **token_entry(ctx.token_to_bytes(tok.token), branch.logprob(tok.token)),
-        "top_logprobs": [token_entry(ctx.token_to_bytes(i), lp) for i, lp in best],
-    }
+    return logprob_entry(branch.context, tok.token, branch.logprob(tok.token), best)
 
 
 async def _generate_choice(cache: PrefixCache, branch: Branch, choice: Choice, out: Sink) -> None:

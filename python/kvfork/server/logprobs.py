@@ -136,11 +136,7 @@ def prompt_logprobs(
         if i == 0:
             entry = {**token_entry(piece, 0.0), "logprob": None, "top_logprobs": None}
         else:
-            logprob, best = scores[i - 1]
-            entry = {
-                **token_entry(piece, logprob),
-                "top_logprobs": [token_entry(ctx.token_to_bytes(t), lp) for t, lp in best],
-            }
+            entry = logprob_entry(ctx, token, *scores[i - 1])
         entries.append(entry)
         in_text.append(piece if ctx.detokenize([token]) else b"")
     return PromptLogprobs(entries, char_offsets(in_text))
@@ -187,6 +183,16 @@ def _char_start(data: bytes, at: int) -> int:
             return at
         return lead if lead + width > at else at
     return at
+
+
+def logprob_entry(
+    ctx: Context, token: int, logprob: float, best: list[tuple[int, float]]
+) -> dict[str, Any]:
+    """A token's logprobs entry, with the `best` alternatives at its position."""
+    return {
+        **token_entry(ctx.token_to_bytes(token), logprob),
+        "top_logprobs": [token_entry(ctx.token_to_bytes(t), lp) for t, lp in best],
+    }
 
 
 def token_entry(piece: bytes, logprob: float) -> dict[str, Any]:

@@ -111,9 +111,17 @@ impl LogitsSnapshot {
 
     pub fn require(&self) -> Result<&[f32]> {
         self.refuse_drawn()?;
-        self.row().ok_or_else(|| {
-            Error::Other("the branch has no logits yet: prefill or commit a token first".into())
-        })
+        self.row().ok_or_else(Self::no_logits_yet)
+    }
+
+    /// Whether there is an output at all: a row, or what the device drew from one.
+    pub fn has_output(&self) -> bool {
+        !matches!(self.row, Row::Empty)
+    }
+
+    /// What a reader of a branch with no output yet gets.
+    pub fn no_logits_yet() -> Error {
+        Error::Other("the branch has no logits yet: prefill or commit a token first".into())
     }
 
     /// An error when the last output was drawn on the device: there is no row to read.

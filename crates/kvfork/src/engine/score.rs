@@ -5,11 +5,12 @@
 
 use std::sync::Arc;
 
-use kvfork_core::metrics::{log_sum_exp, top_k_sorted};
+use kvfork_core::metrics;
 
 use super::adapters::group_by_adapters;
 use super::shared::BranchCell;
 use super::{PrefillItem, Worker};
+use crate::branch_state::LogitsSnapshot;
 use crate::error::{Error, Result};
 use crate::llama_ctx::{Output, OutputRef};
 use crate::model::Token;
@@ -38,13 +39,8 @@ impl Worker {
         }
         // A first token is scored from its branch's snapshot: refused before any decode.
         for (cell, tokens) in items {
-            let st = cell.lock();
-            if !tokens.is_empty() && st.logits().row().is_none() && st.logits().drawn().is_none() {
-                return Err(Error::Other(
-                    "the branch has no logits yet: prefill or commit a token first (a text's \
-                     first token, BOS, has nothing to be scored from)"
-                        .into(),
-                ));
+            if !tokens.is_empty() && !cell.lock().logits().has_output() {
+                return Err(LogitsSnapshot::no_logits_yet());
             }
         }
         let top = top.min(self.ctx().n_vocab);
@@ -144,17 +140,18 @@ impl Worker {
     }
 }
 
-/// `token`'s log-probability under `row` and the `top` best of it.
+/// `token`'s log-probability under `row` and the `top` best of it: one pass over the row
+/// (`metrics::summarize`, the snapshot's own summary: the same numbers as `logprob` and
+/// `top_logprobs` on a branch holding that row).
 fn score_row(row: &[f32], token: Token, top: usize) -> TokenScore {
-    let lse = log_sum_exp(row);
+    let mut best = Vec::new();
+    let lse = metrics::summarize(row, top, &mut best).log_sum_exp;
     let logit = row[token as usize];
     let logprob = if logit == f32::NEG_INFINITY {
         f64::NEG_INFINITY
     } else {
         f64::from(logit) - lse
     };
-    let mut best = Vec::new();
-    top_k_sorted(row, top, &mut best);
     TokenScore {
         logprob,
         top: best
