@@ -104,8 +104,9 @@ def test_a_score_that_cannot_run_changes_nothing(ctx: kvfork.Context) -> None:
         b.score_sync(tokens * (ctx.n_ctx // len(tokens)))
     with pytest.raises(ValueError):
         b.score_sync([ctx.vocab_size])
-    with pytest.raises(ValueError, match="top_logprobs"):
-        b.score_sync(tokens[:2], top_logprobs=-1)
+    for top in (-1, 1025):  # the whole vocabulary at each position: tens of GB of tuples
+        with pytest.raises(ValueError, match="top_logprobs"):
+            b.score_sync(tokens[:2], top_logprobs=top)
     with pytest.raises(TypeError):
         b.score_sync(b"ab")
     assert (b.position, b.history) == (len(tokens), tokens)

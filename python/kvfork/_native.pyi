@@ -847,10 +847,10 @@ class Branch:
         token). `sum(await b.score(continuation))` is the continuation's log-likelihood.
         The first token is scored from the snapshot: KvforkError before the first prefill
         or commit (prefill a text's first token, BOS, then score the rest). With
-        `top_logprobs=k`, each entry is `(logprob, [(token, logprob), ...])`, the `k` most
-        likely tokens at its position, best first. Costs about a prefill plus the output
-        layer at every position; on failure nothing changed. Cancelled, it either never
-        ran or completed.
+        `top_logprobs=k` (at most 1024), each entry is `(logprob, [(token, logprob), ...])`,
+        the `k` most likely tokens at its position, best first. Costs about a prefill plus
+        the output layer at every position; on failure nothing changed. Cancelled, it
+        either never ran or completed.
         """
     @overload
     def score(
@@ -1398,8 +1398,8 @@ class BranchStore:
         scores it (the first token from the branch's snapshot), the runs packed into the
         same decodes, so a handful of short continuations (the answers to rank, forks of
         one prompt) take one decode, not one each. All or nothing. Returns one list per
-        entry, in order: logprobs, or with `top_logprobs=k` `(logprob, [(token, logprob),
-        ...])` pairs. Cancelled, it either never ran or completed.
+        entry, in order: logprobs, or with `top_logprobs=k` (at most 1024) `(logprob,
+        [(token, logprob), ...])` pairs. Cancelled, it either never ran or completed.
         """
     @overload
     def score(

@@ -621,10 +621,10 @@ twins! {
         /// token). `sum(await b.score(continuation))` is the continuation's log-likelihood.
         /// The first token is scored from the snapshot: KvforkError before the first prefill
         /// or commit (prefill a text's first token, BOS, then score the rest). With
-        /// `top_logprobs=k`, each entry is `(logprob, [(token, logprob), ...])`, the `k` most
-        /// likely tokens at its position, best first. Costs about a prefill plus the output
-        /// layer at every position; on failure nothing changed. Cancelled, it either never
-        /// ran or completed.
+        /// `top_logprobs=k` (at most 1024), each entry is `(logprob, [(token, logprob), ...])`,
+        /// the `k` most likely tokens at its position, best first. Costs about a prefill plus
+        /// the output layer at every position; on failure nothing changed. Cancelled, it
+        /// either never ran or completed.
         #[sync_doc = "returns the scores once the tokens are decoded. Waits without the GIL; \
                       on Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."]
         #[pyo3(signature = (tokens, top_logprobs = None))]

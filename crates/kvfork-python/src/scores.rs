@@ -22,10 +22,15 @@ impl Scores {
     }
 }
 
+/// Most alternatives a score may ask for at each position: every position's come back as
+/// Python tuples (the whole vocabulary at each of a long run's positions would be tens of
+/// GB).
+const MAX_TOP: i64 = 1024;
+
 /// `top_logprobs` as a count (None: 0).
 pub(crate) fn top_count(top_logprobs: Option<&Int>) -> PyResult<usize> {
     Ok(match top_logprobs {
-        Some(k) => k.within("top_logprobs", 0, i64::from(i32::MAX))? as usize,
+        Some(k) => k.within("top_logprobs", 0, MAX_TOP)? as usize,
         None => 0,
     })
 }

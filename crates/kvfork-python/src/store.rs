@@ -119,8 +119,8 @@ twins! {
         /// scores it (the first token from the branch's snapshot), the runs packed into the
         /// same decodes, so a handful of short continuations (the answers to rank, forks of
         /// one prompt) take one decode, not one each. All or nothing. Returns one list per
-        /// entry, in order: logprobs, or with `top_logprobs=k` `(logprob, [(token, logprob),
-        /// ...])` pairs. Cancelled, it either never ran or completed.
+        /// entry, in order: logprobs, or with `top_logprobs=k` (at most 1024) `(logprob,
+        /// [(token, logprob), ...])` pairs. Cancelled, it either never ran or completed.
         #[sync_doc = "returns the scores once every run is decoded. Waits without the GIL; on \
                       Ctrl-C a started scoring completes, then KeyboardInterrupt is raised."]
         #[pyo3(signature = (entries, top_logprobs = None))]
